@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Creates .venv with vqpipe and its pinned dependencies, plus the few Debian packages the
+# pipeline uses (rsync for the fs storage plugin, OpenBLAS for the opt-in fast CPU BLAS).
+# Idempotent: does nothing when the stamp matches pyproject.toml.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+stamp=.venv/.vqpipe-setup
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
+
+need_deb=()
+command -v rsync >/dev/null || need_deb+=(rsync)
+if [ "$(uname -s)" = Linux ] && ! ls /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1 \
+   && [ "$(uname -m)" = x86_64 ]; then need_deb+=(libopenblas0-pthread); fi
+if [ ${#need_deb[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing Debian packages: ${need_deb[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_deb[@]}" >/dev/null
+  else
+    echo "setup: warning: missing ${need_deb[*]} (install them for the fs storage test / OpenBLAS)" >&2
+  fi
+fi
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+extra=test
+case "$(uname -s)" in Linux) extra="cpu,test" ;; esac
+if [ -n "${VQPIPE_EXTRA:-}" ]; then extra="$VQPIPE_EXTRA,test"; fi
+.venv/bin/python -m pip install -q -e ".[$extra]" \
+  snakemake-storage-plugin-fs==1.1.3 snakemake-executor-plugin-slurm==2.8.0
+echo "$want" > "$stamp"

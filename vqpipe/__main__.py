@@ -1,0 +1,36 @@
+"""Command line: ``python -m vqpipe STAGE [options]``; each stage module has ``main(argv)``."""
+
+import importlib
+import sys
+
+# Stage name -> module. Each module parses its own arguments.
+STAGES = {
+    "download": "vqpipe.download",
+    "quantize": "vqpipe.quantize",
+    "pack": "vqpipe.pack",
+    "validate": "vqpipe.validate",
+    "inspect": "vqpipe.inspect",
+    "bench-quality": "vqpipe.bench.quality",
+    "bench-load": "vqpipe.bench.load",
+    "bench-kivi": "vqpipe.bench.kivi_ops",
+    "bench-decode": "vqpipe.bench.decode",
+    "report": "vqpipe.report",
+}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m vqpipe STAGE [options]   (STAGE --help for its options)")
+        print("stages: " + ", ".join(STAGES))
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in STAGES:
+        print(f"vqpipe: unknown stage {name!r}; choose one of: {', '.join(STAGES)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(STAGES[name])
+    return module.main(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

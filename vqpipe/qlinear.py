@@ -1,0 +1,154 @@
+"""QuantizedLinear: rotated, row-normalised weights on a Lloyd-Max codebook, bit-packed.
+
+For a weight W (out x in) with rows w_i, norm n_i and rotation R (in x in):
+    q_i = nearest codebook levels of R w_i / n_i          (bits per entry, packed)
+    y   = s * (C[q] @ (R x)) + b,                         s_i = n_i * <u_i, c_i> / <c_i, c_i>
+where u_i = R w_i / n_i and c_i = C[q_i]: s_i is the least-squares row scale, the norm corrected for
+the shrinkage of the quantized row. The activation is rotated, not the weights (O(d log d) per
+token for Hadamard rotations), and the weights are dequantized on the fly, never kept resident.
+"""
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from . import rotation as rot
+from .codebook import boundaries, check_bits, codebook
+from .packing import pack, unpack
+
+_ROW_CHUNK = 8192  # rows quantized at a time: bounds temporaries for 150k-row embeddings
+
+
+def quantize_weight(weight, bits, rotation):
+    """Quantize ``weight`` (out x in) -> (packed, scales, codebook, squared_error).
+
+    ``squared_error`` is ||W - W_hat||^2, computed in the rotated space (R is orthogonal).
+    """
+    check_bits(bits)
+    out_features, in_features = weight.shape
+    levels = codebook(bits, in_features)
+    bounds = boundaries(levels)
+    root = math.sqrt(in_features)
+    packed, scales, error = [], [], 0.0
+    for start in range(0, out_features, _ROW_CHUNK):
+        w = weight[start : start + _ROW_CHUNK].astype(mx.float32)
+        norms = mx.sqrt(mx.sum(w * w, axis=-1))
+        u = rotation.apply(w / mx.maximum(norms, 1e-30)[:, None]) * root
+        t = np.array(u, dtype=np.float32)
+        norms = np.array(norms, dtype=np.float64)
+        idx = np.searchsorted(bounds, t).astype(np.uint8)
+        c = levels[idx]
+        dot = np.einsum("ij,ij->i", t, c, dtype=np.float64)
+        cc = np.einsum("ij,ij->i", c, c, dtype=np.float64)
+        s = norms * dot / np.maximum(cc, 1e-300)
+        # ||n u - s c||^2 / d per row, in the sqrt(d)-scaled units.
+        tt = np.einsum("ij,ij->i", t, t, dtype=np.float64)
+        error += float(np.sum(norms**2 * tt - 2 * norms * s * dot + s**2 * cc) / in_features)
+        packed.append(pack(idx, bits))
+        scales.append(s.astype(np.float32))
+    return (
+        mx.array(np.concatenate(packed)),
+        mx.array(np.concatenate(scales)),
+        mx.array((levels / root).astype(np.float32)),
+        error,
+    )
+
+
+class QuantizedLinear(nn.Module):
+    def __init__(self, in_features, out_features, bits, rotation, packed, scales, codebook, bias=None):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bits = bits
+        self.rotation = rotation
+        self.packed = packed
+        self.scales = scales
+        self.codebook = codebook
+        if bias is not None:
+            self.bias = bias
+        self.freeze()
+
+    @classmethod
+    def from_linear(cls, linear, bits, rotation="auto", seed=0, weight=None):
+        """Quantize an ``nn.Linear`` (or a dequantized ``weight`` of another layer)."""
+        weight = linear.weight if weight is None else weight
+        out_features, in_features = weight.shape
+        r = rotation if isinstance(rotation, rot.Rotation) else rot.make_rotation(rotation, in_features, seed)
+        packed, scales, levels, error = quantize_weight(weight, bits, r)
+        bias = linear.get("bias") if isinstance(linear, nn.Module) else None
+        layer = cls(in_features, out_features, bits, r, packed, scales, levels, bias)
+        layer.squared_error = error
+        return layer
+
+    def dequantized_weight(self, dtype=mx.float32):
+        """W_hat (out x in) in the original basis: s * C[q] R. For analysis, not the forward."""
+        w = self.codebook.astype(dtype)[unpack(self.packed, self.bits, self.in_features)]
+        return self.rotation.apply_transpose(w) * self.scales.astype(dtype)[:, None]
+
+    def rotated_weight(self, dtype):
+        return self.codebook.astype(dtype)[unpack(self.packed, self.bits, self.in_features)]
+
+    def __call__(self, x):
+        y = self.rotation.apply(x) @ self.rotated_weight(x.dtype).T
+        y = y * self.scales.astype(x.dtype)
+        if "bias" in self:
+            y = y + self.bias.astype(x.dtype)
+        return y
+
+    def to_state(self):
+        rmeta, rarrays = self.rotation.to_state()
+        meta = {
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "bits": self.bits,
+            "has_bias": "bias" in self,
+            "rotation": rmeta,
+        }
+        arrays = {"packed": self.packed, "scales": self.scales, "codebook": self.codebook}
+        if "bias" in self:
+            arrays["bias"] = self.bias
+        arrays.update({f"rotation.{k}": v for k, v in rarrays.items()})
+        return meta, arrays
+
+    @classmethod
+    def from_state(cls, meta, arrays):
+        """Rebuild from ``to_state`` output: no QR, no codebook fit, no nearest-centroid search."""
+        rarrays = {k[len("rotation.") :]: v for k, v in arrays.items() if k.startswith("rotation.")}
+        r = rot.from_state(meta["rotation"], rarrays)
+        return cls(
+            int(meta["in_features"]),
+            int(meta["out_features"]),
+            int(meta["bits"]),
+            r,
+            arrays["packed"],
+            arrays["scales"],
+            arrays["codebook"],
+            arrays.get("bias") if meta.get("has_bias") else None,
+        )
+
+    def _extra_repr(self):
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+            f"rotation={self.rotation.kind}"
+        )
+
+
+class QuantizedEmbedding(QuantizedLinear):
+    """An embedding table quantized like a linear layer (rows = tokens, rotation over hidden).
+
+    Lookup dequantizes only the selected rows; ``as_linear`` serves tied output heads.
+    """
+
+    @classmethod
+    def from_embedding(cls, embedding, bits, rotation="auto", seed=0, weight=None):
+        return cls.from_linear(embedding, bits, rotation, seed, weight=weight)
+
+    def __call__(self, ids):
+        rows = self.codebook[unpack(self.packed[ids.reshape(-1)], self.bits, self.in_features)]
+        rows = self.rotation.apply_transpose(rows) * self.scales[ids.reshape(-1)][:, None]
+        return rows.reshape(*ids.shape, self.in_features)
+
+    def as_linear(self, x):
+        return QuantizedLinear.__call__(self, x)
