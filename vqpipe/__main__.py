@@ -28,6 +28,10 @@ def main(argv=None):
     if name not in STAGES:
         print(f"vqpipe: unknown stage {name!r}; choose one of: {', '.join(STAGES)}", file=sys.stderr)
         return 2
+    # Pick the BLAS before mlx loads (re-executes this process with LD_PRELOAD when needed).
+    from . import blas
+
+    blas.ensure()
     module = importlib.import_module(STAGES[name])
     return module.main(rest) or 0
 

@@ -246,19 +246,63 @@ CASES = (
 def measure(repeats=5, warmup=1, cases=CASES):
     """Matmul FLOP/s for ``cases`` in this process, plus a checksum of each result (determinism)."""
     import mlx.core as mx
+    import numpy as np
 
     from .bench.roofline import matmul_flops
 
     out = {"blas": in_use(), "cases": []}
     for label, m, k, n, dtype in cases:
         rate = matmul_flops(m, k, n, dtype, repeats=repeats, warmup=warmup)
-        key = mx.random.key(0)
-        a = mx.random.normal((m, k), key=mx.random.split(key)[0]).astype(getattr(mx, dtype))
-        b = mx.random.normal((k, n), key=mx.random.split(key)[1]).astype(getattr(mx, dtype))
-        c = (a @ b).astype(mx.float32)
-        mx.eval(c)
-        digest = hashlib.sha256(memoryview(c)).hexdigest()[:16]
+        ka, kb = mx.random.split(mx.random.key(0))
+        a = mx.random.normal((m, k), key=ka).astype(getattr(mx, dtype))
+        b = mx.random.normal((k, n), key=kb).astype(getattr(mx, dtype))
+        c = np.asarray((a @ b).astype(mx.float32))
+        digest = hashlib.sha256(c.tobytes()).hexdigest()[:16]
         out["cases"].append({"op": label, "shape": [m, k, n], "dtype": dtype, "flops": rate, "sha256": digest})
+    return out
+
+
+# A small llama-shaped model (random weights, ~15.5M parameters: 62 MB in fp32, beyond the L3 cache).
+MODEL_ARGS = dict(
+    model_type="llama", hidden_size=512, num_hidden_layers=4, intermediate_size=1408, num_attention_heads=8,
+    num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=8192, tie_word_embeddings=False,
+)
+
+
+def measure_model(dtypes=("float32", "bfloat16"), prompt=128, repeats=5, warmup=1):
+    """Prefill tok/s (``prompt`` tokens) and decode tok/s (one token at context ``prompt``) per dtype."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .bench.harness import run_interleaved, summarize
+
+    out = []
+    for dtype in dtypes:
+        mx.random.seed(0)
+        model = llama.Model(llama.ModelArgs(**MODEL_ARGS))
+        model.set_dtype(getattr(mx, dtype))
+        mx.eval(model.parameters())
+        prompts = [mx.random.randint(0, MODEL_ARGS["vocab_size"], (1, prompt)) for _ in range(2)]
+        cache = make_prompt_cache(model)
+        logits = model(prompts[0], cache=cache).astype(mx.float32)
+        digest = hashlib.sha256(np.asarray(logits).tobytes()).hexdigest()[:16]
+
+        def decode(i):
+            for c in cache:  # keep the context fixed at `prompt`
+                c.trim(c.offset - prompt)
+            return model(prompts[i][:, :1], cache=cache)
+
+        times = run_interleaved(
+            {"prefill": lambda i: model(prompts[i]), "decode": decode}, len(prompts), repeats, warmup
+        )
+        out.append({
+            "dtype": dtype,
+            "prefill_tok_s": summarize([prompt / t for t in times["prefill"]]),
+            "decode_tok_s": summarize([1 / t for t in times["decode"]]),
+            "prefill_logits_sha256": digest,
+        })
     return out
 
 
@@ -280,13 +324,21 @@ def _report(results):
         lines.append(f"{setup}: {runs[0]['blas']['path']} {runs[0]['blas'].get('config', '')}".rstrip())
         for i, case in enumerate(runs[0]["cases"]):
             per_run = [r["cases"][i] for r in runs]
-            same = len({c["sha256"] for c in per_run}) == 1
+            same = len({c["sha256"] for c in per_run}) == 1 if len(per_run) > 1 else "n/a (1 run)"
             meds = ", ".join(f"{c['flops']['median'] / 1e9:.1f} [{c['flops']['min'] / 1e9:.1f}-{c['flops']['max'] / 1e9:.1f}]" for c in per_run)
             m, k, n = case["shape"]
             lines.append(
                 f"  {case['op']} {m}x{k}x{n} {case['dtype']:<8} GFLOP/s median [min-max] per run "
                 f"(n={case['flops']['n']}): {meds}; identical results across runs: {same}"
             )
+        for i, case in enumerate(runs[0].get("model", [])):
+            for key in ("prefill_tok_s", "decode_tok_s"):
+                per_run = [r["model"][i][key] for r in runs]
+                meds = ", ".join(f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}]" for s in per_run)
+                lines.append(f"  llama-15M {case['dtype']:<8} {key} median [min-max] per run (n={per_run[0]['n']}): {meds}")
+            if len(runs) > 1:
+                same = len({r["model"][i]["prefill_logits_sha256"] for r in runs}) == 1
+                lines.append(f"  llama-15M {case['dtype']:<8} prefill logits identical across runs: {same}")
     return "\n".join(lines)
 
 
@@ -299,7 +351,9 @@ def main(argv=None):
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args.repeats, args.warmup)))
+        result = measure(args.repeats, args.warmup)
+        result["model"] = measure_model(repeats=args.repeats, warmup=args.warmup)
+        print(json.dumps(result))
         return 0
     print(f"policy: VQPIPE_BLAS={os.environ.get('VQPIPE_BLAS', 'auto')} -> {choice()}")
     results = compare_setups(args.runs, args.repeats, args.warmup)

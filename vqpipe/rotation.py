@@ -97,7 +97,7 @@ class Rotation:
         shape = y.shape
         x = self.q.T.astype(y.dtype) @ y.reshape(*shape[:-1], self.m, self.p)
         if self.p > 1:
-            x = mx.hadamard_transform(x)
+            x = hadamard_transpose(x)
         return (x * self.signs.astype(y.dtype)).reshape(shape)
 
     def to_state(self):

@@ -166,7 +166,7 @@ def extra(r):
     return " ".join(r.sample(EXTRA, r.randint(3, 8)))
 
 
-def main():
+def corpus_text():
     r = random.Random(SEED)
     makers = [paragraph] * 5 + [arithmetic, dated, code, dialog, extra]
     parts = [(HERE / "prose.txt").read_text(encoding="utf-8")]
@@ -175,7 +175,11 @@ def main():
         text = r.choice(makers)(r)
         parts.append(text)
         size += len(text.encode()) + 2
-    (HERE / "corpus.txt").write_text("\n\n".join(parts) + "\n", encoding="utf-8")
+    return "\n\n".join(parts) + "\n"
+
+
+def main():
+    (HERE / "corpus.txt").write_text(corpus_text(), encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,32 @@
+"""Shared fixtures: synthetic source models, built once per test session with vqpipe.download.
+
+Each fixture returns the Path of a Hugging Face layout model directory (``mlx_lm.load`` works on
+it) that also holds ``vqpipe-source.json``. Treat them as read-only: they are shared.
+"""
+
+import pytest
+
+from vqpipe.download import fetch
+
+
+def _build(tmp_path_factory, source):
+    name = source.removeprefix("synth:")
+    return fetch(source, tmp_path_factory.mktemp("sources") / name, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_source(tmp_path_factory):
+    """``synth:tiny``: qwen2, hidden 256, 2 layers, intermediate 4864 (= 19 * 256), vocab 8192."""
+    return _build(tmp_path_factory, "synth:tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_source(tmp_path_factory):
+    """``synth:tiny-llama``: llama, hidden 512, 8 heads / 4 KV heads, intermediate 1472 (= 23 * 64)."""
+    return _build(tmp_path_factory, "synth:tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_4bit_source(tmp_path_factory):
+    """``synth:tiny-4bit``: ``tiny`` quantized mlx-community style (affine, 4 bits, group 64)."""
+    return _build(tmp_path_factory, "synth:tiny-4bit")

@@ -1,0 +1,416 @@
+"""Integration tests: real Snakemake (a subprocess) on config/ci.yaml in temporary copies of the repo.
+
+One tree is built once for the module (``tree``) and reused: what would rerun is read from dry
+runs (the "Job stats" table), and real runs are used where the point is that running works
+(first build, a second run doing nothing, an edited reservoir.py, a killed run resuming, a failing
+validation). The between-workflow cache, the fs storage plugin and the SLURM profile each get
+their own copies.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+IGNORE = shutil.ignore_patterns(
+    ".git", ".venv", ".gpu", ".whl", "results", "logs", ".snakemake", "__pycache__", ".pytest_cache",
+    "*.egg-info", "report.html",
+)
+CI = ["--configfile", "config/ci.yaml"]
+MODEL, VARIANT = "tiny", "b4-auto"
+SOURCE = f"results/models/{MODEL}/source"
+QUANTIZED = f"results/quantized/{MODEL}/{VARIANT}"
+RESERVOIR = f"results/reservoir/{MODEL}/{VARIANT}/persist-{{}}"
+VERDICT = f"results/validate/{MODEL}/{VARIANT}/persist-{{}}.json"
+REPORT = "results/report"
+UPSTREAM = ("download", "quantize", "pack", "validate")
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def copy_repo(dst, keep_mtimes=True):
+    """A copy of the working tree without build state; ``keep_mtimes=False`` is like a fresh clone."""
+    shutil.copytree(REPO, dst, ignore=IGNORE, copy_function=shutil.copy2 if keep_mtimes else shutil.copy)
+    return Path(dst)
+
+
+def smk(tree, *args, check=True, env=None, timeout=600):
+    """Run snakemake in ``tree``; returns the CompletedProcess (stdout holds stderr too)."""
+    cmd = SNAKEMAKE + ["--cores", "2", *args]
+    proc = subprocess.run(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}")
+    return proc
+
+
+def job_stats(output):
+    """{rule: count} from the "Job stats" table of a snakemake run or dry run ({} when nothing to do)."""
+    if "Nothing to be done" in output:
+        return {}
+    m = re.search(r"Job stats:\s*\njob\s+count\s*\n[-\s]+\n(.*?)\ntotal\s+\d+", output, re.S)
+    assert m, f"no job stats in:\n{output[-3000:]}"
+    return {rule: int(n) for rule, n in (line.split() for line in m.group(1).strip().splitlines())}
+
+
+def plan(tree, *args, env=None):
+    """What a run would execute: {rule: count}."""
+    return job_stats(smk(tree, "-n", *args, env=env).stdout)
+
+
+def downstream_rules(stats):
+    """The rules of ``stats`` after validate (benchmarks, report, all)."""
+    return {r for r in stats if r not in UPSTREAM}
+
+
+def config_variant(tree, name, **changes):
+    """config/ci.yaml with top-level keys replaced, written to config/NAME.yaml; returns the CLI args.
+
+    (``--config key=[...]`` would not do: Snakemake parses list items as strings.)
+    """
+    config = yaml.safe_load((tree / "config/ci.yaml").read_text())
+    config.update(changes)
+    (tree / "config" / f"{name}.yaml").write_text(yaml.safe_dump(config))
+    return ["--configfile", f"config/{name}.yaml"]
+
+
+def sha256(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def verdict(tree, persist):
+    return json.loads((tree / VERDICT.format(persist)).read_text())
+
+
+def mtimes(tree, paths):
+    return {p: os.stat(tree / p).st_mtime_ns for p in paths}
+
+
+def artifact_files(tree, rel):
+    """Files of an output directory (resolving a cache symlink)."""
+    return sorted(p for p in (tree / rel).resolve().iterdir() if not p.name.startswith("."))
+
+
+def edit(path, text="\n# edited by tests/test_workflow.py\n"):
+    """Append to a source file; returns a function restoring content and mtime."""
+    path = Path(path)
+    before, st = path.read_bytes(), path.stat()
+
+    def restore():
+        path.write_bytes(before)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    with open(path, "a") as f:
+        f.write(text)
+    return restore
+
+
+# --- the shared tree -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def first_build(tmp_path_factory):
+    """(tree, snakemake output) of the first build, with persist_rotation [true] only."""
+    root = copy_repo(tmp_path_factory.mktemp("wf") / "repo")
+    return root, smk(root, *config_variant(root, "ci-on", persist_rotation=[True])).stdout
+
+
+@pytest.fixture(scope="module")
+def tree(first_build):
+    return first_build[0]
+
+
+def test_first_build(first_build):
+    tree, output = first_build
+    stats = job_stats(output)
+    assert stats["download"] == 1 and stats["quantize"] == 1 and stats["pack"] == 1 and stats["validate"] == 1
+    assert stats["report"] == 1
+    v = verdict(tree, "on")
+    assert v["bit_exact"] is True and v["max_abs_diff"] == 0.0 and v["n_prompts"] >= 1
+    assert (v["model"], v["variant"], v["persist_rotation"]) == (MODEL, VARIANT, "on")
+    assert (tree / RESERVOIR.format("on") / "model.vqres").is_file()
+    for name in ("index.html", "report.md", "summary.json"):
+        assert (tree / REPORT / name).stat().st_size > 0
+    # Long stages log their progress: per-layer lines (quantize), per-prompt lines (validate).
+    qlog = (tree / f"logs/quantize/{MODEL}/{VARIANT}.log").read_text()
+    assert re.search(r"^\[1/\d+\] model\.", qlog, re.M), qlog
+    vlog = (tree / f"logs/validate/{MODEL}/{VARIANT}/persist-on.log").read_text()
+    assert "[1/" in vlog and "bit-exact" in vlog
+
+
+def test_second_run_does_nothing(tree):
+    proc = smk(tree, "--configfile", "config/ci-on.yaml")
+    assert "Nothing to be done" in proc.stdout
+    assert job_stats(proc.stdout) == {}
+
+
+def test_changing_bits_reruns_quantize_and_what_follows(tree):
+    stats = plan(tree, *config_variant(tree, "ci-b3", persist_rotation=[True], bits=[3]))
+    assert "download" not in stats
+    assert stats["quantize"] == 1 and stats["pack"] == 1 and stats["validate"] == 1
+    assert "report" in stats
+
+
+def test_changing_quantize_option_reruns_quantize(tree):
+    # An option that is not part of any path is a param: changing it reruns the same job.
+    stats = plan(tree, *config_variant(tree, "ci-seed1", persist_rotation=[True], quantize={"seed": 1}))
+    assert "download" not in stats
+    assert stats["quantize"] == 1 and stats["pack"] == 1 and stats["validate"] == 1
+
+
+def test_changing_persist_rotation_reruns_pack_not_quantize(tree):
+    stats = plan(tree, *CI)  # persist_rotation: [true, false]
+    assert "download" not in stats and "quantize" not in stats
+    assert stats["pack"] == 1 and stats["validate"] == 1  # persist-off only
+    assert "report" in stats
+    before = mtimes(tree, [SOURCE, QUANTIZED, RESERVOIR.format("on")])
+    smk(tree, *CI)
+    assert mtimes(tree, before) == before
+    assert verdict(tree, "off")["bit_exact"] is True
+    # Different files: the header records persist_rotation.
+    assert sha256(tree / RESERVOIR.format("on") / "model.vqres") != sha256(tree / RESERVOIR.format("off") / "model.vqres")
+    assert plan(tree, *CI) == {}
+
+
+@pytest.mark.parametrize(
+    "source, first",
+    [
+        ("vqpipe/quantize.py", "quantize"),
+        ("vqpipe/qlinear.py", "quantize"),
+        ("vqpipe/pack.py", "pack"),
+        ("vqpipe/validate.py", "validate"),
+        ("vqpipe/report.py", "report"),
+    ],
+)
+def test_editing_a_stage_reruns_it_and_what_follows(tree, source, first):
+    smk(tree, *CI)
+    restore = edit(tree / source)
+    try:
+        stats = plan(tree, *CI)
+    finally:
+        restore()
+    order = list(UPSTREAM) + ["report"]
+    for rule in order[: order.index(first)]:
+        assert rule not in stats, f"editing {source} reruns {rule}: {stats}"
+    assert first in stats
+    assert "report" in stats
+    assert plan(tree, *CI) == {}  # content and mtime restored: nothing to do
+
+
+def test_editing_reservoir_reruns_pack_and_what_follows(tree):
+    smk(tree, *CI)
+    edit(tree / "vqpipe/reservoir.py")
+    stats = plan(tree, *CI)
+    assert "download" not in stats and "quantize" not in stats
+    assert stats["pack"] == 2 and stats["validate"] == 2 and "report" in stats
+    before = mtimes(tree, [SOURCE, QUANTIZED])
+    proc = smk(tree, *CI)
+    assert job_stats(proc.stdout).keys() == stats.keys()
+    assert mtimes(tree, before) == before
+    assert verdict(tree, "on")["bit_exact"] and verdict(tree, "off")["bit_exact"]
+    assert plan(tree, *CI) == {}
+
+
+def test_killed_run_resumes(tree):
+    smk(tree, *CI)
+    edit(tree / "vqpipe/reservoir.py", "\n# edited again\n")  # pack and what follows are stale
+    quantized_before = mtimes(tree, [SOURCE, QUANTIZED])
+    t0 = time.time()
+    with open(tree / "killed-run.log", "w") as log:
+        proc = subprocess.Popen(SNAKEMAKE + ["--cores", "2", *CI], cwd=tree, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    validate_logs = [tree / f"logs/validate/{MODEL}/{VARIANT}/persist-{p}.log" for p in ("on", "off")]
+    deadline = time.time() + 300
+    try:
+        # Kill everything (snakemake and its jobs) in the middle of a validate job: by then at least
+        # one pack job has completed.
+        while time.time() < deadline and proc.poll() is None:
+            if any(p.exists() and p.stat().st_mtime >= t0 and "loaded" in p.read_text() for p in validate_logs):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed:\n" + (tree / "killed-run.log").read_text()
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert any((tree / ".snakemake/incomplete").iterdir()), "no job was interrupted"
+
+    packs = [RESERVOIR.format(p) for p in ("on", "off")]
+    complete = [p for p in packs if (tree / p).exists() and os.stat(tree / p).st_mtime >= t0]
+    assert complete, "no pack job completed before the kill"
+    complete_before = mtimes(tree, complete)
+    hashes = {p: sha256(tree / p / "model.vqres") for p in complete}
+
+    smk(tree, "--unlock", *CI)  # a SIGKILLed snakemake leaves its lock behind
+    proc = smk(tree, *CI, "--rerun-incomplete")
+    stats = job_stats(proc.stdout)
+    assert "download" not in stats and "quantize" not in stats
+    assert stats.get("pack", 0) == len(packs) - len(complete)  # completed packs are kept
+    assert 1 <= stats["validate"] <= 2 and "report" in stats
+    assert mtimes(tree, complete) == complete_before
+    assert {p: sha256(tree / p / "model.vqres") for p in complete} == hashes
+    assert mtimes(tree, quantized_before) == quantized_before
+    assert verdict(tree, "on")["bit_exact"] and verdict(tree, "off")["bit_exact"]
+    assert plan(tree, *CI) == {}
+
+
+def test_snakemake_report_includes_report_outputs(tree):
+    smk(tree, *CI)
+    out = tree / "report.html"
+    smk(tree, *CI, "--report", str(out))
+    html = out.read_text(errors="replace")
+    for name in ("index.html", "report.md", "summary.json", "plots/load_time.png"):
+        assert f"{REPORT}/{name}" in html
+    assert VERDICT.format("on") in html
+
+
+def test_bad_round_trip_stops_downstream(tree):
+    """validate exits non-zero on a difference: its verdict is removed and the report not rebuilt."""
+    smk(tree, *CI)
+    ref = tree / QUANTIZED / "reference.safetensors"
+    original = ref.read_bytes()
+    arrays = {k: np.array(v) for k, v in mx.load(str(ref)).items()}
+    flat = arrays["logits.0"].reshape(-1)
+    flat[0] = np.nextafter(flat[0], np.float32(np.inf), dtype=np.float32)  # one ulp
+    mx.save_safetensors(str(ref), {k: mx.array(v) for k, v in arrays.items()})
+    report_before = mtimes(tree, [f"{REPORT}/index.html"])
+    try:
+        proc = smk(tree, *CI, "--forcerun", "validate", check=False)
+        assert proc.returncode != 0
+        assert "Error in rule validate" in proc.stdout
+        log = (tree / f"logs/validate/{MODEL}/{VARIANT}/persist-on.log").read_text()
+        assert "not bit-exact" in log and "prompt 0" in log
+        assert not (tree / VERDICT.format("on")).exists()
+        assert mtimes(tree, report_before) == report_before
+    finally:
+        ref.write_bytes(original)
+    smk(tree, *CI, "--forcerun", "validate")
+    assert verdict(tree, "on")["bit_exact"] is True
+
+
+# --- configuration ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory):
+    """A copy with nothing built (for dry runs and config errors)."""
+    return copy_repo(tmp_path_factory.mktemp("bare") / "repo")
+
+
+@pytest.mark.parametrize(
+    "config, key",
+    [
+        ("models: {tiny: {source: 'synth:tiny'}}\nbits: [5]\n", "bits"),
+        ("models: {tiny: {source: 'tiny'}}\nbits: [4]\n", "source"),
+        ("models: {tiny: {source: 'synth:tiny'}}\nbits: [4]\nblas: fast\n", "blas"),
+        ("models: {tiny: {source: 'synth:tiny'}}\nbits: [4]\nquantize: {dtype: float8}\n", "dtype"),
+        ("models: {tiny: {source: 'synth:tiny'}}\nbits: [4]\nbitz: [4]\n", "bitz"),
+        ("models: {tiny: {source: 'synth:tiny'}}\n", "bits"),
+    ],
+)
+def test_bad_config_fails_naming_the_key(bare, config, key):
+    (bare / "config" / "bad.yaml").write_text(config)
+    proc = smk(bare, "--configfile", "config/bad.yaml", check=False)
+    assert proc.returncode != 0
+    assert "Error validating config file" in proc.stdout
+    assert re.search(rf"\b{key}\b", proc.stdout), proc.stdout[-2000:]
+    assert not (bare / "results").exists() and not (bare / "logs").exists()
+
+
+def test_default_config_fans_out(bare):
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    n = len(config["models"]) * len(config["bits"]) * len(config.get("rotations", ["auto"]))
+    persist = len(config.get("persist_rotation", [True, False]))
+    assert len(config["models"]) >= 2 and len(config["bits"]) >= 2
+    stats = plan(bare)
+    assert stats["download"] == len(config["models"])
+    assert stats["quantize"] == n and stats["pack"] == n * persist and stats["validate"] == n * persist
+    assert stats["report"] == 1
+
+
+def test_slurm_profile_dry_run(bare):
+    proc = smk(bare, "-n", "--profile", "workflow/profiles/slurm", *CI,
+               env={**os.environ, "SLURM_ACCOUNT": "acct", "SLURM_PARTITION": "cpu"})
+    stats = job_stats(proc.stdout)
+    assert stats["quantize"] == 1 and stats["pack"] == 2
+    out = proc.stdout
+    assert "slurm_partition=cpu" in out and "slurm_account=acct" in out
+    quantize_block = out[out.index("rule quantize:"):].split("\n\n")[0]
+    assert "mem_mb=16000" in quantize_block and "runtime=120" in quantize_block and "cpus_per_task=4" in quantize_block
+
+
+# --- sharing artifacts -----------------------------------------------------------------------------
+
+
+def test_between_workflow_cache(tmp_path):
+    """Two clones, one SNAKEMAKE_OUTPUT_CACHE: the second runs no download, quantize or pack job."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache)}
+    targets = [VERDICT.format(p) for p in ("on", "off")]
+    a = copy_repo(tmp_path / "clone-a")
+    b = copy_repo(tmp_path / "clone-b", keep_mtimes=False)  # checked out later: newer source files
+    smk(a, *CI, "--cache", *targets, env=env)
+    assert len(list(cache.iterdir())) == 4  # download, quantize, pack on, pack off
+
+    proc = smk(b, *CI, "--cache", *targets, env=env)
+    stats = job_stats(proc.stdout)
+    assert stats["validate"] == 2
+    for rel, log in [
+        (SOURCE, f"logs/download/{MODEL}.log"),
+        (QUANTIZED, f"logs/quantize/{MODEL}/{VARIANT}.log"),
+        (RESERVOIR.format("on"), f"logs/pack/{MODEL}/{VARIANT}/persist-on.log"),
+        (RESERVOIR.format("off"), f"logs/pack/{MODEL}/{VARIANT}/persist-off.log"),
+    ]:
+        # The stage never ran (an empty log at most) and its output comes from the cache.
+        assert not (b / log).exists() or (b / log).stat().st_size == 0, (b / log).read_text()
+        assert (a / log).stat().st_size > 0
+        files = artifact_files(b, rel)
+        assert files and all(f.resolve().is_relative_to(cache.resolve()) for f in files)
+    assert f"Symlinking output file {RESERVOIR.format('on')}" in proc.stdout
+    on, off = (b / RESERVOIR.format(p) / "model.vqres" for p in ("on", "off"))
+    assert on.resolve() != off.resolve()
+    assert sha256(on) != sha256(off)
+    assert json.loads((b / RESERVOIR.format("off") / "pack.json").read_text()).get("persist_rotation") in (False, "off")
+    assert verdict(b, "on")["bit_exact"] and verdict(b, "off")["bit_exact"]
+    assert plan(b, *CI, "--cache", *targets, env=env) == {}
+
+
+def test_fs_storage_plugin(tmp_path):
+    """Artifacts live in a remote store (snakemake-storage-plugin-fs, rsync); another checkout sees them."""
+    if shutil.which("rsync") is None:
+        pytest.fail("rsync is missing (scripts/setup.sh installs it)")
+    store = tmp_path / "store"
+    env = {**os.environ, "VQPIPE_STORE": str(store)}
+    profile = ["--profile", "workflow/profiles/fs-store"]
+    targets = [VERDICT.format(p) for p in ("on", "off")]
+    a = copy_repo(tmp_path / "a")
+    smk(a, *profile, *CI, *targets, env=env)
+    for p in ("on", "off"):
+        assert (store / RESERVOIR.format(p) / "model.vqres").is_file()
+        assert json.loads((store / VERDICT.format(p)).read_text())["bit_exact"] is True
+    assert (store / QUANTIZED / "reference.safetensors").is_file()
+    assert (store / f"logs/quantize/{MODEL}/{VARIANT}.log").stat().st_size > 0
+    assert not (a / "results").exists()  # nothing but the local storage cache in the checkout
+    assert plan(a, *profile, *CI, *targets, env=env) == {}
+
+    # A second checkout (files copied with their times, like rsync -a) with no local state at all.
+    b = copy_repo(tmp_path / "b")
+    assert plan(b, *profile, *CI, *targets, env=env) == {}

@@ -1,0 +1,283 @@
+"""Download stage: fetch a model source into a Hugging Face layout directory.
+
+Sources:
+  ``synth:PRESET[-4bit]``  deterministic offline synthetic model (``vqpipe.synth``)
+  ``hf:REPO[@REVISION]``   Hugging Face Hub snapshot (or the local HF cache when offline)
+  ``path:DIR``             a local model directory, copied
+
+The output directory appears atomically (built next to it, then renamed) and holds
+``vqpipe-source.json``: the source string, parameter count and sha256 of every file.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import socket
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+SCHEMES = ("synth", "hf", "path")
+SOURCE_FILE = "vqpipe-source.json"
+
+# What mlx_lm fetches from a repo: weights, configs, tokenizers, chat templates.
+HF_ALLOW_PATTERNS = [
+    "*.json",
+    "model*.safetensors",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "tiktoken.model",
+    "*.txt",
+    "*.jsonl",
+    "*.jinja",
+]
+HUB_CONNECT_TIMEOUT_S = 3.0
+PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def log(msg):
+    print(f"[download] {msg}", flush=True)
+
+
+def parse_source(source):
+    """``'synth:tiny'`` -> ``('synth', 'tiny')``; raises ValueError on a bad scheme or empty value."""
+    scheme, sep, value = str(source).partition(":")
+    if not sep or scheme not in SCHEMES or not value:
+        forms = "synth:PRESET[-4bit], hf:REPO[@REVISION], path:DIR"
+        raise ValueError(f"bad model source {source!r}; expected one of: {forms}")
+    return scheme, value
+
+
+def fetch(source, out_dir, seed=0):
+    """Write the model named by ``source`` into ``out_dir`` (replacing it) and return its path.
+
+    The model is built in a temporary directory next to ``out_dir`` and renamed into place, so
+    an interrupted fetch never leaves a partial ``out_dir``.
+    """
+    scheme, value = parse_source(source)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    if scheme == "synth":
+        from . import synth
+
+        synth.parse_preset(value)  # fail on a bad preset before touching the disk
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        os.chmod(tmp, 0o755)
+        start = time.perf_counter()
+        if scheme == "synth":
+            log(f"building synthetic model {value!r} (seed {seed})")
+            info = {"preset": value, "seed": seed, "synth": synth.build(value, tmp, seed)}
+        elif scheme == "hf":
+            info = fetch_hf(value, tmp)
+        else:
+            info = fetch_path(value, tmp)
+        write_source_json(tmp, {"source": source, "scheme": scheme, **info})
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"wrote {out_dir} in {time.perf_counter() - start:.1f} s")
+    return out_dir
+
+
+def replace_dir(src, dst):
+    """Rename ``src`` to ``dst``; an existing ``dst`` is moved aside first, then deleted."""
+    old = None
+    if dst.exists():
+        old = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.old-"))
+        os.replace(dst, old / dst.name)
+    os.replace(src, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# path: and hf:
+
+
+def check_model_dir(path):
+    """A model directory needs config.json and at least one *.safetensors file."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path / 'config.json'} is missing; is {path} a model directory?")
+    if not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"no *.safetensors weight files in {path}")
+
+
+def copy_model_dir(src, dst):
+    """Copy every file of ``src`` (following links, e.g. into a HF cache) except hidden ones."""
+    for entry in sorted(Path(src).iterdir()):
+        if entry.name.startswith(".") or entry.name == SOURCE_FILE:
+            continue
+        if entry.is_dir():
+            shutil.copytree(entry, dst / entry.name, ignore=shutil.ignore_patterns(".*"))
+        else:
+            shutil.copyfile(entry, dst / entry.name)
+
+
+def fetch_path(value, dst):
+    src = Path(value).expanduser()
+    check_model_dir(src)
+    log(f"copying {src}")
+    copy_model_dir(src, dst)
+    return {"path": str(src.resolve())}
+
+
+def hub_unreachable(endpoint, timeout=HUB_CONNECT_TIMEOUT_S):
+    """Why a TCP connection to ``endpoint`` fails within ``timeout`` s, or None if it opens.
+
+    Skipped behind a proxy, where a direct connection says nothing.
+    """
+    if any(os.environ.get(v) for v in PROXY_VARS):
+        return None
+    url = urlsplit(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+    except OSError as e:
+        return f"cannot connect to {url.hostname}:{port}: {e}"
+    return None
+
+
+def fetch_hf(value, dst):
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+    from huggingface_hub.utils import validate_repo_id
+
+    repo, _, revision = value.partition("@")
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as e:
+        raise ValueError(f"bad Hugging Face repo id {repo!r} in 'hf:{value}': {e}") from None
+
+    endpoint = os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    reason = "HF_HUB_OFFLINE is set" if offline else hub_unreachable(endpoint)
+    if reason:
+        log(f"hub unreachable ({reason}); looking in the local Hugging Face cache")
+    else:
+        log(f"downloading {repo}" + (f" @ {revision}" if revision else "") + f" from {endpoint}")
+    try:
+        snapshot = snapshot_download(
+            repo,
+            revision=revision or None,
+            allow_patterns=HF_ALLOW_PATTERNS,
+            local_files_only=bool(reason),
+            endpoint=endpoint,
+        )
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+        raise ValueError(f"hf:{value} not found on {endpoint}: {e}") from None
+    except (LocalEntryNotFoundError, ConnectionError) as e:
+        why = reason or str(e).splitlines()[0]
+        raise ConnectionError(
+            f"the Hugging Face Hub at {endpoint} is unreachable ({why}) and {repo!r} is not in "
+            f"the local cache. Without network, use synth:PRESET for a synthetic model or "
+            f"path:DIR for a model directory on disk."
+        ) from None
+    check_model_dir(snapshot)
+    copy_model_dir(snapshot, dst)
+    return {"repo": repo, "revision": revision or None, "snapshot": Path(snapshot).name}
+
+
+# ---------------------------------------------------------------------------------------------
+# vqpipe-source.json
+
+
+def sha256_file(path, chunk=1 << 22):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def safetensors_header(path):
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))
+
+
+def count_parameters(model_dir):
+    """Parameters of the checkpoint, counting packed quantized weights at their logical size."""
+    model_dir = Path(model_dir)
+    quant = json.loads((model_dir / "config.json").read_text()).get("quantization") or {}
+    total = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        header = safetensors_header(path)
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            n = 1
+            for d in meta["shape"]:
+                n *= d
+            module, _, leaf = name.rpartition(".")
+            quantized = f"{module}.scales" in header
+            if quantized and leaf in ("scales", "biases"):
+                continue
+            if quantized and leaf == "weight":
+                bits = (quant.get(module) or quant)["bits"]
+                n = n * 32 // bits
+            total += n
+    return total
+
+
+def write_source_json(model_dir, info):
+    files = {
+        str(p.relative_to(model_dir)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(model_dir.rglob("*"))
+        if p.is_file()
+    }
+    info = {**info, "parameters": count_parameters(model_dir), "files": files}
+    text = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
+    (model_dir / SOURCE_FILE).write_text(text, encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def main(argv=None):
+    from .synth import PRESETS
+
+    parser = argparse.ArgumentParser(
+        prog="python -m vqpipe download",
+        description="Fetch a model into a Hugging Face layout directory.",
+    )
+    parser.add_argument(
+        "--source",
+        required=True,
+        help="synth:PRESET[-4bit] (presets: " + ", ".join(PRESETS) + "), hf:REPO[@REVISION] or path:DIR",
+    )
+    parser.add_argument("--out", required=True, type=Path, help="output model directory (replaced)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for synth: sources (default 0)")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        fetch(args.source, args.out, args.seed)
+    except (ValueError, FileNotFoundError, ConnectionError) as e:
+        print(f"vqpipe download: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,594 @@
+"""The reservoir: a quantized model in one flat, checksummed file (spec: docs/reservoir-format.md).
+
+    [64-byte prefix: magic, version, header length and xxh3, data offset, file size, prefix xxh3]
+    [JSON header: layers, tensors, blobs (offset, size, xxh3_64), config, persist_rotation]
+    [blobs: raw little-endian tensor bytes; blobs of 16 KiB or more start on 16 KiB boundaries]
+
+Loading reads each blob once, from a read-only mmap of the file straight into an MLX-owned buffer
+(one copy: MLX on CPU cannot adopt foreign memory, ``mx.from_dlpack(copy=False)`` refuses), hashes
+that buffer and builds each QuantizedLinear with ``from_state``: no QR, no Lloyd-Max fit, no
+nearest-centroid search, except regenerating dense QR rotations when they were stored as seeds.
+"""
+
+import dataclasses
+import json
+import math
+import mmap
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import xxhash
+
+from . import __version__
+from .codebook import BITS
+from .fsutil import atomic_path
+from .packing import words_per_row
+
+FILE_NAME = "model.vqres"
+MAGIC = b"\x89VQRES\r\n"
+VERSION = 1
+# magic, version, flags, header length, header xxh3, data offset, file size, prefix xxh3 (of bytes 0-47).
+_PREFIX = struct.Struct("<8sIIQQQQQ")
+PREFIX_SIZE = 64
+ALIGN = 16384  # Apple silicon page size (a multiple of Linux's 4 KiB)
+SMALL_ALIGN = 64  # blobs smaller than ALIGN: cache-line aligned, packed densely
+MAX_HEADER = 256 << 20
+CHECKSUM = "xxh3_64"
+ROTATION_KINDS = ("hadamard", "kron", "qr", "none")
+LAYER_CLASSES = ("QuantizedLinear", "QuantizedEmbedding")
+BLOB_KINDS = ("packed", "scales", "codebook", "rotation", "bias", "param")
+
+# name -> (MLX dtype, numpy dtype the bytes are read as, MLX view applied after the copy)
+_DTYPES = {
+    "float32": (mx.float32, "<f4", None),
+    "float16": (mx.float16, "<f2", None),
+    "bfloat16": (mx.bfloat16, "<u2", mx.bfloat16),  # numpy has no bfloat16: read as uint16
+    "uint8": (mx.uint8, "u1", None),
+    "uint16": (mx.uint16, "<u2", None),
+    "uint32": (mx.uint32, "<u4", None),
+    "uint64": (mx.uint64, "<u8", None),
+    "int8": (mx.int8, "i1", None),
+    "int16": (mx.int16, "<i2", None),
+    "int32": (mx.int32, "<i4", None),
+    "int64": (mx.int64, "<i8", None),
+}
+_FLOATS = ("float32", "float16", "bfloat16")
+
+
+class ReservoirError(ValueError):
+    """The file is not a reservoir this vqpipe can load, or it is damaged; the message says why."""
+
+
+def _hash(buf):
+    return xxhash.xxh3_64_hexdigest(buf)
+
+
+def _dtype_name(a):
+    name = str(a.dtype).rsplit(".", 1)[-1]
+    if name not in _DTYPES:
+        raise ValueError(f"reservoir cannot store dtype {name}")
+    return name
+
+
+def _raw(a):
+    """The bytes of an MLX array in C order, as a flat uint8 numpy array (for writing)."""
+    mx.eval(a)
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.ascontiguousarray(np.asarray(a)).reshape(-1).view(np.uint8)
+
+
+def _blob_kind(key):
+    return "rotation" if key.startswith("rotation.") else key
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+
+def _model_config(model):
+    """A config.json-like dict from an mlx-lm model's ``args`` dataclass (None if it has none)."""
+    args = getattr(model, "args", None)
+    if args is None or not dataclasses.is_dataclass(args):
+        return None
+    out = {}
+    for k, v in dataclasses.asdict(args).items():
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError):
+            continue
+        out[k] = v
+    return out
+
+
+def build_header(metas, arrays, params, persist_rotation, config=None):
+    """(header dict, [(offset, flat uint8 numpy array)]) for a reservoir of these tensors.
+
+    Identical bytes are stored once (every layer of one width and bit count shares a codebook).
+    """
+    blobs, data, seen = [], [], {}
+    offset = 0
+
+    def add(kind, a):
+        nonlocal offset
+        raw = _raw(a)
+        key = (kind, raw.size, xxhash.xxh3_128_digest(raw))
+        for i in seen.get(key, ()):
+            if np.array_equal(data[i][1], raw):
+                return i
+        align = ALIGN if raw.size >= ALIGN else SMALL_ALIGN
+        offset = -(-offset // align) * align
+        blobs.append({"kind": kind, "offset": offset, "nbytes": int(raw.size), CHECKSUM: _hash(raw)})
+        data.append((offset, raw))
+        seen.setdefault(key, []).append(len(blobs) - 1)
+        offset += raw.size
+        return len(blobs) - 1
+
+    def spec(kind, a):
+        return {"blob": add(kind, a), "dtype": _dtype_name(a), "shape": [int(s) for s in a.shape]}
+
+    layers = {}
+    for name, meta in metas.items():
+        entry = json.loads(json.dumps(meta))  # a deep, JSON-clean copy
+        entry.setdefault("class", "QuantizedLinear")
+        rot = entry["rotation"]
+        prefix = name + "."
+        tensors = {}
+        for key in sorted(k[len(prefix):] for k in arrays if k.startswith(prefix)):
+            a = arrays[prefix + key]
+            if key == "rotation.matrix" and not persist_rotation:
+                rot["regenerate"] = True
+                rot["matrix_" + CHECKSUM] = _hash(_raw(a.astype(mx.float32)))
+                continue
+            tensors[key] = spec(_blob_kind(key), a)
+        entry["tensors"] = tensors
+        layers[name] = entry
+    header = {
+        "format": "vqpipe-reservoir",
+        "format_version": VERSION,
+        "vqpipe_version": __version__,
+        "persist_rotation": bool(persist_rotation),
+        "checksum": CHECKSUM,
+        "alignment": ALIGN,
+        "config": config,
+        "layers": layers,
+        "params": {name: spec("param", a) for name, a in params.items()},
+        "blobs": blobs,
+    }
+    return header, data
+
+
+def write_reservoir(path, metas, arrays, params, persist_rotation=False, config=None):
+    """Write a reservoir atomically; returns its header.
+
+    The data is written and fsynced before the prefix (with the magic) goes in, and the file is
+    renamed into place only after that: a writer killed at any point leaves no file that loads.
+    """
+    header, data = build_header(metas, arrays, params, persist_rotation, config)
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    data_offset = -(-(PREFIX_SIZE + len(text)) // ALIGN) * ALIGN
+    end = data_offset + (data[-1][0] + data[-1][1].size if data else 0)
+    head = _PREFIX.pack(MAGIC, VERSION, 0, len(text), xxhash.xxh3_64_intdigest(text), data_offset, end, 0)
+    prefix = head[:48] + struct.pack("<Q", xxhash.xxh3_64_intdigest(head[:48]))
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(bytes(PREFIX_SIZE))
+            f.write(text)
+            for offset, raw in data:
+                f.seek(data_offset + offset)
+                f.write(memoryview(raw))
+            f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
+            f.seek(0)
+            f.write(prefix.ljust(PREFIX_SIZE, b"\0"))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a reservoir is shared read-only data
+    header["_data_offset"], header["_file_size"] = data_offset, end
+    return header
+
+
+def save_reservoir(model, path, persist_rotation=False, config=None):
+    """Write ``model`` (quantized in memory) to the reservoir file ``path``; returns the header.
+
+    ``config`` (the model's config.json) is embedded so the file alone can rebuild the model; by
+    default it is derived from the mlx-lm model's ``args``.
+    """
+    from .quantize import split_state
+
+    metas, arrays, params = split_state(model)
+    if not metas:
+        raise ValueError("model has no QuantizedLinear layers: quantize it first")
+    return write_reservoir(_file(path), metas, arrays, params, persist_rotation,
+                           config if config is not None else _model_config(model))
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+def _fail(path, msg):
+    raise ReservoirError(f"{path}: {msg}")
+
+
+def _is_int(x, low=0):
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def _read_prefix(path, f, size):
+    if size < PREFIX_SIZE:
+        _fail(path, f"not a reservoir: {size} bytes is shorter than the {PREFIX_SIZE}-byte prefix")
+    raw = f.read(PREFIX_SIZE)
+    if len(raw) != PREFIX_SIZE:
+        _fail(path, "short read of the prefix")
+    magic, version, flags, header_len, header_hash, data_offset, file_size, prefix_hash = _PREFIX.unpack(raw[:56])
+    if magic != MAGIC:
+        what = "a partially written reservoir (no magic yet)" if magic == bytes(8) else f"magic {magic!r}"
+        _fail(path, f"not a vqpipe reservoir: {what}, expected {MAGIC!r}")
+    if version != VERSION:
+        _fail(path, f"unsupported reservoir format version {version}; this vqpipe {__version__} reads version {VERSION}")
+    if xxhash.xxh3_64_intdigest(raw[:48]) != prefix_hash:
+        _fail(path, "prefix checksum mismatch: the first 64 bytes are corrupted")
+    if flags or raw[56:] != bytes(PREFIX_SIZE - 56):
+        _fail(path, f"unknown flags {flags:#x} or non-zero reserved prefix bytes (corrupted, or a newer vqpipe?)")
+    if file_size != size:
+        state = "truncated" if size < file_size else "has trailing bytes"
+        _fail(path, f"file is {state}: {size} bytes on disk, the prefix says {file_size}")
+    if header_len > MAX_HEADER or PREFIX_SIZE + header_len > size:
+        _fail(path, f"header length {header_len} is out of bounds (file {size} bytes, limit {MAX_HEADER})")
+    if data_offset < PREFIX_SIZE + header_len or data_offset > size or data_offset % ALIGN:
+        _fail(path, f"data offset {data_offset} is out of bounds or not {ALIGN}-aligned")
+    return header_len, header_hash, data_offset
+
+
+def _check_spec(path, where, spec, blobs):
+    if not isinstance(spec, dict) or not _is_int(spec.get("blob")) or spec["blob"] >= len(blobs):
+        _fail(path, f"malformed header: {where} has no valid blob index")
+    dtype, shape = spec.get("dtype"), spec.get("shape")
+    if dtype not in _DTYPES:
+        _fail(path, f"malformed header: {where} has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_int(s) for s in shape):
+        _fail(path, f"malformed header: {where} has invalid shape {shape!r}")
+    itemsize = np.dtype(_DTYPES[dtype][1]).itemsize
+    blob = blobs[spec["blob"]]
+    if math.prod(shape) * itemsize != blob["nbytes"]:
+        _fail(path, f"malformed header: {where} {dtype}{shape} needs {math.prod(shape) * itemsize} bytes, "
+                    f"blob {spec['blob']} holds {blob['nbytes']}")
+    if blob["offset"] % itemsize:
+        _fail(path, f"malformed header: {where} blob offset {blob['offset']} is not {itemsize}-byte aligned")
+
+
+def _expected_layer_tensors(meta):
+    """{key: (shape, dtype or None for any float)} a layer's meta implies."""
+    n_in, n_out, bits, rot = meta["in_features"], meta["out_features"], meta["bits"], meta["rotation"]
+    out = {
+        "packed": ([n_out, words_per_row(n_in, bits)], "uint32"),
+        "scales": ([n_out], None),
+        "codebook": ([1 << bits], None),
+    }
+    if meta["has_bias"]:
+        out["bias"] = ([n_out], None)
+    kind, dim = rot["kind"], rot["dim"]
+    if kind == "hadamard":
+        out["rotation.signs"] = ([dim], None)
+    elif kind == "kron":
+        out["rotation.signs"] = ([rot["p"]], None)
+        out["rotation.q"] = ([rot["m"], rot["m"]], None)
+    elif kind == "qr" and not rot.get("regenerate"):
+        out["rotation.matrix"] = ([dim, dim], None)
+    return out
+
+
+def _check_layer(path, name, meta, blobs):
+    where = f"layer {name!r}"
+    if not isinstance(meta, dict) or meta.get("class") not in LAYER_CLASSES:
+        _fail(path, f"malformed header: {where} has no known class")
+    for k in ("in_features", "out_features"):
+        if not _is_int(meta.get(k), 1):
+            _fail(path, f"malformed header: {where} has invalid {k}")
+    if meta.get("bits") not in BITS or not isinstance(meta.get("has_bias"), bool):
+        _fail(path, f"malformed header: {where} has invalid bits or has_bias")
+    rot = meta.get("rotation")
+    if not isinstance(rot, dict) or rot.get("kind") not in ROTATION_KINDS:
+        _fail(path, f"malformed header: {where} has an unknown rotation kind")
+    if rot.get("dim") != meta["in_features"] or not _is_int(rot.get("seed")):
+        _fail(path, f"malformed header: {where} rotation dim/seed invalid")
+    if rot["kind"] == "kron" and not (_is_int(rot.get("m"), 1) and _is_int(rot.get("p"), 1) and rot["m"] * rot["p"] == rot["dim"]):
+        _fail(path, f"malformed header: {where} kron factors do not multiply to {rot['dim']}")
+    if rot.get("regenerate"):
+        if rot["kind"] != "qr" or not isinstance(rot.get("matrix_" + CHECKSUM), str):
+            _fail(path, f"malformed header: {where} is marked regenerate without a qr matrix checksum")
+    tensors = meta.get("tensors")
+    expected = _expected_layer_tensors(meta)
+    if not isinstance(tensors, dict) or set(tensors) != set(expected):
+        got = sorted(tensors) if isinstance(tensors, dict) else tensors
+        _fail(path, f"malformed header: {where} has tensors {got}, expected {sorted(expected)}")
+    for key, (shape, dtype) in expected.items():
+        spec = tensors[key]
+        _check_spec(path, f"{where} tensor {key!r}", spec, blobs)
+        if spec["shape"] != shape or (dtype and spec["dtype"] != dtype) or (dtype is None and spec["dtype"] not in _FLOATS):
+            _fail(path, f"malformed header: {where} tensor {key!r} is {spec['dtype']}{spec['shape']}, "
+                        f"expected {dtype or 'a float'}{shape}")
+
+
+def _check_header(path, h, size, data_offset):
+    if not isinstance(h, dict) or h.get("format") != "vqpipe-reservoir":
+        _fail(path, "malformed header: not a vqpipe-reservoir header")
+    if h.get("format_version") != VERSION or h.get("checksum") != CHECKSUM:
+        _fail(path, f"unsupported header: format_version {h.get('format_version')!r}, checksum {h.get('checksum')!r}")
+    blobs = h.get("blobs")
+    if not isinstance(blobs, list):
+        _fail(path, "malformed header: no blob table")
+    for i, b in enumerate(blobs):
+        if not (isinstance(b, dict) and _is_int(b.get("offset")) and _is_int(b.get("nbytes"))
+                and isinstance(b.get(CHECKSUM), str) and b.get("kind") in BLOB_KINDS):
+            _fail(path, f"malformed header: blob {i} entry is invalid")
+        start = data_offset + b["offset"]
+        if start + b["nbytes"] > size:
+            _fail(path, f"blob {i} ({b['kind']}) at {start} + {b['nbytes']} bytes runs past the end of the {size}-byte file")
+    if not isinstance(h.get("layers"), dict) or not isinstance(h.get("params"), dict):
+        _fail(path, "malformed header: no layers/params tables")
+    if not isinstance(h.get("persist_rotation"), bool):
+        _fail(path, "malformed header: persist_rotation is not a boolean")
+    for name, meta in h["layers"].items():
+        _check_layer(path, name, meta, blobs)
+    for name, spec in h["params"].items():
+        _check_spec(path, f"param {name!r}", spec, blobs)
+
+
+def _reject_constant(name):
+    raise ValueError(f"non-finite number {name} in JSON")
+
+
+def read_header(path):
+    """The validated header of a reservoir file, plus ``"_data_offset"`` and ``"_file_size"``."""
+    path = Path(path)
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise ReservoirError(f"{path}: cannot open: {e.strerror}") from e
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        header_len, header_hash, data_offset = _read_prefix(path, f, size)
+        text = f.read(header_len)
+    if len(text) != header_len:
+        _fail(path, "short read of the header")
+    if xxhash.xxh3_64_intdigest(text) != header_hash:
+        _fail(path, "header checksum mismatch: the JSON header is corrupted")
+    try:
+        header = json.loads(text.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as e:
+        _fail(path, f"malformed header: {e}")
+    _check_header(path, header, size, data_offset)
+    header["_data_offset"], header["_file_size"] = data_offset, size
+    return header
+
+
+def _reader(path, header):
+    """A function spec -> evaluated mx.array reading from a read-only mmap; and a close function.
+
+    Each blob is copied once (page cache -> MLX buffer) and hashed in the MLX buffer, so the bytes
+    verified are the bytes the model uses. A blob shared by several tensors is read once.
+    """
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    base, blobs, cache = header["_data_offset"], header["blobs"], {}
+
+    def read(spec):
+        key = (spec["blob"], spec["dtype"], tuple(spec["shape"]))
+        if key in cache:
+            return cache[key]
+        blob = blobs[spec["blob"]]
+        _, np_dtype, view = _DTYPES[spec["dtype"]]
+        src = np.frombuffer(mm, dtype=np_dtype, count=math.prod(spec["shape"]), offset=base + blob["offset"])
+        a = mx.array(src.reshape(spec["shape"]))
+        del src  # drop the export so the mmap can close
+        if _hash(a) != blob[CHECKSUM]:
+            _fail(path, f"checksum mismatch in blob {spec['blob']} ({blob['kind']}, {blob['nbytes']} bytes "
+                        f"at offset {base + blob['offset']}): the data is corrupted")
+        if view is not None:
+            a = a.view(view)
+        cache[key] = a
+        return a
+
+    def close():
+        cache.clear()
+        mm.close()
+
+    return read, close
+
+
+def _regenerate(path, name, rmeta, memo):
+    from .rotation import regenerate
+
+    key = (rmeta["dim"], rmeta["seed"])
+    if key not in memo:
+        r = regenerate(rmeta)
+        got, want = _hash(_raw(r.matrix)), rmeta["matrix_" + CHECKSUM]
+        if got != want:
+            _fail(path, f"layer {name!r}: the dense QR rotation regenerated from seed {rmeta['seed']} (dim "
+                        f"{rmeta['dim']}) differs from the one used at quantization ({CHECKSUM} {got} != {want}); "
+                        "this numpy/LAPACK build does not reproduce it: repack with persist_rotation on")
+        memo[key] = r.matrix
+    return memo[key]
+
+
+def _build_layers(path, header, read, names=None):
+    from .quantize import build_layers
+
+    layers, memo = {}, {}
+    for name, meta in header["layers"].items():
+        if names is not None and name not in names:
+            continue
+        arrays = {f"{name}.{k}": read(spec) for k, spec in meta["tensors"].items()}
+        if meta["rotation"].get("regenerate"):
+            arrays[f"{name}.rotation.matrix"] = _regenerate(path, name, meta["rotation"], memo)
+        layers.update(build_layers({name: meta}, arrays))
+    return layers
+
+
+def _target_shape(module):
+    """[out, in] of a module a quantized layer can replace (Linear, Embedding, their MLX-quantized forms)."""
+    if hasattr(module, "in_features"):
+        return [module.out_features, module.in_features]
+    if "weight" not in module:
+        return None
+    rows, cols = module["weight"].shape[0], module["weight"].shape[-1]
+    if "scales" in module and hasattr(module, "bits"):  # mlx affine: cols are packed uint32 words
+        cols = cols * 32 // module.bits
+    return [rows, cols]
+
+
+def _check_targets(path, model, layers):
+    modules = dict(model.named_modules())
+    for name, meta in layers.items():
+        if name not in modules:
+            _fail(path, f"layer {name!r} has no module of that name in {type(model).__name__}")
+        want = [meta["out_features"], meta["in_features"]]
+        got = _target_shape(modules[name])
+        if got != want:
+            _fail(path, f"layer {name!r} is {want[0]}x{want[1]} in the reservoir but {got} in the model")
+
+
+def _check_params(path, model, header):
+    from mlx.utils import tree_flatten
+
+    layers = header["layers"]
+    expected = {}
+    for k, v in tree_flatten(model.parameters()):
+        owner = k.rsplit(".", 1)[0]
+        while owner and owner not in layers:
+            owner = owner.rsplit(".", 1)[0] if "." in owner else ""
+        if not owner:
+            expected[k] = list(v.shape)
+    stored = header["params"]
+    missing, extra = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
+    if missing or extra:
+        _fail(path, f"does not match the model config: missing {missing[:5]}, unexpected {extra[:5]}")
+    for k, shape in expected.items():
+        if stored[k]["shape"] != shape:
+            _fail(path, f"param {k!r} is {stored[k]['shape']} in the reservoir but {shape} in the model")
+
+
+def _file(path):
+    path = Path(path)
+    return path / FILE_NAME if path.is_dir() else path
+
+
+def _skeleton(path, header, model_dir):
+    from .quantize import skeleton
+
+    model_dir = Path(model_dir) if model_dir is not None else path.parent
+    if (model_dir / "config.json").is_file():
+        return skeleton(model_dir)
+    if not isinstance(header.get("config"), dict):
+        _fail(path, f"no config.json in {model_dir} and no config embedded in the reservoir")
+    with tempfile.TemporaryDirectory(prefix="vqres-config-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(header["config"]))
+        return skeleton(tmp)
+
+
+def load_reservoir(path, model_dir=None):
+    """The quantized model stored in a reservoir file (or a directory holding ``model.vqres``).
+
+    The skeleton comes from ``model_dir``/config.json (default: the file's directory), else from
+    the config embedded in the file. Its lazily initialised weights are replaced before they are
+    ever evaluated.
+    """
+    path = _file(path)
+    header = read_header(path)
+    model = _skeleton(path, header, model_dir)
+    _check_targets(path, model, header["layers"])
+    _check_params(path, model, header)
+    read, close = _reader(path, header)
+    try:
+        layers = _build_layers(path, header, read)
+        params = {k: read(spec) for k, spec in header["params"].items()}
+    finally:
+        close()
+    from mlx.utils import tree_unflatten
+
+    model.update_modules(tree_unflatten(list(layers.items())))
+    model.load_weights(list(params.items()), strict=False)
+    mx.eval(model.parameters())
+    return model
+
+
+def graft_reservoir(model, path):
+    """Swap the reservoir's quantized layers into an already loaded ``model``, by module name.
+
+    Only layer blobs are read; the model's other parameters are left as they are.
+    """
+    from mlx.utils import tree_unflatten
+
+    path = _file(path)
+    header = read_header(path)
+    _check_targets(path, model, header["layers"])
+    read, close = _reader(path, header)
+    try:
+        layers = _build_layers(path, header, read)
+    finally:
+        close()
+    model.update_modules(tree_unflatten(list(layers.items())))
+    return model
+
+
+def load(path):
+    """``(model, tokenizer)`` from a reservoir directory (model.vqres + config + tokenizer files)."""
+    from mlx_lm.utils import load_config, load_tokenizer
+
+    path = Path(path)
+    directory = path if path.is_dir() else path.parent
+    model = load_reservoir(_file(path))
+    config = load_config(directory) if (directory / "config.json").is_file() else {}
+    return model, load_tokenizer(directory, eos_token_ids=config.get("eos_token_id"))
+
+
+# --- inspection ------------------------------------------------------------------------------
+
+
+def verify_blobs(path, header=None):
+    """[(blob index, ok)] for every blob, hashing the file's bytes (no model is built)."""
+    path = _file(path)
+    header = header or read_header(path)
+    base, out = header["_data_offset"], []
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            view = memoryview(mm)
+            for i, b in enumerate(header["blobs"]):
+                start = base + b["offset"]
+                out.append((i, _hash(view[start:start + b["nbytes"]]) == b[CHECKSUM]))
+            view.release()
+        finally:
+            mm.close()
+    return out
+
+
+def sizes(header):
+    """Byte accounting: stored bytes per blob kind, the ideal payload and file / ideal.
+
+    Ideal payload = bits * weights / 8 (no row padding) + row norms (scales) + every tensor that is
+    not quantized (biases, embeddings, norms); codebooks, rotations, padding and header are overhead.
+    """
+    by_kind = dict.fromkeys(BLOB_KINDS, 0)
+    for b in header["blobs"]:
+        by_kind[b["kind"]] += b["nbytes"]
+    weights = sum(m["in_features"] * m["out_features"] for m in header["layers"].values())
+    packed_ideal = sum(m["bits"] * m["in_features"] * m["out_features"] for m in header["layers"].values()) / 8
+    ideal = packed_ideal + by_kind["scales"] + by_kind["bias"] + by_kind["param"]
+    file_bytes = header.get("_file_size")
+    out = {
+        "file_bytes": file_bytes,
+        "header_bytes": header.get("_data_offset"),
+        "blob_bytes": by_kind,
+        "quantized_weights": weights,
+        "ideal_payload_bytes": ideal,
+        "file_over_ideal": file_bytes / ideal if file_bytes and ideal else None,
+        "n_blobs": len(header["blobs"]),
+        "n_tensors": sum(len(m["tensors"]) for m in header["layers"].values()) + len(header["params"]),
+    }
+    return out

@@ -1,0 +1,155 @@
+# Shared definitions: artifact paths, wildcards, the model x bits x rotation x persist fan-out,
+# the vqpipe source files each stage depends on, BLAS and per-rule resources.
+
+import ast
+import functools
+import sys
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+
+# The vqpipe package next to this Snakefile (a temporary copy of the repository uses its own).
+ROOT = Path(workflow.basedir)
+sys.path.insert(0, str(ROOT))
+from vqpipe import blas as vqblas  # noqa: E402  (does not import mlx)
+
+# The interpreter running Snakemake (the project's .venv) runs every stage.
+PYTHON = sys.executable
+
+
+# --- artifact paths (docs/architecture.md) -----------------------------------------------------
+
+SOURCE = "results/models/{model}/source"
+VARIANT = "b{bits}-{rotation}"
+QUANTIZED = "results/quantized/{model}/" + VARIANT
+RESERVOIR = "results/reservoir/{model}/" + VARIANT + "/persist-{persist}"
+VERDICT = "results/validate/{model}/" + VARIANT + "/persist-{persist}.json"
+BENCH = "results/bench"
+REPORT = "results/report"
+
+
+wildcard_constraints:
+    model=r"[A-Za-z0-9][A-Za-z0-9._-]*",
+    bits=r"\d+",
+    rotation="auto|hadamard|kron|qr|none",
+    persist="on|off",
+
+
+MODELS = list(config["models"])
+BITS = list(config["bits"])
+ROTATIONS = list(config["rotations"])
+PERSIST = ["on" if p else "off" for p in config["persist_rotation"]]
+
+
+def fan_out(pattern, **extra):
+    """``pattern`` expanded over every model x bits x rotation (x persist when it has {persist})."""
+    return expand(pattern, model=MODELS, bits=BITS, rotation=ROTATIONS, persist=PERSIST, **extra)
+
+
+# --- BLAS --------------------------------------------------------------------------------------
+# Float sums depend on the BLAS, so the resolved setup ('openblas', 'reference' or 'accelerate' on
+# macOS) is a param of every rule whose output holds computed floats, and quantize and validate
+# run under the same one (validate refuses to compare across setups).
+
+try:
+    BLAS = vqblas.choice({"VQPIPE_BLAS": config["blas"]})
+except (ValueError, RuntimeError) as e:
+    raise WorkflowError(f"config key 'blas': {e}")
+
+if BLAS == "openblas":
+    BLAS_ENV = "VQPIPE_BLAS=openblas LD_PRELOAD=" + ":".join(vqblas.openblas_libs())
+elif BLAS == "reference":
+    BLAS_ENV = "VQPIPE_BLAS=reference LD_PRELOAD="
+else:
+    BLAS_ENV = "VQPIPE_BLAS=auto"
+
+
+
+def vqpipe_cmd(args):
+    """The shell command of a stage: ``python -m vqpipe ARGS`` under the BLAS setup, logged.
+
+    {BLAS_ENV} and {PYTHON} are filled in when the job runs, so the command template (part of the
+    between-workflow cache key) is the same on every machine. The OpenBLAS thread count does not
+    change results; PYTHONUNBUFFERED makes progress lines reach the log as they happen.
+    """
+    return (
+        "{BLAS_ENV} OPENBLAS_NUM_THREADS={threads} PYTHONUNBUFFERED=1 "
+        "{PYTHON} -m vqpipe " + args + " > {log:q} 2>&1"
+    )
+
+
+# --- resources -----------------------------------------------------------------------------------
+
+
+def res(group, key):
+    """Resource ``key`` (threads, mem_mb, runtime) of rule group ``group`` from config['resources']."""
+    return config["resources"][group][key]
+
+
+# --- the vqpipe source files of a stage ----------------------------------------------------------
+# A stage's inputs list the files of its modules and of every vqpipe module they import at module
+# level, transitively; editing one reruns that stage and what follows, and nothing upstream.
+# Imports inside functions are not followed (they often reach other stages' CLIs); the rules name
+# such dependencies explicitly.
+
+
+def _module_file(name):
+    base = ROOT.joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _module_imports(path, name):
+    """Dotted names a module imports at module level (vqpipe.* only)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, ast.Import):
+                found.extend(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1])
+                    target = f"{base}.{node.module}" if node.module else base
+                else:
+                    target = node.module
+                found.append(target)
+                # `from . import x` may import the submodule x
+                found.extend(f"{target}.{alias.name}" for alias in node.names)
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                for block in ("body", "orelse", "finalbody"):
+                    visit(getattr(node, block, []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(ast.parse(path.read_text(), str(path)).body)
+    return [m for m in found if m == "vqpipe" or m.startswith("vqpipe.")]
+
+
+@functools.cache
+def _closure(modules):
+    seen, todo = set(), list(modules)
+    while todo:
+        name = todo.pop()
+        if name in seen or _module_file(name) is None:
+            continue
+        seen.add(name)
+        todo.extend(_module_imports(_module_file(name), name))
+        parts = name.split(".")
+        todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))  # parent packages run too
+    files = {str(_module_file(m).relative_to(ROOT)) for m in seen}
+    # A stage module that does not exist yet still shows up, as a missing input.
+    files.update(f"{m.replace('.', '/')}.py" for m in modules if _module_file(m) is None)
+    return sorted(files)
+
+
+def stage_sources(*modules, data=()):
+    """The source files (repository-relative) behind ``modules``, plus package data files ``data``.
+
+    Marked local(): with a default storage provider they are still read from the checkout.
+    """
+    return [local(f) for f in _closure(tuple(modules)) + [f"vqpipe/data/{d}" for d in data]]

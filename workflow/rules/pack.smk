@@ -1,0 +1,27 @@
+# pack: a quantized artifact -> a reservoir (model.vqres), once per persist_rotation value.
+
+
+rule pack:
+    input:
+        quantized=QUANTIZED,
+        code=stage_sources("vqpipe.pack", "vqpipe.reservoir"),
+    output:
+        directory(RESERVOIR),
+    params:
+        # The between-workflow cache key ignores wildcards: persist must be a param, or the
+        # persist-on and persist-off reservoirs would share one cache entry.
+        model="{model}",
+        bits="{bits}",
+        rotation="{rotation}",
+        persist_rotation="{persist}",
+    log:
+        "logs/pack/{model}/b{bits}-{rotation}/persist-{persist}.log",
+    threads: res("pack", "threads")
+    resources:
+        mem_mb=res("pack", "mem_mb"),
+        runtime=res("pack", "runtime"),
+    cache: "omit-software"
+    shell:
+        vqpipe_cmd(
+            "pack --quantized {input.quantized:q} --out {output:q} --persist-rotation {params.persist_rotation}"
+        )

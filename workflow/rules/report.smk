@@ -1,0 +1,39 @@
+import os
+
+# report: every JSON artifact -> results/report/{index.html, report.md, summary.json, plots/*.png},
+# each flagged with report() so `snakemake --report report.html` embeds them.
+
+REPORT_PLOTS = ["load_time", "decode_context", "kernel_speedup", "roofline"]
+
+
+rule report:
+    input:
+        verdicts=fan_out(VERDICT),
+        quantized=fan_out(QUANTIZED),
+        bench=bench_outputs(),
+        code=stage_sources("vqpipe.report"),
+    output:
+        html=report(REPORT + "/index.html", category="Report", labels={"file": "index.html"}),
+        md=report(REPORT + "/report.md", category="Report", labels={"file": "report.md"}),
+        summary=report(REPORT + "/summary.json", category="Report", labels={"file": "summary.json"}),
+        plots=[
+            report(f"{REPORT}/plots/{p}.png", category="Plots", labels={"plot": p}) for p in REPORT_PLOTS
+        ],
+    params:
+        inputs=lambda wc, input: list(input.verdicts)
+        + [f"{d}/quantized.json" for d in input.quantized]
+        + list(input.bench),
+        # The output directory as Snakemake maps it (a local copy under a storage provider).
+        out=lambda wc, output: os.path.dirname(output.html),
+    log:
+        "logs/report.log",
+    threads: res("report", "threads")
+    resources:
+        mem_mb=res("report", "mem_mb"),
+        runtime=res("report", "runtime"),
+    shell:
+        vqpipe_cmd("report --inputs {params.inputs:q} --out {params.out:q}")
+
+
+def all_targets():
+    return rules.report.output
