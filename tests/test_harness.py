@@ -160,8 +160,10 @@ def test_blas_policy_and_env():
     assert env["LD_PRELOAD"] == "/x/other.so" and env["VQPIPE_BLAS"] == "reference"
     assert "LD_PRELOAD" not in blas.env_for("reference", {"LD_PRELOAD": ":".join(libs)})
     assert blas.same_setup({"backend": "cpu", "blas": {"name": "openblas"}}, {"backend": "cpu", "blas": {"name": "openblas"}})
-    with pytest.raises(ValueError, match="BLAS"):
+    with pytest.raises(ValueError, match="cpu/openblas and cpu/reference"):
         blas.require_same({"backend": "cpu", "blas": {"name": "openblas"}}, {"backend": "cpu", "blas": {"name": "reference"}})
+    one, two = ({"backend": "cpu", "blas": {"name": "openblas", "threads": t}} for t in (1, 2))
+    assert not blas.same_setup(one, two) and blas.setup_key(two) == "cpu/openblas(2 threads)"
 
 
 def _blas_in_child(env):

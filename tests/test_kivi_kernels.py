@@ -7,6 +7,7 @@ The ``gpu`` tests need MLX's Metal or CUDA backend and are skipped cleanly on CP
 import itertools
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 import mlx.core as mx
@@ -189,6 +190,17 @@ def corpus():
     return (Path(__file__).parents[1] / "vqpipe" / "data" / "corpus.txt").read_text(encoding="utf-8")
 
 
+def _first_difference(caches_a, caches_b):
+    """(layer, "keys"/"values", first differing token) between two prompt caches, or None."""
+    for layer, (a, b) in enumerate(zip(caches_a, caches_b)):
+        for name, x, y in zip(("keys", "values"), a.state, b.state):
+            if not _same_bytes(x, y):
+                view = {2: mx.uint16, 4: mx.uint32}[x.dtype.size]
+                differs = mx.any(x.view(view) != y.view(view), axis=(0, 1, 3))
+                return layer, name, int(mx.argmax(differs.astype(mx.int32)).item())
+    return None
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("preset", PRESETS)
@@ -200,15 +212,24 @@ def test_generation_identical_with_kernels_on_and_off(preset, corpus, tmp_path_f
     path = fetch(f"synth:{preset}", tmp_path_factory.mktemp("kivi") / preset, seed=0)
     model, tokenizer = load(str(path))
     ids = tokenizer.encode(corpus[:40000])
+
+    def run(n, bits, g, r, use):
+        cache = make_kivi_cache(model, bits, g, r, use_kernels=use)
+        out = list(stream_generate(model, tokenizer, ids[:n], max_tokens=48, prompt_cache=cache))
+        return "".join(o.text for o in out).encode(), [o.token for o in out], cache
+
     lengths = [600, 2300] if preset == "tiny" else [600]  # 2300: prefill in two 2048-token chunks
-    for n, (bits, g, r) in itertools.product(lengths, [(4, 32, 128), (2, 32, 64)]):
-        runs = []
-        for use in (True, False):
-            cache = make_kivi_cache(model, bits, g, r, use_kernels=use)
-            out = list(stream_generate(model, tokenizer, ids[:n], max_tokens=48, prompt_cache=cache))
-            runs.append(("".join(o.text for o in out), [o.token for o in out], cache))
-        (text_on, tok_on, c_on), (text_off, tok_off, c_off) = runs
-        assert text_on.encode() == text_off.encode() and tok_on == tok_off
+    for n, cfg in itertools.product(lengths, [(4, 32, 128), (2, 32, 64)]):
+        text_on, tok_on, c_on = run(n, *cfg, True)
+        text_off, tok_off, c_off = run(n, *cfg, False)
+        assert text_on == text_off and tok_on == tok_off, (n, cfg)
         assert c_on[0].flushes > 0
-        for a, b in zip(c_on, c_off):
-            assert all(_same_bytes(x, y) for x, y in zip(a.state, b.state))
+        diff = _first_difference(c_on, c_off)
+        if diff is not None:
+            # Bytes can only be compared if the model itself repeats them: run kernels-off again.
+            noise = _first_difference(c_off, run(n, *cfg, False)[2])
+            assert noise is not None, f"kernels changed the cache at (layer, kind, token) {diff}, n={n}, {cfg}"
+            warnings.warn(
+                f"{preset}, n={n}, {cfg}: two kernels-off runs already differ at {noise} (the model is not "
+                f"deterministic on this device); kernels on/off first differ at {diff}; text identical"
+            )

@@ -157,6 +157,19 @@ def test_missing_artifacts_and_paths(tmp_path, env):
         assert (out / "plots" / f"{p}.png").stat().st_size > 0
 
 
+def test_malformed_parts_are_ignored(tmp_path, env):
+    docs = {
+        "kivi.json": {"kind": "bench-kivi", "environment": env, "records": "oops", "comparisons": [{"S": 1}]},
+        "decode.json": {"kind": "bench-decode", "environment": env, "roofline": {"copy_bandwidth": None},
+                        "records": [{"arm": "full", "phase": "decode", "context": 8}, 3]},
+    }
+    _write(tmp_path / "in", docs)
+    s = report.make_report([tmp_path / "in"], tmp_path / "r")
+    assert s["present"] == ["bench-decode", "bench-kivi"]
+    assert s["kernels"]["records"] == [] and s["kernels"]["comparisons"] == [] and s["roofline"] == []
+    assert s["models"] == {}
+
+
 def test_mixed_blas_is_flagged(tmp_path, env):
     arts = {k: v for k, v in _artifacts(env).items() if "validate" in k}
     other = json.loads(json.dumps(env))

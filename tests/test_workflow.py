@@ -44,9 +44,9 @@ UPSTREAM = ("download", "quantize", "pack", "validate")
 # --- helpers -------------------------------------------------------------------------------------
 
 
-def copy_repo(dst, keep_mtimes=True):
+def copy_repo(dst, keep_mtimes=True, src=REPO):
     """A copy of the working tree without build state; ``keep_mtimes=False`` is like a fresh clone."""
-    shutil.copytree(REPO, dst, ignore=IGNORE, copy_function=shutil.copy2 if keep_mtimes else shutil.copy)
+    shutil.copytree(src, dst, ignore=IGNORE, copy_function=shutil.copy2 if keep_mtimes else shutil.copy)
     return Path(dst)
 
 
@@ -147,6 +147,13 @@ def test_first_build(first_build):
     assert (tree / RESERVOIR.format("on") / "model.vqres").is_file()
     for name in ("index.html", "report.md", "summary.json"):
         assert (tree / REPORT / name).stat().st_size > 0
+    # Benchmarks ran and their results reached the report.
+    assert stats["bench_quality"] == 1 and stats["bench_kivi"] == 1
+    quality = json.loads((tree / f"results/bench/{MODEL}/quality.json").read_text())
+    assert quality["kind"] == "bench-quality" and quality["model"] == MODEL
+    summary = json.loads((tree / REPORT / "summary.json").read_text())
+    used = {Path(i["path"]).as_posix() for i in summary["inputs"]}
+    assert VERDICT.format("on") in used and f"results/bench/{MODEL}/quality.json" in used
     # Long stages log their progress: per-layer lines (quantize), per-prompt lines (validate).
     qlog = (tree / f"logs/quantize/{MODEL}/{VARIANT}.log").read_text()
     assert re.search(r"^\[1/\d+\] model\.", qlog, re.M), qlog
@@ -366,13 +373,15 @@ def test_between_workflow_cache(tmp_path):
     env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache)}
     targets = [VERDICT.format(p) for p in ("on", "off")]
     a = copy_repo(tmp_path / "clone-a")
-    b = copy_repo(tmp_path / "clone-b", keep_mtimes=False)  # checked out later: newer source files
-    smk(a, *CI, "--cache", *targets, env=env)
+    # Checked out later (newer source files) and from clone-a, so the sources are the same even
+    # while someone edits the repository during the test.
+    b = copy_repo(tmp_path / "clone-b", keep_mtimes=False, src=a)
+    smk(a, *targets, *CI, "--cache", env=env)
     assert len(list(cache.iterdir())) == 4  # download, quantize, pack on, pack off
 
-    proc = smk(b, *CI, "--cache", *targets, env=env)
+    proc = smk(b, *targets, *CI, "--cache", env=env)
     stats = job_stats(proc.stdout)
-    assert stats["validate"] == 2
+    assert stats["validate"] == 2 and "report" not in stats  # only the targets' jobs
     for rel, log in [
         (SOURCE, f"logs/download/{MODEL}.log"),
         (QUANTIZED, f"logs/quantize/{MODEL}/{VARIANT}.log"),
@@ -390,7 +399,7 @@ def test_between_workflow_cache(tmp_path):
     assert sha256(on) != sha256(off)
     assert json.loads((b / RESERVOIR.format("off") / "pack.json").read_text()).get("persist_rotation") in (False, "off")
     assert verdict(b, "on")["bit_exact"] and verdict(b, "off")["bit_exact"]
-    assert plan(b, *CI, "--cache", *targets, env=env) == {}
+    assert plan(b, *targets, *CI, "--cache", env=env) == {}
 
 
 def test_fs_storage_plugin(tmp_path):
@@ -402,15 +411,16 @@ def test_fs_storage_plugin(tmp_path):
     profile = ["--profile", "workflow/profiles/fs-store"]
     targets = [VERDICT.format(p) for p in ("on", "off")]
     a = copy_repo(tmp_path / "a")
-    smk(a, *profile, *CI, *targets, env=env)
+    smk(a, *targets, *profile, *CI, env=env)
     for p in ("on", "off"):
         assert (store / RESERVOIR.format(p) / "model.vqres").is_file()
         assert json.loads((store / VERDICT.format(p)).read_text())["bit_exact"] is True
     assert (store / QUANTIZED / "reference.safetensors").is_file()
     assert (store / f"logs/quantize/{MODEL}/{VARIANT}.log").stat().st_size > 0
     assert not (a / "results").exists()  # nothing but the local storage cache in the checkout
-    assert plan(a, *profile, *CI, *targets, env=env) == {}
+    assert plan(a, *targets, *profile, *CI, env=env) == {}
 
-    # A second checkout (files copied with their times, like rsync -a) with no local state at all.
-    b = copy_repo(tmp_path / "b")
-    assert plan(b, *profile, *CI, *targets, env=env) == {}
+    # A second checkout of the same sources (copied with their times, like rsync -a) with no local
+    # state at all sees the artifacts in the store as up to date.
+    b = copy_repo(tmp_path / "b", src=a)
+    assert plan(b, *targets, *profile, *CI, env=env) == {}

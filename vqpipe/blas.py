@@ -150,12 +150,13 @@ def _global_definition(symbol):
 
 
 def _mapped_blas():
-    """BLAS/LAPACK-looking libraries mapped into this process (Linux), in load order."""
+    """BLAS/LAPACK-looking libraries mapped into this process (Linux), in address order."""
     seen = []
     try:
         with open("/proc/self/maps") as f:
             for line in f:
-                path = line.split(maxsplit=5)[-1].strip() if line.count(" ") >= 5 else ""
+                parts = line.split(maxsplit=5)
+                path = parts[5].strip() if len(parts) == 6 else ""
                 name = os.path.basename(path).lower()
                 if path.startswith("/") and any(k in name for k in ("blas", "lapack", "mkl", "blis")):
                     if path not in seen:
@@ -216,19 +217,25 @@ def in_use():
     return info
 
 
+def setup_key(env):
+    """``backend/blas`` (plus ``(N threads)`` for OpenBLAS) of an artifact's ``environment``. OpenBLAS's thread count is part of
+    it: some GEMM shapes round differently with 1 and 2 threads (docs/benchmarking.md)."""
+    b = env.get("blas") or {}
+    threads = f"({b['threads']} threads)" if b.get("threads") else ""
+    return f"{env.get('backend')}/{b.get('name')}{threads}"
+
+
 def same_setup(env_a, env_b):
     """Whether two artifacts' ``environment`` dicts ran on the same backend and BLAS."""
-    key = lambda e: (e.get("backend"), (e.get("blas") or {}).get("name"))  # noqa: E731
-    return key(env_a) == key(env_b)
+    return setup_key(env_a) == setup_key(env_b)
 
 
 def require_same(env_a, env_b, what="results"):
     """Refuse to compare ``what`` computed under different BLAS setups (sums differ in the last bits)."""
     if not same_setup(env_a, env_b):
-        a, b = ((e.get("blas") or {}).get("name") for e in (env_a, env_b))
         raise ValueError(
-            f"refusing to compare {what} across setups: backend {env_a.get('backend')}/{env_b.get('backend')}, "
-            f"BLAS {a}/{b}; rerun both under one VQPIPE_BLAS setting"
+            f"refusing to compare {what} across setups {setup_key(env_a)} and {setup_key(env_b)}; "
+            "rerun both under one VQPIPE_BLAS (and OPENBLAS_NUM_THREADS) setting"
         )
 
 

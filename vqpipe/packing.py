@@ -27,6 +27,10 @@ def pack(indices, bits):
     rows, n = indices.shape
     padded = np.zeros((rows, padded_length(n)), dtype=np.uint8)
     padded[:, :n] = indices
+    if 32 % bits == 0:
+        shifts = np.arange(0, 32, bits, dtype=np.uint32)
+        fields = padded.reshape(rows, -1, 32 // bits).astype(np.uint32) << shifts
+        return np.bitwise_or.reduce(fields, axis=-1)
     planes = (padded[..., None] >> np.arange(bits, dtype=np.uint8)) & 1
     stream = np.packbits(planes.reshape(rows, -1), axis=-1, bitorder="little")
     return np.ascontiguousarray(stream).view("<u4").astype(np.uint32, copy=False)

@@ -82,9 +82,13 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     targets = _targets(model, embeddings, lm_head)
     if not any(kind == "linear" for _, _, kind in targets):
         raise ValueError(f"model {type(model).__name__} has no nn.Linear layers to quantize")
+    # Keep names only: holding the source modules would keep every evaluated source weight alive.
+    targets = [(name, kind) for name, _, kind in targets]
+    modules = dict(model.named_modules())
     records = []
-    for i, (name, module, kind) in enumerate(targets):
+    for i, (name, kind) in enumerate(targets):
         t0 = time.perf_counter()
+        module = modules.pop(name)
         weight = _dense_weight(module, mx.float32)
         if kind == "dense-embedding":
             new = nn.Embedding(*weight.shape)
@@ -101,10 +105,11 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
             total = mx.sum(weight * weight).item()
             records.append({
                 "name": name, "kind": kind, "shape": list(weight.shape), "rotation": new.rotation.kind,
+                "squared_error": new.squared_error, "weight_sq": total,
                 "rel_mse": new.squared_error / max(total, 1e-30), "seconds": time.perf_counter() - t0,
             })
         model.update_modules(tree_unflatten([(name, new)]))
-        del weight, module
+        del weight, module, new
         if progress:
             progress(f"[{i + 1}/{len(targets)}] {name} {kind} {time.perf_counter() - t0:.2f}s")
     # Remaining tensors (norms, biases of other layers) in the compute dtype.

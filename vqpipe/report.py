@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+from . import blas
 from .bench import roofline as rl
 
 KINDS = ("quantize", "validate", "bench-load", "bench-decode", "bench-kivi", "bench-quality")
@@ -85,6 +86,16 @@ def _stats(rec):
     return None
 
 
+def _items(doc, key):
+    """A list of dict entries under ``key``; anything else is ignored rather than fatal."""
+    items = doc.get(key)
+    return [x for x in items if isinstance(x, dict)] if isinstance(items, list) else []
+
+
+def _comparison(c):
+    return all(isinstance(c.get(k), dict) and all(s in c[k] for s in _STAT_KEYS) for k in ("baseline", "other")) and "speedup" in c
+
+
 def _scalars(doc, drop=()):
     return {k: v for k, v in doc.items() if k not in drop and (v is None or isinstance(v, (str, int, float, bool)))}
 
@@ -103,11 +114,11 @@ def _variant(rec, doc):
 def _roofline_rows(doc):
     roof = doc.get("roofline") or {}
     bw, fl = roof.get("copy_bandwidth"), roof.get("matmul_flops")
-    if not bw:
+    if not (isinstance(bw, dict) and bw.get("median")):
         return []
     n_params = roof.get("matmul_params")
     rows = []
-    for rec in doc.get("records", []):
+    for rec in _items(doc, "records"):
         st = _stats(rec)
         if st is None or rec.get("phase") not in ("decode", "prefill") or "weight_bytes" not in rec:
             continue
@@ -156,10 +167,9 @@ def build_summary(loaded):
     warnings = []
     setups = {}
     for a in arts:
-        env = a["doc"].get("environment") or {}
-        blas_name = (env.get("blas") or {}).get("name") or a["doc"].get("blas")
-        if blas_name or env.get("backend"):
-            setups.setdefault(f"{env.get('backend') or a['doc'].get('backend')}/{blas_name}", []).append(a["path"])
+        env = a["doc"].get("environment")
+        if isinstance(env, dict):
+            setups.setdefault(blas.setup_key(env), []).append(a["path"])
     if len(setups) > 1:
         warnings.append(
             "artifacts come from different backend/BLAS setups ("
@@ -189,14 +199,14 @@ def build_summary(loaded):
             entry["blas"] = doc.get("blas") or ((doc.get("environment") or {}).get("blas") or {}).get("name")
             slot(doc.get("model"), doc.get("variant")).setdefault("validate", []).append(entry)
         elif kind in ("bench-load", "bench-quality", "bench-decode"):
-            for rec in doc.get("records", []):
+            for rec in _items(doc, "records"):
                 st = _stats(rec)
                 if st is None:
                     continue
                 key = {"bench-load": "load", "bench-quality": "quality"}.get(kind) or rec.get("phase", "decode")
                 item = {**_scalars(rec), **st, "noise_floor": doc.get("noise_floor"), "environment": a.get("env")}
                 slot(rec.get("model") or doc.get("model"), _variant(rec, doc)).setdefault(key, []).append(item)
-            for c in doc.get("comparisons", []):
+            for c in filter(_comparison, _items(doc, "comparisons")):
                 m = c.get("model") or doc.get("model")
                 slot(m, c.get("other_arm")).setdefault("comparisons", []).append({**c, "kind": kind})
             if kind == "bench-decode":
@@ -205,8 +215,8 @@ def build_summary(loaded):
                 for r in rows:
                     slot(r["model"], _variant(r, doc)).setdefault("roofline", []).append(r)
         elif kind == "bench-kivi":
-            kernels["records"] += [{**_scalars(r), **_stats(r), "environment": a.get("env")} for r in doc.get("records", []) if _stats(r)]
-            kernels["comparisons"] += [{**c, "environment": a.get("env")} for c in doc.get("comparisons", [])]
+            kernels["records"] += [{**_scalars(r), **_stats(r), "environment": a.get("env")} for r in _items(doc, "records") if _stats(r)]
+            kernels["comparisons"] += [{**c, "environment": a.get("env")} for c in _items(doc, "comparisons") if _comparison(c)]
             if "noise_floor" in doc:
                 kernels["noise_floors"].append(doc["noise_floor"])
     return {

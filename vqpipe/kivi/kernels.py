@@ -17,6 +17,7 @@ only dtype, bits and G are template arguments, so the number of compiled kernels
 the (kind, dtype, bits, G) combinations used and does not grow with the sequence length.
 """
 
+import functools
 import hashlib
 import os
 
@@ -221,9 +222,10 @@ def _kernel(dialect, kind):
     return _kernels[key]
 
 
+@functools.lru_cache(maxsize=512)
 def launch_spec(kind, shape, dtype, bits, group_size):
-    """Template arguments, grid, threadgroup and output shapes for a launch. Only the template
-    arguments select a compiled kernel, and they hold no shape."""
+    """Template arguments, grid, threadgroup and output shapes for a launch (cached; read-only).
+    Only the template arguments select a compiled kernel, and they hold no shape."""
     if len(shape) != 4:
         raise ValueError(f"kernels take [B, H, S, D], got shape {tuple(shape)}")
     b, h, s, d = shape
@@ -252,7 +254,7 @@ def launch_spec(kind, shape, dtype, bits, group_size):
 
 def _run_kernel(kind, x, bits, group_size):
     dialect = backend()
-    spec = launch_spec(kind, x.shape, x.dtype, bits, group_size)
+    spec = launch_spec(kind, tuple(x.shape), x.dtype, int(bits), int(group_size))
     if x.size == 0:
         return (x, *(mx.zeros(s, mx.float32) for s in spec["output_shapes"][1:]))
     _instances.add((dialect, kind, str(x.dtype), int(bits), int(group_size)))

@@ -1,6 +1,52 @@
-# Benchmarks: not deterministic (timings), so never cached. Filled in as the bench stages land.
+# Benchmarks: timings are not deterministic, so these rules are never cached (and they use
+# `benchmark:`, which a cached rule could not). Each writes one JSON for the report.
 
 
-def bench_outputs():
-    """Every benchmark JSON the config asks for."""
-    return []
+rule bench_quality:
+    input:
+        source=SOURCE,
+        code=stage_sources("vqpipe.bench.quality", data=["corpus.txt"]),
+    output:
+        BENCH_QUALITY,
+    params:
+        model="{model}",
+        bits=BITS,
+        windows=config["benchmarks"]["quality"]["windows"],
+        length=config["benchmarks"]["quality"]["length"],
+        seed=config["benchmarks"]["quality"]["seed"],
+        blas=BLAS,
+    log:
+        "logs/bench/{model}/quality.log",
+    benchmark:
+        "results/benchmarks/bench_quality/{model}.tsv"
+    threads: res("benchmark", "threads")
+    resources:
+        mem_mb=res("benchmark", "mem_mb"),
+        runtime=res("benchmark", "runtime"),
+    shell:
+        vqpipe_cmd(
+            "bench-quality --source {input.source:q} --model {params.model} --bits {params.bits}"
+            " --windows {params.windows} --length {params.length} --seed {params.seed} --out {output:q}"
+        )
+
+
+rule bench_kivi:
+    input:
+        code=stage_sources("vqpipe.bench.kivi_ops"),
+    output:
+        BENCH_KIVI,
+    params:
+        quick="--quick" if config["benchmarks"]["kivi"]["quick"] else "",
+        bits=config["benchmarks"]["kivi"]["bits"],
+        dtype=config["benchmarks"]["kivi"]["dtype"],
+        blas=BLAS,
+    log:
+        "logs/bench/kivi.log",
+    benchmark:
+        "results/benchmarks/bench_kivi.tsv"
+    threads: res("benchmark", "threads")
+    resources:
+        mem_mb=res("benchmark", "mem_mb"),
+        runtime=res("benchmark", "runtime"),
+    shell:
+        vqpipe_cmd("bench-kivi {params.quick} --bits {params.bits} --dtype {params.dtype} --out {output:q}")

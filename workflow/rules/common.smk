@@ -3,6 +3,7 @@
 
 import ast
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -19,13 +20,14 @@ PYTHON = sys.executable
 
 # --- artifact paths (docs/architecture.md) -----------------------------------------------------
 
+# {variant} of docs/architecture.md is b{bits}-{rotation} here: two wildcards, both params.
 SOURCE = "results/models/{model}/source"
-VARIANT = "b{bits}-{rotation}"
-QUANTIZED = "results/quantized/{model}/" + VARIANT
-RESERVOIR = "results/reservoir/{model}/" + VARIANT + "/persist-{persist}"
-VERDICT = "results/validate/{model}/" + VARIANT + "/persist-{persist}.json"
-BENCH = "results/bench"
-REPORT = "results/report"
+QUANTIZED = "results/quantized/{model}/b{bits}-{rotation}"
+RESERVOIR = "results/reservoir/{model}/b{bits}-{rotation}/persist-{persist}"
+VERDICT = "results/validate/{model}/b{bits}-{rotation}/persist-{persist}.json"
+BENCH_QUALITY = "results/bench/{model}/quality.json"
+BENCH_KIVI = "results/bench/kivi.json"
+REPORT_PLOTS = ["load_time", "decode_context", "kernel_speedup", "roofline"]
 
 
 wildcard_constraints:
@@ -41,9 +43,30 @@ ROTATIONS = list(config["rotations"])
 PERSIST = ["on" if p else "off" for p in config["persist_rotation"]]
 
 
-def fan_out(pattern, **extra):
+def fan_out(pattern):
     """``pattern`` expanded over every model x bits x rotation (x persist when it has {persist})."""
-    return expand(pattern, model=MODELS, bits=BITS, rotation=ROTATIONS, persist=PERSIST, **extra)
+    return expand(pattern, model=MODELS, bits=BITS, rotation=ROTATIONS, persist=PERSIST)
+
+
+for name in config["benchmarks"]["quality"].get("models", []):
+    if name not in config["models"]:
+        raise WorkflowError(f"config key 'benchmarks.quality.models': {name!r} is not a key of 'models'")
+
+
+def bench_outputs():
+    """Every benchmark JSON the config asks for."""
+    out = []
+    quality = config["benchmarks"]["quality"]
+    if quality["enabled"]:
+        out += expand(BENCH_QUALITY, model=quality.get("models", MODELS))
+    if config["benchmarks"]["kivi"]["enabled"]:
+        out.append(BENCH_KIVI)
+    return out
+
+
+def all_targets():
+    """The default target: the report (it depends on every verdict and benchmark)."""
+    return rules.report.output
 
 
 # --- BLAS --------------------------------------------------------------------------------------
@@ -72,10 +95,7 @@ def vqpipe_cmd(args):
     between-workflow cache key) is the same on every machine. The OpenBLAS thread count does not
     change results; PYTHONUNBUFFERED makes progress lines reach the log as they happen.
     """
-    return (
-        "{BLAS_ENV} OPENBLAS_NUM_THREADS={threads} PYTHONUNBUFFERED=1 "
-        "{PYTHON} -m vqpipe " + args + " > {log:q} 2>&1"
-    )
+    return f"{{BLAS_ENV}} OPENBLAS_NUM_THREADS={{threads}} PYTHONUNBUFFERED=1 {{PYTHON}} -m vqpipe {args} > {{log:q}} 2>&1"
 
 
 # --- resources -----------------------------------------------------------------------------------

@@ -1,9 +1,5 @@
-import os
-
 # report: every JSON artifact -> results/report/{index.html, report.md, summary.json, plots/*.png},
 # each flagged with report() so `snakemake --report report.html` embeds them.
-
-REPORT_PLOTS = ["load_time", "decode_context", "kernel_speedup", "roofline"]
 
 
 rule report:
@@ -13,11 +9,12 @@ rule report:
         bench=bench_outputs(),
         code=stage_sources("vqpipe.report"),
     output:
-        html=report(REPORT + "/index.html", category="Report", labels={"file": "index.html"}),
-        md=report(REPORT + "/report.md", category="Report", labels={"file": "report.md"}),
-        summary=report(REPORT + "/summary.json", category="Report", labels={"file": "summary.json"}),
+        html=report("results/report/index.html", category="Report", labels={"file": "index.html"}),
+        md=report("results/report/report.md", category="Report", labels={"file": "report.md"}),
+        summary=report("results/report/summary.json", category="Report", labels={"file": "summary.json"}),
         plots=[
-            report(f"{REPORT}/plots/{p}.png", category="Plots", labels={"plot": p}) for p in REPORT_PLOTS
+            report(f"results/report/plots/{p}.png", category="Plots", labels={"plot": p})
+            for p in REPORT_PLOTS
         ],
     params:
         inputs=lambda wc, input: list(input.verdicts)
@@ -33,7 +30,3 @@ rule report:
         runtime=res("report", "runtime"),
     shell:
         vqpipe_cmd("report --inputs {params.inputs:q} --out {params.out:q}")
-
-
-def all_targets():
-    return rules.report.output

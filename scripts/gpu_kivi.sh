@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The KIVI GPU job: kernel tests (bit-exactness sweep, half-even, compile count), the KIVI cache and
+# quantizer tests on the GPU, kernels-on/off generation for the synthetic presets, and bench-kivi.
+#
+# On the team's NVIDIA host (MLX CUDA backend, offline), after staging the runtime bundle
+# (docs/kivi.md, "Running on a GPU"):   bash scripts/gpu_kivi.sh
+# Elsewhere (e.g. a Mac with Metal):      PYTHON=.venv/bin/python bash scripts/gpu_kivi.sh
+# STEPS picks steps (default "kernels bench generation cpu_suite"); BENCH_ARGS goes to bench-kivi.
+# Results go to $OUT (default results/gpu_kivi): env.txt, one log per step, kivi_ops.json; a summary
+# prints last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results/gpu_kivi}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+
+# The offline MLX CUDA runtime: two parts, part00 possibly staged by an earlier call.
+if [ -z "${PYTHON:-}" ] && [ ! -d /opt/mlx/mlx ] && [ -f .gpu/mlx-cuda13-site.tar.xz.part01 ]; then
+  p0=/root/stage/mlx-cuda13-site.tar.xz.part00
+  [ -f "$p0" ] || p0=.gpu/mlx-cuda13-site.tar.xz.part00
+  mkdir -p /opt/mlx && cat "$p0" .gpu/mlx-cuda13-site.tar.xz.part01 | tar xJ -C /opt/mlx || exit 1
+fi
+[ -d /opt/mlx/mlx ] && [ -z "${PYTHON:-}" ] && export PYTHONPATH=/opt/mlx:$PWD
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+export PYTHONUNBUFFERED=1
+# A fresh PTX cache, so the compile-count test sees only this run's kernels.
+MLX_PTX_CACHE_DIR=$(mktemp -d)
+export MLX_PTX_CACHE_DIR
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>/dev/null
+  $PY -c "import mlx.core as mx, sys; print('python', sys.version.split()[0], 'mlx', mx.__version__, mx.default_device(), 'metal', mx.metal.is_available(), 'cuda', mx.cuda.is_available())"
+} 2>&1 | tee "$OUT/env.txt"
+
+t0=$(date +%s)
+pt() {  # a pytest step with a time limit and its own log; never stops the job
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" $PY -m pytest -q -ra -p no:cacheprovider "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 15
+}
+since() { echo "($(( $(date +%s) - t0 )) s)"; }
+STEPS=${STEPS:-kernels bench generation cpu_suite}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+
+want kernels && echo "== kernels: bit-exact sweep, half to even, compile count $(since)" &&
+pt kernels 240 --maxfail=10 tests/test_kivi_kernels.py -m gpu -k "not generation"
+
+want bench && echo "== bench-kivi $(since)" &&
+timeout 180 $PY -m vqpipe bench-kivi --out "$OUT/kivi_ops.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+
+want generation && echo "== generation, kernels on vs off, synthetic presets $(since)" &&
+pt generation 180 --maxfail=3 tests/test_kivi_kernels.py -m gpu -k generation
+
+want cpu_suite && echo "== quantizer, cache and dispatch tests on this device (kernels on by default) $(since)" &&
+pt cpu_suite 120 tests/test_kivi_quant.py tests/test_kivi_cache.py tests/test_kivi_kernels.py -m "not gpu"
+
+echo "== summary $(since)"
+for f in kernels generation cpu_suite; do
+  [ -f "$OUT/$f.log" ] || continue
+  printf '%-10s ' "$f"
+  grep -E "^[0-9]+ (passed|failed)|(passed|failed|skipped|error).* in [0-9.]+s" "$OUT/$f.log" | tail -n 1
+done
+[ -f "$OUT/kivi_ops.json" ] && $PY - "$OUT/kivi_ops.json" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+copy = d["copy_bandwidth"]["median"]
+print(f"backend {d['backend']}  device {d['environment'].get('gpu_name')}  copy {copy / 1e9:.0f} GB/s (read+write)  "
+      f"empty call {d['harness_overhead_s']['median'] * 1e6:.1f} us")
+print(f"{'S':>6} {'kind':>6} {'mode':>8} {'ref med/min/max us':>24} {'kernel med/min/max us':>24} {'speedup':>8} {'floor':>6} {'GB/s':>6} {'%copy':>6} M4")
+for r in d["results"]:
+    a = r["arms"]
+    fmt = lambda s: f"{s['median'] * 1e6:.1f}/{s['min'] * 1e6:.1f}/{s['max'] * 1e6:.1f}"
+    k = a.get("kernel")
+    row = f"{r['S']:>6} {r['kind']:>6} {r['mode']:>8} {fmt(a['reference']):>24} {fmt(k) if k else '-':>24}"
+    if k:
+        floor = max(r["noise_floor"].values())
+        row += f" {r['speedup']:>7.2f}x {floor:>6.1%} {r['kernel_bytes_per_s'] / 1e9:>6.0f} {r['fraction_of_copy_bandwidth']:>6.1%}"
+        if "m4_speedup" in r:
+            row += f" {'beats' if r['beats_m4'] else 'MISSES'} {r['m4_speedup']}x"
+    print(row)
+EOF
+exit 0
