@@ -17,7 +17,6 @@ if not workflow.overwrite_configfiles:
     configfile: "config/config.yaml"
 
 
-
 # Fails here, before the DAG is built, with the offending key in the message.
 validate(config, "workflow/schemas/config.schema.yaml")
 

@@ -257,7 +257,7 @@ def measure(repeats=5, warmup=1, cases=CASES):
 
     from .bench.roofline import matmul_flops
 
-    out = {"blas": in_use(), "cases": []}
+    out = {"blas": in_use(), "loadavg_start": list(os.getloadavg()), "cases": []}
     for label, m, k, n, dtype in cases:
         rate = matmul_flops(m, k, n, dtype, repeats=repeats, warmup=warmup)
         ka, kb = mx.random.split(mx.random.key(0))
@@ -329,6 +329,9 @@ def _report(results):
     lines = []
     for setup, runs in results.items():
         lines.append(f"{setup}: {runs[0]['blas']['path']} {runs[0]['blas'].get('config', '')}".rstrip())
+        loads = [r[k][0] for r in runs for k in ("loadavg_start", "loadavg_end") if k in r]
+        if loads:
+            lines.append(f"  1-min load average during the runs: {min(loads):.2f}-{max(loads):.2f} ({os.cpu_count()} CPUs)")
         for i, case in enumerate(runs[0]["cases"]):
             per_run = [r["cases"][i] for r in runs]
             same = len({c["sha256"] for c in per_run}) == 1 if len(per_run) > 1 else "n/a (1 run)"
@@ -360,6 +363,7 @@ def main(argv=None):
     if args.child:
         result = measure(args.repeats, args.warmup)
         result["model"] = measure_model(repeats=args.repeats, warmup=args.warmup)
+        result["loadavg_end"] = list(os.getloadavg())
         print(json.dumps(result))
         return 0
     print(f"policy: VQPIPE_BLAS={os.environ.get('VQPIPE_BLAS', 'auto')} -> {choice()}")

@@ -70,10 +70,10 @@ def fetch(source, out_dir, seed=0):
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
-        os.chmod(tmp, 0o755)
-        start = time.perf_counter()
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the model dir should be readable
         if scheme == "synth":
             log(f"building synthetic model {value!r} (seed {seed})")
             info = {"preset": value, "seed": seed, "synth": synth.build(value, tmp, seed)}
@@ -168,10 +168,12 @@ def fetch_hf(value, dst):
         raise ValueError(f"bad Hugging Face repo id {repo!r} in 'hf:{value}': {e}") from None
 
     endpoint = os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
-    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    # Read the environment now too: constants only sees it at import time.
+    offline_env = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    offline = constants.HF_HUB_OFFLINE or offline_env
     reason = "HF_HUB_OFFLINE is set" if offline else hub_unreachable(endpoint)
     if reason:
-        log(f"hub unreachable ({reason}); looking in the local Hugging Face cache")
+        log(f"not contacting the hub ({reason}); looking in the local Hugging Face cache")
     else:
         log(f"downloading {repo}" + (f" @ {revision}" if revision else "") + f" from {endpoint}")
     try:

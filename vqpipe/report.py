@@ -204,7 +204,7 @@ def build_summary(loaded):
                 if st is None:
                     continue
                 key = {"bench-load": "load", "bench-quality": "quality"}.get(kind) or rec.get("phase", "decode")
-                item = {**_scalars(rec), **st, "noise_floor": doc.get("noise_floor"), "environment": a.get("env")}
+                item = {**_scalars(rec), **st, "noise_floor": rec.get("noise_floor", doc.get("noise_floor")), "environment": a.get("env")}
                 slot(rec.get("model") or doc.get("model"), _variant(rec, doc)).setdefault(key, []).append(item)
             for c in filter(_comparison, _items(doc, "comparisons")):
                 m = c.get("model") or doc.get("model")

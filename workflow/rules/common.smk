@@ -87,7 +87,6 @@ else:
     BLAS_ENV = "VQPIPE_BLAS=auto"
 
 
-
 def vqpipe_cmd(args):
     """The shell command of a stage: ``python -m vqpipe ARGS`` under the BLAS setup, logged.
 
