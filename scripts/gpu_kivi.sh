@@ -50,7 +50,7 @@ want bench && echo "== bench-kivi $(since)" &&
 timeout 180 $PY -m vqpipe bench-kivi --out "$OUT/kivi_ops.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 
 want generation && echo "== generation, kernels on vs off, synthetic presets $(since)" &&
-pt generation 180 --maxfail=3 tests/test_kivi_kernels.py -m gpu -k generation
+pt generation 240 --maxfail=3 tests/test_kivi_kernels.py -m gpu -k generation
 
 want cpu_suite && echo "== quantizer, cache and dispatch tests on this device (kernels on by default) $(since)" &&
 pt cpu_suite 120 tests/test_kivi_quant.py tests/test_kivi_cache.py tests/test_kivi_kernels.py -m "not gpu"

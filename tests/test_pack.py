@@ -143,3 +143,28 @@ def test_inspect_cli_subprocess(packed):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "checksums   all" in proc.stdout
+
+
+# --- bench-load ------------------------------------------------------------------------------
+
+
+def test_bench_load_smoke(tiny_llama_source, tmp_path):
+    """The load benchmark end to end on a tiny model: schema, byte-identical loads, sizes."""
+    from vqpipe.bench import load as bench
+
+    out = tmp_path / "load.json"
+    assert bench.main(["--source", str(tiny_llama_source), "--out", str(out), "--rotations", "auto",
+                       "--repeats", "1", "--procs", "2", "--model", "tiny-llama"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "bench-load" and doc["model"] == "tiny-llama"
+    assert doc["environment"]["backend"] in ("cpu", "gpu")
+    arms = {r["arm"] for r in doc["records"]}
+    assert arms == {"requantize-auto", "reservoir-on-auto", "reservoir-off-auto"}
+    for r in doc["records"]:
+        assert {"n", "median", "min", "max"} <= r.keys() and r["n"] >= 1
+    assert all(doc["checks"].values()) and doc["multiprocess"]["logits_byte_identical"]
+    assert doc["sizes"]["b4-auto"]["on"]["file_over_ideal"] < 1.1
+    assert {c["method"] for c in doc["copy_paths"]} >= {"vqpipe", "read-2copies", "mx.load"}
+    mp = doc["multiprocess"]
+    assert mp["reservoir_load"]["Rss"]["n"] == 2 and mp["reservoir_load"]["Pss"]["median"] > 0
+    assert {c["other_arm"] for c in doc["comparisons"]} == {"reservoir-on-auto", "reservoir-off-auto"}

@@ -474,3 +474,19 @@ def test_killed_writer_leaves_nothing_loadable(built, tmp_path, point, existing)
         else:
             with pytest.raises(R.ReservoirError, match="partially written|not a vqpipe reservoir"):
                 R.load_reservoir(p)
+
+
+def test_layer_class_must_match_module(good, tmp_path):
+    def as_embedding(h):
+        first_layer(h)["class"] = "QuantizedEmbedding"
+    expect_error(variant(tmp_path, good, "cls.vqres", lambda d: rewrite_header(d, as_embedding)),
+                 "QuantizedEmbedding in the reservoir but a Linear")
+
+
+def test_deeply_nested_header(good, tmp_path):
+    def nested(d):
+        text = b"[" * 200_000 + b"]" * 200_000
+        hlen, data_offset = 64 + len(text), -(-(64 + len(text)) // R.ALIGN) * R.ALIGN
+        return reprefix(bytearray(d[:64]) + text + bytes(data_offset - hlen), header_len=len(text),
+                        header_hash=xxhash.xxh3_64_intdigest(text), data_offset=data_offset, file_size=data_offset)
+    expect_error(variant(tmp_path, good, "deep.vqres", nested), "malformed header")

@@ -77,7 +77,8 @@ def render(header, s, show_layers=False):
                                 if s["persist_rotation"] else
                                 "off: dense QR rotations are stored as seed + checksum and regenerated at load; "
                                 "structured rotations are stored"),
-        f"layers      {s['n_layers']} quantized ({_counts(Counter(s['classes']))}), {s['n_params']} unquantized tensors",
+        f"layers      {s['n_layers']} quantized ({_counts(Counter(s['classes']))}), "
+        f"{s['n_params']} unquantized tensors",
         f"bits        {_counts(Counter({int(k): v for k, v in s['bits'].items()}))}",
         f"rotations   {_counts(Counter(s['rotations']))}",
         "bytes       " + ", ".join(f"{k} {_mib(v)}" for k, v in s["blob_bytes"].items() if v),

@@ -229,7 +229,8 @@ def _read_prefix(path, f, size):
         what = "a partially written reservoir (no magic yet)" if magic == bytes(8) else f"magic {magic!r}"
         _fail(path, f"not a vqpipe reservoir: {what}, expected {MAGIC!r}")
     if version != VERSION:
-        _fail(path, f"unsupported reservoir format version {version}; this vqpipe {__version__} reads version {VERSION}")
+        _fail(path, f"unsupported reservoir format version {version}; "
+                    f"this vqpipe {__version__} reads version {VERSION}")
     if xxhash.xxh3_64_intdigest(raw[:48]) != prefix_hash:
         _fail(path, "prefix checksum mismatch: the first 64 bytes are corrupted")
     if flags or raw[56:] != bytes(PREFIX_SIZE - 56):
@@ -296,7 +297,8 @@ def _check_layer(path, name, meta, blobs):
         _fail(path, f"malformed header: {where} has an unknown rotation kind")
     if rot.get("dim") != meta["in_features"] or not _is_int(rot.get("seed")):
         _fail(path, f"malformed header: {where} rotation dim/seed invalid")
-    if rot["kind"] == "kron" and not (_is_int(rot.get("m"), 1) and _is_int(rot.get("p"), 1) and rot["m"] * rot["p"] == rot["dim"]):
+    factors_ok = _is_int(rot.get("m"), 1) and _is_int(rot.get("p"), 1) and rot["m"] * rot["p"] == rot["dim"]
+    if rot["kind"] == "kron" and not factors_ok:
         _fail(path, f"malformed header: {where} kron factors do not multiply to {rot['dim']}")
     if rot.get("regenerate"):
         if rot["kind"] != "qr" or not isinstance(rot.get("matrix_" + CHECKSUM), str):
@@ -309,7 +311,8 @@ def _check_layer(path, name, meta, blobs):
     for key, (shape, dtype) in expected.items():
         spec = tensors[key]
         _check_spec(path, f"{where} tensor {key!r}", spec, blobs)
-        if spec["shape"] != shape or (dtype and spec["dtype"] != dtype) or (dtype is None and spec["dtype"] not in _FLOATS):
+        dtype_ok = spec["dtype"] == dtype if dtype else spec["dtype"] in _FLOATS
+        if spec["shape"] != shape or not dtype_ok:
             _fail(path, f"malformed header: {where} tensor {key!r} is {spec['dtype']}{spec['shape']}, "
                         f"expected {dtype or 'a float'}{shape}")
 
@@ -328,7 +331,8 @@ def _check_header(path, h, size, data_offset):
             _fail(path, f"malformed header: blob {i} entry is invalid")
         start = data_offset + b["offset"]
         if start + b["nbytes"] > size:
-            _fail(path, f"blob {i} ({b['kind']}) at {start} + {b['nbytes']} bytes runs past the end of the {size}-byte file")
+            _fail(path, f"blob {i} ({b['kind']}) at {start} + {b['nbytes']} bytes runs past the end "
+                        f"of the {size}-byte file")
     if not isinstance(h.get("layers"), dict) or not isinstance(h.get("params"), dict):
         _fail(path, "malformed header: no layers/params tables")
     if not isinstance(h.get("persist_rotation"), bool):
@@ -360,7 +364,7 @@ def read_header(path):
         _fail(path, "header checksum mismatch: the JSON header is corrupted")
     try:
         header = json.loads(text.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         _fail(path, f"malformed header: {e}")
     _check_header(path, header, size, data_offset)
     header["_data_offset"], header["_file_size"] = data_offset, size
@@ -443,6 +447,11 @@ def _target_shape(module):
 
 
 def _check_targets(path, model, layers):
+    import mlx.nn as nn
+
+    from .qlinear import QuantizedEmbedding
+
+    embeddings = (nn.Embedding, nn.QuantizedEmbedding, QuantizedEmbedding)
     modules = dict(model.named_modules())
     for name, meta in layers.items():
         if name not in modules:
@@ -451,6 +460,9 @@ def _check_targets(path, model, layers):
         got = _target_shape(modules[name])
         if got != want:
             _fail(path, f"layer {name!r} is {want[0]}x{want[1]} in the reservoir but {got} in the model")
+        if isinstance(modules[name], embeddings) != (meta["class"] == "QuantizedEmbedding"):
+            _fail(path, f"layer {name!r} is a {meta['class']} in the reservoir but a "
+                        f"{type(modules[name]).__name__} in the model")
 
 
 def _check_params(path, model, header):

@@ -340,6 +340,9 @@ def write_tokenizer(config, out_dir):
 # Weights
 
 LOGIT_STD = 3.0
+EMBED_STD = 0.02
+BLOCK_GAIN = 1.0
+FINAL_NEG = 0.0
 # Student-t degrees of freedom of the bulk weights: excess kurtosis 3, between Gaussian and the
 # heaviest rows of real checkpoints.
 STUDENT_T_DF = 6.0
@@ -400,7 +403,7 @@ def layer_tensors(config, seed, i, hidden_outliers):
     prefix = f"model.layers.{i}."
     rng = tensor_rng(seed, prefix)
     # Residual-branch outputs shrink with depth so the stream grows ~sqrt(layers), not faster.
-    out_gain = 1.0 / np.sqrt(2.0 * n_layers)
+    out_gain = BLOCK_GAIN / np.sqrt(2.0 * n_layers)
     gains = rng.lognormal(0.0, 0.15, 7)  # per-layer, per-matrix scale variation
     hidden_cols = rng.lognormal(0.0, 0.2, h).astype(np.float32)
     hidden_cols[hidden_outliers] *= rng.uniform(3.0, 8.0, len(hidden_outliers)).astype(np.float32)
@@ -464,7 +467,7 @@ def model_tensors(config, seed):
     # Real checkpoints: embeddings ~0.02 per element, logits spread by a few units; the final
     # norm weight sets the logit scale (LOGIT_STD), like the large final norms of real models,
     # and mutes the outlier channels so they do not pick the next token on their own.
-    emb_std = 0.02
+    emb_std = EMBED_STD
     embed = embedding(tensor_rng(seed, "embed"), v, h, hidden_outliers, emb_std)
     yield "model.embed_tokens.weight", embed
     for i in range(config["num_hidden_layers"]):
@@ -473,6 +476,8 @@ def model_tensors(config, seed):
     final = rng.lognormal(0.0, 0.2, h).astype(np.float32)
     final *= np.float32(LOGIT_STD / (head_std * np.sqrt(h)))
     final[hidden_outliers] *= np.float32(0.1)
+    if FINAL_NEG:
+        final[tensor_rng(seed, "final-sign").random(h) < FINAL_NEG] *= -1
     yield "model.norm.weight", final
     if not config["tie_word_embeddings"]:
         head = linear(tensor_rng(seed, "lm_head"), v, h, 1.0, np.ones(h, np.float32))

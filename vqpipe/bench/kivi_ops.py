@@ -1,9 +1,10 @@
 """bench-kivi: op-level timing of one KIVI flush, fused kernel vs the MLX-ops reference.
 
 For each sequence length S (tokens flushed at once) and each of keys, values and a whole flush
-(keys + values), the kernel and the reference run interleaved in one process on a rotating pool of
-distinct inputs [1, H, S, D], with warm-up, each sample timed through ``mx.eval`` and
-``mx.synchronize``; a second copy of each arm gives the A/A noise floor. Two modes:
+(keys + values: one fused launch, as the cache runs it), the kernel and the reference run
+interleaved in one process on a rotating pool of distinct inputs [1, H, S, D], with warm-up, each
+sample timed through ``mx.eval`` and ``mx.synchronize``; a second copy of each arm gives the A/A
+noise floor. Two modes:
 
 - ``isolated``: one flush per timed step, so each sample carries a whole eval + synchronize;
 - ``in_graph``: ``--layers`` flushes (distinct inputs) per step, as a decode step of the cache runs
@@ -34,18 +35,29 @@ KINDS = ("keys", "values", "flush")
 
 def _arms(kind, pool, bits, g, per_step):
     """{"reference": fn(i), "kernel": fn(i) if kernels are active}; each call does ``per_step``
-    flushes on consecutive, distinct inputs of the pool."""
-    ref = {"keys": quant.fake_quant_keys, "values": quant.fake_quant_values}
-    ker = {"keys": kernels.fake_quant_keys, "values": kernels.fake_quant_values}
-    parts = ("keys", "values") if kind == "flush" else (kind,)
+    flushes on consecutive, distinct inputs of the pool. A whole flush is one fused launch."""
     n = len(pool["keys"])
+    ref = {"keys": quant.fake_quant_keys, "values": quant.fake_quant_values}
 
-    def arm(fns, **kw):
-        return lambda i: [fns[p](pool[p][(i + j) % n], bits, g, **kw) for j in range(per_step) for p in parts]
+    def reference(i):
+        parts = ("keys", "values") if kind == "flush" else (kind,)
+        return [ref[p](pool[p][(i + j) % n], bits, g) for j in range(per_step) for p in parts]
 
-    arms = {"reference": arm(ref)}
+    def kernel(i):
+        out = []
+        for j in range(per_step):
+            k, v = pool["keys"][(i + j) % n], pool["values"][(i + j) % n]
+            if kind == "flush":
+                out += kernels.fake_quant_kv(k, v, bits, g, use_kernels=True)
+            elif kind == "keys":
+                out.append(kernels.fake_quant_keys(k, bits, g, use_kernels=True))
+            else:
+                out.append(kernels.fake_quant_values(v, bits, g, use_kernels=True))
+        return out
+
+    arms = {"reference": reference}
     if kernels.kernels_active(None):
-        arms["kernel"] = arm(ker, use_kernels=True)
+        arms["kernel"] = kernel
     return arms
 
 

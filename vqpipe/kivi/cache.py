@@ -8,8 +8,9 @@ launch). Flushes happen inside ``update_and_fetch``, before attention reads the 
 KIVI paper's decoding step.
 
 The store is full-precision resident (as in the original experiment): ``nbytes`` is what is
-allocated; ``compressed_nbytes`` is what a packed store would take (codes + fp16 scale/zero per
-group + the full-precision residual). The two are never mixed.
+allocated (the buffers and a copy of the residual tokens); ``compressed_nbytes`` is what a packed
+store would take (codes + fp16 scale/zero per group + the full-precision residual). The two are
+never mixed.
 """
 
 import mlx.core as mx
@@ -77,6 +78,8 @@ class KIVICache(_BaseCache):
         self.offset += keys.shape[2]
         self._rk.append(keys)
         self._rv.append(values)
+        if len(self._rk) > 64:  # a long residual (large residual_length) in one piece, not per token
+            self._residual()
         g = self.group_size
         due = (self.offset - self.quantized - self.residual_length) // g
         if due <= 0:
@@ -84,13 +87,13 @@ class KIVICache(_BaseCache):
             self.values[..., prev : self.offset, :] = values
         else:
             # Flush the oldest due*g residual tokens. The quantizer reads the residual chunks, never
-            # a view of self.keys, and flushed plus residual tokens go in with one slice update: a
-            # live view of the buffer or a second update in the same graph would make MLX copy the
-            # whole buffer instead of updating it in place.
+            # a view of self.keys: a live view of the buffer makes MLX copy the whole buffer instead
+            # of updating it in place. Flushed and residual tokens go in with one slice update.
             m, a = due * g, self.quantized
             rk, rv = self._residual()
-            kh = kernels.fake_quant_keys(rk[..., :m, :], self.kv_bits, g, self.use_kernels)[0]
-            vh = kernels.fake_quant_values(rv[..., :m, :], self.kv_bits, g, self.use_kernels)[0]
+            (kh, _, _), (vh, _, _) = kernels.fake_quant_kv(
+                rk[..., :m, :], rv[..., :m, :], self.kv_bits, g, self.use_kernels
+            )
             self._rk, self._rv = [rk[..., m:, :]], [rv[..., m:, :]]
             self.keys[..., a : self.offset, :] = mx.concatenate([kh, self._rk[0]], axis=2)
             self.values[..., a : self.offset, :] = mx.concatenate([vh, self._rv[0]], axis=2)
@@ -160,10 +163,19 @@ class KIVICache(_BaseCache):
 
     @property
     def nbytes(self):
-        """Resident bytes: the full-precision buffers actually allocated."""
+        """Resident bytes: the full-precision buffers plus the copy of the residual tokens."""
         if self.keys is None:
             return 0
-        return self.keys.nbytes + self.values.nbytes
+        residual = self._residual_tokens_nbytes()
+        return self.keys.nbytes + self.values.nbytes + residual
+
+    def _tokens_nbytes(self, n):
+        """n tokens of keys and values at the cache dtype."""
+        b, h, _, dk = self.keys.shape
+        return b * h * n * (dk * self.keys.itemsize + self.values.shape[3] * self.values.itemsize)
+
+    def _residual_tokens_nbytes(self):
+        return self._tokens_nbytes(self.offset - self.quantized)
 
     @property
     def compressed_nbytes(self):
@@ -179,15 +191,11 @@ class KIVICache(_BaseCache):
         v_groups = b * h * nq * -(-dv // g)
         packed = quant.packed_nbytes(b * h * nq * dk, k_groups, self.kv_bits)
         packed += quant.packed_nbytes(b * h * nq * dv, v_groups, self.kv_bits)
-        residual = b * h * (self.offset - nq) * (dk * self.keys.itemsize + dv * self.values.itemsize)
-        return packed + residual
+        return packed + self._residual_tokens_nbytes()
 
     def stats(self):
         """Token counts and sizes, each labelled: resident vs compressed vs uncompressed."""
-        full = 0
-        if self.keys is not None:
-            b, h, _, dk = self.keys.shape
-            full = b * h * self.offset * (dk * self.keys.itemsize + self.values.shape[3] * self.values.itemsize)
+        full = 0 if self.keys is None else self._tokens_nbytes(self.offset)
         return {
             "offset": self.offset,
             "quantized_tokens": self.quantized,

@@ -1,0 +1,409 @@
+"""Load benchmark: re-quantizing from source vs loading a reservoir (persist_rotation on and off).
+
+For each rotation kind, in one run:
+    requantize      load the source and quantize it, in this process (timed, model ready)
+    reservoir-on    load_reservoir in a fresh process (imports done first, not timed)
+    reservoir-off   the same, dense QR rotations regenerated from their seeds
+Fresh-process loads run interleaved and repeated (an arm stops repeating once its time budget is
+spent, after at least one sample); each child also checks its logits are byte-identical to the
+in-memory quantized model's. Also measured: file size / ideal payload, load throughput vs
+``cat FILE > /dev/null`` (warm page cache), the cost of each way of getting file bytes into MLX
+memory, and per-process RSS/PSS of 4 processes loading one reservoir at once vs 4 quantizing.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..fsutil import write_json
+from .env import environment
+from .harness import compare, noise_floor, summarize
+
+CHECK_TOKENS = [[1, 17, 4, 99, 512, 3, 2048, 7, 31, 64, 5, 128, 9, 1000, 42, 8]]
+_CHILD = "import sys; from vqpipe.bench.load import child; child(sys.argv[1:])"
+_SMAPS_KEYS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Shared_Clean", "Shared_Dirty", "Private_Clean", "Private_Dirty")
+
+
+def smaps_rollup(pid="self"):
+    """{field: bytes} from /proc/PID/smaps_rollup (Linux), plus VmHWM (peak RSS) from status."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in _SMAPS_KEYS:
+                    out[key] = int(rest.split()[0]) * 1024
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    out["VmHWM"] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def logits_hash(model):
+    import mlx.core as mx
+    import xxhash
+
+    y = model(mx.array(CHECK_TOKENS, dtype=mx.int32)).astype(mx.float32)
+    mx.eval(y)
+    return xxhash.xxh3_64_hexdigest(memoryview(y))
+
+
+def requantize(source, bits, rotation, seed=0):
+    """(model, seconds): the source loaded and quantized, every parameter evaluated."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    from ..quantize import quantize_model
+
+    t0 = time.perf_counter()
+    model, _ = load_model(Path(source), lazy=True)
+    quantize_model(model, bits, rotation, seed)
+    mx.eval(model.parameters())
+    return model, time.perf_counter() - t0
+
+
+def _read_all(path, method):
+    """Bring every blob of a reservoir into MLX memory by ``method``; returns bytes moved."""
+    import mlx.core as mx
+    import numpy as np
+
+    from .. import reservoir as R
+
+    header = R.read_header(path)
+    base, blobs = header["_data_offset"], header["blobs"]
+    if method == "vqpipe":  # the reservoir's own reader: mmap -> mx.array (1 copy) + xxh3
+        read, close = R._reader(path, header)
+        specs = [{"blob": i, "dtype": "uint8", "shape": [b["nbytes"]]} for i, b in enumerate(blobs)]
+        arrays = [read(s) for s in specs]
+        close()
+    elif method == "mmap-nohash":
+        import mmap
+
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        arrays = [mx.array(np.frombuffer(mm, np.uint8, b["nbytes"], base + b["offset"])) for b in blobs]
+    elif method == "read-2copies":  # read() into a bytes object, then mx.array copies it again
+        fd = os.open(path, os.O_RDONLY)
+        arrays = [mx.array(np.frombuffer(os.pread(fd, b["nbytes"], base + b["offset"]), np.uint8)) for b in blobs]
+        os.close(fd)
+    elif method == "zeros-readinto":  # MLX buffer first (zero-filled), then read() straight into it
+        fd = os.open(path, os.O_RDONLY)
+        arrays = []
+        for b in blobs:
+            a = mx.zeros((b["nbytes"],), dtype=mx.uint8)
+            mx.eval(a)
+            os.preadv(fd, [memoryview(a)], base + b["offset"])
+            arrays.append(a)
+        os.close(fd)
+    elif method == "fresh-memory":  # no file at all: the cost of faulting in fresh MLX memory
+        arrays = [mx.zeros((b["nbytes"],), dtype=mx.uint8) for b in blobs]
+    elif method.startswith("mx.load:"):  # MLX's native safetensors reader (1 copy)
+        arrays = list(mx.load(method[len("mx.load:"):]).values())
+    else:
+        raise ValueError(f"unknown copy method {method!r}")
+    mx.eval(arrays)
+    return sum(a.nbytes for a in arrays)
+
+
+def child(argv):
+    """Fresh-process worker: ``load PATH MODEL_TYPE``, ``quantize SRC BITS ROT``, ``copy PATH METHOD``.
+
+    Prints one JSON line: seconds, its own memory right after the work, and (load, quantize) the
+    xxh3 of its logits on CHECK_TOKENS. With a trailing ``wait`` it prints the record without the
+    logits, then ``ready``, and waits for a line on stdin before computing them (so a parent can
+    read the memory of several children alive at once, before any forward pass), then prints
+    ``{"logits_xxh3": ...}`` and waits for stdin to close.
+    """
+    import importlib
+
+    import mlx.core as mx
+
+    from .. import reservoir  # noqa: F401  imported before timing, like the model module below
+
+    wait = argv[-1] == "wait"
+    what = argv[0]
+    model = None
+    if what == "load":
+        importlib.import_module(f"mlx_lm.models.{argv[2]}")
+        t0 = time.perf_counter()
+        model = reservoir.load_reservoir(argv[1])
+        mx.eval(model.parameters())
+        rec = {"seconds": time.perf_counter() - t0}
+    elif what == "quantize":
+        model, seconds = requantize(argv[1], int(argv[2]), argv[3])
+        rec = {"seconds": seconds}
+    elif what == "copy":
+        t0 = time.perf_counter()
+        rec = {"bytes": _read_all(argv[1], argv[2])}
+        rec["seconds"] = time.perf_counter() - t0
+    else:
+        raise SystemExit(f"unknown child task {what!r}")
+    rec["memory"] = smaps_rollup()
+    rec["mlx_peak_bytes"] = mx.get_peak_memory()
+    if wait:
+        print(json.dumps(rec), flush=True)
+        print("ready", flush=True)
+        sys.stdin.readline()
+        print(json.dumps({"logits_xxh3": logits_hash(model) if model is not None else None}), flush=True)
+        sys.stdin.read()
+        return
+    if model is not None:
+        rec["logits_xxh3"] = logits_hash(model)
+    print(json.dumps(rec), flush=True)
+
+
+def run_child(args, timeout=3600):
+    proc = subprocess.run([sys.executable, "-c", _CHILD, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"child {args} failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def interleaved(arms, repeats, budget, progress):
+    """{arm: [child records]}: round-robin over arms; an arm stops after ``repeats`` samples or
+    once its summed time exceeds ``budget`` seconds (it always gets at least one)."""
+    out = {name: [] for name in arms}
+    for r in range(repeats):
+        for name, args in arms.items():
+            spent = sum(x["seconds"] for x in out[name])
+            if out[name] and spent > budget:
+                continue
+            rec = run_child(args)
+            out[name].append(rec)
+            progress(f"  round {r + 1}: {name} {rec['seconds']:.3f}s")
+    return out
+
+
+def raw_read(path, repeats):
+    """Seconds for ``cat FILE > /dev/null``, page cache warmed by one untimed run."""
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def concurrent(args_list, timeout=3600):
+    """Start one child per args (with ``wait``) at once; once all have finished their work, read
+    every child's /proc/PID/smaps_rollup while all are alive, then let them check their logits.
+    Returns the child records, each with ``"proc"`` (that reading) and ``"logits_xxh3"``."""
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, *map(str, a), "wait"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for a in args_list]
+    recs = []
+    try:
+        for p in procs:
+            line = p.stdout.readline()
+            if not line or p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"child failed: {p.stderr.read()[-3000:]}")
+            recs.append(json.loads(line))
+        for p, rec in zip(procs, recs):
+            rec["proc"] = smaps_rollup(p.pid)
+        for p in procs:
+            p.stdin.write("check\n")
+            p.stdin.flush()
+        for p, rec in zip(procs, recs):
+            rec.update(json.loads(p.stdout.readline()))
+    finally:
+        for p in procs:
+            p.stdin.close()
+        for p in procs:
+            p.wait(timeout=timeout)
+    return recs
+
+
+def _mem_summary(recs):
+    keys = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Shared_Clean", "Shared_Dirty", "VmHWM")
+    out = {k: summarize([r["proc"].get(k, 0) for r in recs]) for k in keys}
+    out["seconds"] = summarize([r["seconds"] for r in recs])
+    return out
+
+
+def run(source, bits=4, rotations=("auto", "qr"), repeats=5, budget=600.0, procs=4, workdir=None,
+        model_name=None, progress=print):
+    from .. import reservoir as R
+    from ..quantize import copy_model_files, split_state
+
+    source = Path(source)
+    config = json.loads((source / "config.json").read_text())
+    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="vqpipe-bench-load-"))
+    work.mkdir(parents=True, exist_ok=True)
+    result = {
+        "kind": "bench-load",
+        "model": model_name or source.name,
+        "source": str(source),
+        "environment": environment(),
+        "loadavg_start": os.getloadavg(),
+        "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
+        "settings": {"bits": bits, "rotations": list(rotations), "repeats": repeats, "arm_budget_s": budget,
+                     "procs": procs},
+        "records": [], "comparisons": [], "sizes": {}, "throughput": {}, "checks": {}, "targets": {},
+    }
+    arms, want_hash, requant = {}, {}, {}
+    for rot in rotations:
+        variant = f"b{bits}-{rot}"
+        progress(f"[{variant}] quantizing {source} in process")
+        model, seconds = requantize(source, bits, rot)
+        requant[rot] = seconds
+        want_hash[rot] = logits_hash(model)
+        progress(f"[{variant}] quantized in {seconds:.1f}s")
+        sizes = {}
+        for mode, persist in (("on", True), ("off", False)):
+            d = work / variant / f"persist-{mode}"
+            d.mkdir(parents=True, exist_ok=True)
+            copy_model_files(source, d)
+            header = R.save_reservoir(model, d / R.FILE_NAME, persist_rotation=persist, config=config)
+            sizes[mode] = R.sizes(header)
+            arms[f"reservoir-{mode}-{rot}"] = ["load", d / R.FILE_NAME, config["model_type"]]
+        if rot == rotations[0]:
+            import mlx.core as mx
+
+            metas, arrays, params = split_state(model)
+            mx.save_safetensors(str(work / "state.safetensors"),
+                                {**{f"layers.{k}": v for k, v in arrays.items()},
+                                 **{f"params.{k}": v for k, v in params.items()}})
+            del metas, arrays, params
+        del model
+        result["sizes"][variant] = sizes
+        progress(f"[{variant}] reservoir on {sizes['on']['file_bytes'] / 2**20:.1f} MiB "
+                 f"({sizes['on']['file_over_ideal']:.3f}x ideal), off {sizes['off']['file_bytes'] / 2**20:.1f} MiB "
+                 f"({sizes['off']['file_over_ideal']:.3f}x ideal)")
+
+    first = rotations[0]
+    aa = f"reservoir-on-{first} (A/A)"
+    arms[aa] = arms[f"reservoir-on-{first}"]
+    progress(f"fresh-process loads: {len(arms)} arms x {repeats} rounds (budget {budget:.0f}s per arm)")
+    samples = interleaved(arms, repeats, budget, progress)
+    floor = noise_floor([x["seconds"] for x in samples[f"reservoir-on-{first}"]], [x["seconds"] for x in samples[aa]])
+    result["noise_floor"] = floor
+
+    for rot in rotations:
+        variant = f"b{bits}-{rot}"
+        result["records"].append({"arm": f"requantize-{rot}", "variant": variant, "rotation": rot,
+                                  "persist_rotation": None, "what": "load source + quantize_model, in process",
+                                  **summarize([requant[rot]])})
+        for mode in ("on", "off"):
+            name = f"reservoir-{mode}-{rot}"
+            recs = samples[name]
+            size = result["sizes"][variant][mode]["file_bytes"]
+            result["records"].append({
+                "arm": name, "variant": variant, "rotation": rot, "persist_rotation": mode == "on",
+                "what": "load_reservoir in a fresh process, model ready", "file_bytes": size,
+                **summarize([x["seconds"] for x in recs]),
+                "rss_bytes": summarize([x["memory"]["Rss"] for x in recs]),
+                "pss_bytes": summarize([x["memory"]["Pss"] for x in recs]),
+                "mlx_peak_bytes": summarize([x["mlx_peak_bytes"] for x in recs]),
+                "throughput_bytes_per_s": size / summarize([x["seconds"] for x in recs])["median"],
+            })
+            same = all(x["logits_xxh3"] == want_hash[rot] for x in recs)
+            result["checks"][f"{name} logits byte-identical"] = same
+            base = [requant[rot]]
+            result["comparisons"].append({"baseline_arm": f"requantize-{rot}", "other_arm": name,
+                                          **compare(base, [x["seconds"] for x in recs], floor)})
+        on = [x["seconds"] for x in samples[f"reservoir-on-{rot}"]]
+        off = [x["seconds"] for x in samples[f"reservoir-off-{rot}"]]
+        result["comparisons"].append({"baseline_arm": f"reservoir-on-{rot}", "other_arm": f"reservoir-off-{rot}",
+                                      **compare(on, off, floor)})
+
+    progress("raw read: cat FILE > /dev/null")
+    for rot in rotations:
+        variant = f"b{bits}-{rot}"
+        for mode in ("on", "off"):
+            path = arms[f"reservoir-{mode}-{rot}"][1]
+            cat = raw_read(path, repeats)
+            size = result["sizes"][variant][mode]["file_bytes"]
+            load_median = next(r["median"] for r in result["records"] if r["arm"] == f"reservoir-{mode}-{rot}")
+            result["throughput"][f"reservoir-{mode}-{rot}"] = {
+                "file_bytes": size, "cat_seconds": summarize(cat), "cat_bytes_per_s": size / summarize(cat)["median"],
+                "load_bytes_per_s": size / load_median,
+                "load_over_cat": (size / load_median) / (size / summarize(cat)["median"]),
+            }
+
+    progress("copy paths: file bytes -> MLX memory, fresh processes")
+    path = arms[f"reservoir-on-{first}"][1]
+    methods = ["vqpipe", "mmap-nohash", "read-2copies", "zeros-readinto", "fresh-memory",
+               f"mx.load:{work / 'state.safetensors'}"]
+    copy = interleaved({m: ["copy", path, m] for m in methods}, repeats, budget, progress)
+    result["copy_paths"] = [{"method": m.split(":")[0], "bytes": copy[m][0]["bytes"],
+                             "copies": {"vqpipe": 1, "mmap-nohash": 1, "read-2copies": 2, "zeros-readinto": 1,
+                                        "fresh-memory": 0, "mx.load": 1}[m.split(":")[0]],
+                             **summarize([x["seconds"] for x in copy[m]]),
+                             "bytes_per_s": copy[m][0]["bytes"] / summarize([x["seconds"] for x in copy[m]])["median"]}
+                            for m in methods]
+
+    progress(f"{procs} processes at once: loading one reservoir vs quantizing from source")
+    loads = concurrent([arms[f"reservoir-on-{first}"]] * procs)
+    quants = concurrent([["quantize", source, bits, first]] * procs)
+    single = samples[f"reservoir-on-{first}"]
+    result["multiprocess"] = {
+        "variant": f"b{bits}-{first}", "procs": procs,
+        "reservoir_load": _mem_summary(loads),
+        "requantize": _mem_summary(quants),
+        "single_load_rss_bytes": summarize([x["memory"]["Rss"] for x in single]),
+        "single_load_pss_bytes": summarize([x["memory"]["Pss"] for x in single]),
+        "logits_byte_identical": all(r["logits_xxh3"] == want_hash[first] for r in loads + quants),
+    }
+
+    result["targets"] = targets(result, rotations, bits)
+    result["loadavg_end"] = os.getloadavg()
+    if not workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def targets(result, rotations, bits):
+    med = {r["arm"]: r["median"] for r in result["records"]}
+    out = {}
+    for rot in rotations:
+        v = f"b{bits}-{rot}"
+        for mode in ("on", "off"):
+            s = med[f"requantize-{rot}"] / med[f"reservoir-{mode}-{rot}"]
+            out[f"speedup requantize/reservoir-{mode} {rot} (>= 1000)"] = {"value": s, "met": s >= 1000}
+            ratio = result["sizes"][v][mode]["file_over_ideal"]
+            out[f"file/ideal {mode} {rot}" + (" (<= 1.1)" if rot != "qr" else "")] = {
+                "value": ratio, "met": ratio <= 1.1 if rot != "qr" else None}
+            t = result["throughput"][f"reservoir-{mode}-{rot}"]["load_over_cat"]
+            out[f"load throughput / cat {mode} {rot} (>= 0.8)"] = {"value": t, "met": t >= 0.8}
+        if rot != "qr":
+            r = med[f"reservoir-off-{rot}"] / med[f"reservoir-on-{rot}"]
+            out[f"off/on load time {rot} (<= 2)"] = {"value": r, "met": r <= 2}
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m vqpipe bench-load", description=__doc__.split("\n")[0])
+    p.add_argument("--source", required=True, help="source model directory (download stage output)")
+    p.add_argument("--out", required=True, help="output JSON")
+    p.add_argument("--model", default=None, help="model name recorded in the output")
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--rotations", nargs="+", default=["auto", "qr"], help="rotation kinds to compare")
+    p.add_argument("--repeats", type=int, default=5, help="fresh-process loads per arm (at most)")
+    p.add_argument("--arm-budget", type=float, default=600.0,
+                   help="seconds after which an arm stops repeating (slow arms: QR regeneration)")
+    p.add_argument("--procs", type=int, default=4, help="processes in the shared-memory experiment")
+    p.add_argument("--workdir", default=None, help="keep reservoirs here (default: a temp dir, removed)")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.procs < 1:
+        print("vqpipe bench-load: error: --repeats and --procs must be >= 1", file=sys.stderr)
+        return 2
+    if not (Path(args.source) / "config.json").is_file():
+        print(f"vqpipe bench-load: error: {args.source} has no config.json", file=sys.stderr)
+        return 2
+    result = run(args.source, args.bits, args.rotations, args.repeats, args.arm_budget, args.procs,
+                 args.workdir, args.model)
+    write_json(args.out, result)
+    for name, t in result["targets"].items():
+        met = {True: "met", False: "NOT met", None: "reported"}[t["met"]]
+        print(f"{name}: {t['value']:.3g} ({met})")
+    return 0
