@@ -7,9 +7,8 @@ from vqpipe import report
 from vqpipe.bench import compare, environment, noise_floor, summarize
 
 # Sample lists shaped like real runs (seconds or tok/s), run through the real harness helpers.
-LOAD_FULL = [0.412, 0.398, 0.405, 0.431, 0.401]
-LOAD_FULL_AA = [0.409, 0.402, 0.399, 0.420, 0.404]
 LOAD_RES = [0.051, 0.049, 0.050, 0.055, 0.050]
+LOAD_RES_AA = [0.050, 0.052, 0.049, 0.051, 0.054]
 
 
 @pytest.fixture(scope="module")
@@ -22,27 +21,44 @@ def _rec(samples, **keys):
 
 
 def _artifacts(env):
-    floor = noise_floor(LOAD_FULL, LOAD_FULL_AA)
+    """One artifact of every kind, shaped as the stages write them (quantize.py, pack.py,
+    validate.py, bench/load.py, bench/kivi_ops.py, bench/quality.py; bench-decode as documented)."""
+    floor = noise_floor(LOAD_RES, LOAD_RES_AA)
     arts = {}
-    arts["quantized/tiny/b4-hadamard/quantized.json"] = {
-        "model": "tiny", "variant": "b4-hadamard", "bits": 4, "rotation": {"kind": "hadamard"},
-        "quantized_bytes": 1_234_567, "source_bytes": 8_765_432, "environment": env,
+    q = "quantized/tiny/b4-hadamard"
+    arts[f"{q}/quantized.json"] = {
+        "vqpipe_version": "0.1.0", "source": "results/models/tiny/source", "bits": 4, "rotation": "hadamard",
+        "seed": 0, "dtype": "float32", "quantize_seconds": 0.84, "peak_rss_bytes": 158_000_000,
+        "records": [{"name": f"model.layers.{i}.mlp.up_proj", "kind": "linear", "rel_mse": 0.009 + 0.0001 * i,
+                     "seconds": 0.25} for i in range(5)],
+        "layers": [{"in_features": 256, "out_features": 1024}],
     }
-    for persist in (True, False):
-        arts[f"validate/tiny/b4-hadamard/persist-{'on' if persist else 'off'}.json"] = {
+    arts[f"{q}/reference.json"] = {"prompts": ["a", "b"], "environment": env}
+    for persist in ("on", "off"):
+        arts[f"reservoir/tiny/b4-hadamard/persist-{persist}/pack.json"] = {
+            "kind": "pack", "persist_rotation": persist == "on", "n_layers": 5, "seconds": 0.13,
+            "file_bytes": 12_719_104, "file_over_ideal": 1.0244,
+        }
+        arts[f"validate/tiny/b4-hadamard/persist-{persist}.json"] = {
             "kind": "validate", "model": "tiny", "variant": "b4-hadamard", "persist_rotation": persist,
-            "bit_exact": persist, "max_abs_diff": 0.0 if persist else 3.1e-7, "backend": "cpu",
-            "blas": env["blas"]["name"], "environment": env,
+            "bit_exact": persist == "on", "max_abs_diff": 0.0 if persist == "on" else 3.1e-7, "n_prompts": 4,
+            "load_seconds": 4.7, "reason": "all 4 prompts bit-exact" if persist == "on" else "logits differ",
+            "environment": env, "reference_environment": env,
         }
     arts["bench/tiny/load.json"] = {
         "kind": "bench-load", "model": "tiny", "environment": env, "noise_floor": floor,
         "records": [
-            _rec(LOAD_FULL, model="tiny", arm="safetensors", metric="load_s", unit="s", file_bytes=8_765_432),
-            _rec(LOAD_RES, model="tiny", arm="reservoir", variant="b4-hadamard", persist_rotation=True,
-                 metric="load_s", unit="s", file_bytes=1_300_000),
+            {"arm": "requantize-hadamard", "variant": "b4-hadamard", "persist_rotation": None, **summarize([0.472])},
+            {"arm": "reservoir-on-hadamard", "variant": "b4-hadamard", "persist_rotation": True, "file_bytes": 12_719_104,
+             **summarize(LOAD_RES), "rss_bytes": summarize([97e6, 96e6, 98e6, 97e6, 97e6]),
+             "mlx_peak_bytes": summarize([12_433_724] * 5)},
         ],
-        "comparisons": [{"model": "tiny", "baseline_arm": "safetensors", "other_arm": "reservoir",
-                         **compare(LOAD_FULL, LOAD_RES, floor)}],
+        "comparisons": [{"baseline_arm": "requantize-hadamard", "other_arm": "reservoir-on-hadamard",
+                         **compare([0.472], LOAD_RES, floor)}],
+        "targets": {"speedup requantize/reservoir-on hadamard (>= 1000)": {"value": 9.4, "met": False}},
+        "checks": {"reservoir-on-hadamard logits byte-identical": True},
+        "copy_paths": [{"method": "vqpipe", "bytes": 12_433_352, "copies": 1, **summarize([0.0168, 0.0170, 0.0166]),
+                        "bytes_per_s": 12_433_352 / 0.0168}],
     }
     decode_records = []
     for arm, precision, wbytes, tok_s in (
@@ -67,18 +83,27 @@ def _artifacts(env):
         "comparisons": [{"model": "tiny", "phase": "decode", "context": 128, "baseline_arm": "full",
                          "other_arm": "vqpipe-b4", **compare([1 / 210, 1 / 205, 1 / 214], [1 / 480, 1 / 470, 1 / 495], 0.021)}],
     }
-    kivi_recs, kivi_comps = [], []
+    rows = []
     for S in (64, 256, 1024):
         base = [1e-5 * S * f for f in (1.0, 1.03, 0.98)]
         fast = [t / (1 + S / 512) for t in base]
-        kivi_recs += [_rec(base, op="qk", arm="dequant", S=S, unit="s"), _rec(fast, op="qk", arm="fused", S=S, unit="s")]
-        kivi_comps.append({"op": "qk", "S": S, "baseline_arm": "dequant", "other_arm": "fused", **compare(base, fast, 0.03)})
-    arts["bench/kivi.json"] = {"kind": "bench-kivi", "environment": env, "noise_floor": 0.03,
-                               "records": kivi_recs, "comparisons": kivi_comps}
+        floors = {"reference": noise_floor(base, base[::-1]), "kernel": 0.03}
+        c = compare(base, fast, max(floors.values()))
+        rows.append({"S": S, "kind": "keys", "mode": "isolated", "flushes_per_step": 1,
+                     "arms": {"reference": summarize(base), "reference (A/A)": summarize(base[::-1]),
+                              "kernel": summarize(fast), "kernel (A/A)": summarize(fast)},
+                     "noise_floor": floors, "speedup": c["speedup"], "verdict": c["text"]})
+    arts["bench/kivi.json"] = {"stage": "bench-kivi", "environment": env, "backend": "metal",
+                               "copy_bandwidth": {**summarize([24.1e9, 23.9e9, 35.6e9]), "unit": "B/s",
+                                                  "method": "numpy", "bytes": 64 << 20},
+                               "results": rows}
     arts["bench/tiny/quality.json"] = {
         "kind": "bench-quality", "model": "tiny", "environment": env,
-        "records": [{"model": "tiny", "variant": "b4-hadamard", "metric": "perplexity", "dataset": "synthetic", "value": 12.5},
-                    _rec([0.011, 0.013, 0.012], model="tiny", variant="b4-hadamard", metric="kl_divergence", dataset="synthetic")],
+        "records": [{"bits": 4, "method": m, "weight_rel_mse": w, "kl": summarize(kl), "kl_mean": sum(kl) / 3,
+                     "top1": summarize([0.4, 0.45, 0.43]), "top1_mean": 0.4267, "tokens": 640}
+                    for m, w, kl in (("rotated", 0.009, [1.3, 1.2, 1.5]), ("affine", 0.015, [2.1, 2.0, 2.4]))],
+        "timing": [{"rotation": "hadamard", "bits": 4, "seconds": summarize([0.8, 0.85, 0.9]),
+                    "peak_rss_bytes": summarize([158e6, 160e6, 159e6]), "source_bytes": 30_000_000}],
     }
     return arts
 
@@ -102,26 +127,46 @@ def test_full_report(tmp_path, env):
         assert (out / "plots" / f"{p}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     s = json.loads((out / "summary.json").read_text())
-    assert s["missing"] == [] and len(s["inputs"]) == len(arts)
+    assert s["missing"] == [] and len(s["inputs"]) == len(arts) - 1  # reference.json: read with quantized.json
+    assert s["passed_over"] == 1 and s["warnings"] == []
+    assert all(i["environment"] == "env1" for i in s["inputs"] if i["kind"] != "pack")
     tiny = s["models"]["tiny"]
-    assert [v["bit_exact"] for v in tiny["b4-hadamard"]["validate"]] in ([True, False], [False, True])
-    assert tiny["b4-hadamard"]["quantize"]["quantized_bytes"] == 1_234_567
-    load = tiny["b4-hadamard"]["load"][0]
-    assert (load["n"], load["median"], load["min"], load["max"]) == (5, 0.050, 0.049, 0.055)
-    assert {q["metric"] for q in tiny["b4-hadamard"]["quality"]} == {"perplexity", "kl_divergence"}
+    b4 = tiny["b4-hadamard"]
+    assert sorted((v["persist_rotation"], v["bit_exact"]) for v in b4["validate"]) == [("off", False), ("on", True)]
+    (q,) = b4["quantize"]  # model and variant from the path, environment from reference.json
+    assert q["layers"] == 5 and q["environment"] == "env1"
+    assert q["layer_rel_mse"] == {"n": 5, "median": pytest.approx(0.0092), "min": 0.009, "max": pytest.approx(0.0094)}
+    assert sorted(p["persist"] for p in b4["pack"]) == ["off", "on"]
+    load = {r["arm"]: r for r in b4["load"]}
+    res = load["reservoir-on-hadamard"]
+    assert (res["n"], res["median"], res["min"], res["max"]) == (5, 0.050, 0.049, 0.055)
+    assert res["rss_bytes"]["median"] == 97e6 and res["noise_floor"] == noise_floor(LOAD_RES, LOAD_RES_AA)
+    assert load["requantize-hadamard"]["n"] == 1
+    kl = {(r["method"], r["metric"]): r for v in tiny.values() for r in v.get("quality", [])}
+    assert kl[("rotated", "kl")]["median"] == 1.3 and kl[("affine", "kl")]["max"] == 2.4
+    assert {r["variant"] for r in kl.values()} == {"b4-auto", "mlx-affine-b4"}
+    assert b4["quantize_timing"][0]["seconds"]["n"] == 3
     dec = {(r["arm"], r["context"]): r for r in tiny["vqpipe-b4"]["decode"]}
     assert dec[("vqpipe-b4", 512)]["median"] == pytest.approx(480 * (1 - 512 / 4096))
     assert tiny["full"]["prefill"][0]["context"] == 256
-    assert len(s["kernels"]["comparisons"]) == 3 and s["kernels"]["comparisons"][0]["verdict"]
+    kc = s["kernels"]["comparisons"]
+    assert [c["S"] for c in kc] == [64, 256, 1024] and kc[2]["speedup"] == pytest.approx(3.0)
+    base = [1e-5 * 64 * f for f in (1.0, 1.03, 0.98)]
+    assert kc[0]["floor"] == max(noise_floor(base, base[::-1]), 0.03)
+    assert len(s["kernels"]["records"]) == 12
     assert s["environments"][0]["environment"]["blas"]["name"] == env["blas"]["name"]
-    assert {f["noise_floor"] for f in s["noise_floors"]} >= {0.021, 0.03}
+    assert {f["kind"] for f in s["noise_floors"]} == {"bench-load", "bench-decode", "bench-kivi"}
+    assert sorted(b["median"] for b in s["copy_bandwidth"]) == [24.1e9, 28.1e9]
+    assert {a["kind"] for a in s["artifacts"]} == set(report.KINDS)
+    assert "layers" not in next(a["data"] for a in s["artifacts"] if a["kind"] == "quantize")
 
     # roofline: achieved = (weights + KV * context) * tok/s, against the measured copy bandwidth
     roof = {(r["arm"], r["phase"], r["context"]): r for r in s["roofline"]}
     r = roof[("full", "decode", 512)]
     bpt = 8_000_000 + 16_384 * 512
     assert r["bytes_per_token"] == bpt
-    assert r["achieved"]["median"]["percent_of_peak"] == pytest.approx(100 * bpt * dec_median(s, "full", 512) / 28.1e9)
+    full_tok_s = 210 * (1 - 512 / 4096)  # median of the full arm at context 512
+    assert r["achieved"]["median"]["percent_of_peak"] == pytest.approx(100 * bpt * full_tok_s / 28.1e9)
     assert roof[("full", "prefill", 256)]["intensity"] > roof[("full", "decode", 128)]["intensity"]
 
     md = (out / "report.md").read_text()
@@ -132,27 +177,26 @@ def test_full_report(tmp_path, env):
     html = (out / "index.html").read_text()
     assert html.count("data:image/png;base64,") == len(report.PLOTS)
     assert not re.search(r"""(src|href)=["'](?!data:)""", html)  # self-contained
-    assert "PASS (bit-exact)" in html and "FAIL" in html
-
-
-def dec_median(s, arm, ctx):
-    return next(r["median"] for r in s["models"]["tiny"][arm]["decode"] if r["context"] == ctx)
+    assert "PASS (bit-exact)" in html and "FAIL" in html and "NOT met" in html
 
 
 def test_missing_artifacts_and_paths(tmp_path, env):
     arts = {k: v for k, v in _artifacts(env).items() if "validate" in k}
     _write(tmp_path / "in", arts)
     (tmp_path / "in" / "junk.json").write_text("{not json")
-    (tmp_path / "in" / "other.json").write_text(json.dumps({"hello": 1}))
+    (tmp_path / "in" / "config.json").write_text(json.dumps({"hidden_size": 8}))  # passed over: found in a dir
+    (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))  # named explicitly: listed as skipped
     out = tmp_path / "r"
-    assert report.main(["--inputs", str(tmp_path / "in"), str(tmp_path / "nope.json"), "--out", str(out)]) == 0
+    args = ["--inputs", str(tmp_path / "in"), str(tmp_path / "other.json"), str(tmp_path / "nope.json"), "--out", str(out)]
+    assert report.main(args) == 0
     s = json.loads((out / "summary.json").read_text())
-    assert s["missing"] == ["quantize", "bench-load", "bench-decode", "bench-kivi", "bench-quality"]
+    assert s["missing"] == ["quantize", "pack", "bench-load", "bench-decode", "bench-kivi", "bench-quality"]
     assert s["missing_paths"] == [str(tmp_path / "nope.json")]
     assert {p["path"].rsplit("/", 1)[-1] for p in s["skipped"]} == {"junk.json", "other.json"}
+    assert s["passed_over"] == 1
     assert s["roofline"] == [] and s["kernels"]["comparisons"] == []
     md = (out / "report.md").read_text()
-    assert "Missing kinds: quantize, bench-load, bench-decode, bench-kivi, bench-quality" in md
+    assert "Missing kinds: quantize, pack, bench-load, bench-decode, bench-kivi, bench-quality" in md
     for p in report.PLOTS:  # still written, saying why they are empty
         assert (out / "plots" / f"{p}.png").stat().st_size > 0
 

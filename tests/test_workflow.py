@@ -148,12 +148,14 @@ def test_first_build(first_build):
     for name in ("index.html", "report.md", "summary.json"):
         assert (tree / REPORT / name).stat().st_size > 0
     # Benchmarks ran and their results reached the report.
-    assert stats["bench_quality"] == 1 and stats["bench_kivi"] == 1
+    assert stats["bench_quality"] == 1 and stats["bench_load"] == 1 and stats["bench_kivi"] == 1
+    assert json.loads((tree / f"results/bench/{MODEL}/load.json").read_text())["kind"] == "bench-load"
     quality = json.loads((tree / f"results/bench/{MODEL}/quality.json").read_text())
     assert quality["kind"] == "bench-quality" and quality["model"] == MODEL
     summary = json.loads((tree / REPORT / "summary.json").read_text())
     used = {Path(i["path"]).as_posix() for i in summary["inputs"]}
     assert VERDICT.format("on") in used and f"results/bench/{MODEL}/quality.json" in used
+    assert f"results/bench/{MODEL}/load.json" in used
     # Long stages log their progress: per-layer lines (quantize), per-prompt lines (validate).
     qlog = (tree / f"logs/quantize/{MODEL}/{VARIANT}.log").read_text()
     assert re.search(r"^\[1/\d+\] model\.", qlog, re.M), qlog

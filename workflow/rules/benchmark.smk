@@ -30,6 +30,37 @@ rule bench_quality:
         )
 
 
+rule bench_load:
+    input:
+        source=SOURCE,
+        # It quantizes and packs in-process and loads reservoirs in fresh ones.
+        code=stage_sources("vqpipe.bench.load", "vqpipe.quantize", "vqpipe.reservoir"),
+    output:
+        BENCH_LOAD,
+    params:
+        model="{model}",
+        bits=config["benchmarks"]["load"]["bits"],
+        rotations=config["benchmarks"]["load"]["rotations"],
+        repeats=config["benchmarks"]["load"]["repeats"],
+        arm_budget=config["benchmarks"]["load"]["arm_budget"],
+        procs=config["benchmarks"]["load"]["procs"],
+        blas=BLAS,
+    log:
+        "logs/bench/{model}/load.log",
+    benchmark:
+        "results/benchmarks/bench_load/{model}.tsv"
+    threads: res("benchmark", "threads")
+    resources:
+        mem_mb=res("benchmark", "mem_mb"),
+        runtime=res("benchmark", "runtime"),
+    shell:
+        vqpipe_cmd(
+            "bench-load --source {input.source:q} --model {params.model} --bits {params.bits}"
+            " --rotations {params.rotations} --repeats {params.repeats} --arm-budget {params.arm_budget}"
+            " --procs {params.procs} --out {output:q}"
+        )
+
+
 rule bench_kivi:
     input:
         code=stage_sources("vqpipe.bench.kivi_ops"),

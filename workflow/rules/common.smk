@@ -26,6 +26,7 @@ QUANTIZED = "results/quantized/{model}/b{bits}-{rotation}"
 RESERVOIR = "results/reservoir/{model}/b{bits}-{rotation}/persist-{persist}"
 VERDICT = "results/validate/{model}/b{bits}-{rotation}/persist-{persist}.json"
 BENCH_QUALITY = "results/bench/{model}/quality.json"
+BENCH_LOAD = "results/bench/{model}/load.json"
 BENCH_KIVI = "results/bench/kivi.json"
 REPORT_PLOTS = ["load_time", "decode_context", "kernel_speedup", "roofline"]
 
@@ -48,17 +49,22 @@ def fan_out(pattern):
     return expand(pattern, model=MODELS, bits=BITS, rotation=ROTATIONS, persist=PERSIST)
 
 
-for name in config["benchmarks"]["quality"].get("models", []):
-    if name not in config["models"]:
-        raise WorkflowError(f"config key 'benchmarks.quality.models': {name!r} is not a key of 'models'")
+def bench_models(bench):
+    """The models benchmark ``bench`` measures: its `models` key, or every model."""
+    names = config["benchmarks"][bench].get("models", MODELS)
+    for name in names:
+        if name not in config["models"]:
+            raise WorkflowError(f"config key 'benchmarks.{bench}.models': {name!r} is not a key of 'models'")
+    return names
 
 
 def bench_outputs():
     """Every benchmark JSON the config asks for."""
     out = []
-    quality = config["benchmarks"]["quality"]
-    if quality["enabled"]:
-        out += expand(BENCH_QUALITY, model=quality.get("models", MODELS))
+    if config["benchmarks"]["quality"]["enabled"]:
+        out += expand(BENCH_QUALITY, model=bench_models("quality"))
+    if config["benchmarks"]["load"]["enabled"]:
+        out += expand(BENCH_LOAD, model=bench_models("load"))
     if config["benchmarks"]["kivi"]["enabled"]:
         out.append(BENCH_KIVI)
     return out

@@ -1,0 +1,750 @@
+"""bench-decode: prefill and decode throughput per arm (weights x KV cache), with the roofline.
+
+Arms are ``WEIGHTS/CACHE``: weights ``full`` (the source at the compute dtype), ``vqpipe`` (the
+reservoir), ``affine4``/``affine8`` (MLX ``nn.quantize`` of the source's linear layers, group 64);
+caches ``fp`` (mlx-lm's KVCache), ``kivi-ref`` (KIVI, MLX-ops quantizer) and ``kivi-kernel`` (KIVI,
+fused Metal/CUDA kernels; only where a GPU backend exists, otherwise skipped with the reason).
+KIVI arms are built for ``full`` and ``vqpipe``; ``affine*`` run with the fp cache (roofline arms).
+
+Per prompt length, in one process: warm-up rounds (untimed), a pilot round (untimed: peak memory
+per arm via ``mx.get_peak_memory``, token ids for the lossless checks, flush counts, the KIVI
+reference's decode time for the Amdahl prediction, printed before anything is timed), then
+``--repeats`` timed rounds through ``harness.run_interleaved`` (arms A B A B ..., plus a second
+copy of the baseline arm for the A/A noise floor). Every round feeds the next of >= 20 distinct
+prompts (windows of the shipped corpus) to all arms; no arm sees the same prompt twice in a row.
+
+A generation is ``mlx_lm.generate.generate_step`` with greedy sampling, prefill in
+``--prefill-step`` chunks (mlx-lm's 2048 by default). Prefill time: from the call to the first
+token evaluated (mlx-lm's ``prompt_progress_callback(total, total)`` fires right after
+``mx.eval`` of it); decode time: from there to the end of ``--gen-tokens`` decode steps, closed by
+``mx.synchronize()``. See docs/benchmarking.md ("Decode and prefill").
+
+    python -m vqpipe bench-decode --source SRC --reservoir RES --model NAME --out FILE.json
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .. import kivi
+from ..fsutil import write_json
+from ..qlinear import QuantizedLinear
+from . import harness, roofline
+from .env import environment
+from .quality import CORPUS, eval_windows
+
+WEIGHTS = ("full", "vqpipe", "affine4", "affine8")
+CACHES = ("fp", "kivi-ref", "kivi-kernel")
+KIVI_WEIGHTS = ("full", "vqpipe")
+AFFINE_GROUP = 64
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+# Settings: the full run (the issue's) and --quick (a CPU/CI smoke run of the same code paths: two
+# prompt lengths, the longer crossing a 128-token prefill chunk, and KIVI flushes in both phases).
+DEFAULTS = {"prompt_lengths": [512, 4096], "gen_tokens": 128, "repeats": 5, "warmup": 1, "prompts": 20,
+            "kivi_bits": 4, "group_size": 32, "residual": 128, "prefill_step": 2048, "copy_mib": 256,
+            "gemm": None}
+QUICK = {"prompt_lengths": [32, 160], "gen_tokens": 8, "repeats": 3, "warmup": 0, "prompts": 20,
+         "kivi_bits": 4, "group_size": 8, "residual": 16, "prefill_step": 128, "copy_mib": 64, "gemm": 512}
+
+
+def arm_name(weights, cache):
+    return f"{weights}/{cache}"
+
+
+def compute_dtype(name="auto"):
+    """float32 on the CPU (MLX's CPU matmul hands only fp32 to BLAS), bfloat16 on a GPU."""
+    if name == "auto":
+        return mx.bfloat16 if mx.default_device().type == mx.gpu else mx.float32
+    return getattr(mx, name)
+
+
+def _dtype_name(dtype):
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def cast_floating(model, dtype):
+    """Cast every floating parameter to ``dtype``, except the arrays of vqpipe QuantizedLinear
+    layers (scales, codebook, bias: cast on the fly in their forward, kept as stored)."""
+    from mlx.utils import tree_flatten
+
+    keep = [n + "." for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+    new = [(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())
+           if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype and not any(k.startswith(p) for p in keep)]
+    if new:
+        model.load_weights(new, strict=False)
+    mx.eval(model.parameters())
+    return model
+
+
+def model_bytes(model):
+    from mlx.utils import tree_flatten
+
+    return int(sum(v.nbytes for _, v in tree_flatten(model.parameters())))
+
+
+def rotation_bytes(model):
+    """Bytes of the rotations of vqpipe layers (signs, Kronecker factor, dense QR matrix): read on
+    every forward, but not MLX parameters, so ``roofline.weight_bytes_read`` does not see them."""
+    return int(sum(m.rotation.matrix_bytes() for _, m in model.named_modules() if isinstance(m, QuantizedLinear)))
+
+
+def decode_weight_bytes(model):
+    """Weight bytes one decode token reads: ``roofline.weight_bytes_read`` plus vqpipe rotations."""
+    return roofline.weight_bytes_read(model) + rotation_bytes(model)
+
+
+def _vqpipe_bits(model):
+    bits = sorted({m.bits for _, m in model.named_modules() if isinstance(m, QuantizedLinear)})
+    return "/".join(map(str, bits)) or "?"
+
+
+def load_models(source, reservoir, weights, dtype, progress=print):
+    """``({weights: model}, {weights: precision label}, tokenizer)``; the tokenizer is the source's."""
+    from mlx_lm.utils import load
+
+    from ..reservoir import load as load_reservoir_dir
+
+    models, precision, tokenizer = {}, {}, None
+    for w in weights:
+        t0 = time.perf_counter()
+        if w == "vqpipe":
+            model, _ = load_reservoir_dir(reservoir)
+            precision[w] = f"vqpipe {_vqpipe_bits(model)}-bit"
+        else:
+            model, tok = load(str(source))
+            tokenizer = tokenizer or tok
+            if w == "full":
+                precision[w] = _DTYPES.get(_dtype_name(dtype), _dtype_name(dtype))
+            else:
+                bits = int(w.removeprefix("affine"))
+                precision[w] = f"mlx affine {bits}-bit"
+        cast_floating(model, dtype)
+        if w.startswith("affine"):
+            nn.quantize(model, group_size=AFFINE_GROUP, bits=bits, class_predicate=lambda p, m: isinstance(m, nn.Linear))
+            mx.eval(model.parameters())
+        models[w] = model
+        progress(f"loaded {w} ({precision[w]}): {model_bytes(model) / 2**20:.1f} MiB of parameters, "
+                 f"{time.perf_counter() - t0:.1f}s")
+    if tokenizer is None:
+        from mlx_lm.utils import load_tokenizer
+
+        tokenizer = load_tokenizer(Path(source))
+    return models, precision, tokenizer
+
+
+def build_prompts(tokenizer, n, length):
+    """``n`` distinct windows of ``length`` tokens of the shipped corpus (``quality.eval_windows``)."""
+    windows = eval_windows(tokenizer, n, length)
+    if len({tuple(w.tolist()) for w in windows}) != n:
+        raise ValueError(f"the corpus does not give {n} distinct {length}-token windows")
+    return windows
+
+
+# --- one generation ------------------------------------------------------------------------
+
+
+def greedy(logprobs):
+    return mx.argmax(logprobs, axis=-1)
+
+
+def generate_once(model, prompt, cache, max_tokens, prefill_step):
+    """One greedy generation through ``mlx_lm.generate.generate_step`` with ``cache``.
+
+    Returns ``{"prefill_s", "decode_s", "ids"}``: prefill = call to first token evaluated (the
+    callback fires right after mlx-lm's ``mx.eval`` of it), decode = ``max_tokens`` decode steps
+    from there, closed by ``mx.synchronize()`` (the last step computes one token mlx-lm drops).
+    """
+    from mlx_lm.generate import generate_step
+
+    marks = {}
+    total = int(prompt.size)
+
+    def progress(done, n):
+        if done == n == total and "first" not in marks:
+            marks["first"] = time.perf_counter()
+
+    mx.synchronize()
+    t0 = time.perf_counter()
+    ids = [int(t) for t, _ in generate_step(prompt, model, max_tokens=max_tokens, sampler=greedy,
+                                            prompt_cache=cache, prefill_step_size=prefill_step,
+                                            prompt_progress_callback=progress)]
+    mx.synchronize()
+    t1 = time.perf_counter()
+    return {"prefill_s": marks["first"] - t0, "decode_s": t1 - marks["first"], "ids": ids}
+
+
+def make_cache(model, cache, bits, group_size, residual):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if cache == "fp":
+        return make_prompt_cache(model)
+    return kivi.make_kivi_cache(model, bits, group_size, residual, use_kernels=cache == "kivi-kernel")
+
+
+def kv_stats(cache_list, kv_per_position):
+    """KV bytes after a generation, labelled: resident (allocated now), compressed (what a packed
+    KIVI store would take; for the fp cache the same as used) and uncompressed (used positions at
+    the cache dtype), plus KIVI's token and flush counts."""
+    st = kivi.cache_stats(cache_list)
+    offset = max((c.offset for c in cache_list if hasattr(c, "offset")), default=0)
+    if st:
+        return {"offset": st["offset"], "resident_bytes": st["resident_nbytes"],
+                "compressed_bytes": st["compressed_nbytes"], "uncompressed_bytes": st["uncompressed_nbytes"],
+                "quantized_tokens": st["quantized_tokens"], "residual_tokens": st["residual_tokens"],
+                "flushes": st["flushes"], "layers": st["layers"]}
+    used = kv_per_position * offset
+    return {"offset": offset, "resident_bytes": int(sum(c.nbytes for c in cache_list)),
+            "compressed_bytes": used, "uncompressed_bytes": used, "flushes": 0}
+
+
+# --- KIVI schedule and the Amdahl prediction -----------------------------------------------
+
+
+def quantized_tokens(t, residual, group_size):
+    """Tokens quantized after ``t`` tokens: ``G * floor(max(0, t - R) / G)`` (docs/kivi.md)."""
+    return group_size * (max(0, t - residual) // group_size)
+
+
+def flush_schedule(prompt_len, gen_tokens, residual, group_size, prefill_step):
+    """Per layer, the sizes S (tokens) of the flush launches of one generation, by phase.
+
+    mlx-lm's prefill runs the first ``prompt_len - 1`` tokens in ``prefill_step`` chunks, then the
+    last prompt token; the decode phase adds ``gen_tokens`` tokens one at a time. A cache update
+    flushes, in one launch, every whole group beyond the newest R tokens (docs/kivi.md).
+    """
+    ends, t = [], 0
+    while prompt_len - t > 1:
+        t += min(prefill_step, prompt_len - 1 - t)
+        ends.append(t)
+    ends.append(prompt_len)
+    decode_ends = [prompt_len + k for k in range(1, gen_tokens + 1)]
+    out, prev = {"prefill": [], "decode": []}, 0
+    for phase, points in (("prefill", ends), ("decode", decode_ends)):
+        for t in points:
+            q = quantized_tokens(t, residual, group_size)
+            if q > prev:
+                out[phase].append(q - prev)
+            prev = q
+    return out
+
+
+def load_kivi_ops(path):
+    """Per-flush times from a bench-kivi JSON: ``{"rows": [{"S", "mode", "reference", "kernel"}],
+    "environment", "config"}`` for whole flushes (keys + values), seconds (median)."""
+    doc = json.loads(Path(path).read_text())
+    rows = []
+    for r in doc.get("results") or []:  # bench-kivi's own shape (vqpipe/bench/kivi_ops.py)
+        if r.get("kind") == "flush" and "arms" in r:
+            arms = r["arms"]
+            rows.append({"S": r["S"], "mode": r.get("mode", "isolated"),
+                         "reference": arms.get("reference", {}).get("median"),
+                         "kernel": (arms.get("kernel") or {}).get("median")})
+    if not rows:  # the report's record shape: {"op", "arm", "S", "median", ...}
+        by = {}
+        for r in doc.get("records") or []:
+            if r.get("op") in ("flush", "kv") and r.get("arm") in ("reference", "kernel"):
+                by.setdefault((r["S"], r.get("mode", "isolated")), {})[r["arm"]] = r.get("median")
+        rows = [{"S": s, "mode": m, "reference": v.get("reference"), "kernel": v.get("kernel")} for (s, m), v in by.items()]
+    return {"path": str(path), "rows": rows, "environment": doc.get("environment"), "config": doc.get("config")}
+
+
+def op_time(ops, size):
+    """The bench-kivi flush row nearest to ``size`` tokens (log scale), in-graph mode preferred
+    (one flush per layer inside a decode step's graph, as the cache runs them)."""
+    rows = [r for r in ops["rows"] if r["reference"] and r["kernel"]]
+    if not rows:
+        return None
+    modes = {r["mode"] for r in rows}
+    mode = "in_graph" if "in_graph" in modes else sorted(modes)[0]
+    rows = [r for r in rows if r["mode"] == mode]
+    best = min(rows, key=lambda r: (abs(math.log(r["S"] / size)), r["S"]))
+    return {"S": best["S"], "mode": mode, "reference_s": best["reference"], "kernel_s": best["kernel"]}
+
+
+def predict_saving(launches, layers, ops):
+    """Seconds a generation phase saves with kernels: every launch (per layer) of size S saves
+    t_ref(S) - t_kernel(S) from the op-level benchmark. ``None`` without kernel figures."""
+    used, saving = [], 0.0
+    for s in launches:
+        t = op_time(ops, s)
+        if t is None:
+            return None
+        saving += layers * (t["reference_s"] - t["kernel_s"])
+        used.append(t)
+    return {"saving_s": saving, "launches_per_layer": len(launches), "layers": layers,
+            "flushed_tokens_per_layer": int(sum(launches)), "op_rows": _dedupe(used)}
+
+
+def _dedupe(rows):
+    out = []
+    for r in rows:
+        if r not in out:
+            out.append(r)
+    return out
+
+
+def amdahl_speedup(baseline_s, saving_s):
+    """Upper bound on the speedup when ``saving_s`` of ``baseline_s`` goes away (Amdahl)."""
+    if baseline_s is None or saving_s is None or baseline_s <= 0:
+        return None
+    rest = baseline_s - saving_s
+    return baseline_s / rest if rest > 0 else math.inf
+
+
+# --- lossless checks -----------------------------------------------------------------------
+
+
+def first_difference(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare_outputs(runs_a, runs_b, tokenizer, must_match):
+    """Token ids and decoded text of two arms on every prompt both ran (pilot and timed rounds).
+
+    ``runs_*``: ``{prompt_index: [ids, ...]}``. ``identical``: every pair byte-identical.
+    """
+    pairs = [(p, a, b) for p in sorted(set(runs_a) & set(runs_b)) for a in runs_a[p] for b in runs_b[p]]
+    if not pairs:
+        return {"pairs": 0, "identical": None, "must_match": must_match}
+    same_ids = [a == b for _, a, b in pairs]
+    same_text = [tokenizer.decode(a).encode() == tokenizer.decode(b).encode() for _, a, b in pairs]
+    diffs = [first_difference(a, b) for _, a, b in pairs]
+    agree = [sum(x == y for x, y in zip(a, b)) / max(len(a), 1) for _, a, b in pairs]
+    out = {
+        "pairs": len(pairs),
+        "prompts": sorted({p for p, _, _ in pairs}),
+        "identical": all(same_ids) and all(same_text),
+        "identical_ids": sum(same_ids),
+        "identical_text": sum(same_text),
+        "token_agreement": summary_or_none(agree),
+        "first_difference": summary_or_none([d for d in diffs if d is not None]),
+        "must_match": must_match,
+    }
+    if must_match:
+        out["verdict"] = "byte-identical" if out["identical"] else "DIFFERENT"
+    else:
+        out["verdict"] = f"{out['identical_text']}/{len(pairs)} identical (not required)"
+    return out
+
+
+def summary_or_none(xs):
+    return harness.summarize(xs) if xs else None
+
+
+# --- the run -------------------------------------------------------------------------------
+
+
+class Progress:
+    def __init__(self, out=print):
+        self.t0 = time.perf_counter()
+        self.out = out
+
+    def __call__(self, msg):
+        self.out(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - self.t0:6.1f}s] {msg}")
+
+
+def plan_arms(weights, caches):
+    """``(arms, skipped)``: arms as ``[(name, weights, cache)]``; skipped as ``[{arm, reason}]``."""
+    arms, skipped = [], []
+    for w in weights:
+        for c in caches:
+            name = arm_name(w, c)
+            if c != "fp" and w not in KIVI_WEIGHTS:
+                continue  # affine weights are roofline arms: fp cache only
+            if c == "kivi-kernel" and not kivi.kernels_active(None):
+                dev = mx.default_device()
+                reason = (f"no fused KIVI kernels here: they need MLX's Metal or CUDA backend on the default "
+                          f"device, and it is {dev}" + ("" if dev.type == mx.gpu else " (CPU)")
+                          + "; kivi-ref runs the MLX-ops reference quantizer instead")
+                if not kivi.kernels._enabled:
+                    reason = "KIVI kernels disabled (VQPIPE_KIVI_KERNELS=0 or kernels.set_enabled(False))"
+                skipped.append({"arm": name, "reason": reason})
+                continue
+            arms.append((name, w, c))
+    return arms, skipped
+
+
+def _pairs(arms, baseline):
+    """Comparisons: the baseline against every arm; per KIVI weights, fp vs kivi-ref and kivi-ref vs
+    kivi-kernel; full/fp vs vqpipe/fp."""
+    names = [a[0] for a in arms]
+    pairs = [(baseline, n) for n in names if n != baseline]
+    extra = [("full/fp", "vqpipe/fp")]
+    for w in KIVI_WEIGHTS:
+        extra += [(arm_name(w, "fp"), arm_name(w, "kivi-ref")), (arm_name(w, "kivi-ref"), arm_name(w, "kivi-kernel"))]
+    pairs += [(a, b) for a, b in extra if a in names and b in names and (a, b) not in pairs]
+    return pairs
+
+
+def run(args, progress=None):
+    progress = progress or Progress()
+    t_start = time.perf_counter()
+    dtype = compute_dtype(args.dtype)
+    dev = mx.default_device()
+    progress(f"bench-decode {args.model}: device {dev}, compute dtype {_dtype_name(dtype)}, "
+             f"prompt lengths {args.prompt_lengths}, {args.gen_tokens} generated tokens, "
+             f"{args.warmup} warm-up + 1 pilot + {args.repeats} timed rounds, {args.prompts} distinct prompts")
+    result = {
+        "kind": "bench-decode",
+        "model": args.model,
+        "source": str(args.source),
+        "reservoir": str(args.reservoir) if args.reservoir else None,
+        "environment": environment(),
+        "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "source", "reservoir")},
+        "compute_dtype": _dtype_name(dtype),
+    }
+    result["settings"]["kivi_ops"] = str(args.kivi_ops) if args.kivi_ops else None
+
+    # Roofs first, measured in this run.
+    copy = roofline.measure_copy_bandwidth(args.copy_mib << 20)
+    progress(f"copy bandwidth ({copy['method']}, {args.copy_mib} MiB): median {copy['median'] / 1e9:.2f} GB/s "
+             f"[{copy['min'] / 1e9:.2f}-{copy['max'] / 1e9:.2f}], n={copy['n']}")
+    gemm = args.gemm or (8192 if dev.type == mx.gpu else 1024)
+    flops = roofline.matmul_flops(gemm, gemm, gemm, _dtype_name(dtype))
+    progress(f"{_dtype_name(dtype)} GEMM {gemm}^3: median {flops['median'] / 1e9:.1f} GFLOP/s "
+             f"[{flops['min'] / 1e9:.1f}-{flops['max'] / 1e9:.1f}], n={flops['n']}")
+
+    models, precision, tokenizer = load_models(args.source, args.reservoir, args.weights, dtype, progress)
+    from mlx_lm.utils import load_config, load_model
+
+    config = load_config(Path(args.source))
+    lazy_source, _ = load_model(Path(args.source), lazy=True)  # parameter count only; nothing evaluated
+    n_matmul = roofline.matmul_params(lazy_source)
+    del lazy_source
+    kvpp = roofline.kv_bytes_per_position(config, dtype.size)
+    weights_info = {w: {"precision": precision[w], "weight_bytes": decode_weight_bytes(m),
+                        "rotation_bytes": rotation_bytes(m), "model_bytes": model_bytes(m)} for w, m in models.items()}
+    result["roofline"] = {"copy_bandwidth": copy, "matmul_flops": flops, "matmul_params": n_matmul,
+                          "kv_bytes_per_position": kvpp, "weights": weights_info}
+    for w, info in weights_info.items():
+        progress(f"weights read per decode token, {w} ({info['precision']}): {info['weight_bytes'] / 2**20:.2f} MiB")
+
+    ops = None
+    if args.kivi_ops:
+        ops = load_kivi_ops(args.kivi_ops)
+        ops_backend = (ops.get("environment") or {}).get("backend")
+        result["kivi_ops"] = {"path": ops["path"], "config": ops["config"], "backend": ops_backend,
+                              "gpu_name": (ops.get("environment") or {}).get("gpu_name"),
+                              "same_device": ops_backend == result["environment"]["backend"]
+                              and (ops.get("environment") or {}).get("gpu_name") == result["environment"].get("gpu_name")}
+
+    arms, skipped = plan_arms(args.weights, args.caches)
+    for s in skipped:
+        progress(f"skipped arm {s['arm']}: {s['reason']}")
+    if not arms:
+        raise ValueError("no arms to run")
+    baseline = arms[0][0]
+    aa_name = baseline + harness.AA_SUFFIX
+    result.update(arms=[{"arm": n, "weights": w, "cache": c, "precision": precision[w]} for n, w, c in arms],
+                  skipped_arms=skipped, baseline_arm=baseline)
+    records, comparisons, amdahl, checks, runs, floors, generations = [], [], [], [], [], [], []
+
+    for P in args.prompt_lengths:
+        prompts = build_prompts(tokenizer, args.prompts, P)
+        N = args.gen_tokens
+        sched = flush_schedule(P, N, args.residual, args.group_size, args.prefill_step)
+        log = []  # every call: arm, prompt index, round, times, ids
+
+        def call(name, w, c, k, rnd):
+            model = models[w]
+            cache = make_cache(model, c, args.kivi_bits, args.group_size, args.residual)
+            out = generate_once(model, prompts[k], cache, N, args.prefill_step)
+            kv = kv_stats(cache, kvpp)
+            log.append({"arm": name, "context": P, "prompt": k, "round": rnd, "prefill_s": out["prefill_s"],
+                        "decode_s": out["decode_s"], "flushes": kv["flushes"], "ids": out["ids"], "kv": kv,
+                        "kv_dtype": _dtype_name(cache[0].keys.dtype) if getattr(cache[0], "keys", None) is not None else None})
+            return mx.array(out["ids"])
+
+        # Rounds use prompts 0, 1, 2, ... in order (warm-up, pilot, timed): consecutive calls of an
+        # arm always get different prompts, and within a round every arm gets the same one.
+        for r in range(args.warmup):
+            progress(f"P={P}: warm-up round {r + 1}/{args.warmup} (prompt {r % args.prompts})")
+            for name, w, c in arms:
+                call(name, w, c, r % args.prompts, "warmup")
+        k_pilot = args.warmup % args.prompts
+        progress(f"P={P}: pilot round (prompt {k_pilot}): peak memory, token ids, flush counts")
+        peaks = {}
+        for name, w, c in arms:
+            mx.synchronize()
+            start = mx.get_active_memory()
+            peak = harness.measure_peak(lambda: call(name, w, c, k_pilot, "pilot"))
+            e = log[-1]
+            peaks[name] = {"peak_memory_bytes": peak, "active_before_bytes": int(start), "peak_over_start_bytes": int(peak - start)}
+            progress(f"  {name}: prefill {P / e['prefill_s']:.1f} tok/s, decode {N / e['decode_s']:.1f} tok/s "
+                     f"(pilot, untimed), peak {peak / 2**20:.1f} MiB (+{(peak - start) / 2**20:.1f} MiB over "
+                     f"resident), KV {e['kv']['resident_bytes'] / 2**20:.2f} MiB resident / "
+                     f"{e['kv']['compressed_bytes'] / 2**20:.2f} MiB compressed, flushes {e['flushes']}")
+        pilot = {e["arm"]: e for e in log if e["round"] == "pilot"}
+
+        # Flush counts: the measured totals must follow the cache's schedule.
+        layers = {}
+        for name, w, c in arms:
+            if c != "fp":
+                kv = pilot[name]["kv"]
+                layers[w] = kv["layers"]
+                want = kv["layers"] * (quantized_tokens(P + N, args.residual, args.group_size) // args.group_size)
+                if kv["flushes"] != want:
+                    progress(f"  WARNING {name}: {kv['flushes']} flushes measured, the schedule says {want}")
+
+        # Amdahl, printed before anything end to end is timed.
+        predictions = {}
+        for w in KIVI_WEIGHTS:
+            ref = arm_name(w, "kivi-ref")
+            if ref not in pilot:
+                continue
+            pred = {"model": args.model, "weights": w, "context": P, "gen_tokens": N,
+                    "baseline_arm": ref, "other_arm": arm_name(w, "kivi-kernel"),
+                    "flushes_per_layer": {ph: {"launches": len(s), "tokens": int(sum(s))} for ph, s in sched.items()},
+                    "layers": layers.get(w)}
+            if ops is None:
+                pred["reason"] = "no --kivi-ops: no op-level kernel figures"
+            else:
+                for phase, toks, base_s in (("decode", N, pilot[ref]["decode_s"]), ("prefill", P, pilot[ref]["prefill_s"])):
+                    sv = predict_saving(sched[phase], layers[w], ops)
+                    if sv is None:
+                        pred["reason"] = f"{ops['path']} has no kernel figures (no GPU backend where it ran)"
+                        break
+                    per_tok = sv["saving_s"] / toks
+                    bound = amdahl_speedup(base_s, sv["saving_s"])
+                    pred[phase] = {**sv, "saving_s_per_token": per_tok, "pilot_reference_s": base_s,
+                                   "predicted_speedup_max": bound}
+                    rows = ", ".join(f"S={r['S']} {r['mode']}: ref {r['reference_s'] * 1e6:.1f} us, kernel "
+                                     f"{r['kernel_s'] * 1e6:.1f} us" for r in sv["op_rows"]) or "no flushes"
+                    progress(f"  Amdahl {w} {phase} @P={P}: {sv['launches_per_layer']} flush launches x "
+                             f"{sv['layers']} layers per generation ({rows}) -> saving {per_tok * 1e6:.2f} us/token; "
+                             f"predicted {phase} speedup <= {bound:.4f}x (Amdahl, pilot kivi-ref "
+                             f"{base_s / toks * 1e3:.3f} ms/token)")
+            if "reason" in pred:
+                progress(f"  Amdahl {w} @P={P}: no prediction: {pred['reason']}")
+            predictions[w] = pred
+
+        # Timed rounds.
+        offset = args.warmup + 1
+        timed = {name: (lambda i, name=name, w=w, c=c: call(name, w, c, (offset + i) % args.prompts, "timed"))
+                 for name, w, c in arms}
+        timed = harness.with_aa(timed, baseline)
+        bw, bc = next((w, c) for n, w, c in arms if n == baseline)
+        timed[aa_name] = lambda i: call(aa_name, bw, bc, (offset + i) % args.prompts, "timed")
+        progress(f"P={P}: timed rounds: {len(timed)} arms (A/A: {aa_name}) x {args.repeats}")
+        totals = harness.run_interleaved(timed, args.prompts, args.repeats, warmup=0)
+        progress(f"P={P}: timed rounds done")
+
+        samples = {}
+        for e in log:
+            if e["round"] == "timed":
+                s = samples.setdefault(e["arm"], {"prefill": [], "decode": []})
+                s["prefill"].append(e["prefill_s"])
+                s["decode"].append(e["decode_s"])
+        floor = {ph: harness.noise_floor(samples[baseline][ph], samples[aa_name][ph]) for ph in ("prefill", "decode")}
+        floors += [{"context": P, "phase": ph, "noise_floor": f} for ph, f in floor.items()]
+
+        for name, w, c in arms:
+            e = pilot[name]
+            for phase, toks in (("prefill", P), ("decode", N)):
+                secs = samples[name][phase]
+                rate = harness.summarize([toks / s for s in secs])
+                rec = {"model": args.model, "arm": name, "weights": w, "cache": c, "precision": precision[w],
+                       "phase": phase, "context": P, "tokens": toks, "unit": "tok/s", **rate,
+                       "seconds": harness.summarize(secs), "noise_floor": floor[phase], **peaks[name],
+                       "model_bytes": weights_info[w]["model_bytes"],
+                       "kv_bytes": {**e["kv"], "dtype": e["kv_dtype"]}}
+                if c != "fp":
+                    kv = e["kv"]
+                    rec["flushes"] = {ph: kv["layers"] * sum(sched[ph]) // args.group_size for ph in ("prefill", "decode")}
+                    rec["flushes"].update(total_measured=kv["flushes"], layers=kv["layers"],
+                                          launches_per_layer=len(sched[phase]),
+                                          unit="groups of group_size tokens, summed over layers")
+                    rec["flushes"]["per_token"] = rec["flushes"][phase] / toks
+                else:  # the roofline arms: one per weight precision, fp KV cache
+                    rec["weight_bytes"] = weights_info[w]["weight_bytes"]
+                    rec["kv_bytes_per_position"] = kvpp
+                    if phase == "decode":
+                        mean_ctx = P + (N + 1) / 2  # positions attended, averaged over the decode steps
+                        rec["mean_context"] = mean_ctx
+                        rec["bytes_per_token"] = roofline.decode_bytes_per_token(rec["weight_bytes"], kvpp, mean_ctx)
+                        rec["flops_per_token"] = roofline.flops_per_token(n_matmul, config, mean_ctx)
+                        rec["achieved"] = {k: roofline.achieved(rec["bytes_per_token"], rate[k], copy["median"])
+                                           for k in ("median", "min", "max")}
+                    else:
+                        rec["flops_per_token"] = roofline.flops_per_token(n_matmul, config, (P + 1) / 2)
+                        rec["achieved_flops"] = {k: {"flops_per_s": rec["flops_per_token"] * rate[k],
+                                                     "percent_of_peak": 100.0 * rec["flops_per_token"] * rate[k] / flops["median"]}
+                                                 for k in ("median", "min", "max")}
+                records.append(rec)
+        # The harness's own samples: a whole generation each, through mx.eval + mx.synchronize.
+        generations += [{"arm": name, "context": P, "unit": "s", **harness.summarize(t)} for name, t in totals.items()]
+
+        for a, b in _pairs(arms, baseline):
+            for phase in ("prefill", "decode"):
+                cmp = harness.compare(samples[a][phase], samples[b][phase], floor[phase])
+                comparisons.append({"model": args.model, "phase": phase, "context": P, "baseline_arm": a, "other_arm": b, **cmp})
+                progress(f"  P={P} {phase}: {b} vs {a}: {cmp['text']}")
+
+        # Measured beside predicted.
+        for w, pred in predictions.items():
+            other = pred["other_arm"]
+            if other in samples:
+                for phase, toks in (("decode", N), ("prefill", P)):
+                    cmp = harness.compare(samples[pred["baseline_arm"]][phase], samples[other][phase], floor[phase])
+                    m = {"speedup": cmp["speedup"], "verdict": cmp["verdict"], "floor": cmp["floor"],
+                         "reference_s_per_token": harness.summarize([s / toks for s in samples[pred["baseline_arm"]][phase]]),
+                         "kernel_s_per_token": harness.summarize([s / toks for s in samples[other][phase]])}
+                    if phase in pred:
+                        ref_med = statistics.median(samples[pred["baseline_arm"]][phase])
+                        m["predicted_speedup_max_with_measured_reference"] = amdahl_speedup(ref_med, pred[phase]["saving_s"])
+                        m["measured_saving_s_per_token"] = (ref_med - statistics.median(samples[other][phase])) / toks
+                        pred[phase]["measured"] = m
+                    else:
+                        pred.setdefault("measured", {})[phase] = m
+                    bound = pred.get(phase, {}).get("predicted_speedup_max")
+                    progress(f"  Amdahl {w} {phase} @P={P}: predicted <= "
+                             + (f"{bound:.4f}x" if bound else "n/a") + f" | measured {cmp['text']}")
+            else:
+                pred["measured"] = f"not measured: arm {other} did not run"
+            amdahl.append(pred)
+
+        # Lossless and agreement checks on every prompt two arms both ran (pilot + timed rounds).
+        by_arm = {}
+        for e in log:
+            if e["round"] != "warmup":
+                by_arm.setdefault(e["arm"], {}).setdefault(e["prompt"], []).append(e["ids"])
+        check_pairs = [(baseline, aa_name, True, "A/A: the baseline run twice (determinism)")]
+        for w in KIVI_WEIGHTS:
+            check_pairs += [(arm_name(w, "kivi-ref"), arm_name(w, "kivi-kernel"), True, "kernels on vs off (lossless)"),
+                            (arm_name(w, "fp"), arm_name(w, "kivi-ref"), False, "fp cache vs KIVI (lossy)")]
+        for a, b, must, what in check_pairs:
+            if a in by_arm and b in by_arm:
+                chk = {"context": P, "a": a, "b": b, "what": what, **compare_outputs(by_arm[a], by_arm[b], tokenizer, must)}
+            elif must and b.endswith("kivi-kernel") and a in by_arm:
+                chk = {"context": P, "a": a, "b": b, "what": what, "must_match": True, "identical": None,
+                       "verdict": "skipped: " + next((s["reason"] for s in skipped if s["arm"] == b), "arm not run")}
+            else:
+                continue
+            checks.append(chk)
+            progress(f"  check P={P} {b} vs {a} ({what}): {chk['verdict']}")
+
+        for e in log:
+            runs.append({k: e[k] for k in ("arm", "context", "prompt", "round", "prefill_s", "decode_s", "flushes")}
+                        | {"ids_sha1": hashlib.sha1(json.dumps(e["ids"]).encode()).hexdigest()[:16], "n_ids": len(e["ids"])})
+        del log
+        mx.clear_cache()
+
+    result.update(records=records, comparisons=comparisons, amdahl=amdahl, checks=checks, runs=runs,
+                  generation_seconds=generations,
+                  noise_floors=floors, noise_floor=max(f["noise_floor"] for f in floors))
+    result["lossless"] = {
+        "required": [c for c in checks if c["must_match"]],
+        "all_identical": all(c["identical"] for c in checks if c["must_match"] and c["identical"] is not None),
+    }
+    result["prompts"] = {"corpus": CORPUS.name, "n": args.prompts, "how": "quality.eval_windows: distinct windows spread over the corpus"}
+    result["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    result["wall_s"] = time.perf_counter() - t_start
+    _print_roofline(result, progress)
+    return result
+
+
+def _print_roofline(result, progress):
+    roof = result["roofline"]
+    bw, fl = roof["copy_bandwidth"]["median"], roof["matmul_flops"]["median"]
+    progress(f"roofline: copy {bw / 1e9:.2f} GB/s, GEMM {fl / 1e9:.1f} GFLOP/s (medians, this run); "
+             "decode: achieved bandwidth = bytes/token x tok/s; prefill: FLOP/s against the GEMM roof")
+    recs = [r for r in result["records"] if "weight_bytes" in r]
+    for r in recs:
+        if r["phase"] == "decode":
+            a = r["achieved"]
+            progress(f"  {r['precision']:>18} decode  @{r['context']:>5}: {r['median']:9.1f} tok/s [{r['min']:.1f}-{r['max']:.1f}], "
+                     f"{r['bytes_per_token'] / 2**20:8.2f} MiB/token -> {a['median']['bytes_per_s'] / 1e9:7.2f} GB/s = "
+                     f"{a['median']['percent_of_peak']:5.1f}% of copy [{a['min']['percent_of_peak']:.1f}-{a['max']['percent_of_peak']:.1f}%]")
+        else:
+            a = r["achieved_flops"]
+            progress(f"  {r['precision']:>18} prefill @{r['context']:>5}: {r['median']:9.1f} tok/s [{r['min']:.1f}-{r['max']:.1f}], "
+                     f"{a['median']['flops_per_s'] / 1e9:8.1f} GFLOP/s = {a['median']['percent_of_peak']:5.1f}% of GEMM "
+                     f"[{a['min']['percent_of_peak']:.1f}-{a['max']['percent_of_peak']:.1f}%]")
+
+
+def _positive(text):
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m vqpipe bench-decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--source", required=True, help="source model directory (download stage output)")
+    p.add_argument("--reservoir", help="reservoir directory (pack stage output); needed for the vqpipe arms")
+    p.add_argument("--model", help="model name recorded in the output (default: the source directory's name)")
+    p.add_argument("--out", required=True, help="output JSON")
+    p.add_argument("--prompt-lengths", type=_positive, nargs="+", help=f"prompt lengths in tokens (default {DEFAULTS['prompt_lengths']})")
+    p.add_argument("--gen-tokens", type=_positive, help=f"decode steps per generation (default {DEFAULTS['gen_tokens']})")
+    p.add_argument("--repeats", type=_positive, help=f"timed rounds per prompt length (default {DEFAULTS['repeats']})")
+    p.add_argument("--warmup", type=int, help=f"untimed warm-up rounds before the pilot (default {DEFAULTS['warmup']}; "
+                   "on a GPU keep >= 1: the first calls JIT-compile)")
+    p.add_argument("--prompts", type=int, help=f"distinct prompts per length, >= 20 (default {DEFAULTS['prompts']})")
+    p.add_argument("--kivi-bits", type=int, choices=(2, 4, 8))
+    p.add_argument("--group-size", type=_positive, help=f"KIVI group size G (default {DEFAULTS['group_size']})")
+    p.add_argument("--residual", type=int, help=f"KIVI residual length R (default {DEFAULTS['residual']})")
+    p.add_argument("--prefill-step", type=_positive, help=f"prefill chunk (default {DEFAULTS['prefill_step']}, mlx-lm's)")
+    p.add_argument("--kivi-ops", help="bench-kivi JSON with per-flush kernel and reference times (for the Amdahl prediction)")
+    p.add_argument("--weights", nargs="+", choices=WEIGHTS, default=list(WEIGHTS),
+                   help="weight arms; the first with the fp cache is the baseline (default: all)")
+    p.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES), help="KV-cache arms (default: all)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="compute dtype (auto: float32 on the CPU, bfloat16 on a GPU)")
+    p.add_argument("--copy-mib", type=_positive, help="buffer of the copy-bandwidth measurement (default 256)")
+    p.add_argument("--gemm", type=_positive, help="n of the n^3 GEMM roof (default 1024 on the CPU, 8192 on a GPU)")
+    p.add_argument("--quick", action="store_true",
+                   help="CPU/CI smoke settings for any option not given: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
+    args = p.parse_args(argv)
+    for k, v in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.prompts < 20:
+        p.error("--prompts must be >= 20 (distinct prompts rotate through the rounds)")
+    if args.warmup < 0 or args.residual < 0:
+        p.error("--warmup and --residual must be >= 0")
+    if min(args.prompt_lengths) < 2:
+        p.error("--prompt-lengths must be >= 2")
+    if "vqpipe" in args.weights and not args.reservoir:
+        p.error("the vqpipe arm needs --reservoir")
+    if "fp" not in args.caches:
+        p.error("--caches must include fp (the baseline and the roofline arms)")
+    args.weights = list(dict.fromkeys(args.weights))
+    args.caches = [c for c in CACHES if c in args.caches]
+    args.model = args.model or Path(args.source).name
+    return args
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not (Path(args.source) / "config.json").is_file():
+        print(f"vqpipe bench-decode: error: {args.source} has no config.json", file=sys.stderr)
+        return 2
+    try:
+        result = run(args)
+    except ValueError as e:
+        print(f"vqpipe bench-decode: error: {e}", file=sys.stderr)
+        return 2
+    write_json(args.out, result)
+    bad = [c for c in result["lossless"]["required"] if c["identical"] is False]
+    print(f"bench-decode: wrote {args.out} ({result['wall_s']:.0f}s)" + (
+        f"; {len(bad)} lossless check(s) DIFFERENT" if bad else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
