@@ -149,13 +149,16 @@ def test_first_build(first_build):
         assert (tree / REPORT / name).stat().st_size > 0
     # Benchmarks ran and their results reached the report.
     assert stats["bench_quality"] == 1 and stats["bench_load"] == 1 and stats["bench_kivi"] == 1
+    assert stats["bench_decode"] == 1
+    assert json.loads((tree / f"results/bench/{MODEL}/decode.json").read_text())["kind"] == "bench-decode"
     assert json.loads((tree / f"results/bench/{MODEL}/load.json").read_text())["kind"] == "bench-load"
     quality = json.loads((tree / f"results/bench/{MODEL}/quality.json").read_text())
     assert quality["kind"] == "bench-quality" and quality["model"] == MODEL
     summary = json.loads((tree / REPORT / "summary.json").read_text())
     used = {Path(i["path"]).as_posix() for i in summary["inputs"]}
     assert VERDICT.format("on") in used and f"results/bench/{MODEL}/quality.json" in used
-    assert f"results/bench/{MODEL}/load.json" in used
+    assert f"results/bench/{MODEL}/load.json" in used and f"{RESERVOIR.format('on')}/pack.json" in used
+    assert f"results/bench/{MODEL}/decode.json" in used
     # Long stages log their progress: per-layer lines (quantize), per-prompt lines (validate).
     qlog = (tree / f"logs/quantize/{MODEL}/{VARIANT}.log").read_text()
     assert re.search(r"^\[1/\d+\] model\.", qlog, re.M), qlog
@@ -299,7 +302,8 @@ def test_bad_round_trip_stops_downstream(tree):
     flat = arrays["logits.0"].reshape(-1)
     flat[0] = np.nextafter(flat[0], np.float32(np.inf), dtype=np.float32)  # one ulp
     mx.save_safetensors(str(ref), {k: mx.array(v) for k, v in arrays.items()})
-    report_before = mtimes(tree, [f"{REPORT}/index.html"])
+    # The report and the decode benchmark (which measures this reservoir) come after validate.
+    report_before = mtimes(tree, [f"{REPORT}/index.html", f"results/bench/{MODEL}/decode.json"])
     try:
         proc = smk(tree, *CI, "--forcerun", "validate", check=False)
         assert proc.returncode != 0

@@ -61,6 +61,38 @@ rule bench_load:
         )
 
 
+rule bench_decode:
+    input:
+        source=SOURCE,
+        reservoir=decode_artifact(RESERVOIR),
+        # Only a reservoir that passed validation is benchmarked.
+        verdict=decode_artifact(VERDICT),
+        # bench-kivi's per-flush times feed the Amdahl prediction.
+        kivi_ops=[BENCH_KIVI] if config["benchmarks"]["kivi"]["enabled"] else [],
+        code=stage_sources("vqpipe.bench.decode", "vqpipe.reservoir", data=["corpus.txt"]),
+    output:
+        BENCH_DECODE,
+    params:
+        model="{model}",
+        reservoir=decode_artifact(RESERVOIR),
+        options=decode_options(),
+        kivi_ops=lambda wc, input: f"--kivi-ops {input.kivi_ops[0]}" if input.kivi_ops else "",
+        blas=BLAS,
+    log:
+        "logs/bench/{model}/decode.log",
+    benchmark:
+        "results/benchmarks/bench_decode/{model}.tsv"
+    threads: res("benchmark", "threads")
+    resources:
+        mem_mb=res("benchmark", "mem_mb"),
+        runtime=res("benchmark", "runtime"),
+    shell:
+        vqpipe_cmd(
+            "bench-decode --source {input.source:q} --reservoir {input.reservoir:q} --model {params.model}"
+            " {params.options} {params.kivi_ops} --out {output:q}"
+        )
+
+
 rule bench_kivi:
     input:
         code=stage_sources("vqpipe.bench.kivi_ops"),

@@ -27,6 +27,7 @@ RESERVOIR = "results/reservoir/{model}/b{bits}-{rotation}/persist-{persist}"
 VERDICT = "results/validate/{model}/b{bits}-{rotation}/persist-{persist}.json"
 BENCH_QUALITY = "results/bench/{model}/quality.json"
 BENCH_LOAD = "results/bench/{model}/load.json"
+BENCH_DECODE = "results/bench/{model}/decode.json"
 BENCH_KIVI = "results/bench/kivi.json"
 REPORT_PLOTS = ["load_time", "decode_context", "kernel_speedup", "roofline"]
 
@@ -65,9 +66,34 @@ def bench_outputs():
         out += expand(BENCH_QUALITY, model=bench_models("quality"))
     if config["benchmarks"]["load"]["enabled"]:
         out += expand(BENCH_LOAD, model=bench_models("load"))
+    if config["benchmarks"]["decode"]["enabled"]:
+        out += expand(BENCH_DECODE, model=bench_models("decode"))
     if config["benchmarks"]["kivi"]["enabled"]:
         out.append(BENCH_KIVI)
     return out
+
+
+def decode_artifact(pattern):
+    """``pattern`` (RESERVOIR or VERDICT) for the reservoir bench-decode measures, {model} left open."""
+    c = config["benchmarks"]["decode"]
+    return expand(
+        pattern,
+        model="{model}",
+        bits=c["bits"],
+        rotation=c["rotation"],
+        persist="on" if c["persist_rotation"] else "off",
+    )[0]
+
+
+def decode_options():
+    """bench-decode flags for the options the config sets (the others keep the stage's defaults)."""
+    c = config["benchmarks"]["decode"]
+    flags = ["--quick"] if c["quick"] else []
+    for key in ("prompt_lengths", "gen_tokens", "repeats", "weights", "caches"):
+        if key in c:
+            values = c[key] if isinstance(c[key], list) else [c[key]]
+            flags.append(f"--{key.replace('_', '-')} " + " ".join(map(str, values)))
+    return " ".join(flags)
 
 
 def all_targets():

@@ -6,6 +6,7 @@ rule report:
     input:
         verdicts=fan_out(VERDICT),
         quantized=fan_out(QUANTIZED),
+        reservoirs=fan_out(RESERVOIR),
         bench=bench_outputs(),
         code=stage_sources("vqpipe.report"),
     output:
@@ -19,6 +20,7 @@ rule report:
     params:
         inputs=lambda wc, input: list(input.verdicts)
         + [f"{d}/quantized.json" for d in input.quantized]
+        + [f"{d}/pack.json" for d in input.reservoirs]
         + list(input.bench),
         # The output directory as Snakemake maps it (a local copy under a storage provider).
         out=lambda wc, output: os.path.dirname(output.html),
