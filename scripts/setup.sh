@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv with vqpipe and its pinned dependencies, plus the few Debian packages the
-# pipeline uses (rsync for the fs storage plugin, OpenBLAS for the opt-in fast CPU BLAS).
+# pipeline uses (rsync for the fs storage plugin, Debian's OpenBLAS, which vqpipe/blas.py preloads by default on Linux).
 # Idempotent: does nothing when the stamp matches pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -187,6 +187,47 @@ def test_forward_pass_is_numerically_sane(fixture, request):
     assert len(set(mx.argmax(logits[0], axis=-1).tolist())) > 5
 
 
+def test_blocks_are_small_updates_that_matter(tiny_source):
+    """Each block is a small update of the residual stream, yet the blocks pick the next token."""
+    from mlx_lm.models.base import create_attention_mask
+
+    from vqpipe.bench.quality import agreement, eval_windows, load_fp32, logprobs
+
+    model, tokenizer = load_fp32(tiny_source)
+    ids = eval_windows(tokenizer, 2, 128)[1]
+    h = embedded = model.model.embed_tokens(ids[None])
+    mask = create_attention_mask(h, None)
+    for layer in model.model.layers:
+        new = layer(h, mask, None)
+        assert float(mx.linalg.norm(new - h)) < 0.5 * float(mx.linalg.norm(h))
+        h = new
+    full = logprobs(model, ids)
+    # Tied head: the model must not just repeat its input token.
+    assert float(mx.mean(mx.argmax(full, axis=-1) == ids)) < 0.1
+    # Without the blocks (embedding straight into the head) the prediction changes a lot.
+    logits = model.model.embed_tokens.as_linear(model.model.norm(embedded))[0]
+    kl, top1 = agreement(full, logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    assert kl > 0.3 and top1 < 0.8
+
+
+def test_quantization_sensitivity_is_realistic(tiny_source):
+    """4-bit affine g64 costs about as much as on a trained model; rotation and more bits help."""
+    from vqpipe.bench.quality import agreement, eval_windows, load_fp32, logprobs, quantize_method
+
+    source, tokenizer = load_fp32(tiny_source)
+    windows = eval_windows(tokenizer, 4, 128)
+    refs = [logprobs(source, w) for w in windows]
+    result = {}
+    for method, bits in (("affine", 4), ("rotated", 4), ("affine", 2)):
+        model, _ = quantize_method(tiny_source, method, bits, 0)
+        kls, top1s = zip(*(agreement(r, logprobs(model, w)) for r, w in zip(refs, windows)))
+        result[method, bits] = (float(np.median(kls)), float(np.median(top1s)))
+    kl4, top4 = result["affine", 4]
+    assert 0.01 < kl4 < 0.2 and top4 >= 0.75, result  # a trained Qwen2.5-0.5B: ~0.02-0.1, ~0.9
+    assert result["rotated", 4][0] < kl4, result
+    assert result["affine", 2][0] > 4 * kl4 and result["affine", 2][1] < top4 - 0.15, result
+
+
 # --- presets -----------------------------------------------------------------------------------
 
 

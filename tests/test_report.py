@@ -82,6 +82,9 @@ def _artifacts(env):
         "records": decode_records,
         "comparisons": [{"model": "tiny", "phase": "decode", "context": 128, "baseline_arm": "full",
                          "other_arm": "vqpipe-b4", **compare([1 / 210, 1 / 205, 1 / 214], [1 / 480, 1 / 470, 1 / 495], 0.021)}],
+        "checks": [{"context": 128, "a": "full", "b": "full (A/A)", "what": "A/A: the baseline run twice",
+                    "verdict": "byte-identical (generation is deterministic here)"}],
+        "lossless": {"verdict": None},
     }
     rows = []
     for S in (64, 256, 1024):
@@ -178,6 +181,7 @@ def test_full_report(tmp_path, env):
     assert html.count("data:image/png;base64,") == len(report.PLOTS)
     assert not re.search(r"""(src|href)=["'](?!data:)""", html)  # self-contained
     assert "PASS (bit-exact)" in html and "FAIL" in html and "NOT met" in html
+    assert "byte-identical (generation is deterministic here)" in md and "lossless: not established" in md
 
 
 def test_missing_artifacts_and_paths(tmp_path, env):

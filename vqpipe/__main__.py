@@ -19,6 +19,7 @@ STAGES = {
 
 
 def main(argv=None):
+    as_program = argv is None
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: python -m vqpipe STAGE [options]   (STAGE --help for its options)")
@@ -28,10 +29,11 @@ def main(argv=None):
     if name not in STAGES:
         print(f"vqpipe: unknown stage {name!r}; choose one of: {', '.join(STAGES)}", file=sys.stderr)
         return 2
-    # Pick the BLAS before mlx loads (re-executes this process with LD_PRELOAD when needed).
-    from . import blas
+    if as_program:
+        # Pick the BLAS before mlx loads (re-executes this process with LD_PRELOAD when needed).
+        from . import blas
 
-    blas.ensure()
+        blas.ensure()
     module = importlib.import_module(STAGES[name])
     return module.main(rest) or 0
 

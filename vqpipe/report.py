@@ -224,7 +224,8 @@ def _roofline_rows(a):
         bpt = rec.get("bytes_per_token") or rl.decode_bytes_per_token(rec["weight_bytes"], kv, ctx)
         fpt = rec.get("flops_per_token") or (rl.flops_per_token(n_params) if n_params else None)
         row = {"model": rec.get("model") or a["model"], "arm": rec.get("arm"), "variant": rec.get("variant") or rec.get("arm"),
-               "precision": rec.get("precision") or rec.get("arm"), "phase": rec["phase"], "context": ctx, "tok_s": st,
+               "precision": rec.get("precision") or rec.get("arm"), "phase": rec["phase"], "context": ctx,
+               "mean_context": rec.get("mean_context"), "tok_s": st,
                "peak_bandwidth": bw, "peak_flops": fl if _is_stats(fl) else None, "path": a["path"]}
         if rec["phase"] == "decode":
             row["bytes_per_token"] = bpt
@@ -324,7 +325,8 @@ def build_summary(loaded):
                 roofline += rows
                 for r in rows:
                     slot(r["model"], r["variant"]).setdefault("roofline", []).append(r)
-            rest = {k: v for k, v in doc.items() if k in ("targets", "checks", "copy_paths", "multiprocess", "throughput", "sizes")}
+            rest = {k: v for k, v in doc.items()
+                    if k in ("targets", "checks", "copy_paths", "multiprocess", "throughput", "sizes", "lossless")}
             if rest:
                 extras.append({"path": a["path"], "kind": kind, "model": a["model"], **rest})
     return {
@@ -721,6 +723,14 @@ def render(summary, plots):
     d.table(["model", "phase", "context"] + _COMP_HEAD, _comparison_rows(comps, ("model", "phase", "context")),
             empty="(no decode comparisons)")
     d.img("decode_context", plots["decode_context"])
+    for x in (x for x in summary["extras"] if x["kind"] == "bench-decode"):
+        checks = [c for c in x.get("checks") or [] if isinstance(c, dict)]
+        d.table(["model", "context", "a", "b", "what", "verdict"],
+                [[x["model"], _g(c.get("context")), c.get("a"), c.get("b"), c.get("what"), c.get("verdict")] for c in checks],
+                empty="(no output checks)")
+        if isinstance(x.get("lossless"), dict):
+            d.p(f"{x['model']}: kernels on vs off lossless: "
+                + {True: "yes", False: "NO", None: "not established (not run, or inconclusive)"}.get(x["lossless"].get("verdict"), "—"))
 
     d.h(2, "Kernels (KIVI)")
     k = summary["kernels"]
@@ -742,7 +752,8 @@ def render(summary, plots):
     rows = []
     for r in (r for r in summary["roofline"] if r["phase"] == "decode"):
         a = r["achieved"]
-        rows.append([r["model"], r["precision"], _g(r["context"]), _bytes(r["bytes_per_token"]), *_cells(r["tok_s"]),
+        ctx = _g(r["context"]) + (f" (mean {_g(r['mean_context'])})" if r.get("mean_context") else "")
+        rows.append([r["model"], r["precision"], ctx, _bytes(r["bytes_per_token"]), *_cells(r["tok_s"]),
                      _g(a["median"]["bytes_per_s"] / 1e9), f"{a['median']['percent_of_peak']:.1f}%",
                      f"{a['min']['percent_of_peak']:.1f}–{a['max']['percent_of_peak']:.1f}%"])
     d.table(["model", "precision", "context", "bytes/token", "n", "median tok/s", "min–max tok/s", "achieved GB/s (median)",

@@ -339,10 +339,16 @@ def write_tokenizer(config, out_dir):
 # ---------------------------------------------------------------------------------------------
 # Weights
 
-LOGIT_STD = 3.0
+# Embedding entries ~0.02, as in real checkpoints.
 EMBED_STD = 0.02
-BLOCK_GAIN = 1.0
-FINAL_NEG = 0.0
+# Residual-branch gain, in units of EMBED_STD: a unit-RMS input to o_proj/down_proj gives an
+# output RMS of about BLOCK_GAIN * EMBED_STD / sqrt(2 * layers). Each block is then a small update
+# to the residual stream (all blocks together about half the embedding's RMS), so a few percent
+# weight error in one layer is a small perturbation of the logits, as in trained models.
+BLOCK_GAIN = 0.35
+# Logit std (the final norm weight sets it): next-token entropy about 2.2 nats (tiny) to 2.9
+# (qwen2.5-0.5b), the range of real models on ordinary text.
+LOGIT_STD = 2.75
 # Student-t degrees of freedom of the bulk weights: excess kurtosis 3, between Gaussian and the
 # heaviest rows of real checkpoints.
 STUDENT_T_DF = 6.0
@@ -402,8 +408,9 @@ def layer_tensors(config, seed, i, hidden_outliers):
     kv_dim = config["num_key_value_heads"] * head_dim
     prefix = f"model.layers.{i}."
     rng = tensor_rng(seed, prefix)
-    # Residual-branch outputs shrink with depth so the stream grows ~sqrt(layers), not faster.
-    out_gain = BLOCK_GAIN / np.sqrt(2.0 * n_layers)
+    # Residual-branch outputs are small next to the embedding (see BLOCK_GAIN) and shrink with
+    # depth, so the blocks together add about the same to the stream at any depth.
+    out_gain = BLOCK_GAIN * EMBED_STD / np.sqrt(2.0 * n_layers)
     gains = rng.lognormal(0.0, 0.15, 7)  # per-layer, per-matrix scale variation
     hidden_cols = rng.lognormal(0.0, 0.2, h).astype(np.float32)
     hidden_cols[hidden_outliers] *= rng.uniform(3.0, 8.0, len(hidden_outliers)).astype(np.float32)
@@ -476,8 +483,12 @@ def model_tensors(config, seed):
     final = rng.lognormal(0.0, 0.2, h).astype(np.float32)
     final *= np.float32(LOGIT_STD / (head_std * np.sqrt(h)))
     final[hidden_outliers] *= np.float32(0.1)
-    if FINAL_NEG:
-        final[tensor_rng(seed, "final-sign").random(h) < FINAL_NEG] *= -1
+    if config["tie_word_embeddings"]:
+        # The stream is mostly the current token's embedding, and with a tied head and a positive
+        # final norm, E_t . diag(g) . E_t beats every other logit by ~sqrt(hidden) sigma: the model
+        # would just repeat its input. Negating half of the channels removes that diagonal, so
+        # the embedding part of the logits is a random bigram table and the blocks add context.
+        final[rng.permutation(h)[: h // 2]] *= np.float32(-1.0)
     yield "model.norm.weight", final
     if not config["tie_word_embeddings"]:
         head = linear(tensor_rng(seed, "lm_head"), v, h, 1.0, np.ones(h, np.float32))

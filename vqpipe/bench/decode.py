@@ -498,8 +498,8 @@ def run(args, progress=None):
             e = log[-1]
             peaks[name] = {"peak_memory_bytes": peak, "active_before_bytes": int(start), "peak_over_start_bytes": int(peak - start)}
             progress(f"  {name}: prefill {P / e['prefill_s']:.1f} tok/s, decode {N / e['decode_s']:.1f} tok/s "
-                     f"(pilot, untimed), peak {peak / 2**20:.1f} MiB (+{(peak - start) / 2**20:.1f} MiB over "
-                     f"resident), KV {e['kv']['resident_bytes'] / 2**20:.2f} MiB resident / "
+                     f"(pilot, untimed), peak {peak / 2**20:.1f} MiB ({start / 2**20:.1f} MiB allocated before + "
+                     f"{(peak - start) / 2**20:.1f} MiB), KV {e['kv']['resident_bytes'] / 2**20:.2f} MiB resident / "
                      f"{e['kv']['compressed_bytes'] / 2**20:.2f} MiB compressed, flushes {e['flushes']}")
         pilot = {e["arm"]: e for e in log if e["round"] == "pilot"}
 
