@@ -25,7 +25,8 @@ from pathlib import Path
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 
 # Environment keys that change float results; each is a path into the environment dict.
-SETUP_KEYS = (("backend",), ("device",), ("blas", "name"), ("versions", "mlx"))
+# OpenBLAS thread counts matter too: some GEMM shapes round differently with 1 and 2 threads.
+SETUP_KEYS = (("backend",), ("device",), ("blas", "name"), ("blas", "threads"), ("versions", "mlx"))
 
 
 def _get(env, path):

@@ -42,9 +42,11 @@ def eval_windows(tokenizer, n_windows, length):
 
 
 def load_fp32(path):
-    from mlx_lm.utils import load
+    """The source in float32; an affine-quantized source is dequantized (that is its full precision)."""
+    from mlx_lm.utils import dequantize_model, load
 
     model, tok = load(str(path))
+    model = dequantize_model(model)
     model.update(tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
                           model.parameters()))
     mx.eval(model.parameters())
