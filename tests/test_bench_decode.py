@@ -277,7 +277,8 @@ def test_lossless_verdicts():
     diff = decode.compare_outputs({0: [[1, 2, 3]], 1: [[4, 5, 6]]}, {0: [[1, 2, 3]], 1: [[4, 5, 7]]}, Tok(), True)
     assert diff["identical"] is False and diff["verdict"] == "DIFFERENT" and diff["first_difference"]["median"] == 2
     assert diff["identical_ids"] == 1 and diff["token_agreement"]["min"] == pytest.approx(2 / 3)
-    assert decode.lossless_verdict(dict(diff), deterministic=True)["conclusive"] is True
+    conclusive = decode.lossless_verdict(dict(diff), deterministic=True)
+    assert conclusive["conclusive"] is True and conclusive["verdict"].startswith("DIFFERENT on 1/2 prompts (first difference at token 2)")
     inconclusive = decode.lossless_verdict(dict(diff), deterministic=False)
     assert inconclusive["conclusive"] is False and "inconclusive" in inconclusive["verdict"]
     lossy = decode.compare_outputs({0: [[1, 2]]}, {0: [[1, 3]]}, Tok(), False)

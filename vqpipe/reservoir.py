@@ -390,6 +390,10 @@ def _reader(path, header):
         src = np.frombuffer(mm, dtype=np_dtype, count=math.prod(spec["shape"]), offset=base + blob["offset"])
         a = mx.array(src.reshape(spec["shape"]))
         del src  # drop the export so the mmap can close
+        if blob["nbytes"] >= ALIGN:
+            # Unmap the copied pages (they stay in the page cache): RSS then peaks at the model plus
+            # one blob instead of the model plus the whole file.
+            mm.madvise(mmap.MADV_DONTNEED, base + blob["offset"], blob["nbytes"])
         if _hash(a) != blob[CHECKSUM]:
             _fail(path, f"checksum mismatch in blob {spec['blob']} ({blob['kind']}, {blob['nbytes']} bytes "
                         f"at offset {base + blob['offset']}): the data is corrupted")

@@ -331,6 +331,9 @@ def compare_outputs(runs_a, runs_b, tokenizer, must_match):
         "identical_text": sum(same_text),
         "token_agreement": summary_or_none(agree),
         "first_difference": summary_or_none([d for d in diffs if d is not None]),
+        # Distinct token ids per generation: a model stuck in a 1-2 token loop (random synthetic
+        # weights do that) makes any two arms agree easily; read the verdicts with this beside them.
+        "distinct_tokens": summary_or_none([len(set(x)) for _, a, b in pairs for x in (a, b)]),
         "must_match": must_match,
     }
     if must_match:
@@ -346,6 +349,9 @@ def lossless_verdict(chk, deterministic):
     if not chk["must_match"] or chk["identical"] is None:
         return chk
     chk["conclusive"] = bool(chk["identical"] or deterministic)
+    if not chk["identical"] and deterministic:
+        chk["verdict"] = (f"DIFFERENT on {chk['pairs'] - chk['identical_text']}/{chk['pairs']} prompts (first difference "
+                          f"at token {chk['first_difference']['min']}); the baseline's A/A pair agreed")
     if not chk["identical"] and not deterministic:
         chk["verdict"] = ("DIFFERENT, inconclusive: the baseline's A/A pair also differs, so generation is not "
                           "run-to-run deterministic on this device (kernel bit-exactness: tests/test_kivi_kernels.py)")
@@ -381,7 +387,7 @@ def plan_arms(weights, caches):
                 reason = (f"no fused KIVI kernels here: they need MLX's Metal or CUDA backend on the default "
                           f"device, and it is {dev}" + ("" if dev.type == mx.gpu else " (CPU)")
                           + "; kivi-ref runs the MLX-ops reference quantizer instead")
-                if not kivi.kernels._enabled:
+                if kivi.backend() is not None:  # a GPU backend, switched off
                     reason = "KIVI kernels disabled (VQPIPE_KIVI_KERNELS=0 or kernels.set_enabled(False))"
                 skipped.append({"arm": name, "reason": reason})
                 continue
@@ -655,7 +661,8 @@ def run(args, progress=None):
             else:
                 continue
             checks.append(chk)
-            progress(f"  check P={P} {b} vs {a} ({what}): {chk['verdict']}")
+            distinct = f" (distinct tokens per generation: median {chk['distinct_tokens']['median']:g} of {N})" if chk.get("distinct_tokens") else ""
+            progress(f"  check P={P} {b} vs {a} ({what}): {chk['verdict']}{distinct}")
 
         for e in log:
             runs.append({k: e[k] for k in ("arm", "context", "prompt", "round", "prefill_s", "decode_s", "flushes")}
