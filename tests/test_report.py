@@ -236,3 +236,59 @@ def test_write_atomic_replaces(tmp_path):
     report.write_atomic(p, "one")
     report.write_atomic(p, b"two")
     assert p.read_text() == "two" and [q.name for q in p.parent.iterdir()] == ["x.txt"]
+
+
+def test_decode_extras_and_kivi_kind(tmp_path, env):
+    """bench-decode's amdahl, checks/lossless and skipped_arms are rendered; the generation's own peak is
+    used where recorded; bench-kivi with ``"kind"`` (and ``"stage"``) renders ratio, GB/s and outputs."""
+    arts = {k: v for k, v in _artifacts(env).items() if k in ("bench/tiny/decode.json", "bench/kivi.json")}
+    dec = arts["bench/tiny/decode.json"]
+    for r in dec["records"]:
+        r["peak_over_start_bytes"] = 7 * 2**20
+    ref, ker = summarize([6.0e-3, 5.5e-3, 6.2e-3]), summarize([7.4e-3, 4.9e-3, 8.1e-3])
+    dec["amdahl"] = [{"model": "tiny", "weights": "full", "context": 128, "baseline_arm": "full/kivi-ref",
+                      "other_arm": "full/kivi-kernel",
+                      "decode": {"launches_per_layer": 4, "layers": 24, "saving_s_per_token": 1.013e-4,
+                                 "predicted_speedup_max": 1.0116,
+                                 "measured": {"floor": 0.05, "reference_s_per_token": ref, "kernel_s_per_token": ker,
+                                              "speedup": 1.30, "predicted_speedup_max_with_measured_reference": 1.017,
+                                              "verdict": "1.30x faster"}}},
+                     {"model": "tiny", "weights": "vqpipe", "context": 128, "reason": "no --kivi-ops: no op-level kernel figures"}]
+    dec["checks"] = [
+        {"context": 128, "a": "full/fp", "b": "full/fp (A/A)", "what": "A/A", "identical": False, "pairs": 3,
+         "identical_ids": 2, "token_agreement": summarize([1.0, 1.0, 0.28]), "verdict": "DIFFERENT"},
+        {"context": 128, "a": "full/kivi-ref", "b": "full/kivi-kernel", "what": "kernels on vs off (lossless)",
+         "identical": False, "pairs": 4, "identical_ids": 3, "first_difference": summarize([3]), "verdict": "DIFFERENT"}]
+    dec["lossless"] = {"all_identical": False, "required": dec["checks"]}
+    dec["skipped_arms"] = [{"arm": "vqpipe/kivi-kernel", "reason": "no Metal/CUDA backend"}]
+    kivi = arts["bench/kivi.json"]
+    kivi["kind"] = "bench-kivi"
+    for row in kivi["results"]:
+        row.update(kernel_bytes=1000, kernel_bytes_per_s=2.5e9, fraction_of_copy_bandwidth=0.1, outputs_equal=True)
+    _write(tmp_path / "in", arts)
+    out = tmp_path / "r"
+    s = report.make_report([tmp_path / "in"], out)
+    assert {"bench-decode", "bench-kivi"} <= set(s["present"])
+    (x,) = [x for x in s["extras"] if x["kind"] == "bench-decode"]
+    assert x["skipped_arms"][0]["arm"] == "vqpipe/kivi-kernel" and len(x["amdahl"]) == 2
+    md = (out / "report.md").read_text()
+    html = (out / "index.html").read_text()
+    for text in ("vqpipe/kivi-kernel | no Metal/CUDA backend", "no --kivi-ops: no op-level kernel figures",
+                 "kernels on vs off lossless: NO (0 of 1", "inconclusive: the baseline's A/A differed",
+                 "1 [0.28–1], n = 3", "| 4 × 24 | 101.3 | 1.012 | 3 | 6 | 5.5–6.2 | 3 | 7.4 | 4.9–8.1 | 1.3 | 1.017 | ±5.0% |",
+                 "NO (above it beyond the noise floor)", "7.00 MiB", "generation's own peak"):
+        assert text in md, text
+    assert "no Metal/CUDA backend" in html and "Amdahl" in html
+    kc = {(c["op"], c["S"]): c for c in s["kernels"]["comparisons"]}
+    assert kc[("keys", 1024)]["ratio"] == pytest.approx(1 / 3.0) and kc[("keys", 64)]["kernel_bytes_per_s"] == 2.5e9
+    row = next(line for line in md.splitlines() if line.startswith("| keys | isolated | 1024 |"))
+    assert "| 0.3333 | 3 |" in row and "| 2.5 | 10.0% | yes |" in row
+
+
+def test_kivi_ops_writes_kind():
+    import inspect
+
+    from vqpipe.bench import kivi_ops
+
+    src = inspect.getsource(kivi_ops.main)
+    assert '"kind": "bench-kivi"' in src and '"stage": "bench-kivi"' in src and '"results": rows' in src

@@ -142,7 +142,7 @@ def _kivi(a):
             comps.append({**ident, "baseline_arm": "reference", "other_arm": "kernel", "baseline": base, "other": other,
                           "speedup": row["speedup"], "ratio": 1 / row["speedup"], "floor": floor,
                           "verdict": row.get("verdict"),
-                          **{k: row[k] for k in ("m4_speedup", "beats_m4", "outputs_equal", "kernel_bytes_per_s",
+                          **{k: row[k] for k in ("m4_speedup", "beats_m4", "outputs_equal", "kernel_bytes", "kernel_bytes_per_s",
                                                  "fraction_of_copy_bandwidth") if k in row}})
     a.update(records=recs, comparisons=comps)
 
@@ -304,6 +304,8 @@ def build_summary(loaded):
         elif kind == "bench-kivi":
             kernels["records"] += [{**_scalars(r), **_stats(r), "environment": env} for r in a["records"] if _stats(r)]
             kernels["comparisons"] += [{**c, "environment": env} for c in a["comparisons"]]
+            if _is_stats(doc.get("harness_overhead_s")):
+                kernels.setdefault("harness_overhead_s", []).append({"path": a["path"], **doc["harness_overhead_s"]})
         elif kind.startswith("bench-"):
             section = {"bench-load": "load", "bench-quality": "quality"}.get(kind)
             for rec in a["records"]:
@@ -311,12 +313,13 @@ def build_summary(loaded):
                 if st is None:
                     continue
                 item = {**_scalars(rec), **{k: v for k, v in rec.items() if _is_stats(v)}, **st,
-                        "noise_floor": rec.get("noise_floor", doc.get("noise_floor")), "environment": env}
+                        "noise_floor": rec.get("noise_floor", doc.get("noise_floor")), "environment": env,
+                        "run": Path(a["path"]).name}
                 variant = rec.get("variant") or rec.get("arm") or a["variant"]
                 slot(rec.get("model") or a["model"], variant).setdefault(section or rec.get("phase", "decode"), []).append(item)
             for c in a["comparisons"]:
                 slot(c.get("model") or a["model"], c.get("other_arm")).setdefault("comparisons", []).append(
-                    {**c, "kind": kind, "environment": env})
+                    {**c, "kind": kind, "environment": env, "run": Path(a["path"]).name})
             for t in a.get("timing", []):
                 slot(a["model"], f"b{t.get('bits')}-{t.get('rotation')}").setdefault("quantize_timing", []).append(
                     {**t, "environment": env})
@@ -326,9 +329,10 @@ def build_summary(loaded):
                 for r in rows:
                     slot(r["model"], r["variant"]).setdefault("roofline", []).append(r)
             rest = {k: v for k, v in doc.items()
-                    if k in ("targets", "checks", "copy_paths", "multiprocess", "throughput", "sizes", "lossless")}
+                    if k in ("targets", "checks", "copy_paths", "multiprocess", "throughput", "sizes", "lossless",
+                             "amdahl", "skipped_arms")}
             if rest:
-                extras.append({"path": a["path"], "kind": kind, "model": a["model"], **rest})
+                extras.append({"path": a["path"], "run": Path(a["path"]).name, "kind": kind, "model": a["model"], **rest})
     return {
         "schema": 1,
         "inputs": [{"path": a["path"], "kind": a["kind"], "sha256": a["sha256"], "environment": a["env"]} for a in arts],
@@ -411,32 +415,49 @@ def plot_load(summary):
     return _png(fig)
 
 
+def _peak(r):
+    """(bytes, which): the generation's own peak (``peak_over_start_bytes``) where recorded, else the
+    process peak (``peak_memory_bytes``, every resident model included)."""
+    if isinstance(r.get("peak_over_start_bytes"), (int, float)):
+        return r["peak_over_start_bytes"], "own"
+    if isinstance(r.get("peak_memory_bytes"), (int, float)):
+        return r["peak_memory_bytes"], "process"
+    return None, None
+
+
 def plot_decode(summary):
     series = {}
+    runs = {r.get("run") for vs in summary["models"].values() for d in vs.values() for r in d.get("decode", [])}
     for m, vs in summary["models"].items():
         for v, d in vs.items():
             for r in d.get("decode", []):
                 if isinstance(r.get("context"), (int, float)):
-                    series.setdefault(f"{m} / {r.get('arm') or v}", []).append(r)
+                    run = f" [{r.get('run')}]" if len(runs) > 1 else ""
+                    series.setdefault(f"{m} / {r.get('arm') or v}{run}", []).append(r)
     if not series:
         return _no_data("decode vs context", "no bench-decode artifact with decode records among the inputs")
-    fig, (a1, a2) = _figure(2)
+    fig, (a1, a2) = _figure(2, width=7.5, height=5.0)
+    which = set()
     for label, recs in series.items():
         recs = sorted(recs, key=lambda r: r["context"])
         x = [r["context"] for r in recs]
         a1.errorbar(x, [r["median"] for r in recs], yerr=_yerr(recs), marker="o", capsize=3, label=label)
-        mem = [(r["context"], r["peak_memory_bytes"] / 2**20) for r in recs if r.get("peak_memory_bytes")]
+        mem = [(r["context"], _peak(r)) for r in recs]
+        mem = [(x, b / 2**20) for x, (b, w) in mem if b is not None]
+        which.update(_peak(r)[1] for r in recs if _peak(r)[1])
         if mem:
             a2.plot(*zip(*mem), marker="o", label=label)
     a1.set_ylabel("decode tok/s (median, bars: min-max)")
     a1.set_title("decode throughput against context")
-    a2.set_ylabel("peak memory (MiB, mx.get_peak_memory)")
-    a2.set_title("peak memory against context")
+    a2.set_ylabel({frozenset({"own"}): "generation's own peak (MiB, peak_over_start_bytes)",
+                   frozenset({"process"}): "process peak (MiB, mx.get_peak_memory)"}.get(
+                       frozenset(which), "peak (MiB): own where recorded, else process"))
+    a2.set_title("peak memory against context (pilot round, one sample)")
     for ax in (a1, a2):
         ax.set_xlabel("context length (tokens)")
         ax.set_xscale("log", base=2)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+    a2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # one legend, outside: same series both sides
     return _png(fig)
 
 
@@ -490,10 +511,14 @@ def plot_roofline(summary):
     rows = [r for r in summary["roofline"] if r.get("intensity") and r.get("flops_per_s") and r.get("peak_flops")]
     if not rows:
         return _no_data("roofline", "no bench-decode artifact with roofline figures among the inputs")
-    fig, (ax,) = _figure(width=10)
+    rows = [r for r in rows if r["path"] == rows[0]["path"]]  # the roofs hold only for points of the same run
+    fig, (ax,) = _figure(width=10, height=max(4.2, 0.2 * len(rows) + 1.0))
     points = [{"label": f"{r['model']} {r['precision']} {r['phase']} @{r['context']}", "intensity": r["intensity"],
                "flops_per_s": r["flops_per_s"]["median"], "phase": r["phase"]} for r in rows]
-    rl.plot(ax, rows[0]["peak_bandwidth"]["median"], rows[0]["peak_flops"]["median"], points)
+    bw, fl = rows[0]["peak_bandwidth"], rows[0]["peak_flops"]
+    rl.plot(ax, bw["median"], fl["median"], points)
+    ax.set_title(f"roofline of {Path(rows[0]['path']).name}: copy {bw['median'] / 1e9:.0f} GB/s, "
+                 f"{fl.get('dtype') or ''} GEMM {fl['median'] / 1e12:.0f} TFLOP/s (medians)", fontsize=9)
     return _png(fig)
 
 
@@ -619,6 +644,94 @@ def _each(models, section):
                 yield m, v, r
 
 
+def _stat_txt(st, scale=1.0, digits=4):
+    """``median [min–max], n = N`` of a summary, in one cell."""
+    if not _is_stats(st):
+        return "—"
+    f = lambda v: _g(v * scale, digits)  # noqa: E731
+    return f"{f(st['median'])} [{f(st['min'])}–{f(st['max'])}], n = {st['n']}"
+
+
+def _is_aa(c):
+    return str(c.get("b", "")).endswith("(A/A)")
+
+
+def _is_onoff(c):
+    return "kernels on vs off" in str(c.get("what", "")) or (
+        str(c.get("a", "")).endswith("kivi-ref") and str(c.get("b", "")).endswith("kivi-kernel"))
+
+
+def _lossless_verdict(x):
+    """yes / NO / not established, from ``lossless`` (``verdict`` or ``all_identical``) or else the checks."""
+    ll = x.get("lossless") if isinstance(x.get("lossless"), dict) else {}
+    onoff = [c for c in x.get("checks") or [] if isinstance(c, dict) and _is_onoff(c)]
+    v = ll.get("verdict", ll.get("all_identical")) if ll else None
+    if v is None and onoff and all(isinstance(c.get("identical"), bool) for c in onoff):
+        v = all(c["identical"] for c in onoff)
+    return {True: "yes", False: "NO", None: "not established (not run, or inconclusive)"}.get(v, str(v))
+
+
+def _render_decode_extras(d, x):
+    """bench-decode's skipped arms, output checks (lossless verdicts) and Amdahl prediction vs measurement."""
+    run, model = x.get("run") or x["path"], x["model"]
+    d.h(3, f"{run}: arms not run, output checks, Amdahl")
+    if "skipped_arms" in x:
+        sk = [s for s in x.get("skipped_arms") or [] if isinstance(s, dict)]
+        d.table(["run", "model", "skipped arm", "reason"], [[run, model, s.get("arm"), s.get("reason")] for s in sk],
+                empty=f"{run}: skipped arms: none (every arm ran).")
+    checks = [c for c in x.get("checks") or [] if isinstance(c, dict)]
+    aa = {c.get("context"): c.get("identical") for c in checks if _is_aa(c)}
+    rows = []
+    for c in checks:
+        verdict = str(c.get("verdict"))
+        if _is_onoff(c) and c.get("identical") is False and not c.get("conclusive") and aa.get(c.get("context")) is False:
+            verdict += " (inconclusive: the baseline's A/A differed at this context)"
+        ids = c.get("identical_ids")
+        rows.append([run, model, _g(c.get("context")), c.get("a"), c.get("b"), c.get("what"),
+                     _g(c.get("pairs")), "—" if ids is None else f"{ids}/{_g(c.get('pairs'))}",
+                     _stat_txt(c.get("token_agreement")), _stat_txt(c.get("first_difference")), verdict])
+    d.table(["run", "model", "context", "a", "b", "what", "prompts compared", "identical ids",
+             "token agreement median [min–max], n", "first difference (token) median [min–max], n", "verdict"], rows,
+            empty="(no output checks)")
+    if "lossless" in x or any(_is_onoff(c) for c in checks):
+        onoff = [c for c in checks if _is_onoff(c)]
+        same = sum(1 for c in onoff if c.get("identical") is True)
+        det = [f"P = {_g(k)}: {'identical' if v else 'DIFFERENT'}" for k, v in aa.items() if isinstance(v, bool)]
+        d.p(f"{run}: {model}: kernels on vs off lossless: {_lossless_verdict(x)} ({same} of {len(onoff)} "
+            f"kivi-ref/kivi-kernel pairs byte-identical"
+            + (f"; baseline A/A determinism {', '.join(det)}" if det else "") + ").")
+    am = [a for a in x.get("amdahl") or [] if isinstance(a, dict)]
+    rows = []
+    for a in am:
+        for phase in ("decode", "prefill"):
+            ph = a.get(phase) if isinstance(a.get(phase), dict) else None
+            if ph is None:
+                if a.get("reason"):
+                    rows.append([run, a.get("weights") or "—", _g(a.get("context")), phase] + ["—"] * 11 + [a["reason"]])
+                continue
+            me = ph.get("measured") if isinstance(ph.get("measured"), dict) else {}
+            sp, bound = me.get("speedup"), me.get("predicted_speedup_max_with_measured_reference")
+            fl = me.get("floor") if isinstance(me.get("floor"), (int, float)) else 0.0
+            within = "—" if not isinstance(sp, (int, float)) or not isinstance(bound, (int, float)) else (
+                "yes" if sp <= bound else "above it, inside the noise floor" if sp <= bound * (1 + fl)
+                else "NO (above it beyond the noise floor)")
+            rows.append([run, a.get("weights") or "—", _g(a.get("context")), phase,
+                         f"{_g(ph.get('launches_per_layer'))} × {_g(ph.get('layers'))}",
+                         _g((ph.get("saving_s_per_token") or 0) * 1e6), _g(ph.get("predicted_speedup_max")),
+                         *_cells(me.get("reference_s_per_token"), 1e3), *_cells(me.get("kernel_s_per_token"), 1e3),
+                         _g(sp), _g(bound), _pct(me.get("floor")),
+                         f"{me.get('verdict') or '—'}; within bound: {within}"])
+    if am:
+        d.p(f"{run}: Amdahl. Predicted (before timing, from bench-kivi's per-flush figures and the pilot's kivi-ref "
+            "time): the saving per token and the bound on the speedup; measured: kivi-kernel vs kivi-ref per token "
+            "(ms), the measured speedup and the bound recomputed with the measured reference time.")
+    d.table(["run", "weights", "context", "phase", "flush launches × layers", "predicted saving (µs/token)",
+             "predicted speedup ≤", "reference n", "median (ms/token)", "min–max", "kernel n", "median (ms/token)", "min–max",
+             "measured speedup", "bound (measured T_ref)", "noise floor", "verdict"], rows,
+            empty=f"{run}: no Amdahl prediction in this artifact.")
+
+
+
 def render(summary, plots):
     d = _Doc()
     models = summary["models"]
@@ -714,32 +827,58 @@ def render(summary, plots):
     for m, vs in models.items():
         for v, dd in vs.items():
             for phase in ("decode", "prefill"):
-                for r in sorted(dd.get(phase, []), key=lambda r: r.get("context") or 0):
-                    rows.append([m, r.get("arm") or v, r.get("precision") or "—", phase, _g(r.get("context")), *_cells(r),
-                                 _bytes(r.get("peak_memory_bytes")), _pct(r.get("noise_floor"))])
-    d.table(["model", "arm", "precision", "phase", "context", "n", "median (tok/s)", "min–max (tok/s)", "peak memory",
-             "noise floor"], rows)
+                for r in sorted(dd.get(phase, []), key=lambda r: (str(r.get("run")), r.get("context") or 0)):
+                    own = r.get("peak_over_start_bytes")
+                    rows.append([r.get("run") or "—", m, r.get("arm") or v, r.get("precision") or "—", phase,
+                                 _g(r.get("context")), *_cells(r), _bytes(own), _bytes(r.get("peak_memory_bytes")),
+                                 _pct(r.get("noise_floor"))])
+    d.table(["run", "model", "arm", "precision", "phase", "context", "n", "median (tok/s)", "min–max (tok/s)",
+             "generation's own peak", "process peak", "noise floor"], rows)
+    if rows:
+        d.p("Peak memory is one pilot generation per arm (n = 1): \"generation's own peak\" is peak_over_start_bytes "
+            "(mx.get_peak_memory() minus what was allocated before the generation), \"process peak\" is "
+            "peak_memory_bytes (every model resident in the process included). The plot shows the generation's own "
+            "peak where an artifact records it, the process peak otherwise (its axis label says which).")
     comps = [dict(c, model=m) for m, v, c in _each(models, "comparisons") if c.get("kind") == "bench-decode"]
-    d.table(["model", "phase", "context"] + _COMP_HEAD, _comparison_rows(comps, ("model", "phase", "context")),
+    comps.sort(key=lambda c: (str(c.get("run")), c.get("context") or 0, str(c.get("phase"))))
+    d.table(["run", "model", "phase", "context"] + _COMP_HEAD, _comparison_rows(comps, ("run", "model", "phase", "context")),
             empty="(no decode comparisons)")
     d.img("decode_context", plots["decode_context"])
     for x in (x for x in summary["extras"] if x["kind"] == "bench-decode"):
-        checks = [c for c in x.get("checks") or [] if isinstance(c, dict)]
-        d.table(["model", "context", "a", "b", "what", "verdict"],
-                [[x["model"], _g(c.get("context")), c.get("a"), c.get("b"), c.get("what"), c.get("verdict")] for c in checks],
-                empty="(no output checks)")
-        if isinstance(x.get("lossless"), dict):
-            d.p(f"{x['model']}: kernels on vs off lossless: "
-                + {True: "yes", False: "NO", None: "not established (not run, or inconclusive)"}.get(x["lossless"].get("verdict"), "—"))
+        _render_decode_extras(d, x)
 
     d.h(2, "Kernels (KIVI)")
     k = summary["kernels"]
-    d.table(["op", "mode", "arm", "S", "n", "median (µs)", "min–max (µs)", "noise floor"],
-            [[r.get("op") or "—", r.get("mode") or "—", r.get("arm") or "—", _g(r.get("S")), *_cells(r, 1e6),
-              _pct(r.get("noise_floor"))] for r in k["records"]])
     comps = sorted(k["comparisons"], key=lambda c: (str(c.get("op")), str(c.get("mode")), c.get("S") or 0))
-    d.table(["op", "mode", "S"] + _COMP_HEAD, _comparison_rows(comps, ("op", "mode", "S")),
-            empty="(no kernel comparisons: no kernel arm on this backend, or no bench-kivi artifact)")
+    if comps:
+        d.p("Per flush, kernel against the MLX-ops reference, interleaved in one process. ratio = median(kernel) / "
+            "median(reference); speedup = its inverse; the floor is the larger of the two arms' A/A floors. GB/s: the "
+            "fewest bytes one launch must move over the kernel's median time, and its share of the copy bandwidth "
+            "measured in the same run.")
+        rows = []
+        for c in comps:
+            b, o = c["baseline"], c["other"]
+            bps = c.get("kernel_bytes_per_s")
+            rows.append([c.get("op") or "—", c.get("mode") or "—", _g(c.get("S")), *_cells(b, 1e6), *_cells(o, 1e6),
+                         _g(c.get("ratio")), _g(c["speedup"]), f"{_g(b['min'] / o['max'])}–{_g(b['max'] / o['min'])}",
+                         _pct(c.get("floor")), (c.get("verdict") or "—").split(" (")[0],
+                         _g(bps / 1e9) if isinstance(bps, (int, float)) else "—",
+                         _pct(c.get("fraction_of_copy_bandwidth")).lstrip("±"), _g(c.get("outputs_equal")),
+                         "—" if c.get("m4_speedup") is None else f"{_g(c['m4_speedup'])} ({'beaten' if c.get('beats_m4') else 'not beaten'})"])
+        d.table(["op", "mode", "S", "reference n", "median (µs)", "min–max (µs)", "kernel n", "median (µs)",
+                 "min–max (µs)", "ratio kernel/ref", "speedup", "speedup min–max", "noise floor", "verdict",
+                 "kernel GB/s (median)", "of copy bandwidth", "outputs equal", "M4 speedup (KIVI issue)"], rows)
+    else:
+        d.table(["op", "mode", "arm", "S", "n", "median (µs)", "min–max (µs)", "noise floor"],
+                [[r.get("op") or "—", r.get("mode") or "—", r.get("arm") or "—", _g(r.get("S")), *_cells(r, 1e6),
+                  _pct(r.get("noise_floor"))] for r in k["records"] if not str(r.get("arm", "")).endswith("(A/A)")],
+                empty="(no bench-kivi artifact)")
+        if k["records"]:
+            d.p("No kernel arm ran (no Metal/CUDA backend where the artifact was made): reference timings only.")
+    ov = k.get("harness_overhead_s") or []
+    if ov:
+        d.table(["artifact", "empty timed call n", "median (µs)", "min–max (µs)"],
+                [[o["path"], *_cells(o, 1e6)] for o in ov])
     d.img("kernel_speedup", plots["kernel_speedup"])
 
     d.h(2, "Roofline")
