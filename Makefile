@@ -10,7 +10,8 @@ run: setup
 	.venv/bin/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS)
 
 test: setup
-	.venv/bin/python -m pytest -q -ra tests
+	# One OpenBLAS thread: on a busy 2-core machine threaded QR/GEMM runs up to 30x slower.
+	OPENBLAS_NUM_THREADS=1 .venv/bin/python -m pytest -q -ra tests
 
 clean:
 	rm -rf results logs .snakemake
