@@ -9,8 +9,8 @@ setup:
 run: setup
 	.venv/bin/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS)
 
+# One OpenBLAS thread for tests: on a busy 2-core machine threaded QR/GEMM runs up to 30x slower.
 test: setup
-	# One OpenBLAS thread: on a busy 2-core machine threaded QR/GEMM runs up to 30x slower.
 	OPENBLAS_NUM_THREADS=1 .venv/bin/python -m pytest -q -ra tests
 
 clean:
