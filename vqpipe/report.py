@@ -409,6 +409,9 @@ def plot_load(summary):
     ax.set_yticks(range(len(rows)), [f"{m} / {r.get('arm')}" for m, r in rows], fontsize=8)
     ax.set_ylim(-0.7, len(rows) - 0.3)
     ax.set_xscale("log")
+    from matplotlib.ticker import NullFormatter
+
+    ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap on a short log axis
     ax.set_xlabel("seconds (median, bars: min-max)")
     ax.set_title(f"load time per variant (n = {', '.join(sorted({str(r['n']) for _, r in rows}))})")
     ax.grid(True, axis="x", which="both", alpha=0.3)
