@@ -17,14 +17,7 @@ BITS=${BITS:-4}
 mkdir -p "$OUT" "$WORK"
 PY=${PYTHON:-python3}
 
-if [ -z "${PYTHON:-}" ] && [ ! -d /opt/mlx/mlx ] && [ -f .gpu/mlx-cuda13-site.tar.xz.part01 ]; then
-  p0=/root/stage/mlx-cuda13-site.tar.xz.part00
-  [ -f "$p0" ] || p0=.gpu/mlx-cuda13-site.tar.xz.part00
-  mkdir -p /opt/mlx && cat "$p0" .gpu/mlx-cuda13-site.tar.xz.part01 | tar xJ -C /opt/mlx || exit 1
-fi
-[ -d /opt/mlx/mlx ] && [ -z "${PYTHON:-}" ] && export PYTHONPATH=/opt/mlx:$PWD
-export PYTHONPATH=${PYTHONPATH:-$PWD}
-export PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
 
 t0=$(date +%s)
 since() { echo "[$(( $(date +%s) - t0 )) s]"; }

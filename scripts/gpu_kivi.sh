@@ -14,15 +14,7 @@ OUT=${OUT:-results/gpu_kivi}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 
-# The offline MLX CUDA runtime: two parts, part00 possibly staged by an earlier call.
-if [ -z "${PYTHON:-}" ] && [ ! -d /opt/mlx/mlx ] && [ -f .gpu/mlx-cuda13-site.tar.xz.part01 ]; then
-  p0=/root/stage/mlx-cuda13-site.tar.xz.part00
-  [ -f "$p0" ] || p0=.gpu/mlx-cuda13-site.tar.xz.part00
-  mkdir -p /opt/mlx && cat "$p0" .gpu/mlx-cuda13-site.tar.xz.part01 | tar xJ -C /opt/mlx || exit 1
-fi
-[ -d /opt/mlx/mlx ] && [ -z "${PYTHON:-}" ] && export PYTHONPATH=/opt/mlx:$PWD
-export PYTHONPATH=${PYTHONPATH:-$PWD}
-export PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
 # A fresh PTX cache, so the compile-count test sees only this run's kernels.
 MLX_PTX_CACHE_DIR=$(mktemp -d)
 export MLX_PTX_CACHE_DIR

@@ -1,0 +1,10 @@
+# Sourced by the GPU jobs: unpack the offline MLX CUDA runtime (two parts; part00 may have been
+# staged in /root/stage by an earlier call) and point PYTHONPATH at it. PYTHON=... skips this.
+if [ -z "${PYTHON:-}" ] && [ ! -d /opt/mlx/mlx ] && [ -f .gpu/mlx-cuda13-site.tar.xz.part01 ]; then
+  p0=/root/stage/mlx-cuda13-site.tar.xz.part00
+  [ -f "$p0" ] || p0=.gpu/mlx-cuda13-site.tar.xz.part00
+  mkdir -p /opt/mlx && cat "$p0" .gpu/mlx-cuda13-site.tar.xz.part01 | tar xJ -C /opt/mlx || exit 1
+fi
+[ -d /opt/mlx/mlx ] && [ -z "${PYTHON:-}" ] && export PYTHONPATH=/opt/mlx:$PWD
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+export PYTHONUNBUFFERED=1
