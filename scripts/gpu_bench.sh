@@ -59,6 +59,6 @@ want kivi && vq bench-kivi 180 bench-kivi --out "$OUT/bench-kivi.json"
 want decode && vq bench-decode 300 bench-decode --source "$SRC" --reservoir "$WORK/reservoir/$MODEL/b$BITS-auto/persist-off" \
   --model "$MODEL" --prompt-lengths 512 4096 --gen-tokens 128 --repeats ${DECODE_REPEATS:-3} \
   --kivi-ops "$OUT/bench-kivi.json" --out "$OUT/bench-decode-$MODEL.json"
-want report && vq report 120 report --inputs "$OUT" --out "$OUT/report"
+want report && vq report 120 report --inputs "$OUT" "$WORK/quantized" "$WORK/reservoir" --out "$OUT/report"
 echo "== done $(since)"
 ls -la "$OUT" "$OUT/report" 2>/dev/null
