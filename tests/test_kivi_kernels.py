@@ -14,6 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx.utils import tree_flatten
+
 from vqpipe.kivi import kernels, quant
 from vqpipe.kivi.cache import KIVICache, make_kivi_cache
 
@@ -210,6 +212,10 @@ def corpus():
     return (Path(__file__).parents[1] / "vqpipe" / "data" / "corpus.txt").read_text(encoding="utf-8")
 
 
+def nn_leaves(model):
+    return [(k, v) for k, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+
+
 def _first_difference(caches_a, caches_b):
     """(layer, "keys"/"values", first differing token) between two prompt caches, or None."""
     for layer, (a, b) in enumerate(zip(caches_a, caches_b)):
@@ -223,14 +229,23 @@ def _first_difference(caches_a, caches_b):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("dtype", ["native", "float32"])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_generation_identical_with_kernels_on_and_off(preset, corpus, tmp_path_factory, monkeypatch):
+def test_generation_identical_with_kernels_on_and_off(preset, dtype, corpus, tmp_path_factory, monkeypatch):
+    """``native`` runs the checkpoint's dtype (bf16 for the larger presets); ``float32`` casts the
+    model first. MLX's CUDA bf16 generation was not run-to-run deterministic on the H200 (two
+    kernels-off runs differed), so the float32 case is the one that can show on/off identity."""
     from mlx_lm import load, stream_generate
 
     from vqpipe.download import fetch
 
     path = fetch(f"synth:{preset}", tmp_path_factory.mktemp("kivi") / preset, seed=0)
     model, tokenizer = load(str(path))
+    native = {p.dtype for _, p in nn_leaves(model)}
+    if dtype == "float32":
+        if native == {mx.float32}:
+            pytest.skip(f"{preset} is already float32")
+        model.set_dtype(mx.float32)
     ids = tokenizer.encode(corpus[:40000])
 
     # With kernels on, every flush also runs the reference on the same keys and values and
