@@ -6,7 +6,8 @@
 #   bash scripts/gpu_bench.sh            # after staging the MLX CUDA runtime (docs/kivi.md)
 #   STEPS="pipeline bench" bash scripts/gpu_bench.sh
 #
-# STEPS (default "pipeline quality load kivi decode report") picks steps; WORK holds the
+# STEPS (default "pipeline quality load kivi decode report") picks steps; QUALITY_TIMING and
+# LOAD_ROTATIONS (default "auto qr") the rotations timed by bench-quality and bench-load; WORK holds the
 # artifacts (default /root/vqwork, kept between calls on the same machine); results go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,9 +53,9 @@ if want pipeline; then
   done
 fi
 want quality && vq bench-quality 240 bench-quality --source "$SRC" --model "$MODEL" --bits 2 3 4 \
-  --windows 20 --length 128 --timing auto qr --timing-repeats 2 --out "$OUT/bench-quality-$MODEL.json"
-want load && vq bench-load 300 bench-load --source "$SRC" --model "$MODEL" --bits "$BITS" --rotations auto qr \
-  --repeats 5 --arm-budget 60 --procs 4 --out "$OUT/bench-load-$MODEL.json"
+  --windows 20 --length 128 --timing ${QUALITY_TIMING:-auto qr} --timing-repeats 2 --out "$OUT/bench-quality-$MODEL.json"
+want load && vq bench-load 300 bench-load --source "$SRC" --model "$MODEL" --bits "$BITS" --rotations ${LOAD_ROTATIONS:-auto qr} \
+  --repeats ${LOAD_REPEATS:-5} --arm-budget 60 --procs 4 --out "$OUT/bench-load-$MODEL.json"
 want kivi && vq bench-kivi 180 bench-kivi --out "$OUT/bench-kivi.json"
 want decode && vq bench-decode 300 bench-decode --source "$SRC" --reservoir "$WORK/reservoir/$MODEL/b$BITS-auto/persist-off" \
   --model "$MODEL" --prompt-lengths 512 4096 --gen-tokens 128 --repeats ${DECODE_REPEATS:-3} \

@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from . import qmv
 from . import rotation as rot
 from .codebook import boundaries, check_bits, codebook
 from .packing import pack, unpack
@@ -94,6 +95,16 @@ class QuantizedLinear(nn.Module):
         return self.codebook.astype(dtype)[unpack(self.packed, self.bits, self.in_features)]
 
     def __call__(self, x):
+        # Decode (a few rows of x) on a GPU: the fused mat-vec reads the packed weights once
+        # (vqpipe/qmv.py). Deterministic, but not bit-identical to the dense path below, which is
+        # what runs everywhere else (the CPU, prefill, the switch off) exactly as before.
+        dialect = qmv.dispatch(x)
+        if dialect is not None:
+            # self[...]: nn.Module's attribute lookup costs ~0.4 us a time, and this runs per layer per token
+            return qmv.launch(
+                dialect, self.rotation.apply(x), self["packed"], self["scales"], self["codebook"], self.bits,
+                self.get("bias"),
+            )
         y = self.rotation.apply(x) @ self.rotated_weight(x.dtype).T
         y = y * self.scales.astype(x.dtype)
         if "bias" in self:

@@ -16,7 +16,7 @@ bit-identically in a fresh process (given the same numpy/LAPACK build for ``qr``
 stores a checksum to catch a different one).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import mlx.core as mx
@@ -71,6 +71,19 @@ class Rotation:
     signs: mx.array = None
     q: mx.array = None
     matrix: mx.array = None
+    _cast: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def _as(self, name, dtype):
+        """``signs``/``q`` in ``dtype``, cast once: decode calls every layer per token, and a cast
+        per call is one more op to launch on a GPU. (The dense QR matrix is not cached: a second
+        d x d copy would double its memory.)"""
+        a = getattr(self, name)
+        if a.dtype == dtype:
+            return a
+        key = (name, dtype)
+        if key not in self._cast:
+            self._cast[key] = a.astype(dtype)
+        return self._cast[key]
 
     def apply(self, x):
         """R x along the last axis of ``x`` (weight rows or activations)."""
@@ -79,12 +92,12 @@ class Rotation:
         if self.kind == "qr":
             return x @ self.matrix.T.astype(x.dtype)
         if self.kind == "hadamard":
-            return mx.hadamard_transform(x * self.signs.astype(x.dtype))
+            return mx.hadamard_transform(x * self._as("signs", x.dtype))
         shape = x.shape
-        y = x.reshape(*shape[:-1], self.m, self.p) * self.signs.astype(x.dtype)
+        y = x.reshape(*shape[:-1], self.m, self.p) * self._as("signs", x.dtype)
         if self.p > 1:
             y = mx.hadamard_transform(y)
-        return (self.q.astype(x.dtype) @ y).reshape(shape)
+        return (self._as("q", x.dtype) @ y).reshape(shape)
 
     def apply_transpose(self, y):
         """R^T y along the last axis (undoes ``apply``)."""
@@ -93,12 +106,12 @@ class Rotation:
         if self.kind == "qr":
             return y @ self.matrix.astype(y.dtype)
         if self.kind == "hadamard":
-            return hadamard_transpose(y) * self.signs.astype(y.dtype)
+            return hadamard_transpose(y) * self._as("signs", y.dtype)
         shape = y.shape
         x = self.q.T.astype(y.dtype) @ y.reshape(*shape[:-1], self.m, self.p)
         if self.p > 1:
             x = hadamard_transpose(x)
-        return (x * self.signs.astype(y.dtype)).reshape(shape)
+        return (x * self._as("signs", y.dtype)).reshape(shape)
 
     def to_state(self):
         meta = {"kind": self.kind, "dim": self.dim, "seed": self.seed}

@@ -8,7 +8,8 @@ from importlib import metadata
 
 import mlx.core as mx
 
-from .. import blas
+from .. import blas, qmv
+from ..kivi import kernels as kivi_kernels
 
 
 def _version(dist):
@@ -90,6 +91,9 @@ def environment():
         "cpu_count": cpus,
         "memory_bytes": _memory_bytes(),
         "blas": blas.in_use(),
+        # Which fused GPU kernels the run could use (a switch set off is recorded, so runs with
+        # different kernel settings are never compared unknowingly).
+        "kernels": {"qmv": qmv.kernels_active(), "kivi": kivi_kernels.kernels_active()},
         "versions": {
             "python": platform.python_version(),
             "mlx": mx.__version__,

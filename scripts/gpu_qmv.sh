@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The qmv GPU job: the fused codebook mat-vec's GPU tests (float64 reference sweep, determinism,
+# layers, generation on/off, compile count), then bench-qmv, then a summary table.
+#
+# On the team's NVIDIA host (MLX CUDA backend, offline), after staging the runtime bundle
+# (docs/kivi.md, "Running on a GPU"):   bash scripts/gpu_qmv.sh
+# Elsewhere (e.g. a Mac with Metal):      PYTHON=.venv/bin/python bash scripts/gpu_qmv.sh
+# STEPS picks steps (default "tests bench bench_bits cpu_tests"); BENCH_ARGS goes to bench-qmv;
+# bench_bits times 2 and 3 bits on three large shapes.
+# Results go to $OUT (default results/gpu_qmv): env.txt, qmv_tests.log, bench.log, bench-qmv.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results/gpu_qmv}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+
+source scripts/gpu_env.sh
+# A fresh PTX cache, so the compile-count test sees only this run's kernels (bench-qmv reuses it).
+MLX_PTX_CACHE_DIR=$(mktemp -d)
+export MLX_PTX_CACHE_DIR
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>/dev/null
+  $PY -c "import mlx.core as mx, sys; print('python', sys.version.split()[0], 'mlx', mx.__version__, mx.default_device(), 'metal', mx.metal.is_available(), 'cuda', mx.cuda.is_available())"
+} 2>&1 | tee "$OUT/env.txt"
+
+t0=$(date +%s)
+since() { echo "($(( $(date +%s) - t0 )) s)"; }
+STEPS=${STEPS:-tests bench bench_bits cpu_tests}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+
+if want tests; then
+  echo "== qmv GPU tests $(since)"
+  timeout "${TEST_LIMIT:-150}" $PY -m pytest -q -ra -p no:cacheprovider --maxfail=10 tests/test_qmv.py -m gpu \
+    2>&1 | tee "$OUT/qmv_tests.log" | tail -n 25
+fi
+
+if want bench; then
+  echo "== bench-qmv $(since)"
+  timeout "${BENCH_LIMIT:-120}" $PY -m vqpipe bench-qmv --out "$OUT/bench-qmv.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+fi
+
+if want bench_bits; then
+  for b in 2 3; do
+    echo "== bench-qmv --bits $b $(since)"
+    timeout "${BITS_LIMIT:-40}" $PY -m vqpipe bench-qmv --bits $b --shapes qwen-lm_head qwen-down llama4k-up \
+      --modes independent chained --repeats 20 --copy-mib 256 ${BITS_ARGS:-} --out "$OUT/bench-qmv-b$b.json" 2>&1 | tee "$OUT/bench-b$b.log"
+  done
+fi
+
+if want cpu_tests; then
+  echo "== qmv dispatch/validation tests on this host $(since)"
+  timeout 60 $PY -m pytest -q -ra -p no:cacheprovider tests/test_qmv.py -m "not gpu" 2>&1 | tee "$OUT/qmv_cpu_tests.log" | tail -n 5
+fi
+
+echo "== summary $(since)"
+for f in qmv_tests qmv_cpu_tests; do
+  [ -f "$OUT/$f.log" ] || continue
+  printf '%-14s ' "$f"
+  grep -E "(passed|failed|skipped|error).* in [0-9.]+s" "$OUT/$f.log" | tail -n 1
+done
+for j in "$OUT"/bench-qmv*.json; do [ -f "$j" ] && $PY - "$j" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(f"== {sys.argv[1]}: bits {d['config']['bits']}")
+copy = d["copy_bandwidth"]["median"]
+print(f"backend {d['backend']}  device {d['environment'].get('gpu_name')}  copy {copy / 1e9:.0f} GB/s (read+write)  "
+      f"empty call {d['harness_overhead_s']['median'] * 1e6:.1f} us  compiled kernels {d['compiled_kernels']}")
+for mode in ("independent", "chained", "isolated"):
+    rows = [r for r in d["results"] if r["mode"] == mode]
+    if not rows:
+        continue
+    print(f"-- {mode}: us per call, median [min-max]; GB/s and % of copy for the kernel arms; speedups of {rows[0]['subject']}")
+    for r in rows:
+        a, g = r["arms"], r["bytes_per_s"]
+        cell = lambda k: f"{a[k]['median'] * 1e6:.1f} [{a[k]['min'] * 1e6:.1f}-{a[k]['max'] * 1e6:.1f}]" if k in a else "-"
+        ratios = " ".join(f"{k.split(' vs ')[1]}:{c['speedup']:.2f}x" for k, c in r["comparisons"].items())
+        kern = [k for k in ("vq-kernel", "vq-core") if k in g]
+        bw = " ".join(f"{k} {g[k] / 1e9:.0f} GB/s {g[k] / copy:.0%}" for k in kern)
+        print(f"{r['shape']:>14} {r['in_features']:>6}->{r['out_features']:<7} n={a[r['subject']]['n']} "
+              f"bf16 {cell('dense-bf16')} | affine4 {cell('affine4')} | ref {cell('vq-ref')} | "
+              f"kernel {cell('vq-kernel')} | core {cell('vq-core')} | {bw} | {ratios} | floor {r['noise_floor']:.1%}"
+              + (f" | check {r['check']}" if "check" in r else ""))
+EOF
+done
+exit 0

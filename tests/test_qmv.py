@@ -1,0 +1,629 @@
+"""Fused codebook mat-vec (vqpipe/qmv.py): dialects, dispatch and validation (CPU); the kernel
+against a float64 reference, determinism, layers, generation and compile counts (GPU).
+
+The ``gpu`` tests need MLX's Metal or CUDA backend and are skipped cleanly on CPU. On a GPU host:
+``python -m pytest -m gpu tests/test_qmv.py`` (scripts/gpu_qmv.sh runs them on CUDA).
+"""
+
+import functools
+import hashlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from vqpipe import packing, qmv
+from vqpipe.codebook import codebook as lloyd_codebook
+from vqpipe.packing import unpack, words_per_row
+from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
+
+needs_gpu = pytest.mark.skipif(qmv.backend() is None, reason="needs MLX's Metal or CUDA backend")
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _same_bytes(a, b):
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    view = {2: mx.uint16, 4: mx.uint32}[a.dtype.size]
+    return mx.array_equal(a.view(view), b.view(view)).item()
+
+
+def _layer(n_in, n_out, bits=4, bias=True, seed=0):
+    lin = nn.Linear(n_in, n_out, bias=bias)
+    lin.update({"weight": mx.random.normal((n_out, n_in), key=mx.random.key(seed)) / np.sqrt(n_in)})
+    if bias:
+        lin.update({"bias": mx.random.normal((n_out,), key=mx.random.key(seed + 1)) * 0.1})
+    return QuantizedLinear.from_linear(lin, bits, "auto", seed=seed)
+
+
+def _dense_formula(layer, x):
+    """What QuantizedLinear.__call__ computed before the kernel existed, written out."""
+    y = layer.rotation.apply(x) @ layer.codebook.astype(x.dtype)[unpack(layer.packed, layer.bits, layer.in_features)].T
+    y = y * layer.scales.astype(x.dtype)
+    if "bias" in layer:
+        y = y + layer.bias.astype(x.dtype)
+    return y
+
+
+# --- CPU: dispatch, switch, dialects, validation -------------------------------------------------
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 12])
+def test_cpu_path_is_the_dense_formula(dt, rows):
+    layer = _layer(96, 40, bits=3)
+    x = mx.random.normal((1, rows, 96), key=mx.random.key(rows)).astype(getattr(mx, dt))
+    with mx.stream(mx.cpu):
+        assert not qmv.use_kernel(x)
+        got, want = layer(x), _dense_formula(layer, x)
+        mx.eval(got, want)
+    assert _same_bytes(got, want)
+
+
+def test_cpu_embedding_as_linear_is_the_dense_formula():
+    emb = nn.Embedding(300, 64)
+    layer = QuantizedEmbedding.from_embedding(emb, 4, "auto", seed=2)
+    x = mx.random.normal((1, 1, 64), key=mx.random.key(3))
+    with mx.stream(mx.cpu):
+        got, want = layer.as_linear(x), _dense_formula(layer, x)
+        mx.eval(got, want)
+    assert _same_bytes(got, want)
+
+
+def test_dispatch_off_without_gpu():
+    x = mx.ones((1, 1, 64))
+    with mx.stream(mx.cpu):
+        assert qmv.backend() is None
+        assert not qmv.kernels_active()
+        assert not qmv.use_kernel(x)
+        with pytest.raises(RuntimeError, match="Metal or CUDA"):
+            qmv.kernels_active(True)
+        layer = _layer(64, 8)
+        with pytest.raises(RuntimeError, match="Metal or CUDA"):
+            qmv.quantized_matvec(x, layer.packed, layer.scales, layer.codebook, 4, use_kernels=True)
+        # use_kernels=None off the GPU: the dense reference, bytes equal
+        got = qmv.quantized_matvec(x, layer.packed, layer.scales, layer.codebook, 4, layer.bias)
+        want = qmv.reference(x, layer.packed, layer.scales, layer.codebook, 4, layer.bias)
+        mx.eval(got, want)
+        assert _same_bytes(got, want)
+
+
+def test_use_kernel_decision(monkeypatch):
+    monkeypatch.setattr(qmv, "backend", lambda: "cuda")  # pretend; nothing is launched here
+    for m in range(1, qmv.MAX_M + 1):
+        assert qmv.use_kernel(mx.zeros((1, m, 32), mx.bfloat16))
+        assert qmv.use_kernel(mx.zeros((m, 32)))
+    assert qmv.use_kernel(mx.zeros((2, 4, 32), mx.float16))  # M = 8 over two leading dims
+    assert not qmv.use_kernel(mx.zeros((1, qmv.MAX_M + 1, 32)))  # prefill: the dense path
+    assert not qmv.use_kernel(mx.zeros((0, 32)))
+    assert not qmv.use_kernel(mx.zeros((1, 32), mx.int32))
+    with qmv.enabled(False):
+        assert not qmv.use_kernel(mx.zeros((1, 32)))
+    assert qmv.use_kernel(mx.zeros((1, 32)))
+    monkeypatch.setattr(qmv, "backend", lambda: None)
+    assert not qmv.use_kernel(mx.zeros((1, 32)))
+
+
+def test_switch():
+    previous = qmv.set_enabled(False)
+    try:
+        assert not qmv.is_enabled() and not qmv.kernels_active()
+        with qmv.enabled(True):
+            assert qmv.is_enabled()
+        assert not qmv.is_enabled()
+        assert qmv.set_enabled(True) is False
+    finally:
+        qmv.set_enabled(previous)
+
+
+@pytest.mark.parametrize("value, expected", [("0", False), ("1", True), (None, True)])
+def test_env_switch(value, expected):
+    env = dict(os.environ)
+    env.pop("VQPIPE_QMV_KERNELS", None)
+    if value is not None:
+        env["VQPIPE_QMV_KERNELS"] = value
+    out = subprocess.run(
+        [sys.executable, "-c", "from vqpipe import qmv; print(qmv.is_enabled())"],
+        env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1],
+    )
+    assert out.stdout.strip() == str(expected)
+
+
+def test_one_description_two_dialects():
+    (n_cuda, h_cuda, b_cuda), (n_metal, h_metal, b_metal) = (qmv.render(d) for d in ("cuda", "metal"))
+    for name, header, body in ((n_cuda, h_cuda, b_cuda), (n_metal, h_metal, b_metal)):
+        assert name == "vqpipe_qmv_" + hashlib.sha1((header + body).encode()).hexdigest()[:10]
+        left = {t for t in qmv.DIALECTS["cuda"]["tokens"] if t in body}
+        assert not left, left  # every dialect token substituted
+        for macro in qmv._HEADER_MACROS:  # the rest are macros each header defines
+            assert f"#define {macro}(" in header
+    assert n_cuda != n_metal
+    assert all(s in b_cuda for s in ("__shared__", "__syncthreads()", "threadIdx.x", "blockIdx.x"))
+    assert "__shfl_xor_sync" in h_cuda
+    assert all(s in b_metal for s in ("threadgroup float", "threadgroup_barrier", "thread_position_in_threadgroup"))
+    assert "simd_shuffle_xor" in h_metal
+    # One description: each body maps back to the same source.
+    for dialect, body in (("cuda", b_cuda), ("metal", b_metal)):
+        for token, text in sorted(qmv.DIALECTS[dialect]["tokens"].items(), key=lambda kv: -len(kv[1])):
+            body = body.replace(text, token)
+        assert body == qmv._SOURCE
+    # MLX finds shapes by name in the body: these must be referenced there.
+    assert all(s in b_cuda for s in ("x_shape", "packed_shape", "bias_ndim"))
+    # the Python launch geometry and the kernel's compile-time constants agree
+    assert f"constexpr int R = {qmv.ROWS};" in qmv._SOURCE and f"constexpr int U = {qmv.UNROLL};" in qmv._SOURCE
+
+
+QWEN = [(896, 896), (896, 128), (896, 4864), (4864, 896), (896, 151936), (4096, 11008), (11008, 4096)]
+
+
+def _spec(n_in, n_out, m=1, bits=4, dtype=mx.bfloat16, bias=False, bias_dtype=None):
+    return qmv.launch_spec((m, n_in), (n_out, words_per_row(n_in, bits)), (n_out,), 1 << bits,
+                           (n_out,) if bias else None, bits, dtype, bias_dtype)
+
+
+def test_launch_template_holds_no_shape():
+    shapes = [(i, o) for i in (32, 50, 96, 896, 2048, 4864, 11008) for o in (1, 7, 128, 4864, 151936)]
+    specs = [_spec(i, o) for i, o in shapes]
+    assert all(s["template"] == specs[0]["template"] for s in specs)
+    assert specs[0]["template"] == [("T", mx.bfloat16), ("BT", mx.bfloat16), ("BITS", 4), ("MT", 1)]
+    assert len({s["grid"] for s in specs}) >= 10  # the grid follows the shape, the kernel does not
+    for s in specs:
+        tx, ks, rw = s["threadgroup"]
+        assert tx == 32 and ks in (1, 2, 4, 8) and 4 <= ks * rw <= 8
+        assert s["grid"][1:] == (ks, rw) and s["grid"][0] % 32 == 0
+    # M enters as MT = next power of two; the bias dtype only where a layer has one
+    assert [_spec(896, 896, m)["template"][3][1] for m in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert _spec(896, 896, bias=True, bias_dtype=mx.float32)["template"][1] == ("BT", mx.float32)
+    # rows are split over warps only where there are few, long rows: the down projections, not the lm_head
+    ks = {(i, o): _spec(i, o)["threadgroup"][1] for i, o in QWEN}
+    assert ks[(4864, 896)] == 4 and ks[(11008, 4096)] == 4 and ks[(896, 151936)] == 1 and ks[(896, 896)] == 1
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"bits": 5}, "bits must be one of"),
+        ({"dtype": mx.int32}, "x dtype must be"),
+        ({"m": 9}, "M = 9 rows"),
+        ({"packed_shape": (40, 7)}, "words per row"),
+        ({"packed_shape": (40 * 12,)}, "must be 2-D"),
+        ({"packed_dtype": mx.int32}, "packed must be uint32"),
+        ({"scales_shape": (41,)}, "scales must have shape (40,)"),
+        ({"codebook_size": 8}, "4-bit codebook has 16 levels"),
+        ({"bias_shape": (1, 40)}, "bias must have shape (40,)"),
+        ({"in_features": 0}, "empty last dimension"),
+    ],
+)
+def test_validation_names_the_problem(change, message):
+    args = {"in_features": 96, "m": 1, "packed_shape": (40, 12), "packed_dtype": mx.uint32, "scales_shape": (40,),
+            "codebook_size": 16, "bias_shape": None, "bits": 4, "dtype": mx.float16}
+    qmv.check_args(**args)  # the unchanged arguments are fine
+    args.update(change)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        qmv.check_args(**args)
+
+
+def test_validation_through_launch_spec():
+    with pytest.raises(ValueError, match="words per row"):
+        qmv.launch_spec((1, 100), (8, 12), (8,), 16, None, 4, mx.float32)
+
+
+# --- the float64 reference (checked on CPU, used on GPU) ---------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _weights(bits, n_in, n_out, seed=0):
+    """Packed indices (random garbage in the row padding too), scales, a codebook, a bias; numpy."""
+    rng = np.random.default_rng([bits, n_in, n_out, seed])
+    idx = rng.integers(0, 1 << bits, size=(n_out, packing.padded_length(n_in)), dtype=np.uint8)
+    packed = packing.pack(idx, bits)
+    levels = (lloyd_codebook(bits, max(n_in, 3)) / np.sqrt(n_in)).astype(np.float32) if bits <= 4 else \
+        (rng.standard_normal(1 << bits) / np.sqrt(n_in)).astype(np.float32)
+    scales = rng.uniform(0.5, 1.5, n_out).astype(np.float32)
+    bias = (rng.standard_normal(n_out) * 0.5).astype(np.float32)
+    return packed, scales, levels, bias
+
+
+_EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23}
+
+
+def _reference64(x, packed, scales, levels, bias, bits):
+    """(y, tolerance) in float64. The kernel converts x and the codebook to float32 exactly and
+    accumulates ~n products in float32 (each add or FMA rounds by at most 2^-24 relative to a running
+    sum bounded by sum|c x|), then one multiply by s, one add of b, one cast to x's dtype (half an
+    ulp: eps/2 relative, plus the smallest subnormal for fp16)."""
+    n = x.shape[-1]
+    xd = np.array(x.astype(mx.float32), dtype=np.float64).reshape(-1, n)
+    w = levels.astype(np.float64)[packing.unpack_numpy(packed, bits, n)]
+    acc = xd @ w.T
+    s = scales.astype(np.float64)
+    b = 0.0 if bias is None else np.array(bias.astype(mx.float32), dtype=np.float64)
+    y = acc * s + b
+    dt = str(x.dtype).rsplit(".", 1)[-1]
+    err32 = s * (n + 48) * 2.0**-24 * (np.abs(xd) @ np.abs(w).T) + 2.0**-23 * (np.abs(acc * s) + np.abs(b))
+    tol = err32 + _EPS[dt] / 2 * (np.abs(y) + err32) + (2.0**-24 if dt == "float16" else 1e-37)
+    return y, tol
+
+
+def _check(got, y, tol):
+    g = np.array(got.astype(mx.float32), dtype=np.float64).reshape(y.shape)
+    excess = np.abs(g - y) / tol
+    assert np.isfinite(g).all()
+    assert excess.max() <= 1, f"error {excess.max():.2f}x the bound at {np.unravel_index(excess.argmax(), y.shape)}"
+
+
+def test_reference64_matches_dense_formula_on_cpu():
+    # The numpy reference computes the same formula as the MLX dense path (here in float32).
+    packed, scales, levels, bias = _weights(3, 50, 7)
+    x = mx.random.normal((2, 50), key=mx.random.key(9))
+    with mx.stream(mx.cpu):
+        dense = qmv.reference(x, mx.array(packed), mx.array(scales), mx.array(levels), 3, mx.array(bias))
+        mx.eval(dense)
+    y, tol = _reference64(x, packed, scales, levels, mx.array(bias), 3)
+    _check(dense, y, tol * 4)  # the dense path accumulates in another order: a looser bound
+
+
+def test_bench_quick_runs_on_cpu(tmp_path):
+    from vqpipe.bench import qmv as bench
+
+    out = tmp_path / "q.json"
+    with mx.stream(mx.cpu):
+        assert bench.main(["--quick", "--out", str(out), "--shapes", "qwen-k/v", "--modes", "isolated", "chained"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "bench-qmv" and doc["copy_bandwidth"]["median"] > 0
+    assert set(doc["skipped_arms"]) == {"vq-kernel", "vq-core"}
+    assert [r["mode"] for r in doc["results"]] == ["isolated", "chained"]
+    r = doc["results"][0]
+    assert {"dense-fp16", "dense-bf16", "affine4", "vq-ref", "vq-ref (A/A)"} <= set(r["arms"])
+    assert r["bytes_per_call"]["vq-ref"] < r["bytes_per_call"]["affine4"] < r["bytes_per_call"]["dense-bf16"]
+    assert all(c["floor"] == r["noise_floor"] for c in r["comparisons"].values())
+
+
+# --- GPU: the kernel against the float64 reference ----------------------------------------------
+
+
+def _configs():
+    out = []
+    # 4 bits, bf16: every M, ragged and round in/out features, bias on half of them
+    for i, (n_in, n_out, m) in enumerate(itertools.product((50, 96, 896, 4864), (1, 7, 128, 4864), range(1, 9))):
+        out.append((4, "bfloat16", n_in, n_out, m, i % 2 == 0))
+    # 2, 3 and 8 bits in every dtype, M = 1 and 5
+    for bits, dt, n_in, n_out, m in itertools.product((2, 3, 8), DTYPES, (50, 896, 4864), (7, 128), (1, 5)):
+        out.append((bits, dt, n_in, n_out, m, m == 5))
+    # 4 bits in fp16/fp32
+    for dt, n_in, n_out, m in itertools.product(("float16", "float32"), (96, 4864), (1, 4864), (1, 8)):
+        out.append((4, dt, n_in, n_out, m, n_out == 1))
+    return out
+
+
+CONFIGS = _configs()
+
+
+def _run(bits, dt, n_in, n_out, m, with_bias, key=0, bias_dtype=None):
+    packed, scales, levels, bias = _weights(bits, n_in, n_out)
+    x = mx.random.normal((1, m, n_in), key=mx.random.key(key)).astype(getattr(mx, dt))
+    b = mx.array(bias).astype(bias_dtype or getattr(mx, dt)) if with_bias else None
+    got = qmv.quantized_matvec(x, mx.array(packed), mx.array(scales), mx.array(levels), bits, b, use_kernels=True)
+    mx.eval(got)
+    return x, b, got
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_kernel_matches_float64_reference(cfg):
+    bits, dt, n_in, n_out, m, with_bias = cfg
+    x, b, got = _run(*cfg, key=CONFIGS.index(cfg))
+    assert got.shape == (1, m, n_out) and got.dtype == x.dtype
+    packed, scales, levels, _ = _weights(bits, n_in, n_out)
+    _check(got, *_reference64(x, packed, scales, levels, b, bits))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_kernel_bias_in_another_dtype():
+    x, b, got = _run(4, "bfloat16", 896, 128, 1, True, bias_dtype=mx.float32)
+    packed, scales, levels, _ = _weights(4, 896, 128)
+    _check(got, *_reference64(x, packed, scales, levels, b, 4))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("cfg", [(4, "bfloat16", 4864, 4864, 1), (3, "float16", 896, 20000, 2), (2, "float32", 4864, 896, 8)])
+def test_kernel_is_deterministic(cfg):
+    first = _run(*cfg, True)
+    for _ in range(3):
+        again = _run(*cfg, True)
+        assert _same_bytes(first[2], again[2])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dt", ["bfloat16", "float32"])
+def test_unaligned_activation_takes_the_scalar_path(dt):
+    # A row-contiguous view at an odd element offset is passed as is (no copy): the kernel's
+    # 16-byte alignment check sends it down the scalar loads, with the same result bytes.
+    packed, scales, levels, bias = (mx.array(a) for a in _weights(4, 896, 256))
+    big = mx.random.normal((3 * 896,), key=mx.random.key(1)).astype(getattr(mx, dt))
+    view = big[1 : 1 + 896].reshape(1, 896)
+    copy = view.astype(mx.float32).astype(view.dtype)  # a fresh (aligned) array, same values
+    a = qmv.quantized_matvec(view, packed, scales, levels, 4, bias.astype(view.dtype), use_kernels=True)
+    b = qmv.quantized_matvec(copy, packed, scales, levels, 4, bias.astype(view.dtype), use_kernels=True)
+    mx.eval(a, b)
+    assert _same_bytes(a, b)
+
+
+# --- GPU: layers, generation ---------------------------------------------------------------------
+
+
+def _rel(a, b):
+    a, b = (np.array(t.astype(mx.float32), dtype=np.float64) for t in (a, b))
+    return np.abs(a - b).max() / np.abs(b).max()
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dt, bound", [("bfloat16", 0.03), ("float32", 1e-4)])
+@pytest.mark.parametrize("n_in, n_out, bits", [(896, 4864, 4), (4864, 896, 3), (256, 128, 2)])
+def test_quantized_linear_kernel_close_to_dense(dt, bound, n_in, n_out, bits):
+    layer = _layer(n_in, n_out, bits=bits, bias=True, seed=n_in)
+    x = mx.random.normal((1, 1, n_in), key=mx.random.key(5)).astype(getattr(mx, dt))
+    with qmv.enabled(True):
+        assert qmv.use_kernel(x)
+        on = layer(x)
+    with qmv.enabled(False):
+        off = layer(x)
+    core = qmv.quantized_matvec(layer.rotation.apply(x), layer.packed, layer.scales, layer.codebook, bits, layer.bias,
+                                use_kernels=True)
+    mx.eval(on, off, core)
+    assert on.dtype == off.dtype == x.dtype and on.shape == off.shape
+    assert _same_bytes(on, core)  # the layer is rotation + the kernel
+    # the dense path rounds the codebook and the output to x's dtype: bf16 differs by ~2^-8
+    assert _rel(on, off) < bound
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_embedding_as_linear_and_prefill_fallback():
+    emb = nn.Embedding(3000, 256)
+    layer = QuantizedEmbedding.from_embedding(emb, 4, "auto", seed=1)
+    x = mx.random.normal((1, 1, 256), key=mx.random.key(2)).astype(mx.bfloat16)
+    with qmv.enabled(True):
+        on = layer.as_linear(x)
+        n0 = qmv.compiled_kernel_count()
+        prefill_on = layer.as_linear(mx.concatenate([x] * (qmv.MAX_M + 1), axis=1))
+    with qmv.enabled(False):
+        off = layer.as_linear(x)
+        prefill_off = layer.as_linear(mx.concatenate([x] * (qmv.MAX_M + 1), axis=1))
+    mx.eval(on, off, prefill_on, prefill_off)
+    assert on.shape == (1, 1, 3000) and _rel(on, off) < 0.03
+    assert _same_bytes(prefill_on, prefill_off)  # M > MAX_M: the dense path either way
+    assert qmv.compiled_kernel_count() == n0
+
+
+def _decode(model, prompt, steps, on):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    with qmv.enabled(on):
+        cache = make_prompt_cache(model)
+        logits = model(mx.array(prompt)[None], cache=cache)[0, -1].astype(mx.float32)  # prefill: dense
+        tokens, logps = [], []
+        for _ in range(steps):
+            logp = logits - mx.logsumexp(logits)
+            tok = int(mx.argmax(logits).item())
+            tokens.append(tok)
+            logps.append(np.array(logp, dtype=np.float64))
+            logits = model(mx.array([[tok]]), cache=cache)[0, -1].astype(mx.float32)  # M = 1: the kernel
+    return tokens, logps
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dt, embeddings", [("float32", True), ("bfloat16", False)])
+def test_generation_kernel_on_off(dt, embeddings, tmp_path_factory, monkeypatch):
+    from mlx_lm import load
+
+    from vqpipe.download import fetch
+    from vqpipe.quantize import quantize_model
+
+    path = fetch("synth:tiny", tmp_path_factory.mktemp("qmv") / "tiny", seed=0)
+    model, tok = load(str(path))
+    # float32: every linear and the tied head (QuantizedEmbedding.as_linear) quantized; the
+    # quantized embedding yields float32 activations. bfloat16: the embedding (and tied head) kept
+    # dense in bf16, so the quantized linears see bf16 activations.
+    quantize_model(model, 4, embeddings=embeddings, dtype=getattr(mx, dt))
+    launches = []
+    real = qmv.launch
+
+    def counted(*a, **k):
+        launches.append(a[1].shape)
+        return real(*a, **k)
+
+    monkeypatch.setattr(qmv, "launch", counted)
+    prompt = tok.encode("The rotation spreads the outliers over every coordinate, and the codebook")
+    on = _decode(model, prompt, 8, True)
+    assert launches and all(s[:-1] == (1, 1) for s in launches)  # decode steps ran the kernel, prefill did not
+    n_on = len(launches)
+    off = _decode(model, prompt, 8, False)
+    assert len(launches) == n_on
+    # Compare while the two runs saw the same tokens: a KL bound on every step, and equal tokens
+    # unless the two best logits are closer than what the two paths can disagree by.
+    same_prefix = 0
+    while same_prefix < 8 and on[0][:same_prefix] == off[0][:same_prefix]:
+        p_off, p_on = np.exp(off[1][same_prefix]), on[1][same_prefix]
+        kl = float(np.sum(p_off * (off[1][same_prefix] - p_on)))
+        assert kl < (1e-4 if dt == "float32" else 2e-2), (same_prefix, kl)
+        same_prefix += 1
+    if on[0][:4] != off[0][:4]:
+        i = next(j for j in range(4) if on[0][j] != off[0][j])
+        top2 = np.sort(off[1][i])[-2:]
+        drift = np.abs(on[1][i] - off[1][i]).max()
+        assert top2[1] - top2[0] <= 2 * drift, (on[0], off[0], top2, drift)
+
+
+# --- GPU: compiled kernels stay fixed across shapes -----------------------------------------------
+
+
+def _ptx_files():
+    d = os.environ.get("MLX_PTX_CACHE_DIR") or Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
+    d = Path(d)
+    return sorted(p.name for p in d.glob("custom_kernel_vqpipe_qmv_*.ptx")) if d.is_dir() else []
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_compiled_kernel_count_fixed_across_shapes():
+    shapes = [(i, o) for i in (32, 50, 96, 256, 896, 2048, 4864) for o in (1, 3, 7, 128, 896, 5000)]
+    counts, ptx = [], []
+    for k, (n_in, n_out) in enumerate(shapes):
+        packed, scales, levels, bias = _weights(4, n_in, n_out)
+        x = mx.random.normal((1, 1, n_in), key=mx.random.key(k)).astype(mx.float16)
+        y = qmv.quantized_matvec(x, mx.array(packed), mx.array(scales), mx.array(levels), 4, use_kernels=True)
+        mx.eval(y)
+        counts.append(qmv.compiled_kernel_count())
+        ptx.append(_ptx_files())
+    assert len(set(counts)) == 1, counts
+    assert all(p == ptx[0] for p in ptx)
+
+
+# --- CPU: the kernel body itself, rendered for a host "dialect" ----------------------------------
+# Every GPU thread becomes a std::thread (one threadgroup at a time), shared memory a static array,
+# barriers std::barrier, shuffles an exchange through memory. It checks the description's index
+# math, the row split and the reductions without a GPU (float32 activations; not the vector loads).
+
+_HOST_TOKENS = {
+    "QMV_SHARED": "static", "QMV_BARRIER": "g_block_barrier->arrive_and_wait()", "QMV_LANE": "t_lane",
+    "QMV_KS_ID": "t_ks", "QMV_KS": "g_KS", "QMV_RW_ID": "t_rw", "QMV_RW": "g_RW", "QMV_BLOCK": "g_block",
+    "QMV_UNROLL": "",
+}
+_HOST_HEADER = r"""
+#include <barrier>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+static std::barrier<>* g_block_barrier;
+static std::vector<std::barrier<>*> g_warp_barriers;
+static unsigned int g_KS, g_RW, g_block;
+static thread_local unsigned int t_lane, t_ks, t_rw;
+static float g_xchg[8][32];
+inline unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
+inline float qmv_shfl_xor(float v, int m) {
+  unsigned int w = t_rw * g_KS + t_ks;
+  g_xchg[w][t_lane] = v;
+  g_warp_barriers[w]->arrive_and_wait();
+  float r = g_xchg[w][t_lane ^ m];
+  g_warp_barriers[w]->arrive_and_wait();
+  return r;
+}
+template <int BITS, int CH>
+inline unsigned int qmv_window(const uint32_t* p, unsigned int base, unsigned int c) {
+  if (CH * BITS == 32) return p[base + c];
+  const unsigned int bit = c * (unsigned int)(CH * BITS), wi = bit >> 5, sh = bit & 31u, lo = p[base + wi];
+  if (sh + CH * BITS <= 32u) return lo >> sh;
+  return (lo >> sh) | (p[base + wi + 1u] << (32u - sh));
+}
+#define QMV_LOAD_X(dst, p, vec) for (int t_ = 0; t_ < SC; ++t_) { (dst)[t_] = (p)[t_]; }
+#define QMV_X_ALIGNED(p) false
+"""
+_HOST_MAIN = r"""
+template <int BITS, int MT>
+void run(char** argv) {
+  int M = atoi(argv[3]), PIN = atoi(argv[4]), OUT = atoi(argv[5]), WPR = atoi(argv[6]);
+  g_KS = atoi(argv[7]); g_RW = atoi(argv[8]); int blocks = atoi(argv[9]), has_bias = atoi(argv[10]);
+  std::vector<float> x((size_t)M * PIN), s(OUT), cb(1 << BITS), b(OUT), out((size_t)M * OUT, -1.0f);
+  std::vector<uint32_t> pk((size_t)OUT * WPR);
+  FILE* f = fopen(argv[11], "rb");
+  size_t n = fread(x.data(), 4, x.size(), f) + fread(pk.data(), 4, pk.size(), f) + fread(s.data(), 4, s.size(), f)
+      + fread(cb.data(), 4, cb.size(), f) + fread(b.data(), 4, b.size(), f);
+  fclose(f);
+  if (n != x.size() + pk.size() + s.size() + cb.size() + b.size()) return;
+  int xs[2] = {M, PIN}, ps[2] = {OUT, WPR};
+  for (int blk = 0; blk < blocks; ++blk) {
+    g_block = blk;
+    int nt = 32 * g_KS * g_RW;
+    std::barrier<> bb(nt);
+    g_block_barrier = &bb;
+    std::vector<std::barrier<>*> wb;
+    for (unsigned w = 0; w < g_KS * g_RW; ++w) wb.push_back(new std::barrier<>(32));
+    g_warp_barriers = wb;
+    std::vector<std::thread> th;
+    for (int t = 0; t < nt; ++t)
+      th.emplace_back([&, t] {
+        t_lane = t % 32; t_ks = (t / 32) % g_KS; t_rw = t / (32 * g_KS);
+        kernel<BITS, MT>(x.data(), xs, pk.data(), ps, s.data(), cb.data(), b.data(), has_bias ? 1 : 2, out.data());
+      });
+    for (auto& t : th) t.join();
+    for (auto* p : wb) delete p;
+  }
+  f = fopen(argv[12], "wb");
+  fwrite(out.data(), 4, out.size(), f);
+  fclose(f);
+}
+int main(int argc, char** argv) {
+  int bits = atoi(argv[1]), mt = atoi(argv[2]);
+#define C(B, T) if (bits == B && mt == T) { run<B, T>(argv); return 0; }
+  C(2, 1) C(2, 4) C(3, 1) C(3, 4) C(4, 1) C(4, 2) C(4, 4) C(4, 8) C(8, 1) C(8, 4)
+  return 1;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def host_kernel(tmp_path_factory):
+    import re
+    import shutil
+
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler for the host rendering of the kernel")
+    body = qmv._SOURCE
+    for token, text in _HOST_TOKENS.items():
+        body = re.sub(rf"\b{token}\b", text, body)
+    src = (_HOST_HEADER + "template <int BITS, int MT>\nvoid kernel(const float* x, const int* x_shape, "
+           "const uint32_t* packed, const int* packed_shape, const float* scales, const float* codebook, "
+           "const float* bias, int bias_ndim, float* out) {\n using T = float;\n" + body + "}\n" + _HOST_MAIN)
+    d = tmp_path_factory.mktemp("qmv_host")
+    (d / "k.cpp").write_text(src)
+    r = subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", "k.cpp", "-o", "k"], cwd=d, capture_output=True, text=True)
+    if r.returncode != 0 and "barrier" in r.stderr:
+        pytest.skip(f"{cxx} lacks C++20 <barrier>")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d
+
+
+@pytest.mark.parametrize("bits, n_in, n_out, m, target", [
+    (4, 50, 7, 1, None), (4, 896, 9, 3, None), (4, 4864, 7, 8, None), (4, 4864, 9, 2, 1), (4, 11008, 3, 1, None),
+    (3, 96, 9, 1, None), (3, 4864, 7, 4, None), (3, 896, 5, 1, 1), (2, 4864, 9, 1, None), (2, 896, 7, 3, 1),
+    (8, 896, 6, 1, None), (8, 160, 9, 4, 1),
+])
+def test_kernel_body_on_cpu_host_dialect(host_kernel, monkeypatch, bits, n_in, n_out, m, target):
+    if target is not None:  # force KS = 1 (many iterations per warp) on a small layer
+        monkeypatch.setattr(qmv, "TARGET_WARPS", target)
+    qmv.launch_spec.cache_clear()
+    try:
+        spec = _spec(n_in, n_out, m, bits, mx.float32, bias=True)
+    finally:
+        qmv.launch_spec.cache_clear()
+    (gx, ks, rw), mt = spec["grid"], spec["template"][3][1]
+    packed, scales, levels, bias = _weights(bits, n_in, n_out)
+    rng = np.random.default_rng(n_in + bits)
+    x = np.zeros((m, spec["padded_in"]), np.float32)
+    x[:, :n_in] = rng.standard_normal((m, n_in))
+    with open(host_kernel / "in.bin", "wb") as f:
+        for a in (x, packed, scales, levels, bias):
+            f.write(np.ascontiguousarray(a).tobytes())
+    args = [bits, mt, m, spec["padded_in"], n_out, packed.shape[1], ks, rw, gx // 32, 1, "in.bin", "out.bin"]
+    subprocess.run(["./k", *map(str, args)], cwd=host_kernel, check=True, timeout=120)
+    got = np.fromfile(host_kernel / "out.bin", np.float32).reshape(m, n_out)
+    y, tol = _reference64(mx.array(x[:, :n_in]), packed, scales, levels, mx.array(bias), bits)
+    assert np.all(np.abs(got - y) <= tol), np.abs(got - y).max()
