@@ -159,12 +159,16 @@ def test_bench_load_smoke(tiny_llama_source, tmp_path):
     assert doc["kind"] == "bench-load" and doc["model"] == "tiny-llama"
     assert doc["environment"]["backend"] in ("cpu", "gpu")
     arms = {r["arm"] for r in doc["records"]}
-    assert arms == {"requantize-auto", "reservoir-on-auto", "reservoir-off-auto"}
+    assert arms == {"requantize-auto", "reservoir-on-auto", "reservoir-off-auto", "reservoir-on-auto (no prefault)"}
     for r in doc["records"]:
         assert {"n", "median", "min", "max"} <= r.keys() and r["n"] >= 1
     assert all(doc["checks"].values()) and doc["multiprocess"]["logits_byte_identical"]
     assert doc["sizes"]["b4-auto"]["on"]["file_over_ideal"] < 1.1
-    assert {c["method"] for c in doc["copy_paths"]} >= {"vqpipe", "read-2copies", "mx.load"}
+    assert {c["method"] for c in doc["copy_paths"]} >= {"vqpipe", "vqpipe-noprefault", "mmap-xxh3", "read-2copies",
+                                                        "mx.load", "fresh-memory-prefault"}
+    t = doc["throughput"]["reservoir-on-auto"]
+    assert t["cat_seconds"]["n"] == 1 and 0 < t["load_over_cat"]
+    assert doc["bounds"]["max_speedup_at_fresh_memory_floor"] > 0 and "prefault" in doc["memory_setup"]
     mp = doc["multiprocess"]
     assert mp["reservoir_load"]["Rss"]["n"] == 2 and mp["reservoir_load"]["Pss"]["median"] > 0
     assert {c["other_arm"] for c in doc["comparisons"]} == {"reservoir-on-auto", "reservoir-off-auto"}

@@ -490,3 +490,152 @@ def test_deeply_nested_header(good, tmp_path):
         return reprefix(bytearray(d[:64]) + text + bytes(data_offset - hlen), header_len=len(text),
                         header_hash=xxhash.xxh3_64_intdigest(text), data_offset=data_offset, file_size=data_offset)
     expect_error(variant(tmp_path, good, "deep.vqres", nested), "malformed header")
+
+
+def test_stale_temp_of_killed_writer_is_removed(built, tmp_path):
+    """A SIGKILLed writer's temporary is removed by the next write; a live writer's, another host's
+    and an old-style (pid-less) temporary are left alone."""
+    from vqpipe import fsutil
+
+    target = tmp_path / R.FILE_NAME
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, **MODELS["qr"][0]}))
+    writer = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, "before-rename", str(target),
+                               os.path.dirname(__file__)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, err = writer.communicate(timeout=300)
+    assert writer.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    stale = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert [p.name.split(".")[4] for p in stale] == [str(writer.pid)], stale  # .model.vqres.HOST.PID.x.tmp
+    host = fsutil._host_tag()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        live = tmp_path / f".{target.name}.{host}.{sleeper.pid}.abc123.tmp"
+        other_host = tmp_path / f".{target.name}.not-{host}-x.{writer.pid}.abc123.tmp"
+        legacy = tmp_path / f".{target.name}.k3j4h5_q.tmp"
+        for p in (live, other_host, legacy):
+            p.write_bytes(b"partial")
+        model, _, want = built[("qr", True)]
+        R.save_reservoir(model, target, persist_rotation=True)
+        assert logits(R.load_reservoir(target)).tobytes() == want.tobytes()
+        assert not any(p.exists() for p in stale)
+        assert live.exists() and other_host.exists() and legacy.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    R.save_reservoir(model, target, persist_rotation=True)  # its writer is gone now: removed too
+    assert not live.exists() and other_host.exists() and legacy.exists()
+
+
+def test_stale_temp_dir_of_dead_writer_is_removed(tmp_path):
+    from vqpipe import fsutil
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    stale = tmp_path / f".out.{fsutil._host_tag()}.{int(dead.stdout)}.xyz.tmp"
+    (stale / "sub").mkdir(parents=True)
+    (stale / "sub" / "f").write_text("partial")
+    with fsutil.atomic_dir(tmp_path / "out") as d:
+        (d / "f").write_text("done")
+    assert not stale.exists() and (tmp_path / "out" / "f").read_text() == "done"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+# --- truncation while loading, prefaulting, zero-copy fallback -------------------------------
+
+
+TRUNCATE_SCRIPT = textwrap.dedent("""
+    import os, sys
+    from vqpipe import reservoir as R
+    path, where, prefault = sys.argv[1], sys.argv[2], sys.argv[3] == "prefault"
+    if prefault:
+        R.PREFAULT_MIN = 0
+    header = R.read_header(path)
+    big = max(header["blobs"], key=lambda b: b["nbytes"])
+    at = {"data-start": header["_data_offset"], "zero": 0,
+          "mid-blob": header["_data_offset"] + big["offset"] + big["nbytes"] // 2}[where]
+    build_layers = R._build_layers
+    def truncate_then_build(*a, **k):  # after the size check, with the file open for reading
+        os.truncate(path, at)
+        return build_layers(*a, **k)
+    R._build_layers = truncate_then_build
+    try:
+        R.load_reservoir(path)
+    except R.ReservoirError as e:
+        print("ReservoirError:", e)
+        sys.exit(0)
+    print("loaded a truncated file")
+    sys.exit(3)
+""")
+
+
+@pytest.mark.parametrize("prefault", ["prefault", "plain"])
+@pytest.mark.parametrize("where", ["mid-blob", "data-start", "zero"])
+def test_truncated_while_loading(good, tmp_path, where, prefault):
+    """Truncating the file after its size was checked gives ReservoirError, never SIGBUS (the load
+    runs in a child process, so a crash would fail this test instead of killing pytest)."""
+    p = tmp_path / R.FILE_NAME
+    p.write_bytes(good.read_bytes())
+    (tmp_path / "config.json").write_bytes((good.parent / "config.json").read_bytes())
+    proc = subprocess.run([sys.executable, "-c", TRUNCATE_SCRIPT, str(p), where, prefault],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert "truncated while being loaded" in proc.stdout
+
+
+def test_verify_blobs_truncated_while_reading(good, tmp_path):
+    p = variant(tmp_path, good, "cut.vqres", lambda d: None)
+    header = R.read_header(p)
+    os.truncate(p, header["_data_offset"] + 100)
+    with pytest.raises(R.ReservoirError, match="truncated"):
+        R.verify_blobs(p, header)
+
+
+@pytest.mark.skipif(not R.prefault_policy()[0], reason="prefaulting needs Linux + glibc + the CPU backend")
+def test_prefault_path_is_bit_exact_and_restores_malloc(built, monkeypatch):
+    import ctypes
+    import threading
+
+    monkeypatch.setattr(R, "PREFAULT_MIN", 0)
+    ranges = []
+    enter = R._Prefault.__enter__
+
+    def recording_enter(self):
+        out = enter(self)
+        ranges.append(self.range)
+        return out
+    monkeypatch.setattr(R._Prefault, "__enter__", recording_enter)
+    for name in ("embed", "llama"):
+        model, path, want = built[(name, True)]
+        loaded = R.load_reservoir(path)
+        same_params(model, loaded)
+        assert logits(loaded).tobytes() == want.tobytes()
+    assert len(ranges) == 2 and all(ranges), "the prefault path did not run"
+    assert not any(t.name == "vqpipe-prefault" for t in threading.enumerate())
+    assert R._prefault_lock.acquire(blocking=False)
+    R._prefault_lock.release()
+    # M_MMAP_MAX is back to glibc's default: a 64 MiB buffer is mmapped again, not carved from the heap.
+    libc = ctypes.CDLL(None)
+    libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_long]
+    big = np.empty(64 << 20, np.uint8)
+    assert big.ctypes.data > libc.sbrk(0)
+
+
+def test_prefault_policy_env(monkeypatch):
+    monkeypatch.setenv("VQPIPE_PREFAULT", "0")
+    assert R.prefault_policy() == (False, "VQPIPE_PREFAULT=0")
+    monkeypatch.delenv("VQPIPE_PREFAULT")
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "10")
+    assert R.prefault_policy()[0] is False
+
+
+def test_zero_copy_opt_in_falls_back(built, monkeypatch):
+    """VQPIPE_ZERO_COPY (Metal only) tries mx.asarray(copy=False) on the mapped file; where MLX refuses
+    (the CPU backend always does) the blob is read as usual. The adoption itself is untested here."""
+    model, path, want = built[("auto", True)]
+    monkeypatch.setattr(R, "_zero_copy_wanted", lambda: True)
+    tried = []
+    adopt = R._adopt
+    monkeypatch.setattr(R, "_adopt", lambda *a: tried.append(a[2]) or adopt(*a))
+    loaded = R.load_reservoir(path)
+    assert tried and min(tried) >= R.ALIGN
+    same_params(model, loaded)
+    assert logits(loaded).tobytes() == want.tobytes()

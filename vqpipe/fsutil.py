@@ -1,9 +1,17 @@
-"""Atomic file and directory writes: build under a temporary name, fsync, then rename."""
+"""Atomic file and directory writes: build under a temporary name, fsync, then rename.
+
+Temporary names carry the writer's host and pid (``.NAME.HOST.PID.RANDOM.tmp``), so the next writer
+of the same target can remove the leftovers of writers that were killed (SIGKILL, OOM, power loss)
+before their rename, and only those: a temporary whose writer still runs, or that another host (a
+shared file system) or an older vqpipe wrote, is left alone.
+"""
 
 import contextlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -16,12 +24,69 @@ def fsync_dir(path):
         os.close(fd)
 
 
+def _host_tag():
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "localhost"
+
+
+def temp_prefix(path):
+    """``.NAME.HOST.PID.``: the start of this process's temporary names for ``path``."""
+    return f".{Path(path).name}.{_host_tag()}.{os.getpid()}."
+
+
+def pid_alive(pid):
+    """Whether a process ``pid`` exists on this host (a zombie, or one we may not signal, counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, owned by someone else
+        return True
+    return True
+
+
+def clean_stale_temps(path):
+    """Remove temporaries of ``path`` left by writers on this host that no longer run; returns them.
+
+    A temporary is stale only if its name carries this host and a pid with no live process. A reused
+    pid makes a stale file look alive (it is kept: safe); nothing else is ever removed.
+    """
+    path = Path(path)
+    head = f".{path.name}.{_host_tag()}."
+    removed = []
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        name = entry.name
+        if not (name.startswith(head) and name.endswith(".tmp")):
+            continue
+        pid = name[len(head):].split(".", 1)[0]
+        if not pid.isdigit() or pid_alive(int(pid)):
+            continue
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+        except FileNotFoundError:  # another writer cleaned it first
+            continue
+        except OSError:
+            continue
+        removed.append(Path(entry.path))
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_path(path):
-    """Yield a temporary file path next to ``path``; on success it is fsynced and renamed to it."""
+    """Yield a temporary file path next to ``path``; on success it is fsynced and renamed to it.
+
+    Stale temporaries of killed writers of ``path`` are removed first (``clean_stale_temps``).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    clean_stale_temps(path)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         yield Path(tmp)
@@ -36,10 +101,14 @@ def atomic_path(path):
 
 @contextlib.contextmanager
 def atomic_dir(path):
-    """Yield a temporary directory next to ``path``; on success it replaces ``path`` whole."""
+    """Yield a temporary directory next to ``path``; on success it replaces ``path`` whole.
+
+    Stale temporary directories of killed writers of ``path`` are removed first.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    clean_stale_temps(path)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent))
     try:
         yield tmp
         for f in tmp.rglob("*"):

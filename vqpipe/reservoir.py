@@ -4,19 +4,24 @@
     [JSON header: layers, tensors, blobs (offset, size, xxh3_64), config, persist_rotation]
     [blobs: raw little-endian tensor bytes; blobs of 16 KiB or more start on 16 KiB boundaries]
 
-Loading reads each blob once, from a read-only mmap of the file straight into an MLX-owned buffer
-(one copy: MLX on CPU cannot adopt foreign memory, ``mx.from_dlpack(copy=False)`` refuses), hashes
-that buffer and builds each QuantizedLinear with ``from_state``: no QR, no Lloyd-Max fit, no
-nearest-centroid search, except regenerating dense QR rotations when they were stored as seeds.
+Loading reads each blob once with pread straight into an MLX-owned buffer (one copy: MLX on CPU
+cannot adopt foreign memory, ``mx.asarray(copy=False)`` refuses), hashing it piece by piece while the
+bytes are in the CPU cache, and builds each QuantizedLinear with ``from_state``: no QR, no Lloyd-Max
+fit, no nearest-centroid search, except regenerating dense QR rotations when they were stored as
+seeds. No mapping of the file is used, so a file truncated during a load gives ReservoirError, not
+SIGBUS. On Linux/glibc the destination memory is prefaulted by a helper thread (``_Prefault``).
 """
 
+import ctypes
 import dataclasses
 import json
 import math
 import mmap
 import os
 import struct
+import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -42,19 +47,19 @@ ROTATION_KINDS = ("hadamard", "kron", "qr", "none")
 LAYER_CLASSES = ("QuantizedLinear", "QuantizedEmbedding")
 BLOB_KINDS = ("packed", "scales", "codebook", "rotation", "bias", "param")
 
-# name -> (MLX dtype, numpy dtype the bytes are read as, MLX view applied after the copy)
+# name -> (MLX dtype, numpy dtype of the same bytes: numpy has no bfloat16, its bytes are uint16)
 _DTYPES = {
-    "float32": (mx.float32, "<f4", None),
-    "float16": (mx.float16, "<f2", None),
-    "bfloat16": (mx.bfloat16, "<u2", mx.bfloat16),  # numpy has no bfloat16: read as uint16
-    "uint8": (mx.uint8, "u1", None),
-    "uint16": (mx.uint16, "<u2", None),
-    "uint32": (mx.uint32, "<u4", None),
-    "uint64": (mx.uint64, "<u8", None),
-    "int8": (mx.int8, "i1", None),
-    "int16": (mx.int16, "<i2", None),
-    "int32": (mx.int32, "<i4", None),
-    "int64": (mx.int64, "<i8", None),
+    "float32": (mx.float32, "<f4"),
+    "float16": (mx.float16, "<f2"),
+    "bfloat16": (mx.bfloat16, "<u2"),
+    "uint8": (mx.uint8, "u1"),
+    "uint16": (mx.uint16, "<u2"),
+    "uint32": (mx.uint32, "<u4"),
+    "uint64": (mx.uint64, "<u8"),
+    "int8": (mx.int8, "i1"),
+    "int16": (mx.int16, "<i2"),
+    "int32": (mx.int32, "<i4"),
+    "int64": (mx.int64, "<i8"),
 }
 _FLOATS = ("float32", "float16", "bfloat16")
 
@@ -371,40 +376,246 @@ def read_header(path):
     return header
 
 
-def _reader(path, header):
-    """A function spec -> evaluated mx.array reading from a read-only mmap; and a close function.
+def _env_off(name):
+    return os.environ.get(name, "").strip().lower() in ("0", "off", "no", "false")
 
-    Each blob is copied once (page cache -> MLX buffer) and hashed in the MLX buffer, so the bytes
-    verified are the bytes the model uses. A blob shared by several tensors is read once.
+
+# --- prefaulting the destination (Linux, glibc) -----------------------------------------------
+#
+# A fresh process must fault in every page of the memory it copies the blobs into. On our 2-core VM
+# a trapped 4 KiB page fault costs ~2 us, so owning 692 MiB of new memory took ~0.4 s: most of a
+# 0.5 s load. Asking the kernel for the pages in one call (madvise MADV_POPULATE_WRITE) costs about
+# half as much per page, and a helper thread can do it while the main thread copies. The pages must
+# be the ones MLX's allocator (malloc) will hand out next: for the duration of the load, large
+# mallocs are kept out of mmap (M_MMAP_MAX = 0) and on the heap, which is grown by the bytes about to
+# be read and not trimmed (M_TRIM_THRESHOLD); MLX's buffers are then carved from those pages in
+# order. This only changes *where* the buffers live, never their contents; afterwards malloc gets
+# _GLIBC_AFTER. See docs/reservoir-format.md ("The load path") for measurements, the side effects,
+# and why transparent huge pages are not used. VQPIPE_PREFAULT=0 turns it off.
+
+PREFAULT_MIN = 64 << 20  # smaller loads are not worth a thread
+_PREFAULT_STEP = 16 << 20
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and nothing is prefaulted
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+# Any mallopt() of these turns off glibc's dynamic mmap threshold for good (it starts at 128 KiB and
+# rises to the size of each freed mmapped chunk, up to 32 MiB, with the trim threshold at twice that).
+# Afterwards we set the state it settles in once a chunk of >= 32 MiB was freed (as the copies of a
+# model load do): with the plain defaults instead, every allocation above 128 KiB would be a fresh
+# mmap with fresh page faults for the rest of the process (measured: numpy churn 1.8x slower).
+_GLIBC_AFTER = ((_M_MMAP_MAX, 65536), (_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 64 << 20))
+_prefault_lock = threading.Lock()
+_libc_cache = []
+
+
+def _glibc():
+    if not _libc_cache:
+        libc = None
+        try:
+            if sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+                libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
+                libc.free.argtypes, libc.free.restype = [ctypes.c_void_p], None
+                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                libc.madvise.restype = ctypes.c_int
+        except (OSError, ValueError, AttributeError):
+            libc = None
+        _libc_cache.append(libc)
+    return _libc_cache[0]
+
+
+def prefault_policy():
+    """``(on, reason)``: whether loads prefault their destination memory in this process."""
+    if _env_off("VQPIPE_PREFAULT"):
+        return False, "VQPIPE_PREFAULT=0"
+    if mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        return False, "GPU backend: MLX does not allocate with malloc"
+    if _glibc() is None:
+        return False, "not Linux with glibc"
+    tun = os.environ.get("GLIBC_TUNABLES", "")
+    if any(k in os.environ for k in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_")) or \
+            "malloc.trim_threshold" in tun or "malloc.mmap_max" in tun:
+        return False, "malloc trim/mmap settings are set in the environment (they could not be restored)"
+    return True, "glibc heap prefaulted with MADV_POPULATE_WRITE by a helper thread"
+
+
+class _Prefault:
+    """Context: grow the malloc heap by ``nbytes`` and populate it page by page from a helper thread."""
+
+    def __init__(self, nbytes):
+        self.nbytes, self.range, self.thread, self.libc, self.checked = nbytes, None, None, None, False
+        self.stop = threading.Event()
+
+    def __enter__(self):
+        if self.nbytes < PREFAULT_MIN or not prefault_policy()[0] or not _prefault_lock.acquire(blocking=False):
+            return self
+        self.libc = libc = _glibc()
+        try:
+            libc.mallopt(_M_MMAP_MAX, 0)
+            libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+            p = libc.malloc(self.nbytes)
+            if p:
+                page = mmap.PAGESIZE
+                self.range = (p // page * page, -(-(p + self.nbytes) // page) * page)
+                libc.free(p)  # back to the heap's top chunk, untrimmed: MLX's next buffers come from it
+                self.thread = threading.Thread(target=self._populate, name="vqpipe-prefault", daemon=True)
+                self.thread.start()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _populate(self):
+        # From the top down: the main thread consumes the range from the bottom up, so the two meet
+        # once instead of faulting the same pages at the same time (measured: 0.27-0.29 s vs
+        # 0.31-0.39 s populating bottom-up, qwen2.5-0.5b shapes).
+        start, end = self.range
+        while start < end and not self.stop.is_set():
+            n = min(_PREFAULT_STEP, end - start)
+            if self.libc.madvise(end - n, n, _MADV_POPULATE_WRITE) != 0:
+                return  # old kernel (EINVAL), or the range is gone: plain page faults instead
+            end -= n
+
+    def check(self, mv):
+        """Stop populating unless the first large buffer MLX allocates overlaps the prefaulted range
+        (MLX then does not allocate from this heap). It may start a little before the range: free()
+        merged the block with free memory below it."""
+        if self.checked or mv.nbytes < (1 << 20) or not self.range:
+            return
+        self.checked = True
+        addr = np.frombuffer(mv, np.uint8).ctypes.data
+        if not (addr < self.range[1] and addr + mv.nbytes > self.range[0]):
+            self.stop.set()
+
+    def __exit__(self, *exc):
+        if self.libc is None:
+            return
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
+        for param, value in _GLIBC_AFTER:
+            self.libc.mallopt(param, value)
+        self.libc = None
+        _prefault_lock.release()
+
+
+# --- zero-copy adoption (Apple silicon; untested) ---------------------------------------------
+
+
+def _zero_copy_wanted():
+    """Opt-in (``VQPIPE_ZERO_COPY=1``), Metal only: wrap page-aligned file pages as MLX arrays.
+
+    Never exercised: we had no Apple machine. Trade-off: no copy and pages shared between processes,
+    but the arrays stay backed by the file, so truncating it later faults (SIGBUS) like any mmap.
     """
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    base, blobs, cache = header["_data_offset"], header["blobs"], {}
+    return os.environ.get("VQPIPE_ZERO_COPY", "").strip() == "1" and mx.metal.is_available()
+
+
+def _adopt(mm, start, nbytes):
+    """An MLX array over the mapped bytes without a copy, or None when MLX will not adopt them."""
+    try:
+        return mx.asarray(np.frombuffer(mm, np.uint8, nbytes, start), copy=False)
+    except (ValueError, TypeError, BufferError, RuntimeError):
+        return None
+
+
+# --- the reader --------------------------------------------------------------------------------
+
+
+_READ_CHUNK = 4 << 20  # read and hash in pieces this size, each hashed while still in the CPU cache
+
+
+def _prefault_for(header, layers=True, params=True):
+    """A ``_Prefault`` context sized for the blobs a load of these parts will read."""
+    ids = set()
+    if layers:
+        ids.update(s["blob"] for m in header["layers"].values() for s in m["tensors"].values())
+    if params:
+        ids.update(s["blob"] for s in header["params"].values())
+    return _Prefault(sum(header["blobs"][i]["nbytes"] + 64 for i in ids))
+
+
+def _read_blob(path, fd, i, blob, start, dtype, shape, prefault=None):
+    """Blob ``i`` as an evaluated MLX array: pread straight into an MLX-owned buffer, hashed piecewise.
+
+    Returns ``(array, xxh3 hex digest)``. A short read (the file was truncated while we read it)
+    raises ReservoirError; no mapping of the file exists, so nothing can fault.
+    """
+    n = blob["nbytes"]
+    a = mx.zeros(shape, dtype=dtype)  # MLX has no uninitialised allocation; zeroing is one cheap pass
+    mx.eval(a)
+    h = xxhash.xxh3_64()
+    mv = memoryview(a).cast("B") if n else memoryview(b"")
+    try:
+        if prefault is not None:
+            prefault.check(mv)
+        done = 0
+        while done < n:
+            got = os.preadv(fd, [mv[done:done + _READ_CHUNK]], start + done)
+            if got <= 0:
+                _fail(path, f"short read in blob {i} ({blob['kind']}, {n} bytes at offset {start}): "
+                            f"the file ends at {start + done}; it was truncated while being loaded")
+            h.update(mv[done:done + got])
+            done += got
+    finally:
+        mv.release()
+    return a, h.hexdigest()
+
+
+def _reader(path, header, prefault=None):
+    """``(read, close)``: read(spec) -> mx.array; close() ends the reading.
+
+    Each blob is read once with pread into an MLX-owned buffer of the tensor's dtype and shape (one
+    copy, page cache -> MLX memory), hashed piece by piece while those bytes are in the CPU cache and
+    checked before use; a blob shared by several tensors is read once (other dtypes or shapes of it
+    are views of the same buffer). ``prefault``: the ``_Prefault`` the caller entered, if any.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise ReservoirError(f"{path}: cannot open: {e.strerror}") from e
+    base, blobs, raw, out = header["_data_offset"], header["blobs"], {}, {}
+    try:
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if _zero_copy_wanted() else None  # private mapping
+    except BaseException:
+        os.close(fd)
+        raise
 
     def read(spec):
         key = (spec["blob"], spec["dtype"], tuple(spec["shape"]))
-        if key in cache:
-            return cache[key]
-        blob = blobs[spec["blob"]]
-        _, np_dtype, view = _DTYPES[spec["dtype"]]
-        src = np.frombuffer(mm, dtype=np_dtype, count=math.prod(spec["shape"]), offset=base + blob["offset"])
-        a = mx.array(src.reshape(spec["shape"]))
-        del src  # drop the export so the mmap can close
-        if blob["nbytes"] >= ALIGN:
-            # Unmap the copied pages (they stay in the page cache): RSS then peaks at the model plus
-            # one blob instead of the model plus the whole file.
-            mm.madvise(mmap.MADV_DONTNEED, base + blob["offset"], blob["nbytes"])
-        if _hash(a) != blob[CHECKSUM]:
-            _fail(path, f"checksum mismatch in blob {spec['blob']} ({blob['kind']}, {blob['nbytes']} bytes "
-                        f"at offset {base + blob['offset']}): the data is corrupted")
-        if view is not None:
-            a = a.view(view)
-        cache[key] = a
+        if key in out:
+            return out[key]
+        i, dtype, shape = spec["blob"], _DTYPES[spec["dtype"]][0], spec["shape"]
+        if i in raw:
+            a = raw[i].reshape(-1).view(dtype).reshape(shape)  # no copy: the same buffer
+        else:
+            blob = blobs[i]
+            start = base + blob["offset"]
+            a = _adopt(mm, start, blob["nbytes"]) if mm is not None and blob["nbytes"] >= ALIGN else None
+            if a is not None:
+                digest = _hash(a)
+                a = a.view(dtype).reshape(shape)
+            elif dtype == mx.bfloat16:  # no buffer protocol for bfloat16: read its bytes as uint16
+                a, digest = _read_blob(path, fd, i, blob, start, mx.uint16, shape, prefault)
+                a = a.view(mx.bfloat16)
+            else:
+                a, digest = _read_blob(path, fd, i, blob, start, dtype, shape, prefault)
+            if digest != blob[CHECKSUM]:
+                _fail(path, f"checksum mismatch in blob {i} ({blob['kind']}, {blob['nbytes']} bytes "
+                            f"at offset {start}): the data is corrupted")
+            raw[i] = a
+        out[key] = a
         return a
 
     def close():
-        cache.clear()
-        mm.close()
+        raw.clear()
+        out.clear()
+        os.close(fd)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # adopted arrays still use the mapping: it lives as long as they do
+                pass
 
     return read, close
 
@@ -516,15 +727,16 @@ def load_reservoir(path, model_dir=None):
     """
     path = _file(path)
     header = read_header(path)
-    model = _skeleton(path, header, model_dir)
-    _check_targets(path, model, header["layers"])
-    _check_params(path, model, header)
-    read, close = _reader(path, header)
-    try:
-        layers = _build_layers(path, header, read)
-        params = {k: read(spec) for k, spec in header["params"].items()}
-    finally:
-        close()
+    with _prefault_for(header) as prefault:  # starts now: the skeleton and checks overlap it
+        model = _skeleton(path, header, model_dir)
+        _check_targets(path, model, header["layers"])
+        _check_params(path, model, header)
+        read, close = _reader(path, header, prefault)
+        try:
+            layers = _build_layers(path, header, read)
+            params = {k: read(spec) for k, spec in header["params"].items()}
+        finally:
+            close()
     from mlx.utils import tree_unflatten
 
     model.update_modules(tree_unflatten(list(layers.items())))
@@ -543,11 +755,12 @@ def graft_reservoir(model, path):
     path = _file(path)
     header = read_header(path)
     _check_targets(path, model, header["layers"])
-    read, close = _reader(path, header)
-    try:
-        layers = _build_layers(path, header, read)
-    finally:
-        close()
+    with _prefault_for(header, params=False) as prefault:
+        read, close = _reader(path, header, prefault)
+        try:
+            layers = _build_layers(path, header, read)
+        finally:
+            close()
     model.update_modules(tree_unflatten(list(layers.items())))
     return model
 
@@ -567,20 +780,29 @@ def load(path):
 
 
 def verify_blobs(path, header=None):
-    """[(blob index, ok)] for every blob, hashing the file's bytes (no model is built)."""
+    """[(blob index, ok)] for every blob, hashing the file's bytes (no model is built).
+
+    Reads with pread through one reused buffer (no mapping: a file truncated meanwhile raises
+    ReservoirError instead of faulting).
+    """
     path = _file(path)
     header = header or read_header(path)
     base, out = header["_data_offset"], []
+    buf = bytearray(_READ_CHUNK)
+    view = memoryview(buf)
     with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            view = memoryview(mm)
-            for i, b in enumerate(header["blobs"]):
-                start = base + b["offset"]
-                out.append((i, _hash(view[start:start + b["nbytes"]]) == b[CHECKSUM]))
-            view.release()
-        finally:
-            mm.close()
+        fd = f.fileno()
+        for i, b in enumerate(header["blobs"]):
+            start, n, done, h = base + b["offset"], b["nbytes"], 0, xxhash.xxh3_64()
+            while done < n:
+                got = os.preadv(fd, [view[:min(_READ_CHUNK, n - done)]], start + done)
+                if got <= 0:
+                    _fail(path, f"short read in blob {i} ({b['kind']}, {n} bytes at offset {start}): "
+                                "the file was truncated while being read")
+                h.update(view[:got])
+                done += got
+            out.append((i, h.hexdigest() == b[CHECKSUM]))
+    view.release()
     return out
 
 

@@ -6,9 +6,13 @@ For each rotation kind, in one run:
     reservoir-off   the same, dense QR rotations regenerated from their seeds
 Fresh-process loads run interleaved and repeated (an arm stops repeating once its time budget is
 spent, after at least one sample); each child also checks its logits are byte-identical to the
-in-memory quantized model's. Also measured: file size / ideal payload, load throughput vs
-``cat FILE > /dev/null`` (warm page cache), the cost of each way of getting file bytes into MLX
-memory, and per-process RSS/PSS of 4 processes loading one reservoir at once vs 4 quantizing.
+in-memory quantized model's. Interleaved with them: ``cat FILE > /dev/null`` of the same files (warm
+page cache; load throughput is compared with it) and the first rotation's on-mode load with
+prefaulting off (``VQPIPE_PREFAULT=0``: the previous load path's memory behaviour). Also measured:
+file size / ideal payload, the cost of each way of getting file bytes into MLX memory, per-process
+RSS/PSS of 4 processes loading one reservoir at once vs 4 quantizing, and optionally (``--thp``)
+loads with glibc's transparent-huge-page malloc (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``), back to
+back and after an idle gap.
 """
 
 import argparse
@@ -80,11 +84,33 @@ def _read_all(path, method):
 
     header = R.read_header(path)
     base, blobs = header["_data_offset"], header["blobs"]
-    if method == "vqpipe":  # the reservoir's own reader: mmap -> mx.array (1 copy) + xxh3
-        read, close = R._reader(path, header)
+    if method in ("vqpipe", "vqpipe-noprefault"):  # the reservoir's own reader: pread -> MLX (1 copy) + xxh3
+        if method == "vqpipe-noprefault":
+            os.environ["VQPIPE_PREFAULT"] = "0"
         specs = [{"blob": i, "dtype": "uint8", "shape": [b["nbytes"]]} for i, b in enumerate(blobs)]
-        arrays = [read(s) for s in specs]
-        close()
+        with R._prefault_for(header) as prefault:
+            read, close = R._reader(path, header, prefault)
+            arrays = [read(s) for s in specs]
+            close()
+    elif method == "mmap-xxh3":  # the previous reader: mmap -> mx.array (1 copy), unmap, xxh3 of the copy
+        import mmap
+
+        import xxhash
+
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        arrays = []
+        for b in blobs:
+            a = mx.array(np.frombuffer(mm, np.uint8, b["nbytes"], base + b["offset"]))
+            if b["nbytes"] >= R.ALIGN:
+                mm.madvise(mmap.MADV_DONTNEED, base + b["offset"], b["nbytes"])
+            if xxhash.xxh3_64_hexdigest(a) != b[R.CHECKSUM]:
+                raise RuntimeError("checksum mismatch")
+            arrays.append(a)
+    elif method == "fresh-memory-prefault":  # no file: fresh MLX memory, prefaulted as the reader does
+        with R._prefault_for(header):
+            arrays = [mx.zeros((b["nbytes"],), dtype=mx.uint8) for b in blobs]
+            mx.eval(arrays)
     elif method == "mmap-nohash":
         import mmap
 
@@ -94,15 +120,6 @@ def _read_all(path, method):
     elif method == "read-2copies":  # read() into a bytes object, then mx.array copies it again
         fd = os.open(path, os.O_RDONLY)
         arrays = [mx.array(np.frombuffer(os.pread(fd, b["nbytes"], base + b["offset"]), np.uint8)) for b in blobs]
-        os.close(fd)
-    elif method == "zeros-readinto":  # MLX buffer first (zero-filled), then read() straight into it
-        fd = os.open(path, os.O_RDONLY)
-        arrays = []
-        for b in blobs:
-            a = mx.zeros((b["nbytes"],), dtype=mx.uint8)
-            mx.eval(a)
-            os.preadv(fd, [memoryview(a)], base + b["offset"])
-            arrays.append(a)
         os.close(fd)
     elif method == "fresh-memory":  # no file at all: the cost of faulting in fresh MLX memory
         arrays = [mx.zeros((b["nbytes"],), dtype=mx.uint8) for b in blobs]
@@ -161,38 +178,77 @@ def child(argv):
     print(json.dumps(rec), flush=True)
 
 
-def run_child(args, timeout=3600):
+def run_child(args, timeout=3600, env=None):
+    """One fresh-process sample. ``["cat", FILE]`` times ``cat FILE > /dev/null`` from here (its
+    process start, ~1 ms, included); anything else runs ``child(args)`` in a new interpreter with
+    ``env`` added to the environment."""
+    if args[0] == "cat":
+        t0 = time.perf_counter()
+        subprocess.run(["cat", str(args[1])], stdout=subprocess.DEVNULL, check=True, timeout=timeout)
+        return {"seconds": time.perf_counter() - t0}
     proc = subprocess.run([sys.executable, "-c", _CHILD, *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, **(env or {})})
     if proc.returncode != 0:
         raise RuntimeError(f"child {args} failed ({proc.returncode}): {proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def interleaved(arms, repeats, budget, progress):
+def interleaved(arms, repeats, budget, progress, envs=None, gap=0.0):
     """{arm: [child records]}: round-robin over arms; an arm stops after ``repeats`` samples or
-    once its summed time exceeds ``budget`` seconds (it always gets at least one)."""
+    once its summed time exceeds ``budget`` seconds (it always gets at least one). ``envs``: extra
+    environment per arm; ``gap``: idle seconds before each sample."""
     out = {name: [] for name in arms}
     for r in range(repeats):
         for name, args in arms.items():
             spent = sum(x["seconds"] for x in out[name])
             if out[name] and spent > budget:
                 continue
-            rec = run_child(args)
+            if gap:
+                time.sleep(gap)
+            rec = run_child(args, env=(envs or {}).get(name))
             out[name].append(rec)
             progress(f"  round {r + 1}: {name} {rec['seconds']:.3f}s")
     return out
 
 
-def raw_read(path, repeats):
-    """Seconds for ``cat FILE > /dev/null``, page cache warmed by one untimed run."""
-    times = []
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return times
+def _read_text(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def memory_setup():
+    """What decides the cost of fresh memory here: the prefault policy, glibc malloc tunables,
+    transparent huge pages, and free-page reporting to a hypervisor (kernel command line)."""
+    from .. import reservoir as R
+
+    on, why = R.prefault_policy()
+    cmdline = _read_text("/proc/cmdline") or ""
+    return {
+        "prefault": on, "prefault_reason": why,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "thp_enabled": _read_text("/sys/kernel/mm/transparent_hugepage/enabled"),
+        "thp_defrag": _read_text("/sys/kernel/mm/transparent_hugepage/defrag"),
+        "page_reporting": [w for w in cmdline.split() if w.startswith("page_reporting")],
+    }
+
+
+THP_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "VQPIPE_PREFAULT": "0"}
+
+
+def thp_experiment(path, model_type, repeats, gaps, progress):
+    """Fresh-process loads, default setup vs glibc THP malloc, interleaved, once back to back
+    (gap 0: memory the previous process just freed) and once after ``gap`` idle seconds each."""
+    out = []
+    arms = {"default": ["load", path, model_type], "thp-malloc": ["load", path, model_type]}
+    for gap in gaps:
+        progress(f"THP malloc vs default, {gap:g} s idle before each load")
+        got = interleaved(arms, repeats, float("inf"), progress, envs={"thp-malloc": THP_ENV}, gap=gap)
+        out.append({"gap_s": gap, "env": THP_ENV,
+                    **{name: summarize([x["seconds"] for x in recs]) for name, recs in got.items()}})
+    return out
 
 
 def concurrent(args_list, timeout=3600):
@@ -231,7 +287,7 @@ def _mem_summary(recs):
 
 
 def run(source, bits=4, rotations=("auto", "qr"), repeats=5, budget=600.0, procs=4, workdir=None,
-        model_name=None, progress=print):
+        model_name=None, progress=print, thp_gaps=()):
     from .. import reservoir as R
     from ..quantize import copy_model_files, split_state
 
@@ -247,7 +303,8 @@ def run(source, bits=4, rotations=("auto", "qr"), repeats=5, budget=600.0, procs
         "loadavg_start": os.getloadavg(),
         "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
         "settings": {"bits": bits, "rotations": list(rotations), "repeats": repeats, "arm_budget_s": budget,
-                     "procs": procs},
+                     "procs": procs, "thp_gaps_s": list(thp_gaps)},
+        "memory_setup": memory_setup(),
         "records": [], "comparisons": [], "sizes": {}, "throughput": {}, "checks": {}, "targets": {},
     }
     arms, want_hash, requant = {}, {}, {}
@@ -282,9 +339,15 @@ def run(source, bits=4, rotations=("auto", "qr"), repeats=5, budget=600.0, procs
 
     first = rotations[0]
     aa = f"reservoir-on-{first} (A/A)"
+    noprefault = f"reservoir-on-{first} (no prefault)"
     arms[aa] = arms[f"reservoir-on-{first}"]
-    progress(f"fresh-process loads: {len(arms)} arms x {repeats} rounds (budget {budget:.0f}s per arm)")
-    samples = interleaved(arms, repeats, budget, progress)
+    arms[noprefault] = arms[f"reservoir-on-{first}"]
+    for rot in rotations:
+        for mode in ("on", "off"):
+            arms[f"cat-{mode}-{rot}"] = ["cat", arms[f"reservoir-{mode}-{rot}"][1]]
+    progress(f"fresh-process loads and cat: {len(arms)} arms x {repeats} rounds (budget {budget:.0f}s per arm)")
+    samples = interleaved(arms, repeats, budget, progress, envs={noprefault: {"VQPIPE_PREFAULT": "0"}})
+    result["loadavg_sections"] = {"loads": os.getloadavg()}
     floor = noise_floor([x["seconds"] for x in samples[f"reservoir-on-{first}"]], [x["seconds"] for x in samples[aa]])
     result["noise_floor"] = floor
 
@@ -316,31 +379,60 @@ def run(source, bits=4, rotations=("auto", "qr"), repeats=5, budget=600.0, procs
         result["comparisons"].append({"baseline_arm": f"reservoir-on-{rot}", "other_arm": f"reservoir-off-{rot}",
                                       **compare(on, off, floor)})
 
-    progress("raw read: cat FILE > /dev/null")
-    for rot in rotations:
+    recs = samples[noprefault]
+    variant, size = f"b{bits}-{first}", result["sizes"][f"b{bits}-{first}"]["on"]["file_bytes"]
+    result["records"].append({
+        "arm": noprefault, "variant": variant, "rotation": first, "persist_rotation": True,
+        "what": "load_reservoir in a fresh process, model ready, VQPIPE_PREFAULT=0", "file_bytes": size,
+        **summarize([x["seconds"] for x in recs]),
+        "rss_bytes": summarize([x["memory"]["Rss"] for x in recs]),
+        "pss_bytes": summarize([x["memory"]["Pss"] for x in recs]),
+        "mlx_peak_bytes": summarize([x["mlx_peak_bytes"] for x in recs]),
+        "throughput_bytes_per_s": size / summarize([x["seconds"] for x in recs])["median"],
+    })
+    result["checks"][f"{noprefault} logits byte-identical"] = all(x["logits_xxh3"] == want_hash[first] for x in recs)
+    result["comparisons"].append({"baseline_arm": noprefault, "other_arm": f"reservoir-on-{first}",
+                                  **compare([x["seconds"] for x in recs],
+                                            [x["seconds"] for x in samples[f"reservoir-on-{first}"]], floor)})
+
+    for rot in rotations:  # cat ran interleaved with the loads: same rounds, same machine state
         variant = f"b{bits}-{rot}"
         for mode in ("on", "off"):
-            path = arms[f"reservoir-{mode}-{rot}"][1]
-            cat = raw_read(path, repeats)
+            cat = summarize([x["seconds"] for x in samples[f"cat-{mode}-{rot}"]])
             size = result["sizes"][variant][mode]["file_bytes"]
             load_median = next(r["median"] for r in result["records"] if r["arm"] == f"reservoir-{mode}-{rot}")
             result["throughput"][f"reservoir-{mode}-{rot}"] = {
-                "file_bytes": size, "cat_seconds": summarize(cat), "cat_bytes_per_s": size / summarize(cat)["median"],
-                "load_bytes_per_s": size / load_median,
-                "load_over_cat": (size / load_median) / (size / summarize(cat)["median"]),
+                "file_bytes": size, "cat_seconds": cat, "cat_bytes_per_s": size / cat["median"],
+                "load_bytes_per_s": size / load_median, "load_over_cat": cat["median"] / load_median,
             }
 
     progress("copy paths: file bytes -> MLX memory, fresh processes")
     path = arms[f"reservoir-on-{first}"][1]
-    methods = ["vqpipe", "mmap-nohash", "read-2copies", "zeros-readinto", "fresh-memory",
-               f"mx.load:{work / 'state.safetensors'}"]
+    methods = ["fresh-memory", "fresh-memory-prefault", "mmap-nohash", "mmap-xxh3", "vqpipe-noprefault", "vqpipe",
+               "read-2copies", f"mx.load:{work / 'state.safetensors'}"]
     copy = interleaved({m: ["copy", path, m] for m in methods}, repeats, budget, progress)
     result["copy_paths"] = [{"method": m.split(":")[0], "bytes": copy[m][0]["bytes"],
-                             "copies": {"vqpipe": 1, "mmap-nohash": 1, "read-2copies": 2, "zeros-readinto": 1,
-                                        "fresh-memory": 0, "mx.load": 1}[m.split(":")[0]],
+                             "copies": {"vqpipe": 1, "vqpipe-noprefault": 1, "mmap-nohash": 1, "mmap-xxh3": 1,
+                                        "read-2copies": 2, "fresh-memory": 0, "fresh-memory-prefault": 0,
+                                        "mx.load": 1}[m.split(":")[0]],
                              **summarize([x["seconds"] for x in copy[m]]),
                              "bytes_per_s": copy[m][0]["bytes"] / summarize([x["seconds"] for x in copy[m]])["median"]}
                             for m in methods]
+    result["loadavg_sections"]["copy_paths"] = os.getloadavg()
+
+    floor_s = next(c["median"] for c in result["copy_paths"] if c["method"] == "fresh-memory-prefault")
+    cat_s = result["throughput"][f"reservoir-on-{first}"]["cat_seconds"]["median"]
+    result["bounds"] = {  # what the speedup could be at best, from floors measured in this run
+        "variant": f"b{bits}-{first}", "requantize_s": requant[first],
+        "load_s_for_1000x": requant[first] / 1000,
+        "fresh_memory_prefault_s": floor_s, "cat_s": cat_s,
+        "max_speedup_at_fresh_memory_floor": requant[first] / floor_s,
+        "max_speedup_at_cat_speed": requant[first] / cat_s,
+    }
+
+    if thp_gaps:  # before the multi-process experiment, which leaves the machine busy for a while
+        result["thp_malloc"] = thp_experiment(path, config["model_type"], repeats, thp_gaps, progress)
+        result["loadavg_sections"]["thp_malloc"] = os.getloadavg()
 
     progress(f"{procs} processes at once: loading one reservoir vs quantizing from source")
     loads = concurrent([arms[f"reservoir-on-{first}"]] * procs)
@@ -393,6 +485,10 @@ def main(argv=None):
                    help="seconds after which an arm stops repeating (slow arms: QR regeneration)")
     p.add_argument("--procs", type=int, default=4, help="processes in the shared-memory experiment")
     p.add_argument("--workdir", default=None, help="keep reservoirs here (default: a temp dir, removed)")
+    p.add_argument("--thp", nargs="*", type=float, default=None, metavar="GAP_S",
+                   help="also compare loads with glibc's THP malloc (GLIBC_TUNABLES=glibc.malloc.hugetlb=1), "
+                        "interleaved with default loads, once per idle gap in seconds before each load "
+                        "(default gaps: 0 5)")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.procs < 1:
         print("vqpipe bench-load: error: --repeats and --procs must be >= 1", file=sys.stderr)
@@ -400,8 +496,9 @@ def main(argv=None):
     if not (Path(args.source) / "config.json").is_file():
         print(f"vqpipe bench-load: error: {args.source} has no config.json", file=sys.stderr)
         return 2
+    thp_gaps = () if args.thp is None else (tuple(args.thp) or (0.0, 5.0))
     result = run(args.source, args.bits, args.rotations, args.repeats, args.arm_budget, args.procs,
-                 args.workdir, args.model)
+                 args.workdir, args.model, thp_gaps=thp_gaps)
     write_json(args.out, result)
     for name, t in result["targets"].items():
         met = {True: "met", False: "NOT met", None: "reported"}[t["met"]]
