@@ -639,3 +639,18 @@ def test_zero_copy_opt_in_falls_back(built, monkeypatch):
     assert tried and min(tried) >= R.ALIGN
     same_params(model, loaded)
     assert logits(loaded).tobytes() == want.tobytes()
+
+
+def test_atomic_writes_get_the_umask_mode_not_mkstemps(tmp_path):
+    # mkstemp/mkdtemp create 0600/0700: published artifacts must be readable like any open()ed file.
+    from vqpipe import fsutil
+
+    old = os.umask(0o022)
+    try:
+        fsutil.write_json(tmp_path / "a.json", {"x": 1})
+        with fsutil.atomic_dir(tmp_path / "d") as d:
+            (d / "f").write_text("x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "d").stat().st_mode & 0o777 == 0o755

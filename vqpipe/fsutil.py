@@ -77,6 +77,18 @@ def clean_stale_temps(path):
     return removed
 
 
+def _umask():
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _publish_mode(tmp, directory):
+    """mkstemp/mkdtemp create 0600/0700; give the result the mode a plain open()/mkdir() would
+    (0666/0777 less the umask), so a shared cache or another user can read the artifact."""
+    os.chmod(tmp, (0o777 if directory else 0o666) & ~_umask())
+
+
 @contextlib.contextmanager
 def atomic_path(path):
     """Yield a temporary file path next to ``path``; on success it is fsynced and renamed to it.
@@ -90,6 +102,7 @@ def atomic_path(path):
     os.close(fd)
     try:
         yield Path(tmp)
+        _publish_mode(tmp, directory=False)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -115,6 +128,7 @@ def atomic_dir(path):
             if f.is_file():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
+        _publish_mode(tmp, directory=True)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)

@@ -406,29 +406,41 @@ def run(source, bits=4, rotations=("auto", "qr"), repeats=5, budget=600.0, procs
                 "load_bytes_per_s": size / load_median, "load_over_cat": cat["median"] / load_median,
             }
 
-    progress("copy paths: file bytes -> MLX memory, fresh processes")
-    path = arms[f"reservoir-on-{first}"][1]
-    methods = ["fresh-memory", "fresh-memory-prefault", "mmap-nohash", "mmap-xxh3", "vqpipe-noprefault", "vqpipe",
-               "read-2copies", f"mx.load:{work / 'state.safetensors'}"]
-    copy = interleaved({m: ["copy", path, m] for m in methods}, repeats, budget, progress)
-    result["copy_paths"] = [{"method": m.split(":")[0], "bytes": copy[m][0]["bytes"],
-                             "copies": {"vqpipe": 1, "vqpipe-noprefault": 1, "mmap-nohash": 1, "mmap-xxh3": 1,
-                                        "read-2copies": 2, "fresh-memory": 0, "fresh-memory-prefault": 0,
-                                        "mx.load": 1}[m.split(":")[0]],
-                             **summarize([x["seconds"] for x in copy[m]]),
-                             "bytes_per_s": copy[m][0]["bytes"] / summarize([x["seconds"] for x in copy[m]])["median"]}
-                            for m in methods]
-    result["loadavg_sections"]["copy_paths"] = os.getloadavg()
+    import mlx.core as mx
 
-    floor_s = next(c["median"] for c in result["copy_paths"] if c["method"] == "fresh-memory-prefault")
-    cat_s = result["throughput"][f"reservoir-on-{first}"]["cat_seconds"]["median"]
-    result["bounds"] = {  # what the speedup could be at best, from floors measured in this run
-        "variant": f"b{bits}-{first}", "requantize_s": requant[first],
-        "load_s_for_1000x": requant[first] / 1000,
-        "fresh_memory_prefault_s": floor_s, "cat_s": cat_s,
-        "max_speedup_at_fresh_memory_floor": requant[first] / floor_s,
-        "max_speedup_at_cat_speed": requant[first] / cat_s,
-    }
+    path = arms[f"reservoir-on-{first}"][1]
+    if mx.default_device() == mx.gpu:
+        # The copy paths dissect the CPU backend's host-memory load (page faults, memcpy, hashing).
+        # On the H200 host they did not finish inside 200 s (2026-11-30, cause not found), so a
+        # GPU run skips them rather than lose the whole artifact to a time limit.
+        result["copy_paths_skipped"] = "copy paths measure the CPU backend's host-memory path; GPU default device"
+        cat_s = result["throughput"][f"reservoir-on-{first}"]["cat_seconds"]["median"]
+        result["bounds"] = {"variant": f"b{bits}-{first}", "requantize_s": requant[first],
+                            "load_s_for_1000x": requant[first] / 1000, "cat_s": cat_s,
+                            "max_speedup_at_cat_speed": requant[first] / cat_s}
+    else:
+        progress("copy paths: file bytes -> MLX memory, fresh processes")
+        methods = ["fresh-memory", "fresh-memory-prefault", "mmap-nohash", "mmap-xxh3", "vqpipe-noprefault", "vqpipe",
+                   "read-2copies", f"mx.load:{work / 'state.safetensors'}"]
+        copy = interleaved({m: ["copy", path, m] for m in methods}, repeats, budget, progress)
+        result["copy_paths"] = [{"method": m.split(":")[0], "bytes": copy[m][0]["bytes"],
+                                 "copies": {"vqpipe": 1, "vqpipe-noprefault": 1, "mmap-nohash": 1, "mmap-xxh3": 1,
+                                            "read-2copies": 2, "fresh-memory": 0, "fresh-memory-prefault": 0,
+                                            "mx.load": 1}[m.split(":")[0]],
+                                 **summarize([x["seconds"] for x in copy[m]]),
+                                 "bytes_per_s": copy[m][0]["bytes"] / summarize([x["seconds"] for x in copy[m]])["median"]}
+                                for m in methods]
+        result["loadavg_sections"]["copy_paths"] = os.getloadavg()
+
+        floor_s = next(c["median"] for c in result["copy_paths"] if c["method"] == "fresh-memory-prefault")
+        cat_s = result["throughput"][f"reservoir-on-{first}"]["cat_seconds"]["median"]
+        result["bounds"] = {  # what the speedup could be at best, from floors measured in this run
+            "variant": f"b{bits}-{first}", "requantize_s": requant[first],
+            "load_s_for_1000x": requant[first] / 1000,
+            "fresh_memory_prefault_s": floor_s, "cat_s": cat_s,
+            "max_speedup_at_fresh_memory_floor": requant[first] / floor_s,
+            "max_speedup_at_cat_speed": requant[first] / cat_s,
+        }
 
     if thp_gaps:  # before the multi-process experiment, which leaves the machine busy for a while
         result["thp_malloc"] = thp_experiment(path, config["model_type"], repeats, thp_gaps, progress)
