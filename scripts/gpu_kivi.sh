@@ -6,6 +6,10 @@
 # (docs/kivi.md, "Running on a GPU"):   bash scripts/gpu_kivi.sh
 # Elsewhere (e.g. a Mac with Metal):      PYTHON=.venv/bin/python bash scripts/gpu_kivi.sh
 # STEPS picks steps (default "kernels bench generation cpu_suite"); BENCH_ARGS goes to bench-kivi.
+# Both kernel layouts ("default" and "wide", vqpipe/kivi/kernels.py) are tested bit-exact in the
+# kernels step and timed side by side in the bench step (BENCH_LAYOUTS, default "default wide";
+# empty: only the current layout). KERNELS_K narrows the kernels step (pytest -k; default
+# "not generation"; e.g. "wide and not generation" for the wide layout alone).
 # Results go to $OUT (default results/gpu_kivi): env.txt, one log per step, kivi_ops.json; a summary
 # prints last.
 set -uo pipefail
@@ -35,11 +39,12 @@ since() { echo "($(( $(date +%s) - t0 )) s)"; }
 STEPS=${STEPS:-kernels bench generation cpu_suite}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
-want kernels && echo "== kernels: bit-exact sweep, half to even, compile count $(since)" &&
-pt kernels 240 --maxfail=10 tests/test_kivi_kernels.py -m gpu -k "not generation"
+want kernels && echo "== kernels: bit-exact sweep, half to even, compile count; layouts default and wide $(since)" &&
+pt kernels 420 --maxfail=10 tests/test_kivi_kernels.py -m gpu -k "${KERNELS_K:-not generation}"
 
 want bench && echo "== bench-kivi $(since)" &&
-timeout 180 $PY -m vqpipe bench-kivi --out "$OUT/kivi_ops.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+BENCH_LAYOUTS=${BENCH_LAYOUTS-default wide}
+timeout 300 $PY -m vqpipe bench-kivi --out "$OUT/kivi_ops.json" ${BENCH_LAYOUTS:+--layouts $BENCH_LAYOUTS} ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 
 want generation && echo "== generation, kernels on vs off, synthetic presets $(since)" &&
 pt generation 240 --maxfail=3 tests/test_kivi_kernels.py -m gpu -k generation
@@ -66,10 +71,20 @@ for r in d["results"]:
     k = a.get("kernel")
     row = f"{r['S']:>6} {r['kind']:>6} {r['mode']:>8} {fmt(a['reference']):>24} {fmt(k) if k else '-':>24}"
     if k:
-        floor = max(r["noise_floor"].values())
+        floor = max(r["noise_floor"]["reference"], r["noise_floor"]["kernel"])
         row += f" {r['speedup']:>7.2f}x {floor:>6.1%} {r['kernel_bytes_per_s'] / 1e9:>6.0f} {r['fraction_of_copy_bandwidth']:>6.1%}"
         if "m4_speedup" in r:
             row += f" {'beats' if r['beats_m4'] else 'MISSES'} {r['m4_speedup']}x"
     print(row)
+    for lay, c in r.get("layouts", {}).items():  # --layouts: every layout's own arm, same run
+        arm = a["kernel" if lay == r["kernel_layout"] else "kernel:" + lay]
+        floor = max(r["noise_floor"]["reference"], r["noise_floor"]["kernel" if lay == r["kernel_layout"] else "kernel:" + lay])
+        line = (f"{'':>6} {'':>6} {'layout':>8} {lay:>24} {fmt(arm):>24} {c['speedup']:>7.2f}x {floor:>6.1%} "
+                f"{c['kernel_bytes_per_s'] / 1e9:>6.0f} {c['fraction_of_copy_bandwidth']:>6.1%}")
+        if "m4_speedup" in c:
+            line += f" {'beats' if c['beats_m4'] else 'MISSES'} {c['m4_speedup']}x"
+        if c.get("outputs_equal") is False:
+            line += "  OUTPUTS DIFFER"
+        print(line)
 EOF
 exit 0

@@ -38,9 +38,10 @@ def _same_bytes(a, b):
 # --- CPU: description, dialects, dispatch -------------------------------------------------------
 
 
+@pytest.mark.parametrize("layout", kernels.LAYOUTS)
 @pytest.mark.parametrize("kind", ["keys", "values", "kv"])
-def test_one_description_two_dialects(kind):
-    (n_cuda, h_cuda, b_cuda), (n_metal, h_metal, b_metal) = (kernels.render(kind, d) for d in ("cuda", "metal"))
+def test_one_description_two_dialects(kind, layout):
+    (n_cuda, h_cuda, b_cuda), (n_metal, h_metal, b_metal) = (kernels.render(kind, d, layout) for d in ("cuda", "metal"))
     for body in (b_cuda, b_metal):
         assert "KV_" not in body  # every dialect token substituted
     assert "blockIdx.x" in b_cuda and "thread_position_in_grid" in b_metal
@@ -51,14 +52,38 @@ def test_one_description_two_dialects(kind):
         "thread_position_in_grid.x", "T_ID"
     )
     assert n_cuda != n_metal and n_cuda.startswith(f"kivi_{kind}_")
+    if layout == "wide":
+        assert all(f in h_cuda for f in ("__half2", "__nv_bfloat162", "float2", "kv_load2", "kv_store2"))
+        assert "kv_load2" in h_metal and "kv_store2" in h_metal
+        assert ("kv_load2" in b_cuda) == (kind != "values") and ("KV_VGROUPS" not in b_cuda)
 
 
+def test_layouts_differ_and_default_is_unchanged():
+    assert kernels.layout() == os.environ.get("VQPIPE_KIVI_LAYOUT", "default")
+    names = {kernels.render("kv", "cuda", lay)[0] for lay in kernels.LAYOUTS}
+    assert len(names) == len(kernels.LAYOUTS)  # distinct kernel names: no PTX cache collision
+    assert kernels.render("kv", "cuda") == kernels.render("kv", "cuda", "default")
+    previous = kernels.set_layout("wide")
+    try:
+        assert kernels.layout() == "wide"
+        with pytest.raises(ValueError):
+            kernels.set_layout("narrow")
+    finally:
+        kernels.set_layout(previous)
+    # wide: half the key threads (channel pairs, rounded up), a quarter of the value warps
+    kv = ((1, 8, 2048, 128), (1, 8, 2048, 128))
+    d, w = (kernels.launch_spec("kv", kv, mx.float16, 4, 32, lay)["grid"][0] for lay in ("default", "wide"))
+    assert d == 8 * 64 * 128 + 8 * 2048 * 4 * 32 and w == 8 * 64 * 64 + 8 * 2048 * 32
+    assert kernels.launch_spec("keys", (1, 2, 40, 77), mx.float16, 4, 32, "wide")["grid"][0] == 2 * 2 * 39
+
+
+@pytest.mark.parametrize("layout", kernels.LAYOUTS)
 @pytest.mark.parametrize("kind", ["keys", "values", "kv"])
-def test_launch_template_holds_no_shape(kind):
+def test_launch_template_holds_no_shape(kind, layout):
     def shape(s):
         return ((1, 8, s, 128), (1, 8, s, 128)) if kind == "kv" else (1, 8, s, 128)
 
-    specs = [kernels.launch_spec(kind, shape(s), mx.float16, 4, 32) for s in range(1, 5000, 97)]
+    specs = [kernels.launch_spec(kind, shape(s), mx.float16, 4, 32, layout) for s in range(1, 5000, 97)]
     assert all(s["template"] == specs[0]["template"] for s in specs)
     assert len({s["grid"] for s in specs}) == len(specs)  # the grid follows S, the kernel does not
     assert specs[0]["template"] == [("T", mx.float16), ("BITS", 4), ("G", 32)]
@@ -125,20 +150,21 @@ def _input(i, kind, g, d, s, h, b, dt):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("layout", kernels.LAYOUTS)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(map(str, c)))
-def test_kernel_bytes_equal_reference(cfg):
+def test_kernel_bytes_equal_reference(cfg, layout):
     kind, bits, g, d, s, h, b, dt = cfg
     i = CONFIGS.index(cfg)
     if kind == "kv":
         k = _input(i, "keys", g, d, s, h, b, dt)
         v = _input(i + 7, "values", g, d // 2 + 8, s, 12 // h, b, dt)  # other heads, ragged channels
         want = (*quant.fake_quant_keys(k, bits, g), *quant.fake_quant_values(v, bits, g))
-        got = sum(kernels.fake_quant_kv(k, v, bits, g, use_kernels=True), ())
+        got = sum(kernels.fake_quant_kv(k, v, bits, g, use_kernels=True, layout=layout), ())
         names = ("k_hat", "k_scale", "k_zero", "v_hat", "v_scale", "v_zero")
     else:
         x = _input(i, kind, g, d, s, h, b, dt)
         want = KINDS[kind][0](x, bits, g)
-        got = KINDS[kind][1](x, bits, g, use_kernels=True)
+        got = KINDS[kind][1](x, bits, g, use_kernels=True, layout=layout)
         names = ("x_hat", "scale", "zero")
     mx.eval(want, got)
     for name, a, w in zip(names, got, want):
@@ -147,10 +173,11 @@ def test_kernel_bytes_equal_reference(cfg):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("layout", kernels.LAYOUTS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("bits", (2, 4, 8))
 @pytest.mark.parametrize("dt", DTYPES)
-def test_kernel_rounds_half_to_even(kind, bits, dt):
+def test_kernel_rounds_half_to_even(kind, bits, dt, layout):
     # zero = 0 and scale = step exactly, every other element an odd multiple of step / 2.
     qmax, step = 2**bits - 1, 0.5 if (dt == "bfloat16" and bits == 8) else 2.0
     row = np.resize(np.concatenate([[0.0, qmax * step], np.arange(1, 2 * qmax, 2) * step / 2]), 32)
@@ -159,7 +186,7 @@ def test_kernel_rounds_half_to_even(kind, bits, dt):
     x = (grp.swapaxes(-1, -2) if kind == "keys" else grp).astype(getattr(mx, dt))
     assert np.array_equal(np.array(x.astype(mx.float32)).reshape(-1), row)  # the ties survive the cast
     ref, dispatched = KINDS[kind]
-    got = dispatched(x, bits, 32, use_kernels=True)
+    got = dispatched(x, bits, 32, use_kernels=True, layout=layout)
     for a, w in zip(got, ref(x, bits, 32)):
         assert _same_bytes(a, w)
     assert np.array(got[0].astype(mx.float32)).reshape(-1).tolist() == (want * step).tolist()
@@ -176,7 +203,9 @@ def _ptx_files():
 
 @pytest.mark.gpu
 @needs_gpu
-def test_compiled_kernel_count_fixed_as_cache_grows():
+@pytest.mark.parametrize("layout", kernels.LAYOUTS)
+def test_compiled_kernel_count_fixed_as_cache_grows(layout, monkeypatch):
+    monkeypatch.setattr(kernels, "_layout", layout)  # what the cache's flushes use
     mx.random.seed(5)
     n = 4000
     k = mx.random.normal((1, 8, n, 128)).astype(mx.float16)
@@ -290,3 +319,310 @@ def test_generation_identical_with_kernels_on_and_off(preset, dtype, corpus, tmp
             f"not deterministic on this device, so on/off text ({'same' if on[:2] == off[:2] else 'differs'}) "
             f"and cache bytes ({diff}) cannot be compared; all {len(checks)} kernel flushes matched the reference"
         )
+
+
+# --- CPU: the rendered CUDA source itself, run on the host ---------------------------------------
+# The CUDA rendering (dialect header and body, both layouts) compiled with g++ against a small shim:
+# __half/__nv_bfloat16 as 16-bit structs converting like CUDA (exact to float, round to nearest even
+# back), the _rn intrinsics as plain IEEE operations (-ffp-contract=off), and every GPU thread of a
+# warp as a fiber (ucontext) so __shfl_xor_sync is a real exchange: all 32 lanes write, then all
+# read. A warp in which some lanes have returned while others wait at a shuffle fails the run
+# (the kernels' uniform-exit rule). Threads run block by block over the whole rounded-up grid, as
+# MLX's CUDA launch does. Output bytes are compared with vqpipe.kivi.quant on the CPU.
+
+_HOST_SHIM = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#include <ucontext.h>
+#define __device__
+#define __forceinline__ inline
+static inline uint32_t f2u(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline float h2f(uint16_t h) {
+  uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0x1fu) return u2f(s | 0x7f800000u | (m << 13));
+  if (e == 0) return (s ? -1.0f : 1.0f) * std::ldexp((float)m, -24);
+  return u2f(s | ((e + 112u) << 23) | (m << 13));
+}
+static inline uint16_t f2h(float f) {  // round to nearest even, with subnormals, inf and nan
+  uint32_t u = f2u(f), s = (u >> 16) & 0x8000u;
+  float a = std::fabs(f);
+  if (std::isnan(f)) return (uint16_t)(s | 0x7e00u);
+  if (a >= 65520.0f) return (uint16_t)(s | 0x7c00u);
+  if (a < 6.103515625e-05f) return (uint16_t)(s | (uint32_t)std::nearbyint(a * 16777216.0f));  // 2^24
+  uint32_t e = ((u >> 23) & 0xffu) - 112u, m = u & 0x7fffffu;
+  uint32_t r = (e << 10) | (m >> 13), rest = m & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (r & 1u))) ++r;
+  return (uint16_t)(s | r);
+}
+static inline uint16_t f2b(float f) {
+  uint32_t u = f2u(f);
+  if (std::isnan(f)) return (uint16_t)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+struct __half { uint16_t b; __half() = default; __half(float f) : b(f2h(f)) {} operator float() const { return h2f(b); } };
+struct __nv_bfloat16 { uint16_t b; __nv_bfloat16() = default; __nv_bfloat16(float f) : b(f2b(f)) {}
+  operator float() const { return u2f((uint32_t)b << 16); } };
+struct __half2 { __half x, y; };
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };
+struct float2 { float x, y; };
+static inline float2 make_float2(float a, float b) { return {a, b}; }
+static inline float __low2float(__half2 v) { return v.x; }
+static inline float __high2float(__half2 v) { return v.y; }
+static inline float __low2float(__nv_bfloat162 v) { return v.x; }
+static inline float __high2float(__nv_bfloat162 v) { return v.y; }
+static inline __half2 __floats2half2_rn(float a, float b) { return {__half(a), __half(b)}; }
+static inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {__nv_bfloat16(a), __nv_bfloat16(b)}; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+struct Dim3 { unsigned int x; };
+static Dim3 blockIdx, blockDim, threadIdx;
+static ucontext_t g_main, g_ctx[32];
+static int g_cur, g_done[32];
+static float g_xchg[32];
+static long g_shuffles;
+static inline void kv_yield() { swapcontext(&g_ctx[g_cur], &g_main); }
+static inline float __shfl_xor_sync(unsigned int, float v, int m) {
+  const int me = g_cur;
+  g_xchg[me] = v;
+  kv_yield();  // every lane has written
+  const float r = g_xchg[me ^ m];
+  kv_yield();  // every lane has read
+  ++g_shuffles;
+  return r;
+}
+"""
+
+_HOST_MAIN = r"""
+template <typename T>
+static std::vector<T> readv(FILE* f, size_t n, int off) {
+  std::vector<T> v(n + off);
+  if (fread(v.data() + off, sizeof(T), n, f) != n) { fprintf(stderr, "short input\n"); exit(2); }
+  return v;
+}
+template <typename T>
+static void writev(FILE* f, const T* p, size_t n) { fwrite(p, sizeof(T), n, f); }
+static void (*g_entry)();
+static void lane_main() { g_entry(); g_done[g_cur] = 1; }
+static char g_stacks[32][1 << 16];
+
+// argv: dtype bits G layout off kB kH kS kD vB vH vS vD grid in out
+template <typename T, int BITS, int G, int WIDE>
+static int run(char** argv) {
+  const int off = atoi(argv[5]);
+  int ks[4], vs[4];
+  for (int i = 0; i < 4; ++i) { ks[i] = atoi(argv[6 + i]); vs[i] = atoi(argv[10 + i]); }
+  const unsigned int grid = (unsigned int)atol(argv[14]);
+  const size_t kn = (size_t)ks[0] * ks[1] * ks[2] * ks[3], vn = (size_t)vs[0] * vs[1] * vs[2] * vs[3];
+  const size_t kp = (size_t)ks[0] * ks[1] * ((ks[2] + G - 1) / G) * ks[3], vp = (size_t)vs[0] * vs[1] * vs[2] * ((vs[3] + G - 1) / G);
+  FILE* f = fopen(argv[15], "rb");
+  std::vector<T> k = readv<T>(f, kn, off), v = readv<T>(f, vn, off);
+  fclose(f);
+  std::vector<T> ko(kn + off), vo(vn + off);
+  std::vector<float> ksc(kp + off, NAN), kz(kp + off, NAN), vsc(vp + off, NAN), vz(vp + off, NAN);
+  std::memset((void*)ko.data(), 0xff, ko.size() * sizeof(T));
+  std::memset((void*)vo.data(), 0xff, vo.size() * sizeof(T));
+  static std::vector<T>* gk; static std::vector<T>* gv; static std::vector<T>* gko; static std::vector<T>* gvo;
+  static float *p_ksc, *p_kz, *p_vsc, *p_vz; static int *p_ks, *p_vs; static int s_off;
+  gk = &k; gv = &v; gko = &ko; gvo = &vo; p_ksc = ksc.data(); p_kz = kz.data(); p_vsc = vsc.data(); p_vz = vz.data();
+  p_ks = ks; p_vs = vs; s_off = off;
+  g_entry = [] {
+    const T* k = gk->data() + s_off; const T* v = gv->data() + s_off;
+    T* k_out = gko->data() + s_off; T* v_out = gvo->data() + s_off;
+    float* k_scale = p_ksc + s_off; float* k_zero = p_kz + s_off; float* v_scale = p_vsc + s_off; float* v_zero = p_vz + s_off;
+    const int* k_shape = p_ks; const int* v_shape = p_vs;
+    (void)k_scale; (void)k_zero; (void)v_scale; (void)v_zero; (void)k_shape; (void)v_shape;
+    if (WIDE) {
+#include "wide.inc"
+    } else {
+#include "default.inc"
+    }
+  };
+  blockDim.x = 256;
+  const unsigned int nthreads = (grid + 255u) / 256u * 256u;  // whole blocks, as MLX's CUDA launch
+  for (unsigned int w0 = 0; w0 < nthreads; w0 += 32) {
+    for (int l = 0; l < 32; ++l) {
+      getcontext(&g_ctx[l]);
+      g_ctx[l].uc_stack.ss_sp = g_stacks[l];
+      g_ctx[l].uc_stack.ss_size = sizeof(g_stacks[l]);
+      g_ctx[l].uc_link = &g_main;
+      makecontext(&g_ctx[l], lane_main, 0);
+      g_done[l] = 0;
+    }
+    for (;;) {
+      for (int l = 0; l < 32; ++l) {
+        g_cur = l;
+        blockIdx.x = (w0 + l) / 256u;
+        threadIdx.x = (w0 + l) % 256u;
+        swapcontext(&g_main, &g_ctx[l]);
+      }
+      int done = 0;
+      for (int l = 0; l < 32; ++l) done += g_done[l];
+      if (done == 32) break;
+      if (done != 0) { fprintf(stderr, "non-uniform exit in warp %u\n", w0 / 32); return 3; }
+    }
+  }
+  f = fopen(argv[16], "wb");
+  writev(f, ko.data() + off, kn); writev(f, ksc.data() + off, kp); writev(f, kz.data() + off, kp);
+  writev(f, vo.data() + off, vn); writev(f, vsc.data() + off, vp); writev(f, vz.data() + off, vp);
+  fclose(f);
+  printf("shuffles %ld\n", g_shuffles);
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc != 17) return 1;
+  const int dt = atoi(argv[1]), bits = atoi(argv[2]), g = atoi(argv[3]), wide = atoi(argv[4]);
+#define C(DT, TY, B, GG) \
+  if (dt == DT && bits == B && g == GG) return wide ? run<TY, B, GG, 1>(argv) : run<TY, B, GG, 0>(argv);
+  HOST_COMBOS
+  fprintf(stderr, "combination not compiled\n");
+  return 1;
+}
+"""
+
+_HOST_DTYPES = {"float16": (0, "__half", np.uint16), "bfloat16": (1, "__nv_bfloat16", np.uint16), "float32": (2, "float", np.uint32)}
+# (bits, G) compiled for every dtype; 48: G not a power of two and not a multiple of the warp.
+_HOST_BG = ((2, 32), (4, 32), (8, 32), (4, 48), (4, 64), (8, 64), (2, 128), (4, 128))
+
+
+@pytest.fixture(scope="module")
+def host_cuda(tmp_path_factory):
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler for the host run of the CUDA rendering")
+    d = tmp_path_factory.mktemp("kivi_host")
+    header = None
+    for layout in kernels.LAYOUTS:
+        _, header, body = kernels.render("kv", "cuda", layout)
+        (d / f"{layout}.inc").write_text(body.replace("return;", "return;  /* thread exits */"))
+    combos = " ".join(f"C({c}, {ty}, {b}, {g})" for c, ty, _ in _HOST_DTYPES.values() for b, g in _HOST_BG)
+    (d / "k.cpp").write_text(_HOST_SHIM + header + _HOST_MAIN.replace("HOST_COMBOS", combos))
+    r = subprocess.run(
+        [cxx, "-std=c++17", "-O1", "-ffp-contract=off", "-fno-fast-math", "-w", "k.cpp", "-o", "k"],
+        cwd=d, capture_output=True, text=True,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    return d
+
+
+def _host_run(d, layout, bits, g, k, v, off=0):
+    import subprocess
+
+    code, _, view = _HOST_DTYPES[str(k.dtype).split(".")[-1]]
+    spec = kernels.launch_spec("kv", (tuple(k.shape), tuple(v.shape)), k.dtype, bits, g, layout)
+    with open(d / "in.bin", "wb") as f:
+        for a in (k, v):
+            f.write(np.array(a.view(mx.uint16 if view is np.uint16 else mx.uint32)).astype(view).tobytes())
+    args = [code, bits, g, int(layout == "wide"), off, *k.shape, *v.shape, spec["grid"][0], "in.bin", "out.bin"]
+    r = subprocess.run(["./k", *map(str, args)], cwd=d, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    raw = np.fromfile(d / "out.bin", np.uint8)
+    outs, pos = [], 0
+    for shape, dtype in zip(spec["output_shapes"], spec["output_dtypes"]):
+        n = int(np.prod(shape)) * dtype.size
+        outs.append(raw[pos : pos + n])
+        pos += n
+    assert pos == raw.size
+    return outs
+
+
+def _ref_bytes(k, v, bits, g):
+    want = (*quant.fake_quant_keys(k, bits, g), *quant.fake_quant_values(v, bits, g))
+    mx.eval(want)
+    return [np.array(a.view(mx.uint16) if a.dtype.size == 2 else a.view(mx.uint32)).view(np.uint8).reshape(-1) for a in want]
+
+
+def _host_configs():
+    out = []
+    for dt in _HOST_DTYPES:
+        for bits, g in _HOST_BG:
+            # (key D, key heads, S, value D, value heads): even D, ragged D (pairs whole), odd D (a
+            # lone last channel), ragged S, values with other heads and ragged channel groups.
+            shapes = [(128, 2, 37, 72, 1), (64, 1, 70, 128, 3)]
+            if g in (32, 128):
+                shapes += [(80, 1, 33, 96, 2), (77, 2, 20, 77, 1)]
+            out += [(dt, bits, g, *sh) for sh in shapes]
+    return out
+
+
+HOST_CONFIGS = _host_configs()
+
+
+@pytest.mark.parametrize("layout", kernels.LAYOUTS)
+def test_cuda_rendering_on_host_bytes_equal_reference(host_cuda, layout):
+    names = ("k_hat", "k_scale", "k_zero", "v_hat", "v_scale", "v_zero")
+    bad = []
+    for i, (dt, bits, g, kd, kh, s, vd, vh) in enumerate(HOST_CONFIGS):
+        k = _input(i, "keys", g, kd, s, kh, 1, dt)
+        v = _input(i + 7, "values", g, vd, s, vh, 1, dt)
+        off = 1 if i % 4 == 1 else 0  # misaligned buffers: the wide keys fall back to scalar accesses
+        got = _host_run(host_cuda, layout, bits, g, k, v, off)
+        for name, a, w in zip(names, got, _ref_bytes(k, v, bits, g)):
+            if not np.array_equal(a, w):
+                bad.append(((dt, bits, g, kd, kh, s, vd, vh, off), name))
+    assert not bad, bad[:10]
+
+
+@pytest.mark.parametrize("layout", kernels.LAYOUTS)
+def test_cuda_rendering_on_host_rounds_half_to_even(host_cuda, layout):
+    for dt, bits in itertools.product(_HOST_DTYPES, (2, 4, 8)):
+        qmax, step = 2**bits - 1, 0.5 if (dt == "bfloat16" and bits == 8) else 2.0
+        row = np.resize(np.concatenate([[0.0, qmax * step], np.arange(1, 2 * qmax, 2) * step / 2]), 32)
+        grp = mx.array(row.astype(np.float32)).reshape(1, 1, 1, 32).astype(getattr(mx, dt))
+        # keys: one channel (a lone, unpaired one in the wide layout); values: the row on 32 tokens
+        k, v = grp.swapaxes(-1, -2), mx.contiguous(mx.broadcast_to(grp, (1, 1, 32, 32)))
+        got = _host_run(host_cuda, layout, bits, 32, k, v)
+        assert all(np.array_equal(a, w) for a, w in zip(got, _ref_bytes(k, v, bits, 32))), (dt, bits)
+        want = (np.rint(row / step) * step).astype(np.float32)
+        for hat in (got[0], got[3][: 32 * v.dtype.size]):
+            bits_ = np.frombuffer(hat.tobytes(), _HOST_DTYPES[dt][2])
+            assert np.array_equal(np.array(mx.array(bits_).view(getattr(mx, dt)).astype(mx.float32)), want)
+
+
+def test_bench_kivi_times_layouts_side_by_side(tmp_path, monkeypatch):
+    """bench-kivi --layouts on CPU with a stand-in for the GPU launch (the reference ops, tagged by
+    layout), so the arms, floors and per-layout comparisons are exercised without a GPU."""
+    import json
+
+    from vqpipe.bench import kivi_ops
+
+    seen = set()
+
+    def fake_launch(kind, inputs, shape, bits, group_size, layout=None):
+        seen.add(layout)
+        if kind == "kv":
+            return (*quant.fake_quant_keys(inputs[0], bits, group_size), *quant.fake_quant_values(inputs[1], bits, group_size))
+        return KINDS[kind][0](inputs[0], bits, group_size)
+
+    monkeypatch.setattr(kernels, "kernels_active", lambda use_kernels=None: use_kernels is not False)
+    monkeypatch.setattr(kernels, "_launch", fake_launch)
+    out = tmp_path / "k.json"
+    args = ["--out", str(out), "--quick", "--heads", "2", "--head-dim", "64"]  # --quick: S = 32 and 256
+    assert kivi_ops.main(args + ["--layouts", "default", "wide"]) == 0
+    assert seen == {"default", "wide"}
+    rows = json.loads(out.read_text())["results"]
+    assert {r["mode"] for r in rows} == {"isolated", "in_graph"} and len(rows) == 12
+    for r in rows:
+        assert {a for a in r["arms"] if not a.endswith("(A/A)")} == {"reference", "kernel", "kernel:wide"}
+        assert set(r["noise_floor"]) == {"reference", "kernel", "kernel:wide"}  # each arm's own A/A floor
+        assert r["kernel_layout"] == "default" and set(r["layouts"]) == {"default", "wide"}
+        assert r["layouts"]["default"]["speedup"] == r["speedup"]
+        assert r.get("m4_speedup") == r["layouts"]["wide"].get("m4_speedup") == kivi_ops.M4_RATIOS.get(r["S"])
+        if r["mode"] == "isolated":
+            assert r["outputs_equal"] and all(c["outputs_equal"] for c in r["layouts"].values())
+    seen.clear()
+    assert kivi_ops.main(args) == 0  # without the option: one kernel arm, the current layout
+    assert seen == {None}
+    for r in json.loads(out.read_text())["results"]:
+        assert {a for a in r["arms"] if not a.endswith("(A/A)")} == {"reference", "kernel"} and "layouts" not in r

@@ -14,6 +14,13 @@ The kernel's effective bandwidth (x read once, x_hat, scale and zero written onc
 per-flush time) is set against the measured copy bandwidth. Without a Metal/CUDA backend only the
 reference is timed.
 
+``--layouts default wide`` times each named kernel layout (see :mod:`vqpipe.kivi.kernels`) as its own
+arm, interleaved with the reference in the same run and each with its A/A copy: the first layout is
+the "kernel" arm (the top-level speedup, verdict and M4 comparison of each row), the others are
+"kernel:<layout>"; every row then also carries ``layouts``, per layout: speedup, verdict, bandwidth
+and (isolated mode) whether its outputs equal the reference's. Without the option only the
+current layout (``VQPIPE_KIVI_LAYOUT``, default "default") is timed, as before.
+
     python -m vqpipe bench-kivi --out results/bench/kivi_ops.json
 """
 
@@ -33,9 +40,14 @@ M4_RATIOS = {32: 1.40, 2048: 5.65}
 KINDS = ("keys", "values", "flush")
 
 
-def _arms(kind, pool, bits, g, per_step):
+def _arm_name(layouts, layout):
+    return "kernel" if layout == layouts[0] else f"kernel:{layout}"
+
+
+def _arms(kind, pool, bits, g, per_step, layouts=None):
     """{"reference": fn(i), "kernel": fn(i) if kernels are active}; each call does ``per_step``
-    flushes on consecutive, distinct inputs of the pool. A whole flush is one fused launch."""
+    flushes on consecutive, distinct inputs of the pool. A whole flush is one fused launch.
+    With ``layouts``, one kernel arm per layout: "kernel" (the first), "kernel:<name>" (the rest)."""
     n = len(pool["keys"])
     ref = {"keys": quant.fake_quant_keys, "values": quant.fake_quant_values}
 
@@ -43,21 +55,25 @@ def _arms(kind, pool, bits, g, per_step):
         parts = ("keys", "values") if kind == "flush" else (kind,)
         return [ref[p](pool[p][(i + j) % n], bits, g) for j in range(per_step) for p in parts]
 
-    def kernel(i):
-        out = []
-        for j in range(per_step):
-            k, v = pool["keys"][(i + j) % n], pool["values"][(i + j) % n]
-            if kind == "flush":
-                out += kernels.fake_quant_kv(k, v, bits, g, use_kernels=True)
-            elif kind == "keys":
-                out.append(kernels.fake_quant_keys(k, bits, g, use_kernels=True))
-            else:
-                out.append(kernels.fake_quant_values(v, bits, g, use_kernels=True))
-        return out
+    def kernel_arm(layout):
+        def kernel(i):
+            out = []
+            for j in range(per_step):
+                k, v = pool["keys"][(i + j) % n], pool["values"][(i + j) % n]
+                if kind == "flush":
+                    out += kernels.fake_quant_kv(k, v, bits, g, use_kernels=True, layout=layout)
+                elif kind == "keys":
+                    out.append(kernels.fake_quant_keys(k, bits, g, use_kernels=True, layout=layout))
+                else:
+                    out.append(kernels.fake_quant_values(v, bits, g, use_kernels=True, layout=layout))
+            return out
+
+        return kernel
 
     arms = {"reference": reference}
     if kernels.kernels_active(None):
-        arms["kernel"] = kernel
+        for layout in layouts or [None]:
+            arms[_arm_name(layouts, layout) if layouts else "kernel"] = kernel_arm(layout)
     return arms
 
 
@@ -69,7 +85,25 @@ def _kernel_bytes(kind, b, h, s, d, itemsize, g):
     return {"keys": keys, "values": values, "flush": keys + values}[kind]
 
 
-def _row(s, kind, mode, per_step, times, arms, nbytes, copy_bps):
+def _compare(row, per_flush, arm, nbytes, copy_bps):
+    """Speedup of one kernel arm over the reference, against the larger of their two A/A floors."""
+    floor = max(row["noise_floor"]["reference"], row["noise_floor"][arm])
+    cmp = harness.compare(per_flush["reference"], per_flush[arm], floor)
+    bps = nbytes / row["arms"][arm]["median"]
+    out = {
+        "speedup": cmp["speedup"],
+        "verdict": cmp["text"],
+        "kernel_bytes": nbytes,
+        "kernel_bytes_per_s": bps,
+        "fraction_of_copy_bandwidth": bps / copy_bps if copy_bps else None,
+    }
+    if row["S"] in M4_RATIOS:
+        out["m4_speedup"] = M4_RATIOS[row["S"]]
+        out["beats_m4"] = cmp["speedup"] > M4_RATIOS[row["S"]] * (1 + floor)
+    return out
+
+
+def _row(s, kind, mode, per_step, times, arms, nbytes, copy_bps, layouts=None):
     """Per-flush figures from per-step samples (a step does ``per_step`` flushes)."""
     per_flush = {name: [t / per_step for t in ts] for name, ts in times.items()}
     row = {
@@ -81,19 +115,12 @@ def _row(s, kind, mode, per_step, times, arms, nbytes, copy_bps):
         "noise_floor": {name: harness.noise_floor(times[name], times[name + harness.AA_SUFFIX]) for name in arms},
     }
     if "kernel" in arms:
-        floor = max(row["noise_floor"].values())
-        cmp = harness.compare(per_flush["reference"], per_flush["kernel"], floor)
-        bps = nbytes / row["arms"]["kernel"]["median"]
-        row.update(
-            speedup=cmp["speedup"],
-            verdict=cmp["text"],
-            kernel_bytes=nbytes,
-            kernel_bytes_per_s=bps,
-            fraction_of_copy_bandwidth=bps / copy_bps if copy_bps else None,
-        )
-        if s in M4_RATIOS:
-            row["m4_speedup"] = M4_RATIOS[s]
-            row["beats_m4"] = cmp["speedup"] > M4_RATIOS[s] * (1 + floor)
+        row.update(_compare(row, per_flush, "kernel", nbytes, copy_bps))
+        if layouts:
+            row["kernel_layout"] = layouts[0]
+            row["layouts"] = {
+                lay: _compare(row, per_flush, _arm_name(layouts, lay), nbytes, copy_bps) for lay in layouts
+            }
     return row
 
 
@@ -117,18 +144,26 @@ def measure(s, args, copy_bps):
     for kind in KINDS:
         nbytes = _kernel_bytes(kind, *shape, dtype.size, args.group_size)
         for mode, per_step, repeats in modes:
-            arms = _arms(kind, pool, args.bits, args.group_size, per_step)
-            exact = None
+            arms = _arms(kind, pool, args.bits, args.group_size, per_step, args.layouts)
+            exact, exact_by = None, {}
             if "kernel" in arms and mode == "isolated":  # same outputs before anything is timed
-                got, want = arms["kernel"](0), arms["reference"](0)
-                exact = all(mx.array_equal(x, y).item() for a, w in zip(got, want) for x, y in zip(a, w))
+                want = arms["reference"](0)
+                for name in arms:
+                    if name != "reference":
+                        got = arms[name](0)
+                        exact_by[name] = all(
+                            mx.array_equal(x, y).item() for a, w in zip(got, want) for x, y in zip(a, w)
+                        )
+                exact = exact_by["kernel"]
             timed = dict(arms)
             for name in arms:
                 timed[name + harness.AA_SUFFIX] = arms[name]
             times = harness.run_interleaved(timed, n, repeats, args.warmup)
-            row = _row(s, kind, mode, per_step, times, arms, nbytes, copy_bps)
+            row = _row(s, kind, mode, per_step, times, arms, nbytes, copy_bps, args.layouts)
             if exact is not None:
                 row["outputs_equal"] = exact
+                for lay in row.get("layouts", {}):
+                    row["layouts"][lay]["outputs_equal"] = exact_by[_arm_name(args.layouts, lay)]
             rows.append(row)
     del pool
     mx.clear_cache()
@@ -168,8 +203,17 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--copy-mib", type=int, default=1024, help="buffer for the copy-bandwidth measurement")
+    p.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=kernels.LAYOUTS,
+        default=None,
+        help="time these kernel layouts side by side, e.g. --layouts default wide (default: only the current one)",
+    )
     p.add_argument("--quick", action="store_true", help="small run for CPU/CI: S=32,256, 4 inputs, 5 repeats, 4 layers")
     args = p.parse_args(argv)
+    if args.layouts:
+        args.layouts = list(dict.fromkeys(args.layouts))
     if args.quick:
         args.seq, args.sweep, args.inputs, args.repeats, args.warmup, args.copy_mib = [32, 256], [], 4, 5, 1, 64
         args.layers = 4
@@ -208,7 +252,14 @@ def _line(rows):
     parts = []
     for r in rows:
         ref = r["arms"]["reference"]["median"] * 1e6
-        if "speedup" in r:
+        if "layouts" in r:
+            lays = ", ".join(
+                f"{lay} {r['arms']['kernel' if lay == r['kernel_layout'] else 'kernel:' + lay]['median'] * 1e6:.1f} us "
+                f"{c['speedup']:.2f}x {c['kernel_bytes_per_s'] / 1e9:.0f} GB/s"
+                for lay, c in r["layouts"].items()
+            )
+            parts.append(f"{r['kind']}: ref {ref:.1f} us, kernel {lays}")
+        elif "speedup" in r:
             parts.append(
                 f"{r['kind']}: ref {ref:.1f} us, kernel {r['arms']['kernel']['median'] * 1e6:.1f} us, "
                 f"{r['speedup']:.2f}x, {r['kernel_bytes_per_s'] / 1e9:.0f} GB/s"

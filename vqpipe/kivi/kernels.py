@@ -14,6 +14,16 @@ reference bit for bit on the same device.
 - kv: one whole flush in one launch, the keys body on the first threadgroups and the values body on
   the rest (what the cache uses: per layer and flush, one launch instead of two).
 
+Two layouts of the same arithmetic (``set_layout`` / ``VQPIPE_KIVI_LAYOUT``; default "default"):
+
+- "default": as above.
+- "wide" (untimed alternative for the S = 2048 flush): keys, one thread owns one group of G tokens
+  for two adjacent channels (one 2-element vector load and store per token where the dialect has
+  them and the rows are aligned; two scalar accesses otherwise, and a lone last channel when D is
+  odd); values, one warp still owns each group (same butterfly, same edge padding) but processes
+  VGROUPS (4) groups, issuing all their loads before the butterflies; a warp exits only when all its
+  groups are past the end, so exits stay uniform per warp.
+
 Shapes reach the kernel at run time through ``x_shape`` (MLX passes it as a kernel argument);
 only dtype, bits and G are template arguments, so the number of compiled kernels is bounded by
 the (kind, dtype, bits, G) combinations used and does not grow with the sequence length.
@@ -121,6 +131,140 @@ _VALUES = """
 """
 
 
+# "wide" layout. Keys: thread = (row, channel pair); every arithmetic step as in _KEYS, done once for
+# channel d (a) and once for channel d + 1 (b). kv_load2/kv_store2 (dialect header) move two
+# adjacent elements, as one vector access when `vec` holds; with `pair` false (odd D, last pair)
+# only the first element is real (b repeats it and is never written).
+_KEYS_WIDE = """
+    const unsigned int tid = KV_TID;
+    const unsigned int S = x_shape[2];
+    const unsigned int D = x_shape[3];
+    const unsigned int NG = (S + G - 1) / G;
+    const unsigned int DP = (D + 1u) / 2u;  // channel pairs, the last one ragged when D is odd
+    if (tid >= (unsigned int)(x_shape[0] * x_shape[1]) * NG * DP) {
+        return;
+    }
+    const unsigned int d = 2u * (tid % DP);
+    const unsigned int r = tid / DP;  // (b * H + h) * NG + g
+    const unsigned int g = r % NG;
+    const bool pair = d + 1u < D;
+    // vector accesses need every row of x and out aligned to two elements (uniform for the launch)
+    const bool vec = (D % 2u == 0u) && kv_aligned2(x) && kv_aligned2(out);
+    const bool vec_p = (D % 2u == 0u) && kv_aligned2(out_scale) && kv_aligned2(out_zero);
+    const unsigned int t0 = g * G;
+    const unsigned int n = kv_umin((unsigned int)G, S - t0);
+    const unsigned int base = ((r / NG) * S + t0) * D + d;
+    float xa[G];
+    float xb[G];
+    float lo_a, lo_b;
+    kv_load2(x + base, vec, pair, lo_a, lo_b);
+    float hi_a = lo_a;
+    float hi_b = lo_b;
+    KV_UNROLL
+    for (int t = 0; t < G; ++t) {
+        // a ragged group repeats its last token (edge padding)
+        kv_load2(x + base + kv_umin((unsigned int)t, n - 1) * D, vec, pair, xa[t], xb[t]);
+        lo_a = kv_min(lo_a, xa[t]);
+        hi_a = kv_max(hi_a, xa[t]);
+        lo_b = kv_min(lo_b, xb[t]);
+        hi_b = kv_max(hi_b, xb[t]);
+    }
+    const float qmax = (float)((1 << BITS) - 1);
+    const float scale_a = kv_div(kv_sub(hi_a, lo_a), qmax);
+    const float scale_b = kv_div(kv_sub(hi_b, lo_b), qmax);
+    const float safe_a = scale_a == 0.0f ? 1.0f : scale_a;
+    const float safe_b = scale_b == 0.0f ? 1.0f : scale_b;
+    KV_UNROLL
+    for (int t = 0; t < G; ++t) {
+        if ((unsigned int)t < n) {
+            float qa = kv_rint(kv_div(kv_sub(xa[t], lo_a), safe_a));
+            float qb = kv_rint(kv_div(kv_sub(xb[t], lo_b), safe_b));
+            qa = kv_min(kv_max(qa, 0.0f), qmax);
+            qb = kv_min(kv_max(qb, 0.0f), qmax);
+            kv_store2(out + base + t * D, vec, pair, kv_add(kv_mul(qa, scale_a), lo_a), kv_add(kv_mul(qb, scale_b), lo_b));
+        }
+    }
+    kv_store2(out_scale + r * D + d, vec_p, pair, scale_a, scale_b);
+    kv_store2(out_zero + r * D + d, vec_p, pair, lo_a, lo_b);
+"""
+
+# Values: warp w owns groups w * VGROUPS + k (k < VGROUPS), each exactly as in _VALUES. A slot past
+# the last group loads the last group (a valid address; uniform per warp) and writes nothing.
+VGROUPS = 4
+_VALUES_WIDE = """
+    const unsigned int tid = KV_TID;
+    const unsigned int lane = tid % 32u;
+    const unsigned int w = tid / 32u;
+    constexpr unsigned int VG = KV_VGROUPS;
+    const unsigned int D = x_shape[3];
+    const unsigned int NG = (D + G - 1) / G;
+    const unsigned int NT = (unsigned int)(x_shape[0] * x_shape[1] * x_shape[2]) * NG;  // groups
+    // uniform per warp: every lane of a warp has the same w
+    if (w >= (NT + VG - 1u) / VG) {
+        return;
+    }
+    constexpr int PER = (G + 31) / 32;
+    float xs[VG][PER];
+    float lo[VG];
+    float hi[VG];
+    unsigned int bases[VG];
+    unsigned int ns[VG];
+    KV_UNROLL
+    for (unsigned int u = 0; u < VG; ++u) {
+        const unsigned int q = kv_umin(w * VG + u, NT - 1u);  // slots past the end repeat the last group
+        const unsigned int c0 = (q % NG) * G;
+        ns[u] = kv_umin((unsigned int)G, D - c0);
+        bases[u] = (q / NG) * D + c0;
+    }
+    // every load of every group before any shuffle
+    KV_UNROLL
+    for (unsigned int u = 0; u < VG; ++u) {
+        KV_UNROLL
+        for (int p = 0; p < PER; ++p) {
+            // lanes past the end of a ragged group load its last element (edge padding)
+            xs[u][p] = static_cast<float>(x[bases[u] + kv_umin(lane + 32u * p, ns[u] - 1)]);
+        }
+    }
+    KV_UNROLL
+    for (unsigned int u = 0; u < VG; ++u) {
+        KV_UNROLL
+        for (int p = 0; p < PER; ++p) {
+            lo[u] = p == 0 ? xs[u][p] : kv_min(lo[u], xs[u][p]);
+            hi[u] = p == 0 ? xs[u][p] : kv_max(hi[u], xs[u][p]);
+        }
+    }
+    KV_UNROLL
+    for (int m = 16; m > 0; m /= 2) {
+        KV_UNROLL
+        for (unsigned int u = 0; u < VG; ++u) {
+            lo[u] = kv_min(lo[u], kv_shfl_xor(lo[u], m));
+            hi[u] = kv_max(hi[u], kv_shfl_xor(hi[u], m));
+        }
+    }
+    const float qmax = (float)((1 << BITS) - 1);
+    KV_UNROLL
+    for (unsigned int u = 0; u < VG; ++u) {
+        const float scale = kv_div(kv_sub(hi[u], lo[u]), qmax);
+        const float safe = scale == 0.0f ? 1.0f : scale;
+        if (w * VG + u < NT) {  // uniform per warp
+            KV_UNROLL
+            for (int p = 0; p < PER; ++p) {
+                const unsigned int c = lane + 32u * p;
+                if (c < ns[u]) {
+                    float q = kv_rint(kv_div(kv_sub(xs[u][p], lo[u]), safe));
+                    q = kv_min(kv_max(q, 0.0f), qmax);
+                    out[bases[u] + c] = static_cast<T>(kv_add(kv_mul(q, scale), lo[u]));
+                }
+            }
+            if (lane == 0) {
+                out_scale[w * VG + u] = scale;
+                out_zero[w * VG + u] = lo[u];
+            }
+        }
+    }
+""".replace("KV_VGROUPS", f"{VGROUPS}u")
+
+
 def _rename(body, names):
     for old, new in names.items():
         body = re.sub(rf"\b{old}\b", new, body)
@@ -135,18 +279,28 @@ def _io(prefix):
 # One flush in one launch: the first KT threads run the keys body on k, the rest the values body on
 # v. KT is rounded up to whole threadgroups, so no warp straddles the two halves and the values
 # body's per-warp exit stays uniform.
-_KV = (
-    "    const unsigned int gtid = KV_TID;\n"
-    "    const unsigned int KT = ((unsigned int)(k_shape[0] * k_shape[1]) * ((k_shape[2] + G - 1) / G)"
-    f" * k_shape[3] + {THREADS - 1}u) / {THREADS}u * {THREADS}u;\n"
-    "    if (gtid < KT) {\n"
-    + _rename(_KEYS, {"KV_TID": "gtid", **_io("k")})
-    + "    } else {\n"
-    + _rename(_VALUES, {"KV_TID": "(gtid - KT)", **_io("v")})
-    + "    }\n"
-)
+def _kv_source(keys, values, keys_threads):
+    return (
+        "    const unsigned int gtid = KV_TID;\n"
+        f"    const unsigned int KT = ({keys_threads} + {THREADS - 1}u) / {THREADS}u * {THREADS}u;\n"
+        "    if (gtid < KT) {\n"
+        + _rename(keys, {"KV_TID": "gtid", **_io("k")})
+        + "    } else {\n"
+        + _rename(values, {"KV_TID": "(gtid - KT)", **_io("v")})
+        + "    }\n"
+    )
 
+
+_KEY_ROWS = "(unsigned int)(k_shape[0] * k_shape[1]) * ((k_shape[2] + G - 1) / G)"
+_KV = _kv_source(_KEYS, _VALUES, f"{_KEY_ROWS} * k_shape[3]")
+_KV_WIDE = _kv_source(_KEYS_WIDE, _VALUES_WIDE, f"{_KEY_ROWS} * ((k_shape[3] + 1) / 2)")
+
+LAYOUTS = ("default", "wide")
 SOURCES = {"keys": _KEYS, "values": _VALUES, "kv": _KV}
+LAYOUT_SOURCES = {
+    "default": SOURCES,
+    "wide": {"keys": _KEYS_WIDE, "values": _VALUES_WIDE, "kv": _KV_WIDE},
+}
 IO_NAMES = {
     "keys": (["x"], ["out", "out_scale", "out_zero"]),
     "values": (["x"], ["out", "out_scale", "out_zero"]),
@@ -167,6 +321,49 @@ __device__ __forceinline__ unsigned int kv_umin(unsigned int a, unsigned int b) 
 __device__ __forceinline__ float kv_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 """
 
+# Only the "wide" layout gets these: the default layout's source stays exactly what was tested on
+# the H200 (a header change would be a new, untested kernel).
+_CUDA_WIDE_HEADER = """
+// Two adjacent elements ("wide" layout): one 2-element vector access when vec (the caller has
+// checked alignment), else scalar; with pair false only p[0] exists (b repeats a, nothing stored).
+// Conversions as static_cast: exact to float, round to nearest even back.
+template <typename U> struct kv_vec2 { typedef U type; };
+template <> struct kv_vec2<float> { typedef float2 type; };
+template <> struct kv_vec2<__half> { typedef __half2 type; };
+template <> struct kv_vec2<__nv_bfloat16> { typedef __nv_bfloat162 type; };
+__device__ __forceinline__ float2 kv_unpack2(float2 v) { return v; }
+__device__ __forceinline__ float2 kv_unpack2(__half2 v) { return make_float2(__low2float(v), __high2float(v)); }
+__device__ __forceinline__ float2 kv_unpack2(__nv_bfloat162 v) { return make_float2(__low2float(v), __high2float(v)); }
+__device__ __forceinline__ void kv_pack2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+__device__ __forceinline__ void kv_pack2(__half* p, float a, float b) { *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b); }
+__device__ __forceinline__ void kv_pack2(__nv_bfloat16* p, float a, float b) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+template <typename U> __device__ __forceinline__ bool kv_aligned2(const U* p) {
+    return (reinterpret_cast<unsigned long long>(p) & (2ull * sizeof(U) - 1ull)) == 0ull;
+}
+template <typename U> __device__ __forceinline__ void kv_load2(const U* p, bool vec, bool pair, float& a, float& b) {
+    if (vec) {
+        const float2 f = kv_unpack2(*reinterpret_cast<const typename kv_vec2<U>::type*>(p));
+        a = f.x;
+        b = f.y;
+    } else {
+        a = static_cast<float>(p[0]);
+        b = pair ? static_cast<float>(p[1]) : a;
+    }
+}
+template <typename U> __device__ __forceinline__ void kv_store2(U* p, bool vec, bool pair, float a, float b) {
+    if (vec) {
+        kv_pack2(p, a, b);
+    } else {
+        p[0] = static_cast<U>(a);
+        if (pair) {
+            p[1] = static_cast<U>(b);
+        }
+    }
+}
+"""
+
 # Untested: no Apple GPU was available. contract(off) keeps the compiler from fusing mul+add.
 _METAL_HEADER = """
 #pragma METAL fp math_mode(safe)
@@ -182,31 +379,74 @@ inline unsigned int kv_umin(unsigned int a, unsigned int b) { return a < b ? a :
 inline float kv_shfl_xor(float v, int m) { return metal::simd_shuffle_xor(v, ushort(m)); }
 """
 
+_METAL_WIDE_HEADER = """
+// "wide" layout: two adjacent elements as two scalar accesses (vec is ignored; Apple GPUs merge
+// adjacent accesses of a SIMD group); with pair false only p[0] exists.
+template <typename U> inline bool kv_aligned2(const device U* p) { return true; }
+template <typename U> inline void kv_load2(const device U* p, bool vec, bool pair, thread float& a, thread float& b) {
+    a = static_cast<float>(p[0]);
+    b = pair ? static_cast<float>(p[1]) : a;
+}
+template <typename U> inline void kv_store2(device U* p, bool vec, bool pair, float a, float b) {
+    p[0] = static_cast<U>(a);
+    if (pair) {
+        p[1] = static_cast<U>(b);
+    }
+}
+"""
+
 DIALECTS = {
     "cuda": {
         "header": _CUDA_HEADER,
+        "wide_header": _CUDA_WIDE_HEADER,
         "tokens": {"KV_TID": "(blockIdx.x * blockDim.x + threadIdx.x)", "KV_UNROLL": "#pragma unroll"},
     },
     "metal": {
         "header": _METAL_HEADER,
+        "wide_header": _METAL_WIDE_HEADER,
         "tokens": {"KV_TID": "thread_position_in_grid.x", "KV_UNROLL": "#pragma unroll"},
     },
 }
 
-_kernels = {}  # (dialect, kind) -> MLX kernel object, built once
-_instances = set()  # (dialect, kind, dtype, bits, G): one JIT-compiled kernel each
+_kernels = {}  # (dialect, kind, layout) -> MLX kernel object, built once
+_instances = set()  # (dialect, kind, layout, dtype, bits, G): one JIT-compiled kernel each
 _enabled = os.environ.get("VQPIPE_KIVI_KERNELS", "1") != "0"
+_layout = os.environ.get("VQPIPE_KIVI_LAYOUT", "default")
+if _layout not in LAYOUTS:
+    raise ValueError(f"VQPIPE_KIVI_LAYOUT must be one of {LAYOUTS}, got {_layout!r}")
 
 
-def render(kind, dialect):
-    """(name, header, body) for one kernel in one dialect. The name carries a digest of the source:
-    MLX caches compiled kernels (in memory and as PTX on disk) by name alone."""
+def _check_layout(name):
+    if name not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {name!r}")
+    return name
+
+
+def layout():
+    """The kernel layout calls use when they pass none: "default" unless changed by
+    :func:`set_layout` or ``VQPIPE_KIVI_LAYOUT``."""
+    return _layout
+
+
+def set_layout(name):
+    """Pick the kernel layout ("default" or "wide"; also ``VQPIPE_KIVI_LAYOUT``). Returns the
+    previous one. Both give the same bytes; only speed may differ."""
+    global _layout
+    previous, _layout = _layout, _check_layout(name)
+    return previous
+
+
+def render(kind, dialect, layout="default"):
+    """(name, header, body) for one kernel in one dialect and layout. The name carries a digest of
+    the source: MLX caches compiled kernels (in memory and as PTX on disk) by name alone."""
     spec = DIALECTS[dialect]
-    body = SOURCES[kind]
+    body = LAYOUT_SOURCES[_check_layout(layout)][kind]
     for token, text in spec["tokens"].items():
         body = body.replace(token, text)
-    digest = hashlib.sha1((spec["header"] + body).encode()).hexdigest()[:10]
-    return f"kivi_{kind}_{digest}", spec["header"], body
+    header = spec["header"] + (spec["wide_header"] if layout == "wide" else "")
+    digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
+    tag = "" if layout == "default" else f"{layout}_"
+    return f"kivi_{kind}_{tag}{digest}", header, body
 
 
 def backend():
@@ -240,21 +480,21 @@ def kernels_active(use_kernels=None):
 
 
 def compiled_kernel_count():
-    """Distinct kernels compiled so far (one per kind, dtype, bits, G)."""
+    """Distinct kernels compiled so far (one per kind, layout, dtype, bits, G)."""
     return len(_instances)
 
 
-def _kernel(dialect, kind):
-    key = (dialect, kind)
+def _kernel(dialect, kind, layout):
+    key = (dialect, kind, layout)
     if key not in _kernels:
-        name, header, body = render(kind, dialect)
+        name, header, body = render(kind, dialect, layout)
         make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
         inputs, outputs = IO_NAMES[kind]
         _kernels[key] = make(name=name, input_names=inputs, output_names=outputs, source=body, header=header)
     return _kernels[key]
 
 
-def _geometry(kind, shape, group_size):
+def _geometry(kind, shape, group_size, layout="default"):
     """(threads, scale/zero shape) of the keys or values kernel on a [B, H, S, D] input."""
     if len(shape) != 4:
         raise ValueError(f"kernels take [B, H, S, D], got shape {tuple(shape)}")
@@ -263,26 +503,30 @@ def _geometry(kind, shape, group_size):
         raise ValueError("kernels index with 32-bit integers; split the input")
     if kind == "keys":
         ng = -(-s // group_size)
-        return b * h * ng * d, (b, h, ng, d)
+        per_row = -(-d // 2) if layout == "wide" else d  # wide: one thread per channel pair
+        return b * h * ng * per_row, (b, h, ng, d)
     ng = -(-d // group_size)
+    if layout == "wide":  # VGROUPS groups per warp
+        return -(-(b * h * s * ng) // VGROUPS) * WARP, (b, h, s, ng)
     return b * h * s * ng * WARP, (b, h, s, ng)
 
 
 @functools.lru_cache(maxsize=512)
-def launch_spec(kind, shape, dtype, bits, group_size):
+def launch_spec(kind, shape, dtype, bits, group_size, layout="default"):
     """Template arguments, grid, threadgroup and output shapes for a launch (cached; read-only).
     ``shape`` is the input's shape, or for ``kind="kv"`` the pair (keys shape, values shape).
     Only the template arguments select a compiled kernel, and they hold no shape."""
     quant._qmax(bits)
+    _check_layout(layout)
     if kind in ("keys", "values"):
-        threads, params = _geometry(kind, shape, group_size)
+        threads, params = _geometry(kind, shape, group_size, layout)
         out_shapes, out_dtypes = [tuple(shape), params, params], [dtype, mx.float32, mx.float32]
     elif kind == "kv":
         kshape, vshape = shape
         if kshape[2] != vshape[2]:
             raise ValueError(f"keys and values hold different token counts: {kshape} vs {vshape}")
-        kt, kp = _geometry("keys", kshape, group_size)
-        vt, vp = _geometry("values", vshape, group_size)
+        kt, kp = _geometry("keys", kshape, group_size, layout)
+        vt, vp = _geometry("values", vshape, group_size, layout)
         threads = -(-kt // THREADS) * THREADS + vt
         out_shapes = [tuple(kshape), kp, kp, tuple(vshape), vp, vp]
         out_dtypes = [dtype, mx.float32, mx.float32] * 2
@@ -299,37 +543,39 @@ def launch_spec(kind, shape, dtype, bits, group_size):
     }
 
 
-def _launch(kind, inputs, shape, bits, group_size):
+def _launch(kind, inputs, shape, bits, group_size, layout=None):
+    layout = _layout if layout is None else _check_layout(layout)
     dtype = inputs[0].dtype
-    spec = launch_spec(kind, shape, dtype, int(bits), int(group_size))
+    spec = launch_spec(kind, shape, dtype, int(bits), int(group_size), layout)
     if any(x.size == 0 for x in inputs):
         return tuple(mx.zeros(s, t) for s, t in zip(spec["output_shapes"], spec["output_dtypes"]))
     dialect = backend()
-    _instances.add((dialect, kind, str(dtype), int(bits), int(group_size)))
-    return tuple(_kernel(dialect, kind)(inputs=inputs, **spec))
+    _instances.add((dialect, kind, layout, str(dtype), int(bits), int(group_size)))
+    return tuple(_kernel(dialect, kind, layout)(inputs=inputs, **spec))
 
 
-def fake_quant_keys(x, bits=4, group_size=32, use_kernels=None):
+def fake_quant_keys(x, bits=4, group_size=32, use_kernels=None, layout=None):
     """Keys per channel: ``(x_hat, scale, zero)`` as :func:`vqpipe.kivi.quant.fake_quant_keys`,
-    from the fused kernel when active (x must be [B, H, S, D]), else from the reference ops."""
+    from the fused kernel when active (x must be [B, H, S, D]), else from the reference ops.
+    ``layout`` picks the kernel layout (None: :func:`layout`)."""
     if kernels_active(use_kernels):
-        return _launch("keys", [x], tuple(x.shape), bits, group_size)
+        return _launch("keys", [x], tuple(x.shape), bits, group_size, layout)
     return quant.fake_quant_keys(x, bits, group_size)
 
 
-def fake_quant_values(x, bits=4, group_size=32, use_kernels=None):
+def fake_quant_values(x, bits=4, group_size=32, use_kernels=None, layout=None):
     """Values per token: ``(x_hat, scale, zero)`` as :func:`vqpipe.kivi.quant.fake_quant_values`."""
     if kernels_active(use_kernels):
-        return _launch("values", [x], tuple(x.shape), bits, group_size)
+        return _launch("values", [x], tuple(x.shape), bits, group_size, layout)
     return quant.fake_quant_values(x, bits, group_size)
 
 
-def fake_quant_kv(k, v, bits=4, group_size=32, use_kernels=None):
+def fake_quant_kv(k, v, bits=4, group_size=32, use_kernels=None, layout=None):
     """One flush: ``(fake_quant_keys(k), fake_quant_values(v))``, in a single launch when kernels
     are active (k and v: [B, H, S, D] with the same S and dtype; D may differ)."""
     if kernels_active(use_kernels):
         if k.dtype != v.dtype:
             raise ValueError(f"keys and values dtypes differ: {k.dtype} vs {v.dtype}")
-        out = _launch("kv", [k, v], (tuple(k.shape), tuple(v.shape)), bits, group_size)
+        out = _launch("kv", [k, v], (tuple(k.shape), tuple(v.shape)), bits, group_size, layout)
         return out[:3], out[3:]
     return quant.fake_quant_keys(k, bits, group_size), quant.fake_quant_values(v, bits, group_size)
