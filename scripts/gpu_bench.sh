@@ -37,11 +37,7 @@ vq() {  # one stage, its log under $OUT/logs, never stops the job
 
 SRC=$WORK/models/$MODEL/source
 Q=$WORK/quantized/$MODEL/b$BITS-auto
-{
-  date -u
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
-  $PY -c "import mlx.core as mx, sys; print('python', sys.version.split()[0], 'mlx', mx.__version__, mx.default_device())"
-} 2>&1 | tee "$OUT/env.txt"
+gpu_record_env "$OUT/env.txt"
 
 if want pipeline; then
   [ -f "$SRC/config.json" ] || vq download 120 download --source "synth:$MODEL" --out "$SRC"

@@ -8,3 +8,12 @@ fi
 [ -d /opt/mlx/mlx ] && [ -z "${PYTHON:-}" ] && export PYTHONPATH=/opt/mlx:$PWD
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 export PYTHONUNBUFFERED=1
+
+# What a GPU job ran on, into the file $1 (and stdout).
+gpu_record_env() {
+  {
+    date -u
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>/dev/null
+    ${PY:-python3} -c "import mlx.core as mx, sys; print('python', sys.version.split()[0], 'mlx', mx.__version__, mx.default_device(), 'metal', mx.metal.is_available(), 'cuda', mx.cuda.is_available())"
+  } 2>&1 | tee "$1"
+}

@@ -23,11 +23,7 @@ source scripts/gpu_env.sh
 MLX_PTX_CACHE_DIR=$(mktemp -d)
 export MLX_PTX_CACHE_DIR
 
-{
-  date -u
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>/dev/null
-  $PY -c "import mlx.core as mx, sys; print('python', sys.version.split()[0], 'mlx', mx.__version__, mx.default_device(), 'metal', mx.metal.is_available(), 'cuda', mx.cuda.is_available())"
-} 2>&1 | tee "$OUT/env.txt"
+gpu_record_env "$OUT/env.txt"
 
 t0=$(date +%s)
 pt() {  # a pytest step with a time limit and its own log; never stops the job

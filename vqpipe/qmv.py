@@ -45,6 +45,8 @@ import re
 
 import mlx.core as mx
 
+from . import gpu
+from .gpu import backend
 from .packing import unpack, words_per_row
 
 MAX_M = 8  # rows of x (prod of its leading dims) the kernel takes; more -> the dense path
@@ -331,23 +333,6 @@ def render(dialect):
     return f"vqpipe_qmv_{digest}", spec["header"], body
 
 
-@functools.lru_cache(maxsize=1)
-def _gpu_dialect():
-    # Availability does not change within a process; cached because dispatch runs on every layer call.
-    if mx.metal.is_available():
-        return "metal"
-    if hasattr(mx, "cuda") and mx.cuda.is_available():
-        return "cuda"
-    return None
-
-
-def backend():
-    """'metal', 'cuda' or None (no GPU backend, or the default device is the CPU)."""
-    if mx.default_device() != mx.gpu:
-        return None
-    return _gpu_dialect()
-
-
 def set_enabled(flag):
     """Global switch (also ``VQPIPE_QMV_KERNELS=0`` at import). Returns the previous setting."""
     global _enabled
@@ -372,13 +357,7 @@ def enabled(flag):
 def kernels_active(use_kernels=None):
     """Whether a call with ``use_kernels`` runs the fused kernel: None follows the global switch and
     the backend; True insists (raises if there is no GPU backend); False never."""
-    if use_kernels is False or (use_kernels is None and not _enabled):
-        return False
-    if backend() is None:
-        if use_kernels:
-            raise RuntimeError("the qmv kernel needs MLX's Metal or CUDA backend on the default device")
-        return False
-    return True
+    return gpu.active(use_kernels, _enabled, backend(), "the qmv kernel")
 
 
 def rows_of(x):

@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from . import __version__
+from . import __version__, gpu
 from .codebook import BITS
 from .fsutil import atomic_path
 from .packing import words_per_row
@@ -428,7 +428,7 @@ def prefault_policy():
     """``(on, reason)``: whether loads prefault their destination memory in this process."""
     if _env_off("VQPIPE_PREFAULT"):
         return False, "VQPIPE_PREFAULT=0"
-    if mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()):
+    if gpu.available() is not None:
         return False, "GPU backend: MLX does not allocate with malloc"
     if _glibc() is None:
         return False, "not Linux with glibc"

@@ -106,3 +106,12 @@ def environment():
         # Other processes share the machine; a high load average explains a wide min-max.
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+
+
+def environment_or_error():
+    """``environment()``, or ``{"error": ...}`` if collecting it fails: the figures of an op
+    benchmark are still worth writing without it."""
+    try:
+        return environment()
+    except Exception as e:
+        return {"error": repr(e)}

@@ -147,3 +147,11 @@ def measure_peak(fn):
 def peak_per_arm(arms, i=0):
     """``{arm: measure_peak(lambda: fn(i))}``, the counter reset for each arm."""
     return {name: measure_peak(lambda: fn(i)) for name, fn in arms.items()}
+
+
+def empty_call_overhead(repeats, warmup=1):
+    """Median cost of a timed call that does nothing on the device (eval + synchronize of a ready
+    array): the floor under every per-call figure of an op benchmark."""
+    ready = mx.zeros((1,))
+    mx.eval(ready)
+    return summarize(run_interleaved({"empty": lambda i: ready}, 1, repeats, warmup)["empty"])

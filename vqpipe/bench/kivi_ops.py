@@ -170,20 +170,6 @@ def measure(s, args, copy_bps):
     return rows
 
 
-def _overhead(repeats, warmup):
-    """Median cost of a timed call that does nothing on the device (eval + synchronize of a ready array)."""
-    ready = mx.zeros((1,))
-    mx.eval(ready)
-    return harness.summarize(harness.run_interleaved({"empty": lambda i: ready}, 1, repeats, warmup)["empty"])
-
-
-def _environment():
-    try:
-        return env.environment()
-    except Exception as e:  # the figures are still worth writing without it
-        return {"error": repr(e)}
-
-
 def _ints(text):
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -233,11 +219,11 @@ def main(argv=None):
     result = {
         "kind": "bench-kivi",  # what the report keys on; "stage" and "results" stay for older readers
         "stage": "bench-kivi",
-        "environment": _environment(),
+        "environment": env.environment_or_error(),
         "backend": kernels.backend() if kernels.kernels_active(None) else None,
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "copy_bandwidth": copy,
-        "harness_overhead_s": _overhead(args.repeats, args.warmup),
+        "harness_overhead_s": harness.empty_call_overhead(args.repeats, args.warmup),
         "m4_speedups": {str(k): v for k, v in M4_RATIOS.items()},
         "results": rows,
     }

@@ -216,19 +216,6 @@ def _line(row):
             + f" | {row['subject']}: " + ", ".join(ratios) + f" (floor {row['noise_floor']:.1%})")
 
 
-def _overhead(repeats, warmup):
-    ready = mx.zeros((1,))
-    mx.eval(ready)
-    return harness.summarize(harness.run_interleaved({"empty": lambda i: ready}, 1, repeats, warmup)["empty"])
-
-
-def _environment():
-    try:
-        return env.environment()
-    except Exception as e:  # the figures are still worth writing without it
-        return {"error": repr(e)}
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m vqpipe bench-qmv", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
@@ -272,11 +259,11 @@ def main(argv=None):
             rows.append(row)
     result = {
         "kind": "bench-qmv",
-        "environment": _environment(),
+        "environment": env.environment_or_error(),
         "backend": qmv.backend() if with_kernel else None,
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "copy_bandwidth": copy,
-        "harness_overhead_s": _overhead(args.repeats, args.warmup),
+        "harness_overhead_s": harness.empty_call_overhead(args.repeats, args.warmup),
         "skipped_arms": skipped,
         "compiled_kernels": qmv.compiled_kernel_count(),
         "results": rows,

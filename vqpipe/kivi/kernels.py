@@ -36,6 +36,8 @@ import re
 
 import mlx.core as mx
 
+from .. import gpu
+from ..gpu import backend
 from . import quant
 
 WARP = 32
@@ -449,17 +451,6 @@ def render(kind, dialect, layout="default"):
     return f"kivi_{kind}_{tag}{digest}", header, body
 
 
-def backend():
-    """'metal', 'cuda' or None (no GPU backend, or the default device is the CPU)."""
-    if mx.default_device() != mx.gpu:
-        return None
-    if mx.metal.is_available():
-        return "metal"
-    if mx.cuda.is_available():
-        return "cuda"
-    return None
-
-
 def set_enabled(flag):
     """Global switch (also ``VQPIPE_KIVI_KERNELS=0``). Returns the previous setting."""
     global _enabled
@@ -470,13 +461,7 @@ def set_enabled(flag):
 def kernels_active(use_kernels=None):
     """Whether a call with ``use_kernels`` runs a fused kernel: None follows the global switch and
     the backend; True insists (raises if there is no GPU backend); False never."""
-    if use_kernels is False or (use_kernels is None and not _enabled):
-        return False
-    if backend() is None:
-        if use_kernels:
-            raise RuntimeError("KIVI kernels need MLX's Metal or CUDA backend on the default device")
-        return False
-    return True
+    return gpu.active(use_kernels, _enabled, backend(), "KIVI kernels")
 
 
 def compiled_kernel_count():
