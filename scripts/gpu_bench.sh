@@ -6,7 +6,8 @@
 #   bash scripts/gpu_bench.sh            # after staging the MLX CUDA runtime (docs/kivi.md)
 #   STEPS="pipeline bench" bash scripts/gpu_bench.sh
 #
-# STEPS (default "pipeline quality load kivi decode report") picks steps; QUALITY_TIMING and
+# STEPS (default "pipeline quality load kivi decode report") picks steps; LOAD_LIMIT the seconds
+# bench-load may take (default 300); QUALITY_TIMING and
 # LOAD_ROTATIONS (default "auto qr") the rotations timed by bench-quality and bench-load; WORK holds the
 # artifacts (default /root/vqwork, kept between calls on the same machine); results go to $OUT.
 set -uo pipefail
@@ -50,7 +51,7 @@ if want pipeline; then
 fi
 want quality && vq bench-quality 240 bench-quality --source "$SRC" --model "$MODEL" --bits 2 3 4 \
   --windows 20 --length 128 --timing ${QUALITY_TIMING:-auto qr} --timing-repeats 2 --out "$OUT/bench-quality-$MODEL.json"
-want load && vq bench-load 300 bench-load --source "$SRC" --model "$MODEL" --bits "$BITS" --rotations ${LOAD_ROTATIONS:-auto qr} \
+want load && vq bench-load ${LOAD_LIMIT:-300} bench-load --source "$SRC" --model "$MODEL" --bits "$BITS" --rotations ${LOAD_ROTATIONS:-auto qr} \
   --repeats ${LOAD_REPEATS:-5} --arm-budget 60 --procs 4 --out "$OUT/bench-load-$MODEL.json"
 want kivi && vq bench-kivi 180 bench-kivi --out "$OUT/bench-kivi.json"
 want decode && vq bench-decode 300 bench-decode --source "$SRC" --reservoir "$WORK/reservoir/$MODEL/b$BITS-auto/persist-off" \

@@ -6,10 +6,11 @@
 # (docs/kivi.md, "Running on a GPU"):   bash scripts/gpu_kivi.sh
 # Elsewhere (e.g. a Mac with Metal):      PYTHON=.venv/bin/python bash scripts/gpu_kivi.sh
 # STEPS picks steps (default "kernels bench generation cpu_suite"); BENCH_ARGS goes to bench-kivi.
-# Both kernel layouts ("default" and "wide", vqpipe/kivi/kernels.py) are tested bit-exact in the
-# kernels step and timed side by side in the bench step (BENCH_LAYOUTS, default "default wide";
-# empty: only the current layout). KERNELS_K narrows the kernels step (pytest -k; default
-# "not generation"; e.g. "wide and not generation" for the wide layout alone).
+# Every kernel layout (kernels.LAYOUTS: "default", "wide", "vec"; vqpipe/kivi/kernels.py) is tested
+# bit-exact in the kernels step and timed side by side in the bench step (BENCH_LAYOUTS, default
+# "default wide vec"; empty: only the current layout). KERNELS_K narrows the kernels step (pytest -k;
+# default "not generation"; e.g. "vec and not generation" for one layout alone). The generation step
+# uses the current layout (VQPIPE_KIVI_LAYOUT).
 # Results go to $OUT (default results/gpu_kivi): env.txt, one log per step, kivi_ops.json; a summary
 # prints last.
 set -uo pipefail
@@ -35,12 +36,14 @@ since() { echo "($(( $(date +%s) - t0 )) s)"; }
 STEPS=${STEPS:-kernels bench generation cpu_suite}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
-want kernels && echo "== kernels: bit-exact sweep, half to even, compile count; layouts default and wide $(since)" &&
+want kernels && echo "== kernels: bit-exact sweep, half to even, compile count; every layout $(since)" &&
 pt kernels 420 --maxfail=10 tests/test_kivi_kernels.py -m gpu -k "${KERNELS_K:-not generation}"
 
-want bench && echo "== bench-kivi $(since)" &&
-BENCH_LAYOUTS=${BENCH_LAYOUTS-default wide}
-timeout 300 $PY -m vqpipe bench-kivi --out "$OUT/kivi_ops.json" ${BENCH_LAYOUTS:+--layouts $BENCH_LAYOUTS} ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+BENCH_LAYOUTS=${BENCH_LAYOUTS-default wide vec}
+if want bench; then
+  echo "== bench-kivi $(since)"
+  timeout 300 $PY -m vqpipe bench-kivi --out "$OUT/kivi_ops.json" ${BENCH_LAYOUTS:+--layouts $BENCH_LAYOUTS} ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+fi
 
 want generation && echo "== generation, kernels on vs off, synthetic presets $(since)" &&
 pt generation 240 --maxfail=3 tests/test_kivi_kernels.py -m gpu -k generation
@@ -82,5 +85,7 @@ for r in d["results"]:
         if c.get("outputs_equal") is False:
             line += "  OUTPUTS DIFFER"
         print(line)
+    if "build" in r:  # host time to build the step's graph, per flush (no evaluation)
+        print(f"{'':>6} {'':>6} {'build':>8} " + ", ".join(f"{k} {v['median'] * 1e6:.1f} us" for k, v in r["build"].items()))
 EOF
 exit 0

@@ -56,6 +56,12 @@ def test_one_description_two_dialects(kind, layout):
         assert all(f in h_cuda for f in ("__half2", "__nv_bfloat162", "float2", "kv_load2", "kv_store2"))
         assert "kv_load2" in h_metal and "kv_store2" in h_metal
         assert ("kv_load2" in b_cuda) == (kind != "values") and ("KV_VGROUPS" not in b_cuda)
+    if layout == "vec":
+        assert all(f in h_cuda for f in ("uint4", "__half22float2", "__bfloat1622float2", "kv_loadn", "kv_storen"))
+        assert "kv_loadn" in h_metal and "kv_storen" in h_metal
+        assert ("kv_loadn" in b_cuda) == (kind != "keys")  # vec keeps the default keys body
+        if kind == "keys":
+            assert b_cuda == kernels.render("keys", "cuda", "default")[2]
 
 
 def test_layouts_differ_and_default_is_unchanged():
@@ -75,6 +81,12 @@ def test_layouts_differ_and_default_is_unchanged():
     d, w = (kernels.launch_spec("kv", kv, mx.float16, 4, 32, lay)["grid"][0] for lay in ("default", "wide"))
     assert d == 8 * 64 * 128 + 8 * 2048 * 4 * 32 and w == 8 * 64 * 64 + 8 * 2048 * 32
     assert kernels.launch_spec("keys", (1, 2, 40, 77), mx.float16, 4, 32, "wide")["grid"][0] == 2 * 2 * 39
+    # vec: default keys threads; values, L lanes per group (16-byte chunks rounded up to a power of two)
+    v = kernels.launch_spec("kv", kv, mx.float16, 4, 32, "vec")["grid"][0]
+    assert v == 8 * 64 * 128 + 8 * 2048 * 4 * 4  # fp16, G 32: 4 chunks of 8 channels, 4 lanes a group
+    for dt, g, lanes in ((mx.float16, 48, 8), (mx.float32, 32, 8), (mx.float32, 128, 32), (mx.bfloat16, 8, 1)):
+        vt = kernels.launch_spec("values", (1, 2, 10, 96), dt, 4, g, "vec")["grid"][0]
+        assert vt == -(-(2 * 10 * -(-96 // g)) // (32 // lanes)) * 32, (dt, g)
 
 
 @pytest.mark.parametrize("layout", kernels.LAYOUTS)
@@ -98,6 +110,8 @@ def test_dispatch_and_switch():
     (kh, _, _), (_, vs, _) = kernels.fake_quant_kv(x, v, 4, 32, use_kernels=False)
     assert _same_bytes(kh, quant.fake_quant_keys(x, 4, 32)[0])
     assert _same_bytes(vs, quant.fake_quant_values(v, 4, 32)[1])
+    kh2, vh2 = kernels.fake_quant_kv_hat(x, v, 4, 32, use_kernels=False)
+    assert _same_bytes(kh2, kh) and _same_bytes(vh2, quant.fake_quant_values(v, 4, 32)[0])
     previous = kernels.set_enabled(False)
     try:
         assert not kernels.kernels_active()
@@ -161,6 +175,9 @@ def test_kernel_bytes_equal_reference(cfg, layout):
         want = (*quant.fake_quant_keys(k, bits, g), *quant.fake_quant_values(v, bits, g))
         got = sum(kernels.fake_quant_kv(k, v, bits, g, use_kernels=True, layout=layout), ())
         names = ("k_hat", "k_scale", "k_zero", "v_hat", "v_scale", "v_zero")
+        # the cache's flush (x_hat only, two outputs): the same bytes
+        want, got = want + (want[0], want[3]), got + kernels.fake_quant_kv_hat(k, v, bits, g, True, layout)
+        names += ("kv_hat k_hat", "kv_hat v_hat")
     else:
         x = _input(i, kind, g, d, s, h, b, dt)
         want = KINDS[kind][0](x, bits, g)
@@ -280,16 +297,16 @@ def test_generation_identical_with_kernels_on_and_off(preset, dtype, corpus, tmp
     # With kernels on, every flush also runs the reference on the same keys and values and
     # compares bytes: a check on the model's own activations that no nondeterminism elsewhere
     # in the model can blur.
-    real, checks = kernels.fake_quant_kv, []
+    real, checks = kernels.fake_quant_kv_hat, []
 
     def checked(k, v, bits, g, use_kernels=None):
         got = real(k, v, bits, g, use_kernels)
         if use_kernels:
             want = real(k, v, bits, g, False)
-            checks.append(all(_same_bytes(a, b) for a, b in zip(got[0] + got[1], want[0] + want[1])))
+            checks.append(all(_same_bytes(a, b) for a, b in zip(got, want)))
         return got
 
-    monkeypatch.setattr(kernels, "fake_quant_kv", checked)
+    monkeypatch.setattr(kernels, "fake_quant_kv_hat", checked)
 
     def run(n, bits, g, r, use):
         cache = make_kivi_cache(model, bits, g, r, use_kernels=use)
@@ -378,6 +395,14 @@ static inline float __low2float(__nv_bfloat162 v) { return v.x; }
 static inline float __high2float(__nv_bfloat162 v) { return v.y; }
 static inline __half2 __floats2half2_rn(float a, float b) { return {__half(a), __half(b)}; }
 static inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {__nv_bfloat16(a), __nv_bfloat16(b)}; }
+struct uint2 { unsigned int x, y; };
+struct uint4 { unsigned int x, y, z, w; };
+static inline uint2 make_uint2(unsigned int a, unsigned int b) { return {a, b}; }
+static inline uint4 make_uint4(unsigned int a, unsigned int b, unsigned int c, unsigned int d) { return {a, b, c, d}; }
+static inline float2 __half22float2(__half2 v) { return {v.x, v.y}; }
+static inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {v.x, v.y}; }
+static inline float __uint_as_float(unsigned int u) { return u2f(u); }
+static inline unsigned int __float_as_uint(float f) { return f2u(f); }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
@@ -413,8 +438,8 @@ static void (*g_entry)();
 static void lane_main() { g_entry(); g_done[g_cur] = 1; }
 static char g_stacks[32][1 << 16];
 
-// argv: dtype bits G layout off kB kH kS kD vB vH vS vD grid in out
-template <typename T, int BITS, int G, int WIDE>
+// argv: dtype bits G layout off kB kH kS kD vB vH vS vD grid in out (layout: index in kernels.LAYOUTS)
+template <typename T, int BITS, int G, int LAYOUT>
 static int run(char** argv) {
   const int off = atoi(argv[5]);
   int ks[4], vs[4];
@@ -439,11 +464,7 @@ static int run(char** argv) {
     float* k_scale = p_ksc + s_off; float* k_zero = p_kz + s_off; float* v_scale = p_vsc + s_off; float* v_zero = p_vz + s_off;
     const int* k_shape = p_ks; const int* v_shape = p_vs;
     (void)k_scale; (void)k_zero; (void)v_scale; (void)v_zero; (void)k_shape; (void)v_shape;
-    if (WIDE) {
-#include "wide.inc"
-    } else {
-#include "default.inc"
-    }
+    HOST_LAYOUTS
   };
   blockDim.x = 256;
   const unsigned int nthreads = (grid + 255u) / 256u * 256u;  // whole blocks, as MLX's CUDA launch
@@ -479,9 +500,9 @@ static int run(char** argv) {
 
 int main(int argc, char** argv) {
   if (argc != 17) return 1;
-  const int dt = atoi(argv[1]), bits = atoi(argv[2]), g = atoi(argv[3]), wide = atoi(argv[4]);
+  const int dt = atoi(argv[1]), bits = atoi(argv[2]), g = atoi(argv[3]), layout = atoi(argv[4]);
 #define C(DT, TY, B, GG) \
-  if (dt == DT && bits == B && g == GG) return wide ? run<TY, B, GG, 1>(argv) : run<TY, B, GG, 0>(argv);
+  if (dt == DT && bits == B && g == GG) { HOST_DISPATCH }
   HOST_COMBOS
   fprintf(stderr, "combination not compiled\n");
   return 1;
@@ -502,12 +523,20 @@ def host_cuda(tmp_path_factory):
     if cxx is None:
         pytest.skip("no C++ compiler for the host run of the CUDA rendering")
     d = tmp_path_factory.mktemp("kivi_host")
-    header = None
-    for layout in kernels.LAYOUTS:
-        _, header, body = kernels.render("kv", "cuda", layout)
-        (d / f"{layout}.inc").write_text(body.replace("return;", "return;  /* thread exits */"))
+    headers, names = [], []
+    for kind in ("kv", "kv_hat"):  # index i: kernels.LAYOUTS[i] % n, the kv_hat body from n on
+        for layout in kernels.LAYOUTS:
+            _, header, body = kernels.render(kind, "cuda", layout)
+            headers.append(header)
+            names.append(f"{kind}-{layout}")
+            (d / f"{names[-1]}.inc").write_text(body.replace("return;", "return;  /* thread exits */"))
+    # every layout's header extends the default one with its own helpers
+    header = headers[0] + "".join(h[len(headers[0]) :] for h in headers[1 : len(kernels.LAYOUTS)])
+    bodies = "".join(f"if (LAYOUT == {i}) {{\n#include \"{name}.inc\"\n}}\n" for i, name in enumerate(names))
+    dispatch = " ".join(f"if (layout == {i}) return run<TY, B, GG, {i}>(argv);" for i in range(len(names)))
     combos = " ".join(f"C({c}, {ty}, {b}, {g})" for c, ty, _ in _HOST_DTYPES.values() for b, g in _HOST_BG)
-    (d / "k.cpp").write_text(_HOST_SHIM + header + _HOST_MAIN.replace("HOST_COMBOS", combos))
+    main = _HOST_MAIN.replace("HOST_COMBOS", combos).replace("HOST_LAYOUTS", bodies).replace("HOST_DISPATCH", dispatch)
+    (d / "k.cpp").write_text(_HOST_SHIM + header + main)
     r = subprocess.run(
         [cxx, "-std=c++17", "-O1", "-ffp-contract=off", "-fno-fast-math", "-w", "k.cpp", "-o", "k"],
         cwd=d, capture_output=True, text=True,
@@ -516,7 +545,9 @@ def host_cuda(tmp_path_factory):
     return d
 
 
-def _host_run(d, layout, bits, g, k, v, off=0):
+def _host_run(d, layout, bits, g, k, v, off=0, hat=False):
+    """The six kv outputs' bytes; with ``hat`` the kv_hat body ran, and scale and zero hold what
+    the harness filled them with (NaN) unless the body wrote them."""
     import subprocess
 
     code, _, view = _HOST_DTYPES[str(k.dtype).split(".")[-1]]
@@ -524,7 +555,8 @@ def _host_run(d, layout, bits, g, k, v, off=0):
     with open(d / "in.bin", "wb") as f:
         for a in (k, v):
             f.write(np.array(a.view(mx.uint16 if view is np.uint16 else mx.uint32)).astype(view).tobytes())
-    args = [code, bits, g, int(layout == "wide"), off, *k.shape, *v.shape, spec["grid"][0], "in.bin", "out.bin"]
+    index = kernels.LAYOUTS.index(layout) + (len(kernels.LAYOUTS) if hat else 0)
+    args = [code, bits, g, index, off, *k.shape, *v.shape, spec["grid"][0], "in.bin", "out.bin"]
     r = subprocess.run(["./k", *map(str, args)], cwd=d, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     raw = np.fromfile(d / "out.bin", np.uint8)
@@ -566,11 +598,20 @@ def test_cuda_rendering_on_host_bytes_equal_reference(host_cuda, layout):
     for i, (dt, bits, g, kd, kh, s, vd, vh) in enumerate(HOST_CONFIGS):
         k = _input(i, "keys", g, kd, s, kh, 1, dt)
         v = _input(i + 7, "values", g, vd, s, vh, 1, dt)
-        off = 1 if i % 4 == 1 else 0  # misaligned buffers: the wide keys fall back to scalar accesses
+        off = 1 if i % 4 == 1 else 0  # misaligned buffers: the vector accesses fall back to scalar ones
+        want = _ref_bytes(k, v, bits, g)
         got = _host_run(host_cuda, layout, bits, g, k, v, off)
-        for name, a, w in zip(names, got, _ref_bytes(k, v, bits, g)):
+        for name, a, w in zip(names, got, want):
             if not np.array_equal(a, w):
                 bad.append(((dt, bits, g, kd, kh, s, vd, vh, off), name))
+        # the cache's flush: x_hat only, the same bytes; scale and zero never written (still NaN)
+        hat = _host_run(host_cuda, layout, bits, g, k, v, off, hat=True)
+        for j in (0, 3):
+            if not np.array_equal(hat[j], want[j]):
+                bad.append(((dt, bits, g, kd, kh, s, vd, vh, off), "hat " + names[j]))
+        for j in (1, 2, 4, 5):
+            if not np.isnan(hat[j].view(np.float32)).all():
+                bad.append(((dt, bits, g, kd, kh, s, vd, vh, off), "hat wrote " + names[j]))
     assert not bad, bad[:10]
 
 
@@ -603,6 +644,8 @@ def test_bench_kivi_times_layouts_side_by_side(tmp_path, monkeypatch):
         seen.add(layout)
         if kind == "kv":
             return (*quant.fake_quant_keys(inputs[0], bits, group_size), *quant.fake_quant_values(inputs[1], bits, group_size))
+        if kind == "kv_hat":
+            return quant.fake_quant_keys(inputs[0], bits, group_size)[0], quant.fake_quant_values(inputs[1], bits, group_size)[0]
         return KINDS[kind][0](inputs[0], bits, group_size)
 
     monkeypatch.setattr(kernels, "kernels_active", lambda use_kernels=None: use_kernels is not False)
@@ -612,7 +655,8 @@ def test_bench_kivi_times_layouts_side_by_side(tmp_path, monkeypatch):
     assert kivi_ops.main(args + ["--layouts", "default", "wide"]) == 0
     assert seen == {"default", "wide"}
     rows = json.loads(out.read_text())["results"]
-    assert {r["mode"] for r in rows} == {"isolated", "in_graph"} and len(rows) == 12
+    assert {r["mode"] for r in rows} == {"isolated", "in_graph"} and len(rows) == 16
+    assert {r["kind"] for r in rows} == {"keys", "values", "flush", "cache_flush"}
     for r in rows:
         assert {a for a in r["arms"] if not a.endswith("(A/A)")} == {"reference", "kernel", "kernel:wide"}
         assert set(r["noise_floor"]) == {"reference", "kernel", "kernel:wide"}  # each arm's own A/A floor

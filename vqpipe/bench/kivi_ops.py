@@ -27,9 +27,11 @@ current layout (``VQPIPE_KIVI_LAYOUT``, default "default") is timed, as before.
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from ..kivi import kernels, quant
 from . import env, harness, roofline
@@ -37,7 +39,9 @@ from . import env, harness, roofline
 # Speedups of the fused kernels over the MLX-ops reference in the original experiment (Apple M4),
 # as given in the KIVI issue; not measured here.
 M4_RATIOS = {32: 1.40, 2048: 5.65}
-KINDS = ("keys", "values", "flush")
+# flush: keys + values with scale and zero (one fused launch, six outputs); cache_flush: the flush as
+# KIVICache runs it, x_hat only (one launch, two outputs; the reference computes the same x_hat).
+KINDS = ("keys", "values", "flush", "cache_flush")
 
 
 def _arm_name(layouts, layout):
@@ -52,6 +56,8 @@ def _arms(kind, pool, bits, g, per_step, layouts=None):
     ref = {"keys": quant.fake_quant_keys, "values": quant.fake_quant_values}
 
     def reference(i):
+        if kind == "cache_flush":
+            return [ref[p](pool[p][(i + j) % n], bits, g)[0] for j in range(per_step) for p in ("keys", "values")]
         parts = ("keys", "values") if kind == "flush" else (kind,)
         return [ref[p](pool[p][(i + j) % n], bits, g) for j in range(per_step) for p in parts]
 
@@ -62,6 +68,8 @@ def _arms(kind, pool, bits, g, per_step, layouts=None):
                 k, v = pool["keys"][(i + j) % n], pool["values"][(i + j) % n]
                 if kind == "flush":
                     out += kernels.fake_quant_kv(k, v, bits, g, use_kernels=True, layout=layout)
+                elif kind == "cache_flush":
+                    out += kernels.fake_quant_kv_hat(k, v, bits, g, use_kernels=True, layout=layout)
                 elif kind == "keys":
                     out.append(kernels.fake_quant_keys(k, bits, g, use_kernels=True, layout=layout))
                 else:
@@ -82,7 +90,7 @@ def _kernel_bytes(kind, b, h, s, d, itemsize, g):
     data = 2 * b * h * s * d * itemsize
     keys = data + 8 * b * h * -(-s // g) * d
     values = data + 8 * b * h * s * -(-d // g)
-    return {"keys": keys, "values": values, "flush": keys + values}[kind]
+    return {"keys": keys, "values": values, "flush": keys + values, "cache_flush": 2 * data}[kind]
 
 
 def _compare(row, per_flush, arm, nbytes, copy_bps):
@@ -124,6 +132,22 @@ def _row(s, kind, mode, per_step, times, arms, nbytes, copy_bps, layouts=None):
     return row
 
 
+def _build_times(arms, n, per_step, repeats):
+    """Per flush, the host time to build a step's graph (the Python calls up to MLX's lazy arrays,
+    no evaluation): the part of the per-flush time that is not device work or MLX's own
+    encoding. Built steps are evaluated outside the timed region so nothing piles up."""
+    out = {}
+    for name, fn in arms.items():
+        samples = []
+        for r in range(repeats):
+            t = time.perf_counter()
+            built = fn(r % n)
+            samples.append((time.perf_counter() - t) / per_step)
+            mx.eval(built)
+        out[name] = harness.summarize(samples)
+    return out
+
+
 def measure(s, args, copy_bps):
     """Rows for one S: each kind timed one flush per step ("isolated": the whole eval + sync of a
     single flush) and ``--layers`` flushes per step ("in_graph": one flush per layer in one graph,
@@ -151,8 +175,9 @@ def measure(s, args, copy_bps):
                 for name in arms:
                     if name != "reference":
                         got = arms[name](0)
-                        exact_by[name] = all(
-                            mx.array_equal(x, y).item() for a, w in zip(got, want) for x, y in zip(a, w)
+                        got_, want_ = tree_flatten(got), tree_flatten(want)
+                        exact_by[name] = len(got_) == len(want_) and all(
+                            mx.array_equal(x, y).item() for (_, x), (_, y) in zip(got_, want_)
                         )
                 exact = exact_by["kernel"]
             timed = dict(arms)
@@ -160,6 +185,8 @@ def measure(s, args, copy_bps):
                 timed[name + harness.AA_SUFFIX] = arms[name]
             times = harness.run_interleaved(timed, n, repeats, args.warmup)
             row = _row(s, kind, mode, per_step, times, arms, nbytes, copy_bps, args.layouts)
+            if mode == "in_graph":
+                row["build"] = _build_times(arms, n, per_step, max(repeats // 2, 3))
             if exact is not None:
                 row["outputs_equal"] = exact
                 for lay in row.get("layouts", {}):

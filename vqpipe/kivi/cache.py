@@ -91,9 +91,8 @@ class KIVICache(_BaseCache):
             # of updating it in place. Flushed and residual tokens go in with one slice update.
             m, a = due * g, self.quantized
             rk, rv = self._residual()
-            (kh, _, _), (vh, _, _) = kernels.fake_quant_kv(
-                rk[..., :m, :], rv[..., :m, :], self.kv_bits, g, self.use_kernels
-            )
+            # x_hat only: the store is quantize-dequantize, so scale and zero are never kept
+            kh, vh = kernels.fake_quant_kv_hat(rk[..., :m, :], rv[..., :m, :], self.kv_bits, g, self.use_kernels)
             self._rk, self._rv = [rk[..., m:, :]], [rv[..., m:, :]]
             self.keys[..., a : self.offset, :] = mx.concatenate([kh, self._rk[0]], axis=2)
             self.values[..., a : self.offset, :] = mx.concatenate([vh, self._rv[0]], axis=2)

@@ -267,6 +267,81 @@ _VALUES_WIDE = """
 """.replace("KV_VGROUPS", f"{VGROUPS}u")
 
 
+# "vec" layout: the keys body of "default" (its 32 loads per thread in flight are what keeps the keys
+# half fast, and its register count bounds the fused kernel's occupancy), and a values body with
+# fewer, fuller threads.
+# Values: L lanes per group (the power of two >= the group's 16-byte chunks, at most 32), each lane
+# holding PER chunks of E = 16 / sizeof(T) consecutive channels (one 16-byte load when the group is
+# aligned and whole); min and max by an xor butterfly over the L lanes of the group; a warp takes
+# 32 / L consecutive groups. A warp exits only when all its groups are past the end; a slot past the
+# end repeats the last group (valid loads, same shuffles) and writes nothing. Chunks past a ragged
+# group's end load its last element (edge padding).
+_VALUES_VEC = """
+    const unsigned int tid = KV_TID;
+    const unsigned int lane = tid % 32u;
+    const unsigned int w = tid / 32u;
+    constexpr unsigned int E = 16u / sizeof(T);  // channels per 16-byte chunk
+    constexpr unsigned int CH = (G + E - 1u) / E;  // chunks per group
+    constexpr unsigned int L = CH > 16u ? 32u : CH > 8u ? 16u : CH > 4u ? 8u : CH > 2u ? 4u : CH > 1u ? 2u : 1u;
+    constexpr unsigned int PER = (CH + L - 1u) / L;  // chunks per lane
+    constexpr unsigned int GW = 32u / L;  // groups per warp
+    const unsigned int D = x_shape[3];
+    const unsigned int NG = (D + G - 1) / G;
+    const unsigned int NT = (unsigned int)(x_shape[0] * x_shape[1] * x_shape[2]) * NG;  // groups
+    // uniform per warp: every lane of a warp has the same w
+    if (w * GW >= NT) {
+        return;
+    }
+    const unsigned int slot = w * GW + lane / L;  // this lane's group
+    const unsigned int sl = lane % L;  // this lane's place in the group
+    const unsigned int q = kv_umin(slot, NT - 1u);  // slots past the end repeat the last group
+    const unsigned int c0 = (q % NG) * G;
+    const unsigned int n = kv_umin((unsigned int)G, D - c0);
+    const unsigned int base = (q / NG) * D + c0;
+    const bool vec = (D % E == 0u) && (G % E == 0u) && kv_aligned(x, E) && kv_aligned(out, E);
+    float xs[PER][E];
+    KV_UNROLL
+    for (unsigned int p = 0; p < PER; ++p) {
+        kv_loadn<E>(x + base, (p * L + sl) * E, n, vec, xs[p]);
+    }
+    float lo = xs[0][0];
+    float hi = lo;
+    KV_UNROLL
+    for (unsigned int p = 0; p < PER; ++p) {
+        KV_UNROLL
+        for (unsigned int e = 0; e < E; ++e) {
+            lo = kv_min(lo, xs[p][e]);
+            hi = kv_max(hi, xs[p][e]);
+        }
+    }
+    KV_UNROLL
+    for (unsigned int m = L / 2u; m > 0u; m /= 2u) {
+        lo = kv_min(lo, kv_shfl_xor(lo, m));
+        hi = kv_max(hi, kv_shfl_xor(hi, m));
+    }
+    const float qmax = (float)((1 << BITS) - 1);
+    const float scale = kv_div(kv_sub(hi, lo), qmax);
+    const float safe = scale == 0.0f ? 1.0f : scale;
+    if (slot < NT) {
+        KV_UNROLL
+        for (unsigned int p = 0; p < PER; ++p) {
+            float o[E];
+            KV_UNROLL
+            for (unsigned int e = 0; e < E; ++e) {
+                float qq = kv_rint(kv_div(kv_sub(xs[p][e], lo), safe));
+                qq = kv_min(kv_max(qq, 0.0f), qmax);
+                o[e] = kv_add(kv_mul(qq, scale), lo);
+            }
+            kv_storen<E>(out + base, (p * L + sl) * E, n, vec, o);
+        }
+        if (sl == 0u) {
+            out_scale[slot] = scale;
+            out_zero[slot] = lo;
+        }
+    }
+"""
+
+
 def _rename(body, names):
     for old, new in names.items():
         body = re.sub(rf"\b{old}\b", new, body)
@@ -294,19 +369,37 @@ def _kv_source(keys, values, keys_threads):
 
 
 _KEY_ROWS = "(unsigned int)(k_shape[0] * k_shape[1]) * ((k_shape[2] + G - 1) / G)"
-_KV = _kv_source(_KEYS, _VALUES, f"{_KEY_ROWS} * k_shape[3]")
-_KV_WIDE = _kv_source(_KEYS_WIDE, _VALUES_WIDE, f"{_KEY_ROWS} * ((k_shape[3] + 1) / 2)")
 
-LAYOUTS = ("default", "wide")
-SOURCES = {"keys": _KEYS, "values": _VALUES, "kv": _KV}
+
+def _hat_only(body):
+    """The body without its scale and zero stores (every line naming out_scale or out_zero): the
+    flush as the cache runs it, which keeps only x_hat. Each output is an allocation and a graph
+    node per launch, host time that a decode step pays per layer."""
+    return "".join(line for line in body.splitlines(True) if "out_scale" not in line and "out_zero" not in line)
+
+
+def _layout_sources(keys, values, key_threads_per_row):
+    threads = f"{_KEY_ROWS} * {key_threads_per_row}"
+    return {
+        "keys": keys,
+        "values": values,
+        "kv": _kv_source(keys, values, threads),
+        "kv_hat": _kv_source(_hat_only(keys), _hat_only(values), threads),
+    }
+
+
+LAYOUTS = ("default", "wide", "vec")
 LAYOUT_SOURCES = {
-    "default": SOURCES,
-    "wide": {"keys": _KEYS_WIDE, "values": _VALUES_WIDE, "kv": _KV_WIDE},
+    "default": _layout_sources(_KEYS, _VALUES, "k_shape[3]"),
+    "wide": _layout_sources(_KEYS_WIDE, _VALUES_WIDE, "((k_shape[3] + 1) / 2)"),
+    "vec": _layout_sources(_KEYS, _VALUES_VEC, "k_shape[3]"),
 }
+SOURCES = LAYOUT_SOURCES["default"]
 IO_NAMES = {
     "keys": (["x"], ["out", "out_scale", "out_zero"]),
     "values": (["x"], ["out", "out_scale", "out_zero"]),
     "kv": (["k", "v"], ["k_out", "k_scale", "k_zero", "v_out", "v_scale", "v_zero"]),
+    "kv_hat": (["k", "v"], ["k_out", "v_out"]),
 }
 
 # min/max written as MLX's own Minimum/Maximum ops are (x < y ? x : y), so clip matches exactly.
@@ -366,6 +459,88 @@ template <typename U> __device__ __forceinline__ void kv_store2(U* p, bool vec, 
 }
 """
 
+# Only the "vec" layout gets these. N consecutive elements g[c .. c+N-1] of one row: one 8- or
+# 16-byte access when vec (the caller has checked alignment) and all N exist (c + N <= n);
+# otherwise scalar accesses, a load past the end repeating g[n - 1] (edge padding), a store past the
+# end skipped. Conversions are exact to float and round to nearest even back, as static_cast.
+_CUDA_VEC_HEADER = """
+template <typename U> __device__ __forceinline__ bool kv_aligned(const U* p, unsigned int n) {
+    return (reinterpret_cast<unsigned long long>(p) & ((unsigned long long)n * sizeof(U) - 1ull)) == 0ull;
+}
+__device__ __forceinline__ void kv_words(const void* p, unsigned int (&w)[2]) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    w[0] = v.x;
+    w[1] = v.y;
+}
+__device__ __forceinline__ void kv_words(const void* p, unsigned int (&w)[4]) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    w[0] = v.x;
+    w[1] = v.y;
+    w[2] = v.z;
+    w[3] = v.w;
+}
+__device__ __forceinline__ void kv_put_words(void* p, const unsigned int (&w)[2]) { *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]); }
+__device__ __forceinline__ void kv_put_words(void* p, const unsigned int (&w)[4]) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+__device__ __forceinline__ void kv_unword(unsigned int w, float* o, const float*) { o[0] = __uint_as_float(w); }
+__device__ __forceinline__ void kv_unword(unsigned int w, float* o, const __half*) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
+    o[0] = f.x;
+    o[1] = f.y;
+}
+__device__ __forceinline__ void kv_unword(unsigned int w, float* o, const __nv_bfloat16*) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+    o[0] = f.x;
+    o[1] = f.y;
+}
+__device__ __forceinline__ unsigned int kv_word(const float* o, const float*) { return __float_as_uint(o[0]); }
+__device__ __forceinline__ unsigned int kv_word(const float* o, const __half*) {
+    const __half2 h = __floats2half2_rn(o[0], o[1]);
+    return *reinterpret_cast<const unsigned int*>(&h);
+}
+__device__ __forceinline__ unsigned int kv_word(const float* o, const __nv_bfloat16*) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(o[0], o[1]);
+    return *reinterpret_cast<const unsigned int*>(&h);
+}
+template <int N, typename U>
+__device__ __forceinline__ void kv_loadn(const U* g, unsigned int c, unsigned int n, bool vec, float* o) {
+    constexpr int PW = 4 / sizeof(U);  // elements per 32-bit word
+    if (vec && c + N <= n) {
+        unsigned int w[N / PW];
+        kv_words(g + c, w);
+        #pragma unroll
+        for (int i = 0; i < N / PW; ++i) {
+            kv_unword(w[i], o + i * PW, g);
+        }
+    } else {
+        #pragma unroll
+        for (int i = 0; i < N; ++i) {
+            o[i] = static_cast<float>(g[c + i < n ? c + i : n - 1]);
+        }
+    }
+}
+template <int N, typename U>
+__device__ __forceinline__ void kv_storen(U* g, unsigned int c, unsigned int n, bool vec, const float* o) {
+    constexpr int PW = 4 / sizeof(U);
+    if (vec && c + N <= n) {
+        unsigned int w[N / PW];
+        #pragma unroll
+        for (int i = 0; i < N / PW; ++i) {
+            w[i] = kv_word(o + i * PW, g);
+        }
+        kv_put_words(g + c, w);
+    } else {
+        #pragma unroll
+        for (int i = 0; i < N; ++i) {
+            if (c + i < n) {
+                g[c + i] = static_cast<U>(o[i]);
+            }
+        }
+    }
+}
+"""
+
 # Untested: no Apple GPU was available. contract(off) keeps the compiler from fusing mul+add.
 _METAL_HEADER = """
 #pragma METAL fp math_mode(safe)
@@ -397,15 +572,38 @@ template <typename U> inline void kv_store2(device U* p, bool vec, bool pair, fl
 }
 """
 
+_METAL_VEC_HEADER = """
+// "vec" layout: N consecutive elements as scalar accesses (vec is ignored; Apple GPUs merge adjacent
+// accesses of a SIMD group); a load past the end repeats g[n - 1], a store past the end is skipped.
+template <typename U> inline bool kv_aligned(const device U* p, uint n) { return true; }
+template <int N, typename U> inline void kv_loadn(const device U* g, uint c, uint n, bool vec, thread float* o) {
+    for (int i = 0; i < N; ++i) {
+        o[i] = static_cast<float>(g[c + i < n ? c + i : n - 1]);
+    }
+}
+template <int N, typename U> inline void kv_storen(device U* g, uint c, uint n, bool vec, const thread float* o) {
+    for (int i = 0; i < N; ++i) {
+        if (c + i < n) {
+            g[c + i] = static_cast<U>(o[i]);
+        }
+    }
+}
+"""
+
 DIALECTS = {
     "cuda": {
         "header": _CUDA_HEADER,
         "wide_header": _CUDA_WIDE_HEADER,
-        "tokens": {"KV_TID": "(blockIdx.x * blockDim.x + threadIdx.x)", "KV_UNROLL": "#pragma unroll"},
+        "vec_header": _CUDA_VEC_HEADER,
+        "tokens": {
+            "KV_TID": "(blockIdx.x * blockDim.x + threadIdx.x)",
+            "KV_UNROLL": "#pragma unroll",
+        },
     },
     "metal": {
         "header": _METAL_HEADER,
         "wide_header": _METAL_WIDE_HEADER,
+        "vec_header": _METAL_VEC_HEADER,
         "tokens": {"KV_TID": "thread_position_in_grid.x", "KV_UNROLL": "#pragma unroll"},
     },
 }
@@ -445,7 +643,7 @@ def render(kind, dialect, layout="default"):
     body = LAYOUT_SOURCES[_check_layout(layout)][kind]
     for token, text in spec["tokens"].items():
         body = body.replace(token, text)
-    header = spec["header"] + (spec["wide_header"] if layout == "wide" else "")
+    header = spec["header"] + (spec[f"{layout}_header"] if layout != "default" else "")
     digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
     tag = "" if layout == "default" else f"{layout}_"
     return f"kivi_{kind}_{tag}{digest}", header, body
@@ -479,7 +677,13 @@ def _kernel(dialect, kind, layout):
     return _kernels[key]
 
 
-def _geometry(kind, shape, group_size, layout="default"):
+def _vec_lanes(group_size, itemsize):
+    """Lanes per group in the "vec" values kernel: the power of two >= its 16-byte chunks, <= 32."""
+    chunks = -(-group_size // (16 // itemsize))
+    return min(WARP, 1 << (chunks - 1).bit_length())
+
+
+def _geometry(kind, shape, group_size, layout="default", itemsize=2):
     """(threads, scale/zero shape) of the keys or values kernel on a [B, H, S, D] input."""
     if len(shape) != 4:
         raise ValueError(f"kernels take [B, H, S, D], got shape {tuple(shape)}")
@@ -493,6 +697,9 @@ def _geometry(kind, shape, group_size, layout="default"):
     ng = -(-d // group_size)
     if layout == "wide":  # VGROUPS groups per warp
         return -(-(b * h * s * ng) // VGROUPS) * WARP, (b, h, s, ng)
+    if layout == "vec":  # 32 / L groups per warp (see _VALUES_VEC)
+        per_warp = WARP // _vec_lanes(group_size, itemsize)
+        return -(-(b * h * s * ng) // per_warp) * WARP, (b, h, s, ng)
     return b * h * s * ng * WARP, (b, h, s, ng)
 
 
@@ -504,19 +711,22 @@ def launch_spec(kind, shape, dtype, bits, group_size, layout="default"):
     quant._qmax(bits)
     _check_layout(layout)
     if kind in ("keys", "values"):
-        threads, params = _geometry(kind, shape, group_size, layout)
+        threads, params = _geometry(kind, shape, group_size, layout, dtype.size)
         out_shapes, out_dtypes = [tuple(shape), params, params], [dtype, mx.float32, mx.float32]
-    elif kind == "kv":
+    elif kind in ("kv", "kv_hat"):
         kshape, vshape = shape
         if kshape[2] != vshape[2]:
             raise ValueError(f"keys and values hold different token counts: {kshape} vs {vshape}")
-        kt, kp = _geometry("keys", kshape, group_size, layout)
-        vt, vp = _geometry("values", vshape, group_size, layout)
+        kt, kp = _geometry("keys", kshape, group_size, layout, dtype.size)
+        vt, vp = _geometry("values", vshape, group_size, layout, dtype.size)
         threads = -(-kt // THREADS) * THREADS + vt
-        out_shapes = [tuple(kshape), kp, kp, tuple(vshape), vp, vp]
-        out_dtypes = [dtype, mx.float32, mx.float32] * 2
+        if kind == "kv":
+            out_shapes = [tuple(kshape), kp, kp, tuple(vshape), vp, vp]
+            out_dtypes = [dtype, mx.float32, mx.float32] * 2
+        else:
+            out_shapes, out_dtypes = [tuple(kshape), tuple(vshape)], [dtype, dtype]
     else:
-        raise ValueError(f"kind must be 'keys', 'values' or 'kv', got {kind!r}")
+        raise ValueError(f"kind must be 'keys', 'values', 'kv' or 'kv_hat', got {kind!r}")
     if threads >= 2**31:
         raise ValueError("kernels index with 32-bit integers; split the input")
     return {
@@ -528,15 +738,25 @@ def launch_spec(kind, shape, dtype, bits, group_size, layout="default"):
     }
 
 
+_plans = {}  # (kind, shape, dtype, bits, G, layout, dialect) -> (kernel or None if empty, spec)
+
+
 def _launch(kind, inputs, shape, bits, group_size, layout=None):
-    layout = _layout if layout is None else _check_layout(layout)
-    dtype = inputs[0].dtype
-    spec = launch_spec(kind, shape, dtype, int(bits), int(group_size), layout)
-    if any(x.size == 0 for x in inputs):
+    # Runs once per layer and flush: everything that depends only on the key is looked up once.
+    key = (kind, shape, inputs[0].dtype, bits, group_size, _layout if layout is None else layout, backend())
+    plan = _plans.get(key)
+    if plan is None:
+        kind, shape, dtype, bits, group_size, layout, dialect = key
+        spec = launch_spec(kind, shape, dtype, int(bits), int(group_size), _check_layout(layout))
+        kernel = None
+        if all(x.size for x in inputs):
+            _instances.add((dialect, kind, layout, str(dtype), int(bits), int(group_size)))
+            kernel = _kernel(dialect, kind, layout)
+        plan = _plans[key] = (kernel, spec)
+    kernel, spec = plan
+    if kernel is None:  # an empty input: nothing to launch
         return tuple(mx.zeros(s, t) for s, t in zip(spec["output_shapes"], spec["output_dtypes"]))
-    dialect = backend()
-    _instances.add((dialect, kind, layout, str(dtype), int(bits), int(group_size)))
-    return tuple(_kernel(dialect, kind, layout)(inputs=inputs, **spec))
+    return tuple(kernel(inputs=inputs, **spec))
 
 
 def fake_quant_keys(x, bits=4, group_size=32, use_kernels=None, layout=None):
@@ -553,6 +773,16 @@ def fake_quant_values(x, bits=4, group_size=32, use_kernels=None, layout=None):
     if kernels_active(use_kernels):
         return _launch("values", [x], tuple(x.shape), bits, group_size, layout)
     return quant.fake_quant_values(x, bits, group_size)
+
+
+def fake_quant_kv_hat(k, v, bits=4, group_size=32, use_kernels=None, layout=None):
+    """One flush as the cache runs it: ``(k_hat, v_hat)``, the x_hat of :func:`fake_quant_kv` alone,
+    in a single launch with two outputs when kernels are active."""
+    if kernels_active(use_kernels):
+        if k.dtype != v.dtype:
+            raise ValueError(f"keys and values dtypes differ: {k.dtype} vs {v.dtype}")
+        return _launch("kv_hat", [k, v], (tuple(k.shape), tuple(v.shape)), bits, group_size, layout)
+    return quant.fake_quant_keys(k, bits, group_size)[0], quant.fake_quant_values(v, bits, group_size)[0]
 
 
 def fake_quant_kv(k, v, bits=4, group_size=32, use_kernels=None, layout=None):
