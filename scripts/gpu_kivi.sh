@@ -6,9 +6,9 @@
 # (docs/kivi.md, "Running on a GPU"):   bash scripts/gpu_kivi.sh
 # Elsewhere (e.g. a Mac with Metal):      PYTHON=.venv/bin/python bash scripts/gpu_kivi.sh
 # STEPS picks steps (default "kernels bench generation cpu_suite"); BENCH_ARGS goes to bench-kivi.
-# Every kernel layout (kernels.LAYOUTS: "default", "wide", "vec"; vqpipe/kivi/kernels.py) is tested
-# bit-exact in the kernels step and timed side by side in the bench step (BENCH_LAYOUTS, default
-# "default wide vec"; empty: only the current layout). KERNELS_K narrows the kernels step (pytest -k;
+# Every kernel layout (kernels.LAYOUTS: "vec", the default, and "warp"; vqpipe/kivi/kernels.py) is
+# tested bit-exact in the kernels step and timed side by side in the bench step (BENCH_LAYOUTS,
+# default "vec warp"; empty: only the current layout). KERNELS_K narrows the kernels step (pytest -k;
 # default "not generation"; e.g. "vec and not generation" for one layout alone). The generation step
 # uses the current layout (VQPIPE_KIVI_LAYOUT).
 # Results go to $OUT (default results/gpu_kivi): env.txt, one log per step, kivi_ops.json; a summary
@@ -39,7 +39,7 @@ want() { [[ " $STEPS " == *" $1 "* ]]; }
 want kernels && echo "== kernels: bit-exact sweep, half to even, compile count; every layout $(since)" &&
 pt kernels 420 --maxfail=10 tests/test_kivi_kernels.py -m gpu -k "${KERNELS_K:-not generation}"
 
-BENCH_LAYOUTS=${BENCH_LAYOUTS-default wide vec}
+BENCH_LAYOUTS=${BENCH_LAYOUTS-vec warp}
 if want bench; then
   echo "== bench-kivi $(since)"
   timeout 300 $PY -m vqpipe bench-kivi --out "$OUT/kivi_ops.json" ${BENCH_LAYOUTS:+--layouts $BENCH_LAYOUTS} ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"

@@ -240,11 +240,14 @@ def flush_schedule(prompt_len, gen_tokens, residual, group_size, prefill_step):
 
 def load_kivi_ops(path):
     """Per-flush times from a bench-kivi JSON: ``{"rows": [{"S", "mode", "reference", "kernel"}],
-    "environment", "config"}`` for whole flushes (keys + values), seconds (median)."""
+    "environment", "config"}`` for whole flushes (keys + values), seconds (median): the
+    "cache_flush" rows (x_hat only, what the cache runs) when the file has them, else "flush"."""
     doc = json.loads(Path(path).read_text())
     rows = []
-    for r in doc.get("results") or []:  # bench-kivi's own shape (vqpipe/bench/kivi_ops.py)
-        if r.get("kind") == "flush" and "arms" in r:
+    results = doc.get("results") or []
+    kind = "cache_flush" if any(r.get("kind") == "cache_flush" for r in results) else "flush"
+    for r in results:  # bench-kivi's own shape (vqpipe/bench/kivi_ops.py)
+        if r.get("kind") == kind and "arms" in r:
             arms = r["arms"]
             rows.append({"S": r["S"], "mode": r.get("mode", "isolated"),
                          "reference": arms.get("reference", {}).get("median"),

@@ -14,12 +14,12 @@ The kernel's effective bandwidth (x read once, x_hat, scale and zero written onc
 per-flush time) is set against the measured copy bandwidth. Without a Metal/CUDA backend only the
 reference is timed.
 
-``--layouts default wide`` times each named kernel layout (see :mod:`vqpipe.kivi.kernels`) as its own
+``--layouts vec warp`` times each named kernel layout (see :mod:`vqpipe.kivi.kernels`) as its own
 arm, interleaved with the reference in the same run and each with its A/A copy: the first layout is
 the "kernel" arm (the top-level speedup, verdict and M4 comparison of each row), the others are
 "kernel:<layout>"; every row then also carries ``layouts``, per layout: speedup, verdict, bandwidth
 and (isolated mode) whether its outputs equal the reference's. Without the option only the
-current layout (``VQPIPE_KIVI_LAYOUT``, default "default") is timed, as before.
+current layout (``VQPIPE_KIVI_LAYOUT``, default "vec") is timed.
 
     python -m vqpipe bench-kivi --out results/bench/kivi_ops.json
 """
@@ -221,7 +221,7 @@ def parse_args(argv):
         nargs="+",
         choices=kernels.LAYOUTS,
         default=None,
-        help="time these kernel layouts side by side, e.g. --layouts default wide (default: only the current one)",
+        help="time these kernel layouts side by side, e.g. --layouts vec warp (default: only the current one)",
     )
     p.add_argument("--quick", action="store_true", help="small run for CPU/CI: S=32,256, 4 inputs, 5 repeats, 4 layers")
     args = p.parse_args(argv)

@@ -1,32 +1,30 @@
 """Fused KIVI fake-quant kernels: one kernel description, a thin Metal/CUDA dialect layer, dispatch.
 
-Each kernel reads its input once and writes x_hat (x's dtype and shape) plus float32 scale and zero, with
-exactly the operations of :mod:`vqpipe.kivi.quant` in the same order, so outputs match the
-reference bit for bit on the same device.
+Each kernel reads its input once and writes x_hat (x's dtype and shape), and float32 scale and zero
+unless it is the cache's x_hat-only flush, with exactly the operations of :mod:`vqpipe.kivi.quant`
+in the same order, so outputs match the reference bit for bit on the same device.
 
 - keys (per channel): one thread owns one whole group of G tokens of one channel; consecutive threads
   take consecutive channels, so each warp/SIMD group reads 32 adjacent elements per token. No
   reduction across threads, no barriers, no transpose.
-- values (per token): one 32-lane warp/SIMD group per group of G channels; lane i holds channels
-  i, i+32, ...; min and max by an xor-shuffle butterfly. The bounds check is on the group index,
-  which all 32 lanes share, so a warp exits whole and no lane shuffles with one that has left.
-  Lanes past a ragged group's end load its last element (edge padding).
+- values (per token): min and max of each group of G channels by an xor-shuffle butterfly inside a
+  warp/SIMD group, in one of two layouts (below). Warps exit whole (the bounds check is on what all
+  their lanes share), so no lane shuffles with one that has left. Lanes past a ragged group's end
+  load its last element (edge padding).
 - kv: one whole flush in one launch, the keys body on the first threadgroups and the values body on
-  the rest (what the cache uses: per layer and flush, one launch instead of two).
+  the rest; kv_hat: the same without the scale and zero outputs, what the cache runs (per layer and
+  flush, one launch with two outputs).
 
-Two layouts of the same arithmetic (``set_layout`` / ``VQPIPE_KIVI_LAYOUT``; default "default"):
+Two layouts of the values body (``set_layout`` / ``VQPIPE_KIVI_LAYOUT``; the keys body is shared):
 
-- "default": as above.
-- "wide" (untimed alternative for the S = 2048 flush): keys, one thread owns one group of G tokens
-  for two adjacent channels (one 2-element vector load and store per token where the dialect has
-  them and the rows are aligned; two scalar accesses otherwise, and a lone last channel when D is
-  odd); values, one warp still owns each group (same butterfly, same edge padding) but processes
-  VGROUPS (4) groups, issuing all their loads before the butterflies; a warp exits only when all its
-  groups are past the end, so exits stay uniform per warp.
+- "vec" (the default): L lanes per group, the power of two that covers the group in 16-byte chunks
+  (4 for fp16 and G = 32), each lane one 16-byte load; a warp takes 32 / L groups.
+- "warp": one 32-lane warp per group, lane i holding channels i, i+32, ... (the first design; at
+  S = 2048 on an H200 its fused flush took 1.3x the time of "vec", docs/kivi.md).
 
 Shapes reach the kernel at run time through ``x_shape`` (MLX passes it as a kernel argument);
 only dtype, bits and G are template arguments, so the number of compiled kernels is bounded by
-the (kind, dtype, bits, G) combinations used and does not grow with the sequence length.
+the (kind, layout, dtype, bits, G) combinations used and does not grow with the sequence length.
 """
 
 import functools
@@ -133,144 +131,10 @@ _VALUES = """
 """
 
 
-# "wide" layout. Keys: thread = (row, channel pair); every arithmetic step as in _KEYS, done once for
-# channel d (a) and once for channel d + 1 (b). kv_load2/kv_store2 (dialect header) move two
-# adjacent elements, as one vector access when `vec` holds; with `pair` false (odd D, last pair)
-# only the first element is real (b repeats it and is never written).
-_KEYS_WIDE = """
-    const unsigned int tid = KV_TID;
-    const unsigned int S = x_shape[2];
-    const unsigned int D = x_shape[3];
-    const unsigned int NG = (S + G - 1) / G;
-    const unsigned int DP = (D + 1u) / 2u;  // channel pairs, the last one ragged when D is odd
-    if (tid >= (unsigned int)(x_shape[0] * x_shape[1]) * NG * DP) {
-        return;
-    }
-    const unsigned int d = 2u * (tid % DP);
-    const unsigned int r = tid / DP;  // (b * H + h) * NG + g
-    const unsigned int g = r % NG;
-    const bool pair = d + 1u < D;
-    // vector accesses need every row of x and out aligned to two elements (uniform for the launch)
-    const bool vec = (D % 2u == 0u) && kv_aligned2(x) && kv_aligned2(out);
-    const bool vec_p = (D % 2u == 0u) && kv_aligned2(out_scale) && kv_aligned2(out_zero);
-    const unsigned int t0 = g * G;
-    const unsigned int n = kv_umin((unsigned int)G, S - t0);
-    const unsigned int base = ((r / NG) * S + t0) * D + d;
-    float xa[G];
-    float xb[G];
-    float lo_a, lo_b;
-    kv_load2(x + base, vec, pair, lo_a, lo_b);
-    float hi_a = lo_a;
-    float hi_b = lo_b;
-    KV_UNROLL
-    for (int t = 0; t < G; ++t) {
-        // a ragged group repeats its last token (edge padding)
-        kv_load2(x + base + kv_umin((unsigned int)t, n - 1) * D, vec, pair, xa[t], xb[t]);
-        lo_a = kv_min(lo_a, xa[t]);
-        hi_a = kv_max(hi_a, xa[t]);
-        lo_b = kv_min(lo_b, xb[t]);
-        hi_b = kv_max(hi_b, xb[t]);
-    }
-    const float qmax = (float)((1 << BITS) - 1);
-    const float scale_a = kv_div(kv_sub(hi_a, lo_a), qmax);
-    const float scale_b = kv_div(kv_sub(hi_b, lo_b), qmax);
-    const float safe_a = scale_a == 0.0f ? 1.0f : scale_a;
-    const float safe_b = scale_b == 0.0f ? 1.0f : scale_b;
-    KV_UNROLL
-    for (int t = 0; t < G; ++t) {
-        if ((unsigned int)t < n) {
-            float qa = kv_rint(kv_div(kv_sub(xa[t], lo_a), safe_a));
-            float qb = kv_rint(kv_div(kv_sub(xb[t], lo_b), safe_b));
-            qa = kv_min(kv_max(qa, 0.0f), qmax);
-            qb = kv_min(kv_max(qb, 0.0f), qmax);
-            kv_store2(out + base + t * D, vec, pair, kv_add(kv_mul(qa, scale_a), lo_a), kv_add(kv_mul(qb, scale_b), lo_b));
-        }
-    }
-    kv_store2(out_scale + r * D + d, vec_p, pair, scale_a, scale_b);
-    kv_store2(out_zero + r * D + d, vec_p, pair, lo_a, lo_b);
-"""
-
-# Values: warp w owns groups w * VGROUPS + k (k < VGROUPS), each exactly as in _VALUES. A slot past
-# the last group loads the last group (a valid address; uniform per warp) and writes nothing.
-VGROUPS = 4
-_VALUES_WIDE = """
-    const unsigned int tid = KV_TID;
-    const unsigned int lane = tid % 32u;
-    const unsigned int w = tid / 32u;
-    constexpr unsigned int VG = KV_VGROUPS;
-    const unsigned int D = x_shape[3];
-    const unsigned int NG = (D + G - 1) / G;
-    const unsigned int NT = (unsigned int)(x_shape[0] * x_shape[1] * x_shape[2]) * NG;  // groups
-    // uniform per warp: every lane of a warp has the same w
-    if (w >= (NT + VG - 1u) / VG) {
-        return;
-    }
-    constexpr int PER = (G + 31) / 32;
-    float xs[VG][PER];
-    float lo[VG];
-    float hi[VG];
-    unsigned int bases[VG];
-    unsigned int ns[VG];
-    KV_UNROLL
-    for (unsigned int u = 0; u < VG; ++u) {
-        const unsigned int q = kv_umin(w * VG + u, NT - 1u);  // slots past the end repeat the last group
-        const unsigned int c0 = (q % NG) * G;
-        ns[u] = kv_umin((unsigned int)G, D - c0);
-        bases[u] = (q / NG) * D + c0;
-    }
-    // every load of every group before any shuffle
-    KV_UNROLL
-    for (unsigned int u = 0; u < VG; ++u) {
-        KV_UNROLL
-        for (int p = 0; p < PER; ++p) {
-            // lanes past the end of a ragged group load its last element (edge padding)
-            xs[u][p] = static_cast<float>(x[bases[u] + kv_umin(lane + 32u * p, ns[u] - 1)]);
-        }
-    }
-    KV_UNROLL
-    for (unsigned int u = 0; u < VG; ++u) {
-        KV_UNROLL
-        for (int p = 0; p < PER; ++p) {
-            lo[u] = p == 0 ? xs[u][p] : kv_min(lo[u], xs[u][p]);
-            hi[u] = p == 0 ? xs[u][p] : kv_max(hi[u], xs[u][p]);
-        }
-    }
-    KV_UNROLL
-    for (int m = 16; m > 0; m /= 2) {
-        KV_UNROLL
-        for (unsigned int u = 0; u < VG; ++u) {
-            lo[u] = kv_min(lo[u], kv_shfl_xor(lo[u], m));
-            hi[u] = kv_max(hi[u], kv_shfl_xor(hi[u], m));
-        }
-    }
-    const float qmax = (float)((1 << BITS) - 1);
-    KV_UNROLL
-    for (unsigned int u = 0; u < VG; ++u) {
-        const float scale = kv_div(kv_sub(hi[u], lo[u]), qmax);
-        const float safe = scale == 0.0f ? 1.0f : scale;
-        if (w * VG + u < NT) {  // uniform per warp
-            KV_UNROLL
-            for (int p = 0; p < PER; ++p) {
-                const unsigned int c = lane + 32u * p;
-                if (c < ns[u]) {
-                    float q = kv_rint(kv_div(kv_sub(xs[u][p], lo[u]), safe));
-                    q = kv_min(kv_max(q, 0.0f), qmax);
-                    out[bases[u] + c] = static_cast<T>(kv_add(kv_mul(q, scale), lo[u]));
-                }
-            }
-            if (lane == 0) {
-                out_scale[w * VG + u] = scale;
-                out_zero[w * VG + u] = lo[u];
-            }
-        }
-    }
-""".replace("KV_VGROUPS", f"{VGROUPS}u")
-
-
-# "vec" layout: the keys body of "default" (its 32 loads per thread in flight are what keeps the keys
-# half fast, and its register count bounds the fused kernel's occupancy), and a values body with
-# fewer, fuller threads.
-# Values: L lanes per group (the power of two >= the group's 16-byte chunks, at most 32), each lane
+# "vec" values: fewer, fuller threads than _VALUES, vector loads. (Both layouts keep _KEYS: its 32
+# loads per thread in flight keep the keys half fast, and wider key threads need more registers,
+# which in the fused kernel lower the occupancy of the values half too; measured in docs/kivi.md.)
+# L lanes per group (the power of two >= the group's 16-byte chunks, at most 32), each lane
 # holding PER chunks of E = 16 / sizeof(T) consecutive channels (one 16-byte load when the group is
 # aligned and whole); min and max by an xor butterfly over the L lanes of the group; a warp takes
 # 32 / L consecutive groups. A warp exits only when all its groups are past the end; a slot past the
@@ -388,13 +252,11 @@ def _layout_sources(keys, values, key_threads_per_row):
     }
 
 
-LAYOUTS = ("default", "wide", "vec")
+LAYOUTS = ("vec", "warp")
 LAYOUT_SOURCES = {
-    "default": _layout_sources(_KEYS, _VALUES, "k_shape[3]"),
-    "wide": _layout_sources(_KEYS_WIDE, _VALUES_WIDE, "((k_shape[3] + 1) / 2)"),
     "vec": _layout_sources(_KEYS, _VALUES_VEC, "k_shape[3]"),
+    "warp": _layout_sources(_KEYS, _VALUES, "k_shape[3]"),
 }
-SOURCES = LAYOUT_SOURCES["default"]
 IO_NAMES = {
     "keys": (["x"], ["out", "out_scale", "out_zero"]),
     "values": (["x"], ["out", "out_scale", "out_zero"]),
@@ -414,49 +276,6 @@ __device__ __forceinline__ float kv_min(float a, float b) { return a < b ? a : b
 __device__ __forceinline__ float kv_max(float a, float b) { return a > b ? a : b; }
 __device__ __forceinline__ unsigned int kv_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
 __device__ __forceinline__ float kv_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
-"""
-
-# Only the "wide" layout gets these: the default layout's source stays exactly what was tested on
-# the H200 (a header change would be a new, untested kernel).
-_CUDA_WIDE_HEADER = """
-// Two adjacent elements ("wide" layout): one 2-element vector access when vec (the caller has
-// checked alignment), else scalar; with pair false only p[0] exists (b repeats a, nothing stored).
-// Conversions as static_cast: exact to float, round to nearest even back.
-template <typename U> struct kv_vec2 { typedef U type; };
-template <> struct kv_vec2<float> { typedef float2 type; };
-template <> struct kv_vec2<__half> { typedef __half2 type; };
-template <> struct kv_vec2<__nv_bfloat16> { typedef __nv_bfloat162 type; };
-__device__ __forceinline__ float2 kv_unpack2(float2 v) { return v; }
-__device__ __forceinline__ float2 kv_unpack2(__half2 v) { return make_float2(__low2float(v), __high2float(v)); }
-__device__ __forceinline__ float2 kv_unpack2(__nv_bfloat162 v) { return make_float2(__low2float(v), __high2float(v)); }
-__device__ __forceinline__ void kv_pack2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
-__device__ __forceinline__ void kv_pack2(__half* p, float a, float b) { *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b); }
-__device__ __forceinline__ void kv_pack2(__nv_bfloat16* p, float a, float b) {
-    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
-}
-template <typename U> __device__ __forceinline__ bool kv_aligned2(const U* p) {
-    return (reinterpret_cast<unsigned long long>(p) & (2ull * sizeof(U) - 1ull)) == 0ull;
-}
-template <typename U> __device__ __forceinline__ void kv_load2(const U* p, bool vec, bool pair, float& a, float& b) {
-    if (vec) {
-        const float2 f = kv_unpack2(*reinterpret_cast<const typename kv_vec2<U>::type*>(p));
-        a = f.x;
-        b = f.y;
-    } else {
-        a = static_cast<float>(p[0]);
-        b = pair ? static_cast<float>(p[1]) : a;
-    }
-}
-template <typename U> __device__ __forceinline__ void kv_store2(U* p, bool vec, bool pair, float a, float b) {
-    if (vec) {
-        kv_pack2(p, a, b);
-    } else {
-        p[0] = static_cast<U>(a);
-        if (pair) {
-            p[1] = static_cast<U>(b);
-        }
-    }
-}
 """
 
 # Only the "vec" layout gets these. N consecutive elements g[c .. c+N-1] of one row: one 8- or
@@ -556,22 +375,6 @@ inline unsigned int kv_umin(unsigned int a, unsigned int b) { return a < b ? a :
 inline float kv_shfl_xor(float v, int m) { return metal::simd_shuffle_xor(v, ushort(m)); }
 """
 
-_METAL_WIDE_HEADER = """
-// "wide" layout: two adjacent elements as two scalar accesses (vec is ignored; Apple GPUs merge
-// adjacent accesses of a SIMD group); with pair false only p[0] exists.
-template <typename U> inline bool kv_aligned2(const device U* p) { return true; }
-template <typename U> inline void kv_load2(const device U* p, bool vec, bool pair, thread float& a, thread float& b) {
-    a = static_cast<float>(p[0]);
-    b = pair ? static_cast<float>(p[1]) : a;
-}
-template <typename U> inline void kv_store2(device U* p, bool vec, bool pair, float a, float b) {
-    p[0] = static_cast<U>(a);
-    if (pair) {
-        p[1] = static_cast<U>(b);
-    }
-}
-"""
-
 _METAL_VEC_HEADER = """
 // "vec" layout: N consecutive elements as scalar accesses (vec is ignored; Apple GPUs merge adjacent
 // accesses of a SIMD group); a load past the end repeats g[n - 1], a store past the end is skipped.
@@ -593,8 +396,7 @@ template <int N, typename U> inline void kv_storen(device U* g, uint c, uint n, 
 DIALECTS = {
     "cuda": {
         "header": _CUDA_HEADER,
-        "wide_header": _CUDA_WIDE_HEADER,
-        "vec_header": _CUDA_VEC_HEADER,
+        "layout_headers": {"warp": "", "vec": _CUDA_VEC_HEADER},
         "tokens": {
             "KV_TID": "(blockIdx.x * blockDim.x + threadIdx.x)",
             "KV_UNROLL": "#pragma unroll",
@@ -602,8 +404,7 @@ DIALECTS = {
     },
     "metal": {
         "header": _METAL_HEADER,
-        "wide_header": _METAL_WIDE_HEADER,
-        "vec_header": _METAL_VEC_HEADER,
+        "layout_headers": {"warp": "", "vec": _METAL_VEC_HEADER},
         "tokens": {"KV_TID": "thread_position_in_grid.x", "KV_UNROLL": "#pragma unroll"},
     },
 }
@@ -611,7 +412,7 @@ DIALECTS = {
 _kernels = {}  # (dialect, kind, layout) -> MLX kernel object, built once
 _instances = set()  # (dialect, kind, layout, dtype, bits, G): one JIT-compiled kernel each
 _enabled = os.environ.get("VQPIPE_KIVI_KERNELS", "1") != "0"
-_layout = os.environ.get("VQPIPE_KIVI_LAYOUT", "default")
+_layout = os.environ.get("VQPIPE_KIVI_LAYOUT", "vec")
 if _layout not in LAYOUTS:
     raise ValueError(f"VQPIPE_KIVI_LAYOUT must be one of {LAYOUTS}, got {_layout!r}")
 
@@ -623,30 +424,29 @@ def _check_layout(name):
 
 
 def layout():
-    """The kernel layout calls use when they pass none: "default" unless changed by
+    """The kernel layout calls use when they pass none: "vec" unless changed by
     :func:`set_layout` or ``VQPIPE_KIVI_LAYOUT``."""
     return _layout
 
 
 def set_layout(name):
-    """Pick the kernel layout ("default" or "wide"; also ``VQPIPE_KIVI_LAYOUT``). Returns the
-    previous one. Both give the same bytes; only speed may differ."""
+    """Pick the kernel layout ("vec" or "warp"; also ``VQPIPE_KIVI_LAYOUT``). Returns the
+    previous one. Both give the same bytes; only speed differs."""
     global _layout
     previous, _layout = _layout, _check_layout(name)
     return previous
 
 
-def render(kind, dialect, layout="default"):
+def render(kind, dialect, layout="vec"):
     """(name, header, body) for one kernel in one dialect and layout. The name carries a digest of
     the source: MLX caches compiled kernels (in memory and as PTX on disk) by name alone."""
     spec = DIALECTS[dialect]
     body = LAYOUT_SOURCES[_check_layout(layout)][kind]
     for token, text in spec["tokens"].items():
         body = body.replace(token, text)
-    header = spec["header"] + (spec[f"{layout}_header"] if layout != "default" else "")
+    header = spec["header"] + spec["layout_headers"][layout]
     digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
-    tag = "" if layout == "default" else f"{layout}_"
-    return f"kivi_{kind}_{tag}{digest}", header, body
+    return f"kivi_{kind}_{layout}_{digest}", header, body
 
 
 def set_enabled(flag):
@@ -683,7 +483,7 @@ def _vec_lanes(group_size, itemsize):
     return min(WARP, 1 << (chunks - 1).bit_length())
 
 
-def _geometry(kind, shape, group_size, layout="default", itemsize=2):
+def _geometry(kind, shape, group_size, layout="vec", itemsize=2):
     """(threads, scale/zero shape) of the keys or values kernel on a [B, H, S, D] input."""
     if len(shape) != 4:
         raise ValueError(f"kernels take [B, H, S, D], got shape {tuple(shape)}")
@@ -692,11 +492,8 @@ def _geometry(kind, shape, group_size, layout="default", itemsize=2):
         raise ValueError("kernels index with 32-bit integers; split the input")
     if kind == "keys":
         ng = -(-s // group_size)
-        per_row = -(-d // 2) if layout == "wide" else d  # wide: one thread per channel pair
-        return b * h * ng * per_row, (b, h, ng, d)
+        return b * h * ng * d, (b, h, ng, d)
     ng = -(-d // group_size)
-    if layout == "wide":  # VGROUPS groups per warp
-        return -(-(b * h * s * ng) // VGROUPS) * WARP, (b, h, s, ng)
     if layout == "vec":  # 32 / L groups per warp (see _VALUES_VEC)
         per_warp = WARP // _vec_lanes(group_size, itemsize)
         return -(-(b * h * s * ng) // per_warp) * WARP, (b, h, s, ng)
@@ -704,7 +501,7 @@ def _geometry(kind, shape, group_size, layout="default", itemsize=2):
 
 
 @functools.lru_cache(maxsize=512)
-def launch_spec(kind, shape, dtype, bits, group_size, layout="default"):
+def launch_spec(kind, shape, dtype, bits, group_size, layout="vec"):
     """Template arguments, grid, threadgroup and output shapes for a launch (cached; read-only).
     ``shape`` is the input's shape, or for ``kind="kv"`` the pair (keys shape, values shape).
     Only the template arguments select a compiled kernel, and they hold no shape."""
