@@ -122,6 +122,39 @@ def test_dispatch_and_switch():
             assert kernels.backend() is None
 
 
+def test_launch_plans_per_key_and_skips_empty_inputs(monkeypatch):
+    """The dispatch's per-key plan cache on CPU, with a stand-in for the compiled kernel: one plan
+    (and one counted kernel instance) per (kind, shapes, dtype, bits, G, layout); an empty input
+    launches nothing and returns zeros of the output shapes."""
+    calls = []
+
+    def fake_kernel(dialect, kind, layout):
+        def run(inputs, output_shapes, output_dtypes, **spec):
+            calls.append((kind, layout, spec["grid"]))
+            return [mx.zeros(s, t) for s, t in zip(output_shapes, output_dtypes)]
+
+        return run
+
+    monkeypatch.setattr(kernels, "backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "_kernel", fake_kernel)
+    monkeypatch.setattr(kernels, "_plans", {})
+    monkeypatch.setattr(kernels, "_instances", set())
+    k = mx.zeros((1, 2, 64, 32), mx.float16)
+    for _ in range(3):
+        kh, vh = kernels.fake_quant_kv_hat(k, k, 4, 32, use_kernels=True)
+    assert kh.shape == vh.shape == k.shape and kh.dtype == mx.float16
+    kernels.fake_quant_kv_hat(k, k, 4, 32, use_kernels=True, layout="warp")
+    (kh, ks, kz), _ = kernels.fake_quant_kv(k, k, 4, 32, use_kernels=True)
+    assert ks.shape == (1, 2, 2, 32) and ks.dtype == mx.float32
+    assert [c[:2] for c in calls] == [("kv_hat", "vec")] * 3 + [("kv_hat", "warp"), ("kv", "vec")]
+    assert len(kernels._plans) == 3 and kernels.compiled_kernel_count() == 3
+    empty = mx.zeros((1, 2, 0, 32), mx.float16)
+    kh, vh = kernels.fake_quant_kv_hat(empty, empty, 4, 32, use_kernels=True)
+    assert kh.shape == (1, 2, 0, 32) and len(calls) == 5 and kernels.compiled_kernel_count() == 3
+    with pytest.raises(ValueError):
+        kernels.fake_quant_kv_hat(k, k, 4, 32, use_kernels=True, layout="wide")
+
+
 # --- GPU: bit-exactness -------------------------------------------------------------------------
 
 
