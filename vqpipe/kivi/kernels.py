@@ -27,7 +27,6 @@ only dtype, bits and G are template arguments, so the number of compiled kernels
 the (kind, layout, dtype, bits, G) combinations used and does not grow with the sequence length.
 """
 
-import functools
 import hashlib
 import os
 import re
@@ -500,9 +499,8 @@ def _geometry(kind, shape, group_size, layout="vec", itemsize=2):
     return b * h * s * ng * WARP, (b, h, s, ng)
 
 
-@functools.lru_cache(maxsize=512)
 def launch_spec(kind, shape, dtype, bits, group_size, layout="vec"):
-    """Template arguments, grid, threadgroup and output shapes for a launch (cached; read-only).
+    """Template arguments, grid, threadgroup and output shapes for a launch.
     ``shape`` is the input's shape, or for ``kind="kv"`` the pair (keys shape, values shape).
     Only the template arguments select a compiled kernel, and they hold no shape."""
     quant._qmax(bits)
@@ -536,6 +534,7 @@ def launch_spec(kind, shape, dtype, bits, group_size, layout="vec"):
 
 
 _plans = {}  # (kind, shape, dtype, bits, G, layout, dialect) -> (kernel or None if empty, spec)
+_MAX_PLANS = 512  # one per flush size and model shape in use; emptied when full
 
 
 def _launch(kind, inputs, shape, bits, group_size, layout=None):
@@ -549,6 +548,8 @@ def _launch(kind, inputs, shape, bits, group_size, layout=None):
         if all(x.size for x in inputs):
             _instances.add((dialect, kind, layout, str(dtype), int(bits), int(group_size)))
             kernel = _kernel(dialect, kind, layout)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
         plan = _plans[key] = (kernel, spec)
     kernel, spec = plan
     if kernel is None:  # an empty input: nothing to launch
