@@ -98,6 +98,13 @@ def test_noise_floor_definition():
     assert noise_floor(a, b) == pytest.approx(2 * se_b)  # sampling term dominates
 
 
+def test_aa_pair_inside_its_own_floor_whichever_is_slower():
+    # The drift term is taken larger over smaller: with |a/a2 - 1| a slower second copy fell outside
+    # (1.0 vs 1.1: floor 0.0909, ratio 1.1), which made the live A/A test below flaky.
+    for a, a2 in (([1.0] * 5, [1.1] * 5), ([1.1] * 5, [1.0] * 5), ([3.0, 3.1, 2.9], [1.7, 1.71, 1.69])):
+        assert compare(a, a2, noise_floor(a, a2))["verdict"] == NO_DIFFERENCE
+
+
 def test_verdicts():
     base = [1.0, 1.01, 0.99]
     assert compare(base, [0.5, 0.49, 0.51], 0.05)["verdict"] == "2.00x faster"

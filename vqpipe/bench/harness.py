@@ -72,12 +72,15 @@ def _rel_se_median(samples):
 def noise_floor(a, a2):
     """Relative noise floor from an A/A pair: two sample lists of the same arm.
 
-    ``max(|median(a) / median(a2) - 1|, 2 * sqrt(se(a)^2 + se(a2)^2))`` where ``se`` is the relative
-    standard error of a median. The first term is the disagreement actually observed between two
-    runs of the same code (drift, position in the interleave); the second is the ~95% sampling
-    spread of a ratio of two medians at this n, so a lucky A/A agreement does not make the floor 0.
+    ``max(larger median / smaller median - 1, 2 * sqrt(se(a)^2 + se(a2)^2))`` where ``se`` is the
+    relative standard error of a median. The first term is the disagreement actually observed between
+    two runs of the same code (drift, position in the interleave), taken larger over smaller so the
+    pair always lies inside its own floor whichever is slower (``compare`` is symmetric in log
+    ratio); the second is the ~95% sampling spread of a ratio of two medians at this n, so a lucky
+    A/A agreement does not make the floor 0.
     """
-    drift = abs(statistics.median(a) / statistics.median(a2) - 1)
+    m, m2 = statistics.median(a), statistics.median(a2)
+    drift = max(m, m2) / min(m, m2) - 1
     sampling = 2 * math.hypot(_rel_se_median(a), _rel_se_median(a2))
     return max(drift, sampling)
 
@@ -91,7 +94,7 @@ def compare(baseline, other, floor):
     mb, mo = statistics.median(baseline), statistics.median(other)
     ratio = mo / mb
     speedup = mb / mo
-    if abs(math.log(ratio)) <= math.log1p(floor):
+    if abs(math.log(ratio)) <= math.log1p(floor) + 1e-12:  # an A/A pair sits on its floor's edge: no rounding flip
         verdict = NO_DIFFERENCE
     elif speedup > 1:
         verdict = f"{speedup:.2f}x faster"
