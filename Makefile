@@ -1,8 +1,11 @@
 # The two commands: `make run` (default pipeline) and `make test` (test suite). Each sets up .venv.
 CORES ?= 2
 SNAKEMAKE_ARGS ?=
+# The CPU BLAS is decided by the environment a process starts in (vqpipe/blas.py): the Snakefile
+# sets it for its jobs; the tests get it here, so in-process and subprocess results agree.
+BLAS_ENV = env $$(.venv/bin/python -m vqpipe.blas --env)
 
-.PHONY: setup run test clean
+.PHONY: setup run test test-fast clean
 setup:
 	bash scripts/setup.sh
 
@@ -11,7 +14,11 @@ run: setup
 
 # One OpenBLAS thread for tests: on a busy 2-core machine threaded QR/GEMM runs up to 30x slower.
 test: setup
-	OPENBLAS_NUM_THREADS=1 .venv/bin/python -m pytest -q -ra tests
+	$(BLAS_ENV) OPENBLAS_NUM_THREADS=1 .venv/bin/python -m pytest -q -ra tests
+
+# The development loop: everything but the `slow` tests (real Snakemake runs, campaigns).
+test-fast: setup
+	$(BLAS_ENV) OPENBLAS_NUM_THREADS=1 .venv/bin/python -m pytest -q -ra -m "not slow" tests
 
 clean:
 	rm -rf results logs .snakemake

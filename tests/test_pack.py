@@ -172,3 +172,20 @@ def test_bench_load_smoke(tiny_llama_source, tmp_path):
     mp = doc["multiprocess"]
     assert mp["reservoir_load"]["Rss"]["n"] == 2 and mp["reservoir_load"]["Pss"]["median"] > 0
     assert {c["other_arm"] for c in doc["comparisons"]} == {"reservoir-on-auto", "reservoir-off-auto"}
+
+
+def test_load_warns_when_the_reference_setup_differs(packed, tmp_path):
+    import shutil
+    import warnings
+
+    info = json.loads((packed["off"] / "pack.json").read_text())
+    assert info["reference_setup"]["blas"]["name"]  # the setup the reference logits were made under
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        vqpipe.load(packed["off"])  # same process setup as quantize: no warning
+    other = tmp_path / "other"
+    shutil.copytree(packed["off"], other)
+    info["reference_setup"]["blas"]["name"] = "some-other-blas"
+    (other / "pack.json").write_text(json.dumps(info))
+    with pytest.warns(UserWarning, match="blas.name: 'some-other-blas' \\(artifact\\)"):
+        vqpipe.load(other)

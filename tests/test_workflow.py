@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 IGNORE = shutil.ignore_patterns(
     ".git", ".venv", ".gpu", ".whl", "results", "logs", ".snakemake", "__pycache__", ".pytest_cache",
-    "*.egg-info", "report.html",
+    "*.egg-info", "report.html", ".wt", ".dev-*",
 )
 CI = ["--configfile", "config/ci.yaml"]
 MODEL, VARIANT = "tiny", "b4-auto"
@@ -227,7 +227,14 @@ def test_editing_a_stage_reruns_it_and_what_follows(tree, source, first):
 
 def test_editing_reservoir_reruns_pack_and_what_follows(tree):
     smk(tree, *CI)
-    edit(tree / "vqpipe/reservoir.py")
+    restore = edit(tree / "vqpipe/reservoir.py")
+    try:
+        _rebuild_after_reservoir_edit(tree)
+    finally:
+        restore()  # the edit is a comment: the artifacts built with it are those of the original
+
+
+def _rebuild_after_reservoir_edit(tree):
     stats = plan(tree, *CI)
     assert "download" not in stats and "quantize" not in stats
     assert stats["pack"] == 2 and stats["validate"] == 2 and "report" in stats
@@ -241,7 +248,14 @@ def test_editing_reservoir_reruns_pack_and_what_follows(tree):
 
 def test_killed_run_resumes(tree):
     smk(tree, *CI)
-    edit(tree / "vqpipe/reservoir.py", "\n# edited again\n")  # pack and what follows are stale
+    restore = edit(tree / "vqpipe/reservoir.py", "\n# edited again\n")  # pack and what follows are stale
+    try:
+        _kill_and_resume(tree)
+    finally:
+        restore()
+
+
+def _kill_and_resume(tree):
     quantized_before = mtimes(tree, [SOURCE, QUANTIZED])
     t0 = time.time()
     with open(tree / "killed-run.log", "w") as log:
@@ -288,9 +302,17 @@ def test_snakemake_report_includes_report_outputs(tree):
     out = tree / "report.html"
     smk(tree, *CI, "--report", str(out))
     html = out.read_text(errors="replace")
-    for name in ("index.html", "report.md", "summary.json", "plots/load_time.png"):
+    for name in ("report.md", "summary.json", "plots/load_time.png"):
         assert f"{REPORT}/{name}" in html
     assert VERDICT.format("on") in html
+    assert "reproduce the quantize stage" in html and "re-quantizing from the source" in html  # captions
+    # The zip form holds the embedded results as files: vqpipe's own HTML page is not among them.
+    smk(tree, *CI, "--report", str(tree / "report.zip"))
+    import zipfile
+
+    names = zipfile.ZipFile(tree / "report.zip").namelist()
+    assert any(n.endswith("/report.md") for n in names), names
+    assert not any(n.endswith("/index.html") for n in names), names  # one report is not nested in the other
 
 
 def test_bad_round_trip_stops_downstream(tree):

@@ -4,7 +4,21 @@ __version__ = "0.1.0"
 
 
 def load(path):
-    """Load ``(model, tokenizer)`` from a reservoir directory, like ``mlx_lm.load``."""
+    """Load ``(model, tokenizer)`` from a reservoir directory, like ``mlx_lm.load``.
+
+    Warns (``UserWarning``) when this process's backend, BLAS or MLX version differs from the
+    one the reservoir's reference logits were made under: its logits then differ in the last bits.
+    """
+    import json
+    from pathlib import Path
+
+    from .blas import warn_if_other
     from .reservoir import load as _load
 
-    return _load(path)
+    model, tokenizer = _load(path)
+    info = Path(path) / "pack.json"
+    if info.is_file():
+        setup = json.loads(info.read_text()).get("reference_setup")
+        if setup:
+            warn_if_other(setup, f"reservoir {path}")
+    return model, tokenizer

@@ -31,10 +31,12 @@ def main(argv=None):
         print(f"vqpipe: unknown stage {name!r}; choose one of: {', '.join(STAGES)}", file=sys.stderr)
         return 2
     if as_program:
-        # Pick the BLAS before mlx loads (re-executes this process with LD_PRELOAD when needed).
+        # The BLAS is fixed when the process starts (vqpipe/blas.py); say so when it is not the policy's.
         from . import blas
 
-        blas.ensure()
+        mismatch = blas.policy_mismatch()
+        if mismatch:
+            print(f"vqpipe: warning: {mismatch}", file=sys.stderr)
     module = importlib.import_module(STAGES[name])
     return module.main(rest) or 0
 

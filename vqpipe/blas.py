@@ -11,24 +11,23 @@ Policy, from the environment variable ``VQPIPE_BLAS``:
 - ``openblas``: require it (error when it is not installed).
 - ``reference``: the wheel's bundled BLAS.
 
-``ensure()`` re-executes the current program with ``LD_PRELOAD`` set (or cleared) to match; call it
-before anything imports mlx. ``in_use()`` reports what this process really binds to, and every
-artifact records it (``environment()["blas"]``), so results from two BLAS setups are never compared.
+A library cannot be preloaded into a running process, so the BLAS is decided at one boundary, the
+environment a process starts in: the Snakefile sets it for every job, the Makefile for the tests,
+and ``source scripts/env.sh`` (``python -m vqpipe.blas --exports``) for a shell. Nothing re-executes
+itself. ``in_use()`` reports what this process really binds to; every artifact records it, validate
+refuses to compare across setups (vqpipe/numerics.py) and ``vqpipe.load`` warns (``warn_if_other``).
 
-This module must not import mlx at import time: ``ensure()`` runs before the library is loaded.
+This module must not import mlx at import time: the Snakefile imports it.
 """
 
 import argparse
 import ctypes
-import hashlib
-import json
 import os
-import subprocess
 import sys
 import sysconfig
+import warnings
 
 CHOICES = ("auto", "openblas", "reference")
-_REEXEC_FLAG = "_VQPIPE_BLAS_REEXEC"
 
 
 def _multiarch():
@@ -91,35 +90,6 @@ def env_for(setup, env=None):
         out.pop("LD_PRELOAD", None)
     out["VQPIPE_BLAS"] = setup
     return out
-
-
-def shell_prefix(setup=None):
-    """``VAR=value`` words to put before a shell command so it runs on ``setup`` (default: the policy)."""
-    setup = setup or choice()
-    if setup == "openblas":
-        return f"VQPIPE_BLAS=openblas LD_PRELOAD={':'.join(openblas_libs())} "
-    return f"VQPIPE_BLAS={setup} "
-
-
-def ensure():
-    """Re-exec this program (``sys.orig_argv``) so its BLAS matches the policy; no-op when it does.
-
-    Must run before mlx is imported: a library cannot be preloaded into a running process.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    retried = os.environ.pop(_REEXEC_FLAG, None)
-    want = choice()
-    if preloaded() == want:
-        return
-    if retried:
-        print(f"vqpipe: could not switch BLAS to {want}; continuing with {preloaded()}", file=sys.stderr)
-        return
-    env = env_for(want)
-    env[_REEXEC_FLAG] = "1"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 class _DlInfo(ctypes.Structure):
@@ -217,162 +187,78 @@ def in_use():
     return info
 
 
-def setup_key(env):
-    """``backend/blas`` (plus ``(N threads)`` for OpenBLAS) of an artifact's ``environment``. OpenBLAS's thread count is part of
-    it: some GEMM shapes round differently with 1 and 2 threads (docs/benchmarking.md)."""
-    b = env.get("blas") or {}
-    threads = f"({b['threads']} threads)" if b.get("threads") else ""
-    return f"{env.get('backend')}/{b.get('name')}{threads}"
+def apply(setup, environ=None):
+    """Set ``environ`` (default: this process's) so processes started from now on run ``setup``."""
+    environ = os.environ if environ is None else environ
+    new = env_for(setup, environ) if setup in ("openblas", "reference") else {**environ, "VQPIPE_BLAS": setup}
+    if "LD_PRELOAD" not in new:
+        environ.pop("LD_PRELOAD", None)
+    environ.update(new)
 
 
-def same_setup(env_a, env_b):
-    """Whether two artifacts' ``environment`` dicts ran on the same backend and BLAS."""
-    return setup_key(env_a) == setup_key(env_b)
+def prepend_path(directory, environ=None):
+    """Put ``directory`` first on ``environ``'s PATH (where jobs find ``python``)."""
+    environ = os.environ if environ is None else environ
+    environ["PATH"] = f"{directory}{os.pathsep}{environ.get('PATH', '')}"
 
 
-def require_same(env_a, env_b, what="results"):
-    """Refuse to compare ``what`` computed under different BLAS setups (sums differ in the last bits)."""
-    if not same_setup(env_a, env_b):
-        raise ValueError(
-            f"refusing to compare {what} across setups {setup_key(env_a)} and {setup_key(env_b)}; "
-            "rerun both under one VQPIPE_BLAS (and OPENBLAS_NUM_THREADS) setting"
-        )
+def policy_mismatch():
+    """A sentence when this process's BLAS is not the one the policy asks for, else None.
+
+    Only what the environment would preload is compared (no mlx import): call it at start-up.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        want = choice()
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+    have = preloaded()
+    if want == have:
+        return None
+    return (f"VQPIPE_BLAS={os.environ.get('VQPIPE_BLAS', 'auto')} asks for {want}, but this process "
+            f"runs the {have} BLAS (LD_PRELOAD decides it when the process starts): "
+            "run `source scripts/env.sh` or `eval \"$(python -m vqpipe.blas --exports)\"` first")
 
 
-# --- measuring the difference ------------------------------------------------------------------
+def warn_if_other(recorded, what):
+    """Warn when ``recorded`` (an artifact's environment record) used another setup than this process.
 
-# (label, M, K, N, dtype): prefill-like GEMMs in the three dtypes and a decode-like GEMV.
-CASES = (
-    ("gemm", 1024, 1024, 1024, "float32"),
-    ("gemm", 1024, 1024, 1024, "bfloat16"),
-    ("gemm", 1024, 1024, 1024, "float16"),
-    ("gemv", 1, 4096, 4096, "float32"),
-)
-
-
-def measure(repeats=5, warmup=1, cases=CASES):
-    """Matmul FLOP/s for ``cases`` in this process, plus a checksum of each result (determinism)."""
+    Results still load; their floats may differ from the artifact's own reference in the last bits.
+    """
     import mlx.core as mx
-    import numpy as np
 
-    from .bench.roofline import matmul_flops
+    from . import numerics
 
-    out = {"blas": in_use(), "loadavg_start": list(os.getloadavg()), "cases": []}
-    for label, m, k, n, dtype in cases:
-        rate = matmul_flops(m, k, n, dtype, repeats=repeats, warmup=warmup)
-        ka, kb = mx.random.split(mx.random.key(0))
-        a = mx.random.normal((m, k), key=ka).astype(getattr(mx, dtype))
-        b = mx.random.normal((k, n), key=kb).astype(getattr(mx, dtype))
-        c = np.asarray((a @ b).astype(mx.float32))
-        digest = hashlib.sha256(c.tobytes()).hexdigest()[:16]
-        out["cases"].append({"op": label, "shape": [m, k, n], "dtype": dtype, "flops": rate, "sha256": digest})
-    return out
-
-
-# A small llama-shaped model (random weights, ~15.5M parameters: 62 MB in fp32, beyond the L3 cache).
-MODEL_ARGS = dict(
-    model_type="llama", hidden_size=512, num_hidden_layers=4, intermediate_size=1408, num_attention_heads=8,
-    num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=8192, tie_word_embeddings=False,
-)
-
-
-def measure_model(dtypes=("float32", "bfloat16"), prompt=128, repeats=5, warmup=1):
-    """Prefill tok/s (``prompt`` tokens) and decode tok/s (one token at context ``prompt``) per dtype."""
-    import mlx.core as mx
-    import numpy as np
-    from mlx_lm.models import llama
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from .bench.harness import run_interleaved, summarize
-
-    out = []
-    for dtype in dtypes:
-        mx.random.seed(0)
-        model = llama.Model(llama.ModelArgs(**MODEL_ARGS))
-        model.set_dtype(getattr(mx, dtype))
-        mx.eval(model.parameters())
-        prompts = [mx.random.randint(0, MODEL_ARGS["vocab_size"], (1, prompt)) for _ in range(2)]
-        cache = make_prompt_cache(model)
-        logits = model(prompts[0], cache=cache).astype(mx.float32)
-        digest = hashlib.sha256(np.asarray(logits).tobytes()).hexdigest()[:16]
-
-        def decode(i):
-            for c in cache:  # keep the context fixed at `prompt`
-                c.trim(c.offset - prompt)
-            return model(prompts[i][:, :1], cache=cache)
-
-        times = run_interleaved(
-            {"prefill": lambda i: model(prompts[i]), "decode": decode}, len(prompts), repeats, warmup
-        )
-        out.append({
-            "dtype": dtype,
-            "prefill_tok_s": summarize([prompt / t for t in times["prefill"]]),
-            "decode_tok_s": summarize([1 / t for t in times["decode"]]),
-            "prefill_logits_sha256": digest,
-        })
-    return out
-
-
-def compare_setups(runs=2, repeats=5, warmup=1):
-    """Measure each setup in fresh subprocesses, interleaved (ref, openblas, ref, openblas, ...)."""
-    setups = ["reference"] + (["openblas"] if openblas_available() else [])
-    results = {s: [] for s in setups}
-    for _ in range(runs):
-        for s in setups:
-            cmd = [sys.executable, "-m", "vqpipe.blas", "--child", "--repeats", str(repeats), "--warmup", str(warmup)]
-            proc = subprocess.run(cmd, env=env_for(s), capture_output=True, text=True, check=True)
-            results[s].append(json.loads(proc.stdout))
-    return results
-
-
-def _report(results):
-    lines = []
-    for setup, runs in results.items():
-        lines.append(f"{setup}: {runs[0]['blas']['path']} {runs[0]['blas'].get('config', '')}".rstrip())
-        loads = [r[k][0] for r in runs for k in ("loadavg_start", "loadavg_end") if k in r]
-        if loads:
-            lines.append(f"  1-min load average during the runs: {min(loads):.2f}-{max(loads):.2f} ({os.cpu_count()} CPUs)")
-        for i, case in enumerate(runs[0]["cases"]):
-            per_run = [r["cases"][i] for r in runs]
-            same = len({c["sha256"] for c in per_run}) == 1 if len(per_run) > 1 else "n/a (1 run)"
-            meds = ", ".join(f"{c['flops']['median'] / 1e9:.1f} [{c['flops']['min'] / 1e9:.1f}-{c['flops']['max'] / 1e9:.1f}]" for c in per_run)
-            m, k, n = case["shape"]
-            lines.append(
-                f"  {case['op']} {m}x{k}x{n} {case['dtype']:<8} GFLOP/s median [min-max] per run "
-                f"(n={case['flops']['n']}): {meds}; identical results across runs: {same}"
-            )
-        for i, case in enumerate(runs[0].get("model", [])):
-            for key in ("prefill_tok_s", "decode_tok_s"):
-                per_run = [r["model"][i][key] for r in runs]
-                meds = ", ".join(f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}]" for s in per_run)
-                lines.append(f"  llama-15M {case['dtype']:<8} {key} median [min-max] per run (n={per_run[0]['n']}): {meds}")
-            if len(runs) > 1:
-                same = len({r["model"][i]["prefill_logits_sha256"] for r in runs}) == 1
-                lines.append(f"  llama-15M {case['dtype']:<8} prefill logits identical across runs: {same}")
-    return "\n".join(lines)
+    dev = mx.default_device()
+    here = {"backend": "gpu" if dev.type == mx.gpu else "cpu", "device": str(dev), "blas": in_use(),
+            "versions": {"mlx": mx.__version__}}
+    diff = numerics.differences(recorded, here, ("artifact", "here"))
+    if diff:
+        warnings.warn(f"{what} was made under another numeric setup ({'; '.join(diff)}); logits "
+                      "can differ from its reference in the last bits", stacklevel=3)
+    return diff
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m vqpipe.blas", description=__doc__.split("\n")[0])
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--runs", type=int, default=2, help="fresh processes per setup (determinism check)")
-    p.add_argument("--json", help="also write the raw figures here")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--exports", action="store_true",
+                   help="print `export VAR=value` lines that give a shell the policy's BLAS")
+    p.add_argument("--env", action="store_true", help="print VAR=value words for env(1)")
     args = p.parse_args(argv)
-    if args.child:
-        result = measure(args.repeats, args.warmup)
-        result["model"] = measure_model(repeats=args.repeats, warmup=args.warmup)
-        result["loadavg_end"] = list(os.getloadavg())
-        print(json.dumps(result))
-        return 0
-    print(f"policy: VQPIPE_BLAS={os.environ.get('VQPIPE_BLAS', 'auto')} -> {choice()}")
-    results = compare_setups(args.runs, args.repeats, args.warmup)
-    print(_report(results))
-    if args.json:
-        from .report import write_atomic
-
-        write_atomic(args.json, json.dumps(results, indent=1).encode())
+    try:
+        env = env_for(choice()) if sys.platform.startswith("linux") else {"VQPIPE_BLAS": choice()}
+    except (ValueError, RuntimeError) as e:
+        print(f"vqpipe.blas: error: {e}", file=sys.stderr)
+        return 2
+    pairs = [(k, env.get(k, "")) for k in ("VQPIPE_BLAS", "LD_PRELOAD")]
+    if args.exports:
+        print("\n".join(f"export {k}='{v}'" for k, v in pairs))
+    elif args.env:
+        print(" ".join(f"{k}={v}" for k, v in pairs))
+    else:
+        print(f"policy: VQPIPE_BLAS={os.environ.get('VQPIPE_BLAS', 'auto')} -> {choice()}; "
+              f"this process preloads: {preloaded()}")
     return 0
 
 

@@ -138,6 +138,12 @@ def atomic_dir(path):
             shutil.rmtree(tmp)
 
 
+def write_bytes(path, data):
+    """Write bytes (or str) to ``path`` atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+
+
 def write_json(path, obj):
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")

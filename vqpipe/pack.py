@@ -43,6 +43,14 @@ def read_artifact(quantized):
     return meta["layers"], arrays, params, config
 
 
+def _reference_setup(quantized):
+    path = Path(quantized) / "reference.json"
+    if not path.is_file():
+        return None
+    env = json.loads(path.read_text()).get("environment") or {}
+    return {k: env.get(k) for k in ("backend", "device", "blas", "versions")}
+
+
 def run(quantized, out, persist_rotation, progress=print):
     t0 = time.perf_counter()
     quantized, out = Path(quantized), Path(out)
@@ -58,6 +66,8 @@ def run(quantized, out, persist_rotation, progress=print):
             "quantized": str(quantized),
             "persist_rotation": bool(persist_rotation),
             "n_layers": len(metas),
+            # The setup the reference logits were made under: vqpipe.load warns when it differs.
+            "reference_setup": _reference_setup(quantized),
             "seconds": time.perf_counter() - t0,
             **sizes(header),
         }

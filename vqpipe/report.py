@@ -15,7 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-from . import blas
+from . import numerics
+from .fsutil import write_bytes
 from .bench import roofline as rl
 
 KINDS = ("quantize", "pack", "validate", "bench-load", "bench-decode", "bench-kivi", "bench-quality")
@@ -25,18 +26,6 @@ _STAT_KEYS = ("n", "median", "min", "max")
 _NOT_COPIED = ("environment", "reference_environment", "layers")
 # bench-quality's methods, as pipeline variants (quality.py: rotated = rotation auto, unrotated = none).
 _QUALITY_VARIANT = {"rotated": "b{bits}-auto", "unrotated": "b{bits}-none", "affine": "mlx-affine-b{bits}"}
-
-
-def write_atomic(path, data):
-    """Write bytes (or str) to ``path`` through a temporary file and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # --- reading artifacts -------------------------------------------------------------------------
@@ -258,7 +247,7 @@ def build_summary(loaded):
         key = _env_key(env)
         if key not in ids:
             ids[key] = f"env{len(envs) + 1}"
-            envs.append({"id": ids[key], "environment": env, "setup": blas.setup_key(env), "artifacts": []})
+            envs.append({"id": ids[key], "environment": env, "setup": numerics.key(env), "artifacts": []})
         a["env"] = ids[key]
         entry = envs[int(ids[key][3:]) - 1]
         entry["artifacts"].append(a["path"])
@@ -272,7 +261,7 @@ def build_summary(loaded):
         if a["env"]:
             env = a["environment"]
             by_blas.setdefault(f"{env.get('backend')}/{(env.get('blas') or {}).get('name')}", []).append(a["path"])
-            by_threads.setdefault(blas.setup_key(env), []).append(a["path"])
+            by_threads.setdefault(numerics.key(env), []).append(a["path"])
         elif a["kind"] != "pack":
             warnings.append(f"{a['path']}: no environment recorded")
     if len(by_blas) > 1:
@@ -920,11 +909,11 @@ def make_report(inputs, out_dir):
     plots = {"load_time": plot_load(summary), "decode_context": plot_decode(summary),
              "kernel_speedup": plot_kernels(summary), "roofline": plot_roofline(summary)}
     for name, png in plots.items():
-        write_atomic(out_dir / "plots" / f"{name}.png", png)
+        write_bytes(out_dir / "plots" / f"{name}.png", png)
     doc = render(summary, plots)
-    write_atomic(out_dir / "report.md", doc.markdown())
-    write_atomic(out_dir / "index.html", doc.html("vqpipe report"))
-    write_atomic(out_dir / "summary.json", json.dumps(summary, indent=1, default=str))
+    write_bytes(out_dir / "report.md", doc.markdown())
+    write_bytes(out_dir / "index.html", doc.html("vqpipe report"))
+    write_bytes(out_dir / "summary.json", json.dumps(summary, indent=1, default=str))
     return summary
 
 

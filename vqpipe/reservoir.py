@@ -190,9 +190,6 @@ def write_reservoir(path, metas, arrays, params, persist_rotation=False, config=
             os.fsync(f.fileno())
             f.seek(0)
             f.write(prefix.ljust(PREFIX_SIZE, b"\0"))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a reservoir is shared read-only data
     header["_data_offset"], header["_file_size"] = data_offset, end
     return header
 

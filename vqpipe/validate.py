@@ -22,27 +22,14 @@ import sys
 import time
 from pathlib import Path
 
+from . import numerics
+
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
-
-# Environment keys that change float results; each is a path into the environment dict.
-# OpenBLAS thread counts matter too: some GEMM shapes round differently with 1 and 2 threads.
-SETUP_KEYS = (("backend",), ("device",), ("blas", "name"), ("blas", "threads"), ("versions", "mlx"))
-
-
-def _get(env, path):
-    for key in path:
-        env = env.get(key) if isinstance(env, dict) else None
-    return env
 
 
 def setup_differences(reference_env, current_env):
     """``["blas.name: 'openblas' (reference) != 'reference' (here)", ...]``; empty when comparable."""
-    out = []
-    for path in SETUP_KEYS:
-        a, b = _get(reference_env, path), _get(current_env, path)
-        if a != b:
-            out.append(f"{'.'.join(path)}: {a!r} (reference) != {b!r} (here)")
-    return out
+    return numerics.differences(reference_env, current_env)
 
 
 def compare_arrays(got, want):

@@ -23,6 +23,8 @@ rule bench_quality:
     resources:
         mem_mb=res("benchmark", "mem_mb"),
         runtime=res("benchmark", "runtime"),
+    conda:
+        ENV
     shell:
         vqpipe_cmd(
             "bench-quality --source {input.source:q} --model {params.model} --bits {params.bits}"
@@ -53,6 +55,8 @@ rule bench_load:
     resources:
         mem_mb=res("benchmark", "mem_mb"),
         runtime=res("benchmark", "runtime"),
+    conda:
+        ENV
     shell:
         vqpipe_cmd(
             "bench-load --source {input.source:q} --model {params.model} --bits {params.bits}"
@@ -74,7 +78,6 @@ rule bench_decode:
         BENCH_DECODE,
     params:
         model="{model}",
-        reservoir=decode_artifact(RESERVOIR),
         options=decode_options(),
         kivi_ops=lambda wc, input: f"--kivi-ops {input.kivi_ops[0]}" if input.kivi_ops else "",
         blas=BLAS,
@@ -86,6 +89,8 @@ rule bench_decode:
     resources:
         mem_mb=res("benchmark", "mem_mb"),
         runtime=res("benchmark", "runtime"),
+    conda:
+        ENV
     shell:
         vqpipe_cmd(
             "bench-decode --source {input.source:q} --reservoir {input.reservoir:q} --model {params.model}"
@@ -111,5 +116,7 @@ rule bench_kivi:
     resources:
         mem_mb=res("benchmark", "mem_mb"),
         runtime=res("benchmark", "runtime"),
+    conda:
+        ENV
     shell:
         vqpipe_cmd("bench-kivi {params.quick} --bits {params.bits} --dtype {params.dtype} --out {output:q}")

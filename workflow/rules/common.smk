@@ -3,19 +3,26 @@
 
 import ast
 import functools
+import importlib
+import importlib.metadata
 import os
 import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-# The vqpipe package next to this Snakefile (a temporary copy of the repository uses its own).
-ROOT = Path(workflow.basedir)
+# The repository holding this workflow/ (a temporary copy of the repository uses its own vqpipe).
+ROOT = Path(workflow.basedir).parent
 sys.path.insert(0, str(ROOT))
 from vqpipe import blas as vqblas  # noqa: E402  (does not import mlx)
 
-# The interpreter running Snakemake (the project's .venv) runs every stage.
-PYTHON = sys.executable
+# The interpreter running Snakemake (the project's .venv) runs every stage: its bin/ goes first on
+# the PATH the jobs inherit (with --use-conda, the rule's environment goes before it).
+envvars:
+    "PATH",
+
+
+vqblas.prepend_path(Path(sys.executable).parent)
 
 
 # --- artifact paths (docs/architecture.md) -----------------------------------------------------
@@ -111,22 +118,27 @@ try:
 except (ValueError, RuntimeError) as e:
     raise WorkflowError(f"config key 'blas': {e}")
 
-if BLAS == "openblas":
-    BLAS_ENV = "VQPIPE_BLAS=openblas LD_PRELOAD=" + ":".join(vqblas.openblas_libs())
-elif BLAS == "reference":
-    BLAS_ENV = "VQPIPE_BLAS=reference LD_PRELOAD="
-else:
-    BLAS_ENV = "VQPIPE_BLAS=auto"
+# The one place the BLAS of a job is decided: the environment every job starts in (vqpipe/blas.py).
+vqblas.apply(BLAS)
+
+# Software whose version changes artifacts: a param of the cached rules, so the between-workflow
+# cache (which omits the software environment) rebuilds when mlx, mlx-lm or vqpipe changes.
+SOFTWARE = {d: importlib.metadata.version(d) for d in ("mlx", "mlx-lm", "numpy")}
+SOFTWARE["vqpipe"] = importlib.import_module("vqpipe").__version__
+
+# The rules' software environment (the pinned dependencies of pyproject.toml): used with --use-conda.
+ENV = "../envs/vqpipe.yaml"
 
 
 def vqpipe_cmd(args):
-    """The shell command of a stage: ``python -m vqpipe ARGS`` under the BLAS setup, logged.
+    """The shell command of a stage: ``python -m vqpipe ARGS``, logged.
 
-    {BLAS_ENV} and {PYTHON} are filled in when the job runs, so the command template (part of the
-    between-workflow cache key) is the same on every machine. The OpenBLAS thread count does not
-    change results; PYTHONUNBUFFERED makes progress lines reach the log as they happen.
+    Only job-local values are filled in ({threads}, {log}): the command template (part of the
+    between-workflow cache key) is the same on every machine. OPENBLAS_NUM_THREADS follows the
+    rule's threads (every artifact records it in its setup); PYTHONUNBUFFERED makes progress lines
+    reach the log as they happen.
     """
-    return f"{{BLAS_ENV}} OPENBLAS_NUM_THREADS={{threads}} PYTHONUNBUFFERED=1 {{PYTHON}} -m vqpipe {args} > {{log:q}} 2>&1"
+    return f"OPENBLAS_NUM_THREADS={{threads}} PYTHONUNBUFFERED=1 python -m vqpipe {args} > {{log:q}} 2>&1"
 
 
 # --- resources -----------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ rule download:
     output:
         directory(SOURCE),
     params:
+        software=SOFTWARE,
         model="{model}",
         source=lambda wc: config["models"][wc.model]["source"],
         seed=lambda wc: config["models"][wc.model]["seed"],
@@ -17,5 +18,7 @@ rule download:
         mem_mb=res("download", "mem_mb"),
         runtime=res("download", "runtime"),
     cache: "omit-software"
+    conda:
+        ENV
     shell:
         vqpipe_cmd("download --source {params.source:q} --out {output:q} --seed {params.seed}")

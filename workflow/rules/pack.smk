@@ -8,6 +8,7 @@ rule pack:
     output:
         directory(RESERVOIR),
     params:
+        software=SOFTWARE,
         # The between-workflow cache key ignores wildcards: persist must be a param, or the
         # persist-on and persist-off reservoirs would share one cache entry.
         model="{model}",
@@ -21,6 +22,8 @@ rule pack:
         mem_mb=res("pack", "mem_mb"),
         runtime=res("pack", "runtime"),
     cache: "omit-software"
+    conda:
+        ENV
     shell:
         vqpipe_cmd(
             "pack --quantized {input.quantized:q} --out {output:q} --persist-rotation {params.persist_rotation}"

@@ -11,6 +11,7 @@ rule quantize:
     output:
         directory(QUANTIZED),
     params:
+        software=SOFTWARE,
         model="{model}",
         bits="{bits}",
         rotation="{rotation}",
@@ -28,6 +29,8 @@ rule quantize:
         mem_mb=res("quantize", "mem_mb"),
         runtime=res("quantize", "runtime"),
     cache: "omit-software"
+    conda:
+        ENV
     shell:
         vqpipe_cmd(
             "quantize --source {input.source:q} --out {output:q} --bits {params.bits}"

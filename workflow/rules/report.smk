@@ -1,5 +1,6 @@
-# report: every JSON artifact -> results/report/{index.html, report.md, summary.json, plots/*.png},
-# each flagged with report() so `snakemake --report report.html` embeds them.
+# report: every JSON artifact -> results/report/{index.html, report.md, summary.json, plots/*.png};
+# report.md, summary.json and the plots go into `snakemake --report report.html` with the captions
+# of workflow/report/.
 
 
 rule report:
@@ -10,11 +11,21 @@ rule report:
         bench=bench_outputs(),
         code=stage_sources("vqpipe.report"),
     output:
-        html=report("results/report/index.html", category="Report", labels={"file": "index.html"}),
-        md=report("results/report/report.md", category="Report", labels={"file": "report.md"}),
-        summary=report("results/report/summary.json", category="Report", labels={"file": "summary.json"}),
+        # index.html is the same report as one self-contained page: not nested in Snakemake's own.
+        html="results/report/index.html",
+        md=report(
+            "results/report/report.md", caption="../report/report_md.rst", category="Report",
+            labels={"file": "report.md"},
+        ),
+        summary=report(
+            "results/report/summary.json", caption="../report/summary.rst", category="Report",
+            labels={"file": "summary.json"},
+        ),
         plots=[
-            report(f"results/report/plots/{p}.png", category="Plots", labels={"plot": p})
+            report(
+                f"results/report/plots/{p}.png", caption=f"../report/{p}.rst", category="Plots",
+                labels={"plot": p},
+            )
             for p in REPORT_PLOTS
         ],
     params:
@@ -30,5 +41,7 @@ rule report:
     resources:
         mem_mb=res("report", "mem_mb"),
         runtime=res("report", "runtime"),
+    conda:
+        ENV
     shell:
         vqpipe_cmd("report --inputs {params.inputs:q} --out {params.out:q}")

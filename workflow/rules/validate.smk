@@ -12,6 +12,7 @@ rule validate:
     output:
         report(
             VERDICT,
+            caption="../report/validate.rst",
             category="Validation",
             subcategory="{model}",
             labels={"model": "{model}", "variant": "b{bits}-{rotation}", "persist_rotation": "{persist}"},
@@ -27,6 +28,8 @@ rule validate:
     resources:
         mem_mb=res("validate", "mem_mb"),
         runtime=res("validate", "runtime"),
+    conda:
+        ENV
     shell:
         vqpipe_cmd(
             "validate --reservoir {input.reservoir:q} --reference {input.reference:q} --out {output:q}"
