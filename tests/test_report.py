@@ -231,10 +231,12 @@ def test_mixed_blas_is_flagged(tmp_path, env):
     assert "Warning" in (tmp_path / "r" / "report.md").read_text()
 
 
-def test_write_atomic_replaces(tmp_path):
+def test_write_bytes_replaces(tmp_path):
+    from vqpipe.fsutil import write_bytes
+
     p = tmp_path / "a" / "x.txt"
-    report.write_atomic(p, "one")
-    report.write_atomic(p, b"two")
+    write_bytes(p, "one")
+    write_bytes(p, b"two")
     assert p.read_text() == "two" and [q.name for q in p.parent.iterdir()] == ["x.txt"]
 
 

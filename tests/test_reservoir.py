@@ -14,6 +14,7 @@ import pytest
 import xxhash
 from mlx.utils import tree_flatten
 
+from vqpipe import prefault, zerocopy
 from vqpipe import reservoir as R
 from vqpipe.quantize import quantize_model, quantized_layers
 
@@ -544,10 +545,10 @@ def test_stale_temp_dir_of_dead_writer_is_removed(tmp_path):
 
 TRUNCATE_SCRIPT = textwrap.dedent("""
     import os, sys
-    from vqpipe import reservoir as R
+    from vqpipe import prefault as P, reservoir as R
     path, where, prefault = sys.argv[1], sys.argv[2], sys.argv[3] == "prefault"
     if prefault:
-        R.PREFAULT_MIN = 0
+        P.PREFAULT_MIN = 0
     header = R.read_header(path)
     big = max(header["blobs"], key=lambda b: b["nbytes"])
     at = {"data-start": header["_data_offset"], "zero": 0,
@@ -589,20 +590,20 @@ def test_verify_blobs_truncated_while_reading(good, tmp_path):
         R.verify_blobs(p, header)
 
 
-@pytest.mark.skipif(not R.prefault_policy()[0], reason="prefaulting needs Linux + glibc + the CPU backend")
+@pytest.mark.skipif(not prefault.prefault_policy()[0], reason="prefaulting needs Linux + glibc + the CPU backend")
 def test_prefault_path_is_bit_exact_and_restores_malloc(built, monkeypatch):
     import ctypes
     import threading
 
-    monkeypatch.setattr(R, "PREFAULT_MIN", 0)
+    monkeypatch.setattr(prefault, "PREFAULT_MIN", 0)
     ranges = []
-    enter = R._Prefault.__enter__
+    enter = prefault.Prefault.__enter__
 
     def recording_enter(self):
         out = enter(self)
         ranges.append(self.range)
         return out
-    monkeypatch.setattr(R._Prefault, "__enter__", recording_enter)
+    monkeypatch.setattr(prefault.Prefault, "__enter__", recording_enter)
     for name in ("embed", "llama"):
         model, path, want = built[(name, True)]
         loaded = R.load_reservoir(path)
@@ -610,8 +611,8 @@ def test_prefault_path_is_bit_exact_and_restores_malloc(built, monkeypatch):
         assert logits(loaded).tobytes() == want.tobytes()
     assert len(ranges) == 2 and all(ranges), "the prefault path did not run"
     assert not any(t.name == "vqpipe-prefault" for t in threading.enumerate())
-    assert R._prefault_lock.acquire(blocking=False)
-    R._prefault_lock.release()
+    assert prefault._prefault_lock.acquire(blocking=False)
+    prefault._prefault_lock.release()
     # M_MMAP_MAX is back to glibc's default: a 64 MiB buffer is mmapped again, not carved from the heap.
     libc = ctypes.CDLL(None)
     libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_long]
@@ -621,20 +622,20 @@ def test_prefault_path_is_bit_exact_and_restores_malloc(built, monkeypatch):
 
 def test_prefault_policy_env(monkeypatch):
     monkeypatch.setenv("VQPIPE_PREFAULT", "0")
-    assert R.prefault_policy() == (False, "VQPIPE_PREFAULT=0")
+    assert prefault.prefault_policy() == (False, "VQPIPE_PREFAULT=0")
     monkeypatch.delenv("VQPIPE_PREFAULT")
     monkeypatch.setenv("MALLOC_MMAP_MAX_", "10")
-    assert R.prefault_policy()[0] is False
+    assert prefault.prefault_policy()[0] is False
 
 
 def test_zero_copy_opt_in_falls_back(built, monkeypatch):
     """VQPIPE_ZERO_COPY (Metal only) tries mx.asarray(copy=False) on the mapped file; where MLX refuses
     (the CPU backend always does) the blob is read as usual. The adoption itself is untested here."""
     model, path, want = built[("auto", True)]
-    monkeypatch.setattr(R, "_zero_copy_wanted", lambda: True)
+    monkeypatch.setattr(zerocopy, "wanted", lambda: True)
     tried = []
-    adopt = R._adopt
-    monkeypatch.setattr(R, "_adopt", lambda *a: tried.append(a[2]) or adopt(*a))
+    adopt = zerocopy.adopt
+    monkeypatch.setattr(zerocopy, "adopt", lambda *a: tried.append(a[2]) or adopt(*a))
     loaded = R.load_reservoir(path)
     assert tried and min(tried) >= R.ALIGN
     same_params(model, loaded)

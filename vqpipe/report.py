@@ -11,7 +11,6 @@ import hashlib
 import html
 import io
 import json
-import os
 import sys
 from pathlib import Path
 

@@ -9,29 +9,27 @@ cannot adopt foreign memory, ``mx.asarray(copy=False)`` refuses), hashing it pie
 bytes are in the CPU cache, and builds each QuantizedLinear with ``from_state``: no QR, no Lloyd-Max
 fit, no nearest-centroid search, except regenerating dense QR rotations when they were stored as
 seeds. No mapping of the file is used, so a file truncated during a load gives ReservoirError, not
-SIGBUS. On Linux/glibc the destination memory is prefaulted by a helper thread (``_Prefault``).
+SIGBUS. On Linux/glibc the destination memory is prefaulted by a helper thread (``Prefault`` (vqpipe/prefault.py)).
 """
 
-import ctypes
 import dataclasses
 import json
 import math
 import mmap
 import os
 import struct
-import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import xxhash
 
-from . import __version__, gpu
+from . import __version__, zerocopy
 from .codebook import BITS
 from .fsutil import atomic_path
 from .packing import words_per_row
+from .prefault import Prefault
 
 FILE_NAME = "model.vqres"
 MAGIC = b"\x89VQRES\r\n"
@@ -373,149 +371,6 @@ def read_header(path):
     return header
 
 
-def _env_off(name):
-    return os.environ.get(name, "").strip().lower() in ("0", "off", "no", "false")
-
-
-# --- prefaulting the destination (Linux, glibc) -----------------------------------------------
-#
-# A fresh process must fault in every page of the memory it copies the blobs into. On our 2-core VM
-# a trapped 4 KiB page fault costs ~2 us, so owning 692 MiB of new memory took ~0.4 s: most of a
-# 0.5 s load. Asking the kernel for the pages in one call (madvise MADV_POPULATE_WRITE) costs about
-# half as much per page, and a helper thread can do it while the main thread copies. The pages must
-# be the ones MLX's allocator (malloc) will hand out next: for the duration of the load, large
-# mallocs are kept out of mmap (M_MMAP_MAX = 0) and on the heap, which is grown by the bytes about to
-# be read and not trimmed (M_TRIM_THRESHOLD); MLX's buffers are then carved from those pages in
-# order. This only changes *where* the buffers live, never their contents; afterwards malloc gets
-# _GLIBC_AFTER. See docs/reservoir-format.md ("The load path") for measurements, the side effects,
-# and why transparent huge pages are not used. VQPIPE_PREFAULT=0 turns it off.
-
-PREFAULT_MIN = 64 << 20  # smaller loads are not worth a thread
-_PREFAULT_STEP = 16 << 20
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and nothing is prefaulted
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
-# Any mallopt() of these turns off glibc's dynamic mmap threshold for good (it starts at 128 KiB and
-# rises to the size of each freed mmapped chunk, up to 32 MiB, with the trim threshold at twice that).
-# Afterwards we set the state it settles in once a chunk of >= 32 MiB was freed (as the copies of a
-# model load do): with the plain defaults instead, every allocation above 128 KiB would be a fresh
-# mmap with fresh page faults for the rest of the process (measured: numpy churn 1.8x slower).
-_GLIBC_AFTER = ((_M_MMAP_MAX, 65536), (_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 64 << 20))
-_prefault_lock = threading.Lock()
-_libc_cache = []
-
-
-def _glibc():
-    if not _libc_cache:
-        libc = None
-        try:
-            if sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
-                libc = ctypes.CDLL(None, use_errno=True)
-                libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-                libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
-                libc.free.argtypes, libc.free.restype = [ctypes.c_void_p], None
-                libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                libc.madvise.restype = ctypes.c_int
-        except (OSError, ValueError, AttributeError):
-            libc = None
-        _libc_cache.append(libc)
-    return _libc_cache[0]
-
-
-def prefault_policy():
-    """``(on, reason)``: whether loads prefault their destination memory in this process."""
-    if _env_off("VQPIPE_PREFAULT"):
-        return False, "VQPIPE_PREFAULT=0"
-    if gpu.available() is not None:
-        return False, "GPU backend: MLX does not allocate with malloc"
-    if _glibc() is None:
-        return False, "not Linux with glibc"
-    tun = os.environ.get("GLIBC_TUNABLES", "")
-    if any(k in os.environ for k in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_")) or \
-            "malloc.trim_threshold" in tun or "malloc.mmap_max" in tun:
-        return False, "malloc trim/mmap settings are set in the environment (they could not be restored)"
-    return True, "glibc heap prefaulted with MADV_POPULATE_WRITE by a helper thread"
-
-
-class _Prefault:
-    """Context: grow the malloc heap by ``nbytes`` and populate it page by page from a helper thread."""
-
-    def __init__(self, nbytes):
-        self.nbytes, self.range, self.thread, self.libc, self.checked = nbytes, None, None, None, False
-        self.stop = threading.Event()
-
-    def __enter__(self):
-        if self.nbytes < PREFAULT_MIN or not prefault_policy()[0] or not _prefault_lock.acquire(blocking=False):
-            return self
-        self.libc = libc = _glibc()
-        try:
-            libc.mallopt(_M_MMAP_MAX, 0)
-            libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
-            p = libc.malloc(self.nbytes)
-            if p:
-                page = mmap.PAGESIZE
-                self.range = (p // page * page, -(-(p + self.nbytes) // page) * page)
-                libc.free(p)  # back to the heap's top chunk, untrimmed: MLX's next buffers come from it
-                self.thread = threading.Thread(target=self._populate, name="vqpipe-prefault", daemon=True)
-                self.thread.start()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def _populate(self):
-        # From the top down: the main thread consumes the range from the bottom up, so the two meet
-        # once instead of faulting the same pages at the same time (measured: 0.27-0.29 s vs
-        # 0.31-0.39 s populating bottom-up, qwen2.5-0.5b shapes).
-        start, end = self.range
-        while start < end and not self.stop.is_set():
-            n = min(_PREFAULT_STEP, end - start)
-            if self.libc.madvise(end - n, n, _MADV_POPULATE_WRITE) != 0:
-                return  # old kernel (EINVAL), or the range is gone: plain page faults instead
-            end -= n
-
-    def check(self, mv):
-        """Stop populating unless the first large buffer MLX allocates overlaps the prefaulted range
-        (MLX then does not allocate from this heap). It may start a little before the range: free()
-        merged the block with free memory below it."""
-        if self.checked or mv.nbytes < (1 << 20) or not self.range:
-            return
-        self.checked = True
-        addr = np.frombuffer(mv, np.uint8).ctypes.data
-        if not (addr < self.range[1] and addr + mv.nbytes > self.range[0]):
-            self.stop.set()
-
-    def __exit__(self, *exc):
-        if self.libc is None:
-            return
-        self.stop.set()
-        if self.thread is not None:
-            self.thread.join()
-        for param, value in _GLIBC_AFTER:
-            self.libc.mallopt(param, value)
-        self.libc = None
-        _prefault_lock.release()
-
-
-# --- zero-copy adoption (Apple silicon; untested) ---------------------------------------------
-
-
-def _zero_copy_wanted():
-    """Opt-in (``VQPIPE_ZERO_COPY=1``), Metal only: wrap page-aligned file pages as MLX arrays.
-
-    Never exercised: we had no Apple machine. Trade-off: no copy and pages shared between processes,
-    but the arrays stay backed by the file, so truncating it later faults (SIGBUS) like any mmap.
-    """
-    return os.environ.get("VQPIPE_ZERO_COPY", "").strip() == "1" and mx.metal.is_available()
-
-
-def _adopt(mm, start, nbytes):
-    """An MLX array over the mapped bytes without a copy, or None when MLX will not adopt them."""
-    try:
-        return mx.asarray(np.frombuffer(mm, np.uint8, nbytes, start), copy=False)
-    except (ValueError, TypeError, BufferError, RuntimeError):
-        return None
-
-
 # --- the reader --------------------------------------------------------------------------------
 
 
@@ -523,13 +378,13 @@ _READ_CHUNK = 4 << 20  # read and hash in pieces this size, each hashed while st
 
 
 def _prefault_for(header, layers=True, params=True):
-    """A ``_Prefault`` context sized for the blobs a load of these parts will read."""
+    """A ``Prefault`` (vqpipe/prefault.py) context sized for the blobs a load of these parts will read."""
     ids = set()
     if layers:
         ids.update(s["blob"] for m in header["layers"].values() for s in m["tensors"].values())
     if params:
         ids.update(s["blob"] for s in header["params"].values())
-    return _Prefault(sum(header["blobs"][i]["nbytes"] + 64 for i in ids))
+    return Prefault(sum(header["blobs"][i]["nbytes"] + 64 for i in ids))
 
 
 def _read_blob(path, fd, i, blob, start, dtype, shape, prefault=None):
@@ -565,7 +420,7 @@ def _reader(path, header, prefault=None):
     Each blob is read once with pread into an MLX-owned buffer of the tensor's dtype and shape (one
     copy, page cache -> MLX memory), hashed piece by piece while those bytes are in the CPU cache and
     checked before use; a blob shared by several tensors is read once (other dtypes or shapes of it
-    are views of the same buffer). ``prefault``: the ``_Prefault`` the caller entered, if any.
+    are views of the same buffer). ``prefault``: the ``Prefault`` (vqpipe/prefault.py) the caller entered, if any.
     """
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -573,7 +428,7 @@ def _reader(path, header, prefault=None):
         raise ReservoirError(f"{path}: cannot open: {e.strerror}") from e
     base, blobs, raw, out = header["_data_offset"], header["blobs"], {}, {}
     try:
-        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if _zero_copy_wanted() else None  # private mapping
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if zerocopy.wanted() else None  # private mapping
     except BaseException:
         os.close(fd)
         raise
@@ -588,7 +443,7 @@ def _reader(path, header, prefault=None):
         else:
             blob = blobs[i]
             start = base + blob["offset"]
-            a = _adopt(mm, start, blob["nbytes"]) if mm is not None and blob["nbytes"] >= ALIGN else None
+            a = zerocopy.adopt(mm, start, blob["nbytes"]) if mm is not None and blob["nbytes"] >= ALIGN else None
             if a is not None:
                 digest = _hash(a)
                 a = a.view(dtype).reshape(shape)

@@ -222,9 +222,9 @@ def _read_text(path):
 def memory_setup():
     """What decides the cost of fresh memory here: the prefault policy, glibc malloc tunables,
     transparent huge pages, and free-page reporting to a hypervisor (kernel command line)."""
-    from .. import reservoir as R
+    from ..prefault import prefault_policy
 
-    on, why = R.prefault_policy()
+    on, why = prefault_policy()
     cmdline = _read_text("/proc/cmdline") or ""
     return {
         "prefault": on, "prefault_reason": why,
