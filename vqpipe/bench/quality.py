@@ -220,8 +220,11 @@ def generations(model, tok, prompts, max_tokens):
 
 
 def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", quantized=None,
-            affine_groups=AFFINE_GROUPS, prompts=PROMPTS, gen_tokens=32, progress=print):
-    """(records, source record, generations). ``quantized``: {(bits, rotation): artifact dir}."""
+            affine_groups=AFFINE_GROUPS, prompts=PROMPTS, gen_tokens=32, progress=print, arms=None):
+    """(records, source record, generations). ``quantized``: {(bits, rotation): artifact dir}.
+
+    ``arms``: the arm names to run (default all), to split one measurement over processes.
+    """
     quantized = quantized or {}
     source, tok = load_source(path)
     windows = text.eval_windows(tok, n_windows, length)
@@ -235,7 +238,11 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
     if prompts:
         gens["arms"].append({"arm": "source", "texts": generations(source, tok, prompts, gen_tokens)})
     del source
-    arms = [("vqpipe", None), ("unrotated", None)] + [(f"affine-g{g}", g) for g in affine_groups]
+    every = [("vqpipe", None), ("unrotated", None)] + [(f"affine-g{g}", g) for g in affine_groups]
+    if arms and set(arms) - {m for m, _ in every}:
+        raise ValueError(f"unknown arms {sorted(set(arms) - {m for m, _ in every})}; choose from "
+                         f"{', '.join(m for m, _ in every)}")
+    arms = [(m, g) for m, g in every if not arms or m in arms]
     records = []
     for bits in bits_list:
         for method, group in arms:
@@ -347,6 +354,7 @@ def main(argv=None):
                    help="quantize-stage artifacts to measure (else the vqpipe arms are quantized here)")
     p.add_argument("--rotation", default="auto", help="rotation of the vqpipe arm (default auto)")
     p.add_argument("--affine-groups", type=int, nargs="+", default=list(AFFINE_GROUPS))
+    p.add_argument("--arms", nargs="+", default=None, help="run only these arms (default: all)")
     p.add_argument("--windows", type=int, default=20, help="distinct evaluation windows (>= 20)")
     p.add_argument("--length", type=int, default=512, help="tokens per window")
     p.add_argument("--gen-prompts", type=int, default=len(PROMPTS), help=f"fixed chat prompts generated (0-{len(PROMPTS)})")
@@ -361,7 +369,7 @@ def main(argv=None):
     try:
         records, src, gens = quality(args.source, args.bits, args.windows, args.length, args.seed, args.rotation,
                                      artifacts(args.quantized), args.affine_groups,
-                                     PROMPTS[: max(0, args.gen_prompts)], args.gen_tokens)
+                                     PROMPTS[: max(0, args.gen_prompts)], args.gen_tokens, arms=args.arms)
         result = {"kind": "bench-quality", "model": args.model or Path(args.source).name,
                   "environment": environment(), "text": text.provenance(),
                   "windows": args.windows, "length": args.length,
