@@ -351,8 +351,8 @@ def test_wrong_magic_and_foreign_files(good, tmp_path):
 
 
 def test_wrong_version(good, tmp_path):
-    expect_error(variant(tmp_path, good, "v2.vqres", lambda d: reprefix(d, version=2)),
-                 "unsupported reservoir format version 2")
+    expect_error(variant(tmp_path, good, "v3.vqres", lambda d: reprefix(d, version=3)),
+                 "unsupported reservoir format version 3")
     # A flipped version field without a matching prefix checksum is caught too.
     def raw_version(d):
         d[8:12] = struct.pack("<I", 99)

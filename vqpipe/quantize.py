@@ -69,12 +69,14 @@ def _targets(model, embeddings, lm_head):
 
 
 def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_head=True,
-                   dtype=mx.float32, progress=None):
+                   dtype=mx.float32, progress=None, group_size=None, calibration=None, damp=None):
     """Quantize ``model`` in place, one layer at a time; returns per-layer records.
 
     Every nn.Linear (and affine nn.QuantizedLinear, dequantized first) becomes a QuantizedLinear.
     Embeddings are quantized when ``embeddings`` is true, otherwise kept (dequantized if needed)
-    in ``dtype``, like every other tensor that is not quantized.
+    in ``dtype``, like every other tensor that is not quantized. ``group_size`` gives each group of
+    that many rotated entries of a row its own scale. ``calibration`` (int tokens [n, length])
+    turns on GPTQ with input second moments collected block by block (vqpipe/calibrate.py).
     """
     check_bits(bits)
     if rotation not in KINDS:
@@ -85,11 +87,13 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     # Keep names only: holding the source modules would keep every evaluated source weight alive.
     targets = [(name, kind) for name, _, kind in targets]
     modules = dict(model.named_modules())
-    records = []
-    for i, (name, kind) in enumerate(targets):
+    done = [0]
+
+    def quantize_one(name, kind, hessian):
         t0 = time.perf_counter()
         module = modules.pop(name)
         weight = _dense_weight(module, mx.float32)
+        record = None
         if kind == "dense-embedding":
             new = nn.Embedding(*weight.shape)
             new.weight = weight.astype(dtype)
@@ -98,20 +102,32 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
             in_dim = weight.shape[1]
             r = resolve_kind(rotation, in_dim)
             cls = QuantizedEmbedding if kind == "embedding" else QuantizedLinear
-            new = cls.from_linear(module, bits, r, layer_seed(seed, name), weight=weight)
+            gs = group_size if kind == "linear" else None
+            new = cls.from_linear(module, bits, r, layer_seed(seed, name), weight=weight, group_size=gs,
+                                  hessian=hessian, damp=damp)
             if "bias" in module:
                 new.bias = module.bias.astype(dtype)
             mx.eval(new.parameters())
             total = mx.sum(weight * weight).item()
-            records.append({
+            record = {
                 "name": name, "kind": kind, "shape": list(weight.shape), "rotation": new.rotation.kind,
+                "group_size": gs, "calibrated": hessian is not None,
                 "squared_error": new.squared_error, "weight_sq": total,
                 "rel_mse": new.squared_error / max(total, 1e-30), "seconds": time.perf_counter() - t0,
-            })
+            }
         model.update_modules(tree_unflatten([(name, new)]))
-        del weight, module, new
+        done[0] += 1
         if progress:
-            progress(f"[{i + 1}/{len(targets)}] {name} {kind} {time.perf_counter() - t0:.2f}s")
+            progress(f"[{done[0]}/{len(targets)}] {name} {kind} {time.perf_counter() - t0:.2f}s")
+        return record
+
+    if calibration is None:
+        records = [quantize_one(name, kind, None) for name, kind in targets]
+    else:
+        from .calibrate import quantize_calibrated
+
+        records = quantize_calibrated(model, calibration, quantize_one, targets)
+    records = [r for r in records if r is not None]
     # Remaining tensors (norms, biases of other layers) in the compute dtype.
     quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     rest = [(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())
