@@ -31,6 +31,9 @@ from vqpipe.qlinear import QuantizedLinear  # noqa: E402
 from vqpipe.quantize import quantize_model  # noqa: E402
 
 
+PROGRESS = None
+
+
 def text_windows(tokenizer, text, n, length, offset=0):
     ids = tokenizer.encode(text)
     if len(ids) < offset + n * length:
@@ -74,7 +77,7 @@ def build(source, arm, bits, calib, seed):
         bpw, _ = affine_bpw(model, bits, group or 64)
     elif kind in ("vq", "gptq"):
         quantize_model(model, bits, "auto", seed, group_size=group,
-                       calibration=calib if kind == "gptq" else None)
+                       calibration=calib if kind == "gptq" else None, progress=PROGRESS)
         bpw, _ = vq_bpw(model)
     else:
         raise ValueError(f"unknown arm {arm!r}")
@@ -109,17 +112,26 @@ def main(argv=None):
     p.add_argument("--source", required=True)
     p.add_argument("--bits", type=int, nargs="+", default=[4, 3, 2])
     p.add_argument("--arms", nargs="+", default=["affine:g64", "vq", "gptq:g64"])
-    p.add_argument("--eval-text", required=True, help="file of evaluation text")
-    p.add_argument("--calib-text", required=True, help="file of calibration text (distinct)")
+    p.add_argument("--eval-text", default=None, help="file of evaluation text (default: vqpipe.text eval split)")
+    p.add_argument("--calib-text", default=None, help="file of calibration text (default: vqpipe.text calibration split)")
     p.add_argument("--windows", type=int, default=20)
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--calib-windows", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON output")
+    p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
+    global PROGRESS
+    PROGRESS = (lambda m: print(m, flush=True)) if args.verbose else None
     source, tok = load_fp32(args.source)
-    windows = text_windows(tok, Path(args.eval_text).read_text(), args.windows, args.length)
-    calib = text_windows(tok, Path(args.calib_text).read_text(), args.calib_windows, args.length)
+    if args.eval_text:
+        windows = text_windows(tok, Path(args.eval_text).read_text(), args.windows, args.length)
+        calib = text_windows(tok, Path(args.calib_text).read_text(), args.calib_windows, args.length)
+    else:
+        from vqpipe import text
+
+        windows = mx.stack(text.eval_windows(tok, args.windows, args.length))
+        calib = text.calibration_tokens(tok, args.calib_windows, args.length, args.seed)
     models, info = {}, {}
     for bits in args.bits:
         for arm in args.arms:

@@ -72,41 +72,40 @@ def gptq(w, u, levels, group_size=None, block=BLOCK):
     steps float32 [out, groups]); the dequantized entry is steps[o, g] * levels[idx[o, i]].
     ``u`` = identity gives plain round-to-nearest with the same scales.
     """
-    w = np.array(w, dtype=np.float32, copy=True)
     out, d = w.shape
     gs = group_size or d
     if d % gs:
         raise ValueError(f"group size {gs} does not divide the row length {d}")
+    # Column i of W is row i here: every per-column operation touches contiguous memory.
+    wt = np.array(np.asarray(w, dtype=np.float32).T, order="C")
     bounds = boundaries(np.asarray(levels)).astype(np.float32)
     levels = np.asarray(levels, dtype=np.float32)
     if gs < d:
         block = gs * max(1, block // gs)  # a group never straddles two blocks
-    idx = np.empty((out, d), dtype=np.uint8)
-    steps = np.empty((out, d // gs), dtype=np.float32)
+    idx = np.empty((d, out), dtype=np.uint8)
+    steps = np.empty((d // gs, out), dtype=np.float32)
     step = None
     if gs == d:
-        step = np.maximum(np.sqrt(np.mean(w * w, axis=1)), 1e-30)
-        steps[:, 0] = step
+        step = np.maximum(np.sqrt(np.mean(wt * wt, axis=0)), 1e-30)
+        steps[0] = step
     for b0 in range(0, d, block):
         b1 = min(b0 + block, d)
-        w1 = w[:, b0:b1]
-        e1 = np.empty((out, b1 - b0), dtype=np.float32)
-        for j in range(b1 - b0):
-            i = b0 + j
+        e1 = np.empty((b1 - b0, out), dtype=np.float32)
+        for i in range(b0, b1):
             if gs < d and i % gs == 0:
-                g = w1[:, j : j + gs]
-                step = _f16(np.sqrt(np.mean(g * g, axis=1)) * math.sqrt(d)) / math.sqrt(d)
-                steps[:, i // gs] = step
-            col = w1[:, j]
+                g = wt[i : i + gs]
+                step = _f16(np.sqrt(np.mean(g * g, axis=0)) * math.sqrt(d)) / math.sqrt(d)
+                steps[i // gs] = step
+            col = wt[i]
             q = np.searchsorted(bounds, col / step)
-            idx[:, i] = q
+            idx[i] = q
             err = (col - step * levels[q]) / u[i, i]
-            e1[:, j] = err
-            if j + 1 < b1 - b0:
-                w1[:, j + 1 :] -= np.outer(err, u[i, i + 1 : b1])
+            e1[i - b0] = err
+            if i + 1 < b1:
+                wt[i + 1 : b1] -= u[i, i + 1 : b1, None] * err
         if b1 < d:
-            w[:, b1:] -= e1 @ u[b0:b1, b1:]
-    return idx, steps
+            wt[b1:] -= u[b0:b1, b1:].T @ e1
+    return np.ascontiguousarray(idx.T), np.ascontiguousarray(steps.T)
 
 
 def refit_steps(w, c, group_size=None, h=None, chunk=None):
@@ -129,14 +128,18 @@ def refit_steps(w, c, group_size=None, h=None, chunk=None):
     if groups == 1:
         cc = np.einsum("ij,ij->i", c @ h, c, dtype=np.float64)[:, None]
         return (b / np.maximum(cc, 1e-300)).astype(np.float32)
-    chunk = chunk or max(1, (8 << 20) // (d * groups))
+    chunk = chunk or max(1, (16 << 20) // (d * groups))
     s = np.empty((out, groups), dtype=np.float32)
-    hg = h.reshape(d, groups, gs)
+    ht = [np.ascontiguousarray(h[g * gs : (g + 1) * gs]) for g in range(groups)]  # H rows of group g
     for r0 in range(0, out, chunk):
-        cr = c[r0 : r0 + chunk].reshape(-1, groups, gs)
-        # y[n, i, g] = sum_{k in g} H[i, k] c[n, k];  A[n, g, g'] = sum_{i in g} c[n, i] y[n, i, g']
-        y = np.stack([cr[:, g] @ hg[:, g].T for g in range(groups)], axis=-1)
-        a = np.einsum("ngk,ngkh->ngh", cr, y.reshape(-1, groups, gs, groups), dtype=np.float64)
+        cr = c[r0 : r0 + chunk]
+        n = cr.shape[0]
+        # y[n, g', i] = sum_{k in g'} c[n, k] H[k, i];  A[n, g, g'] = sum_{i in g} y[n, g', i] c[n, i]
+        y = np.empty((n, groups, d), dtype=np.float32)
+        for g in range(groups):
+            y[:, g] = cr[:, g * gs : (g + 1) * gs] @ ht[g]
+        y = y.reshape(n, groups, groups, gs).transpose(0, 2, 1, 3)  # [n, g, g', k]
+        a = np.matmul(y, cr.reshape(n, groups, gs, 1))[..., 0].astype(np.float64)  # [n, g, g']
         diag = np.einsum("ngg->ng", a)
         a += np.eye(groups)[None] * (1e-9 * np.maximum(diag.max(-1), 1e-300))[:, None, None]
         s[r0 : r0 + chunk] = np.linalg.solve(a, b[r0 : r0 + chunk, :, None])[..., 0]

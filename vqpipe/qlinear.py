@@ -89,7 +89,11 @@ def _quantize_grouped(weight, bits, rotation, group_size, hessian, damp):
         u = np.eye(in_features, dtype=np.float32)
     else:
         h = np.array(gptq.rotate_hessian(hessian, rotation), dtype=np.float32)
-        u = gptq.inverse_cholesky(h, gptq.DAMP if damp is None else damp)
+        damp = gptq.DAMP if damp is None else damp
+        u = gptq.inverse_cholesky(h, damp)
+        # The scale refit minimises the same damped objective GPTQ did (a ridge towards plain least
+        # squares, so a few calibration tokens cannot pull a scale far off).
+        h = h + (damp * max(float(np.mean(np.diag(h))), 1e-30)) * np.eye(in_features, dtype=np.float32)
     idx, _ = gptq.gptq(w, u, levels.astype(np.float32), group_size)
     c = unit[idx]
     s = gptq.refit_steps(w, c, group_size, h)
