@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vqpipe.bench.harness import summarize  # noqa: E402
-from vqpipe.bench.quality import load_fp32  # noqa: E402
+from vqpipe.bench.quality import dense_copy, load_fp32  # noqa: E402
 from vqpipe.qlinear import QuantizedLinear  # noqa: E402
 from vqpipe.quantize import quantize_model  # noqa: E402
 
@@ -81,7 +81,9 @@ def build(source, arm, bits, calib, seed):
         bpw, _ = vq_bpw(model)
     else:
         raise ValueError(f"unknown arm {arm!r}")
-    return model, bpw, time.perf_counter() - t0
+    # Evaluate as dense float32 layers holding the dequantized weights: the same weights, and
+    # MLX's CPU quantized matmul is far slower than a GEMM at 512 tokens (bench/quality.py).
+    return dense_copy(model), bpw, time.perf_counter() - t0
 
 
 def evaluate(source_model, arms, windows):
