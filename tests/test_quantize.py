@@ -109,12 +109,30 @@ def test_artifact_round_trip_and_generate(tiny_source, tmp_path):
         (["--bits", "5"], "unsupported bits 5"),
         (["--rotation", "givens"], "unknown rotation 'givens'"),
         (["--dtype", "int8"], "unknown dtype 'int8'"),
+        (["--group-size", "48"], "group size 48 must be a positive integer dividing in_features 256"),
+        (["--group-size", "0"], "group size must be a positive integer"),
+        (["--calibration", "text", "--calib-windows", "0"], "at least 1 window"),
+        (["--calibration", "text", "--damp", "2"], "damping must be in (0, 1)"),
     ],
 )
 def test_cli_bad_input(tiny_source, tmp_path, capsys, args, message):
     assert main(["--source", str(tiny_source), "--out", str(tmp_path / "q"), *args]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "q").exists()
+
+
+def test_calibrated_artifact_round_trip(tiny_llama_source, tmp_path):
+    """--calibration text --group-size: GPTQ codes and group scales survive the artifact."""
+    info = run(tiny_llama_source, tmp_path / "q", 4, "auto", group_size=64, calibration="text",
+               calib_windows=2, calib_length=64, progress=lambda s: None)
+    assert info["calibration"]["windows"] == 2 and info["calibration"]["provenance"]["split_rule"]
+    assert all(r["calibrated"] and r["group_size"] == 64 for r in info["records"])
+    model, _ = load_quantized(tmp_path / "q")
+    layer = model.model.layers[0].mlp.down_proj
+    assert layer.group_size == 64 and layer.scales.shape == (512, 1472 // 64)
+    stored = mx.load(str(tmp_path / "q" / "reference.safetensors"))
+    logits = model(stored["tokens.0"][None]).astype(mx.float32)[0]
+    assert np.array_equal(np.array(logits), np.array(stored["logits.0"]))
 
 
 def test_cli_missing_source(tmp_path, capsys):

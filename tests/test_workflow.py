@@ -359,6 +359,8 @@ def bare(tmp_path_factory):
         ("models: {tiny: {source: 'synth:tiny'}}\nbits: [4]\nquantize: {dtype: float8}\n", "dtype"),
         ("models: {tiny: {source: 'synth:tiny'}}\nbits: [4]\nbitz: [4]\n", "bitz"),
         ("models: {tiny: {source: 'synth:tiny'}}\n", "bits"),
+        ("models: {tiny: {source: 'synth:tiny'}}\nbits: [4]\nquantize: {group_size: 48}\n", "group_size"),
+        ("models: {tiny: {source: 'synth:tiny', quantize: {calibration: {text: wiki}}}}\nbits: [4]\n", "text"),
     ],
 )
 def test_bad_config_fails_naming_the_key(bare, config, key):
@@ -382,6 +384,20 @@ def test_default_config_fans_out(bare):
     assert stats["download"] == len(config["models"])
     assert stats["quantize"] == n + unrotated and stats["pack"] == n * persist and stats["validate"] == n * persist
     assert stats["report"] == 1
+
+
+def test_calibration_options_reach_the_command(bare):
+    """A per-model quantize override becomes flags of that model's quantize job only."""
+    (bare / "config" / "cal.yaml").write_text(
+        "models:\n  tiny: {source: 'synth:tiny', quantize: {group_size: 64, calibration: {text: text, windows: 4}}}\n"
+        "  tiny-llama: {source: 'synth:tiny-llama'}\nbits: [4]\npersist_rotation: [true]\n")
+    out = smk(bare, "-n", "-p", "--configfile", "config/cal.yaml").stdout
+    commands = [line for line in out.splitlines() if " -m vqpipe quantize " in line]
+    tiny = [c for c in commands if "models/tiny/source" in c]
+    llama = [c for c in commands if "models/tiny-llama/source" in c]
+    assert len(tiny) == 1 and len(llama) == 1
+    assert "--group-size 64 --calibration text --calib-windows 4 --calib-length 512" in tiny[0]
+    assert "--group-size" not in llama[0] and "--calibration" not in llama[0]
 
 
 def test_slurm_profile_dry_run(bare):

@@ -6,6 +6,10 @@ For a weight W (out x in) with rows w_i, norm n_i and rotation R (in x in):
 where u_i = R w_i / n_i and c_i = C[q_i]: s_i is the least-squares row scale, the norm corrected for
 the shrinkage of the quantized row. The activation is rotated, not the weights (O(d log d) per
 token for Hadamard rotations), and the weights are dequantized on the fly, never kept resident.
+
+With ``group_size`` g, ``scales`` is [out, in / g] (float16): entry i of a rotated row is scaled by
+scales[o, i // g]. With calibration second moments H (``hessian``), the codes come from GPTQ error
+feedback in the rotated basis and the scales from an H-weighted least-squares fit (vqpipe/gptq.py).
 """
 
 import math
@@ -22,12 +26,15 @@ from .packing import pack, unpack
 _ROW_CHUNK = 8192  # rows quantized at a time: bounds temporaries for 150k-row embeddings
 
 
-def quantize_weight(weight, bits, rotation):
+def quantize_weight(weight, bits, rotation, group_size=None, hessian=None, damp=None):
     """Quantize ``weight`` (out x in) -> (packed, scales, codebook, squared_error).
 
     ``squared_error`` is ||W - W_hat||^2, computed in the rotated space (R is orthogonal).
+    Without ``group_size`` and ``hessian`` this is the data-free per-row method, unchanged.
     """
     check_bits(bits)
+    if group_size is not None or hessian is not None:
+        return _quantize_grouped(weight, bits, rotation, group_size, hessian, damp)
     out_features, in_features = weight.shape
     levels = codebook(bits, in_features)
     bounds = boundaries(levels).astype(np.float32)
@@ -60,12 +67,56 @@ def quantize_weight(weight, bits, rotation):
     )
 
 
+def check_group_size(group_size, in_features):
+    if group_size is None:
+        return
+    if not isinstance(group_size, int) or group_size < 1 or in_features % group_size:
+        raise ValueError(f"group size {group_size!r} must be a positive integer dividing in_features {in_features}")
+
+
+def _quantize_grouped(weight, bits, rotation, group_size, hessian, damp):
+    """Group scales and/or GPTQ: steps and codes in numpy, then the stored layout."""
+    from . import gptq
+
+    out_features, in_features = weight.shape
+    check_group_size(group_size, in_features)
+    levels = codebook(bits, in_features)
+    root = math.sqrt(in_features)
+    unit = (levels / root).astype(np.float32)  # the stored codebook: code values per unit step*root
+    w = np.array(rotation.apply(weight.astype(mx.float32)), dtype=np.float32)
+    h = None
+    if hessian is None:
+        u = np.eye(in_features, dtype=np.float32)
+    else:
+        h = np.array(gptq.rotate_hessian(hessian, rotation), dtype=np.float32)
+        damp = gptq.DAMP if damp is None else damp
+        u = gptq.inverse_cholesky(h, damp)
+        # The scale refit minimises the same damped objective GPTQ did (a ridge towards plain least
+        # squares, so a few calibration tokens cannot pull a scale far off).
+        h = h + (damp * max(float(np.mean(np.diag(h))), 1e-30)) * np.eye(in_features, dtype=np.float32)
+    idx, _ = gptq.gptq(w, u, levels.astype(np.float32), group_size)
+    c = unit[idx]
+    s = gptq.refit_steps(w, c, group_size, h)
+    if group_size is None:
+        scales = s[:, 0].astype(np.float32)
+        w_hat = c * scales[:, None]
+    else:
+        if not np.all(np.abs(s) < 65504):
+            raise ValueError("a group scale overflows float16; quantize this layer without --group-size")
+        scales = s.astype(np.float16)
+        w_hat = c * np.repeat(scales.astype(np.float32), group_size, axis=1)
+    error = float(np.sum((w - w_hat).astype(np.float64) ** 2))
+    return mx.array(pack(idx, bits)), mx.array(scales), mx.array(unit), error
+
+
 class QuantizedLinear(nn.Module):
-    def __init__(self, in_features, out_features, bits, rotation, packed, scales, codebook, bias=None):
+    def __init__(self, in_features, out_features, bits, rotation, packed, scales, codebook, bias=None,
+                 group_size=None):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.bits = bits
+        self.group_size = group_size
         self.rotation = rotation
         self.packed = packed
         self.scales = scales
@@ -75,30 +126,41 @@ class QuantizedLinear(nn.Module):
         self.freeze()
 
     @classmethod
-    def from_linear(cls, linear, bits, rotation="auto", seed=0, weight=None):
-        """Quantize an ``nn.Linear`` (or a dequantized ``weight`` of another layer)."""
+    def from_linear(cls, linear, bits, rotation="auto", seed=0, weight=None, group_size=None, hessian=None,
+                    damp=None):
+        """Quantize an ``nn.Linear`` (or a dequantized ``weight`` of another layer); ``hessian`` is
+        the input second moments X^T X (in x in) from calibration, for GPTQ."""
         weight = linear.weight if weight is None else weight
         out_features, in_features = weight.shape
         r = rotation if isinstance(rotation, rot.Rotation) else rot.make_rotation(rotation, in_features, seed)
-        packed, scales, levels, error = quantize_weight(weight, bits, r)
+        packed, scales, levels, error = quantize_weight(weight, bits, r, group_size, hessian, damp)
         bias = linear.get("bias") if isinstance(linear, nn.Module) else None
-        layer = cls(in_features, out_features, bits, r, packed, scales, levels, bias)
+        layer = cls(in_features, out_features, bits, r, packed, scales, levels, bias, group_size)
         layer.squared_error = error
         return layer
 
     def dequantized_weight(self, dtype=mx.float32):
         """W_hat (out x in) in the original basis: s * C[q] R. For analysis, not the forward."""
+        if self.group_size is not None:
+            return self.rotation.apply_transpose(self.rotated_weight(dtype))
         w = self.codebook.astype(dtype)[unpack(self.packed, self.bits, self.in_features)]
         return self.rotation.apply_transpose(w) * self.scales.astype(dtype)[:, None]
 
     def rotated_weight(self, dtype):
-        return self.codebook.astype(dtype)[unpack(self.packed, self.bits, self.in_features)]
+        """C[q] in the rotated basis; with group scales already multiplied in (per-row scales are
+        applied to the output instead)."""
+        w = self.codebook.astype(dtype)[unpack(self.packed, self.bits, self.in_features)]
+        if self.group_size is None:
+            return w
+        rows, g = self.out_features, self.in_features // self.group_size
+        w = w.reshape(rows, g, self.group_size) * self.scales.astype(dtype)[:, :, None]
+        return w.reshape(rows, self.in_features)
 
     def __call__(self, x):
         # Decode (a few rows of x) on a GPU: the fused mat-vec reads the packed weights once
         # (vqpipe/qmv.py). Deterministic, but not bit-identical to the dense path below, which is
         # what runs everywhere else (the CPU, prefill, the switch off) exactly as before.
-        dialect = qmv.dispatch(x)
+        dialect = qmv.dispatch(x) if self.group_size is None else None
         if dialect is not None:
             # self[...]: nn.Module's attribute lookup costs ~0.4 us a time, and this runs per layer per token
             return qmv.launch(
@@ -106,7 +168,8 @@ class QuantizedLinear(nn.Module):
                 self.get("bias"),
             )
         y = self.rotation.apply(x) @ self.rotated_weight(x.dtype).T
-        y = y * self.scales.astype(x.dtype)
+        if self.group_size is None:
+            y = y * self.scales.astype(x.dtype)
         if "bias" in self:
             y = y + self.bias.astype(x.dtype)
         return y
@@ -120,6 +183,8 @@ class QuantizedLinear(nn.Module):
             "has_bias": "bias" in self,
             "rotation": rmeta,
         }
+        if self.group_size is not None:  # absent = per-row scales (what older artifacts hold)
+            meta["group_size"] = self.group_size
         arrays = {"packed": self.packed, "scales": self.scales, "codebook": self.codebook}
         if "bias" in self:
             arrays["bias"] = self.bias
@@ -140,12 +205,13 @@ class QuantizedLinear(nn.Module):
             arrays["scales"],
             arrays["codebook"],
             arrays.get("bias") if meta.get("has_bias") else None,
+            None if meta.get("group_size") is None else int(meta["group_size"]),
         )
 
     def _extra_repr(self):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-            f"rotation={self.rotation.kind}"
+            f"rotation={self.rotation.kind}" + (f", group_size={self.group_size}" if self.group_size else "")
         )
 
 
@@ -160,8 +226,14 @@ class QuantizedEmbedding(QuantizedLinear):
         return cls.from_linear(embedding, bits, rotation, seed, weight=weight)
 
     def __call__(self, ids):
-        rows = self.codebook[unpack(self.packed[ids.reshape(-1)], self.bits, self.in_features)]
-        rows = self.rotation.apply_transpose(rows) * self.scales[ids.reshape(-1)][:, None]
+        flat = ids.reshape(-1)
+        rows = self.codebook[unpack(self.packed[flat], self.bits, self.in_features)]
+        if self.group_size is None:
+            rows = self.rotation.apply_transpose(rows) * self.scales[flat][:, None]
+        else:
+            g = self.in_features // self.group_size
+            rows = rows.reshape(-1, g, self.group_size) * self.scales[flat].astype(rows.dtype)[:, :, None]
+            rows = self.rotation.apply_transpose(rows.reshape(-1, self.in_features))
         return rows.reshape(*ids.shape, self.in_features)
 
     def as_linear(self, x):

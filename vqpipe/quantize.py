@@ -69,12 +69,14 @@ def _targets(model, embeddings, lm_head):
 
 
 def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_head=True,
-                   dtype=mx.float32, progress=None):
+                   dtype=mx.float32, progress=None, group_size=None, calibration=None, damp=None):
     """Quantize ``model`` in place, one layer at a time; returns per-layer records.
 
     Every nn.Linear (and affine nn.QuantizedLinear, dequantized first) becomes a QuantizedLinear.
     Embeddings are quantized when ``embeddings`` is true, otherwise kept (dequantized if needed)
-    in ``dtype``, like every other tensor that is not quantized.
+    in ``dtype``, like every other tensor that is not quantized. ``group_size`` gives each group of
+    that many rotated entries of a row its own scale. ``calibration`` (int tokens [n, length])
+    turns on GPTQ with input second moments collected block by block (vqpipe/calibrate.py).
     """
     check_bits(bits)
     if rotation not in KINDS:
@@ -85,11 +87,13 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     # Keep names only: holding the source modules would keep every evaluated source weight alive.
     targets = [(name, kind) for name, _, kind in targets]
     modules = dict(model.named_modules())
-    records = []
-    for i, (name, kind) in enumerate(targets):
+    done = [0]
+
+    def quantize_one(name, kind, hessian):
         t0 = time.perf_counter()
         module = modules.pop(name)
         weight = _dense_weight(module, mx.float32)
+        record = None
         if kind == "dense-embedding":
             new = nn.Embedding(*weight.shape)
             new.weight = weight.astype(dtype)
@@ -98,20 +102,32 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
             in_dim = weight.shape[1]
             r = resolve_kind(rotation, in_dim)
             cls = QuantizedEmbedding if kind == "embedding" else QuantizedLinear
-            new = cls.from_linear(module, bits, r, layer_seed(seed, name), weight=weight)
+            gs = group_size if kind == "linear" else None
+            new = cls.from_linear(module, bits, r, layer_seed(seed, name), weight=weight, group_size=gs,
+                                  hessian=hessian, damp=damp)
             if "bias" in module:
                 new.bias = module.bias.astype(dtype)
             mx.eval(new.parameters())
             total = mx.sum(weight * weight).item()
-            records.append({
+            record = {
                 "name": name, "kind": kind, "shape": list(weight.shape), "rotation": new.rotation.kind,
+                "group_size": gs, "calibrated": hessian is not None,
                 "squared_error": new.squared_error, "weight_sq": total,
                 "rel_mse": new.squared_error / max(total, 1e-30), "seconds": time.perf_counter() - t0,
-            })
+            }
         model.update_modules(tree_unflatten([(name, new)]))
-        del weight, module, new
-        if progress:
-            progress(f"[{i + 1}/{len(targets)}] {name} {kind} {time.perf_counter() - t0:.2f}s")
+        done[0] += 1
+        if progress and calibration is None:
+            progress(f"[{done[0]}/{len(targets)}] {name} {kind} {time.perf_counter() - t0:.2f}s")
+        return record
+
+    if calibration is None:
+        records = [quantize_one(name, kind, None) for name, kind in targets]
+    else:
+        from .calibrate import quantize_calibrated
+
+        records = quantize_calibrated(model, calibration, quantize_one, targets, progress)
+    records = [r for r in records if r is not None]
     # Remaining tensors (norms, biases of other layers) in the compute dtype.
     quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     rest = [(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())
@@ -243,22 +259,52 @@ def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+CALIBRATION_TEXTS = ("none", "text")
+
+
+def calibration_tokens(tokenizer, text="none", windows=16, length=512, seed=0):
+    """(tokens [windows, length] or None, provenance dict or None) for a calibration spec.
+
+    ``text``: ``none`` (data-free quantization) or ``text`` (the calibration split of the real
+    English text in vqpipe/text.py, disjoint from the evaluation split).
+    """
+    if text not in CALIBRATION_TEXTS:
+        raise ValueError(f"unknown calibration text {text!r}; choose one of {', '.join(CALIBRATION_TEXTS)}")
+    if text == "none":
+        return None, None
+    if windows < 1 or length < 2:
+        raise ValueError(f"calibration needs at least 1 window of 2 tokens, got {windows} x {length}")
+    from . import text as corpus
+
+    tokens = corpus.calibration_tokens(tokenizer, windows, length, seed)
+    return tokens, {"text": text, "windows": windows, "length": length, "seed": seed,
+                    "provenance": corpus.provenance()}
+
+
 def run(source, out, bits, rotation="auto", seed=0, embeddings=False, lm_head=True, dtype="float32",
-        progress=print):
+        progress=print, group_size=None, calibration="none", calib_windows=16, calib_length=512,
+        calib_seed=0, damp=None):
     from mlx_lm.utils import load
 
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if group_size is not None and group_size < 1:
+        raise ValueError(f"group size must be a positive integer, got {group_size}")
+    if damp is not None and not 0 < damp < 1:
+        raise ValueError(f"damping must be in (0, 1), got {damp}")
     source = Path(source)
     if not (source / "config.json").is_file():
         raise ValueError(f"source model directory {source} has no config.json")
     model, tokenizer = load(str(source), lazy=True)
+    tokens, calib = calibration_tokens(tokenizer, calibration, calib_windows, calib_length, calib_seed)
     t0 = time.perf_counter()
-    records = quantize_model(model, bits, rotation, seed, embeddings, lm_head, DTYPES[dtype], progress)
+    records = quantize_model(model, bits, rotation, seed, embeddings, lm_head, DTYPES[dtype], progress,
+                             group_size, tokens, damp)
     seconds = time.perf_counter() - t0
     info = {
         "vqpipe_version": __version__, "source": str(source), "bits": bits, "rotation": rotation,
         "seed": seed, "embeddings": embeddings, "lm_head": lm_head, "dtype": dtype,
+        "group_size": group_size, "calibration": calib, "damp": damp,
         "quantize_seconds": seconds, "peak_rss_bytes": peak_rss_bytes(), "records": records,
     }
     save_quantized(model, tokenizer, source, out, info)
@@ -276,9 +322,19 @@ def main(argv=None):
     p.add_argument("--embeddings", action="store_true", help="also quantize the embedding table")
     p.add_argument("--no-lm-head", dest="lm_head", action="store_false", help="keep an untied lm_head dense")
     p.add_argument("--dtype", default="float32", help="dtype of tensors that stay unquantized")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="a float16 scale per this many rotated entries of a row (default: one per row)")
+    p.add_argument("--calibration", default="none", choices=CALIBRATION_TEXTS,
+                   help="none: data-free; text: GPTQ on the calibration split of vqpipe/text.py")
+    p.add_argument("--calib-windows", type=int, default=16, help="calibration windows")
+    p.add_argument("--calib-length", type=int, default=512, help="tokens per calibration window")
+    p.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration window offsets")
+    p.add_argument("--damp", type=float, default=None, help="GPTQ damping, fraction of mean(diag H) (0.01)")
     args = p.parse_args(argv)
     try:
-        run(args.source, args.out, args.bits, args.rotation, args.seed, args.embeddings, args.lm_head, args.dtype)
+        run(args.source, args.out, args.bits, args.rotation, args.seed, args.embeddings, args.lm_head, args.dtype,
+            group_size=args.group_size, calibration=args.calibration, calib_windows=args.calib_windows,
+            calib_length=args.calib_length, calib_seed=args.calib_seed, damp=args.damp)
     except ValueError as e:
         print(f"vqpipe quantize: error: {e}", file=sys.stderr)
         return 2

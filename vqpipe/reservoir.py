@@ -33,7 +33,10 @@ from .prefault import Prefault
 
 FILE_NAME = "model.vqres"
 MAGIC = b"\x89VQRES\r\n"
-VERSION = 1
+VERSION = 2
+# Version 2 adds per-group scales (a layer's "group_size"); a file is written as version 1 when no
+# layer has them, so per-row reservoirs are byte-identical to what earlier vqpipe wrote.
+READS = (1, 2)
 # magic, version, flags, header length, header xxh3, data offset, file size, prefix xxh3 (of bytes 0-47).
 _PREFIX = struct.Struct("<8sIIQQQQQ")
 PREFIX_SIZE = 64
@@ -151,7 +154,7 @@ def build_header(metas, arrays, params, persist_rotation, config=None):
         layers[name] = entry
     header = {
         "format": "vqpipe-reservoir",
-        "format_version": VERSION,
+        "format_version": _version_for(metas),
         "vqpipe_version": __version__,
         "persist_rotation": bool(persist_rotation),
         "checksum": CHECKSUM,
@@ -164,6 +167,10 @@ def build_header(metas, arrays, params, persist_rotation, config=None):
     return header, data
 
 
+def _version_for(metas):
+    return 2 if any(m.get("group_size") is not None for m in metas.values()) else 1
+
+
 def write_reservoir(path, metas, arrays, params, persist_rotation=False, config=None):
     """Write a reservoir atomically; returns its header.
 
@@ -174,7 +181,7 @@ def write_reservoir(path, metas, arrays, params, persist_rotation=False, config=
     text = json.dumps(header, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
     data_offset = -(-(PREFIX_SIZE + len(text)) // ALIGN) * ALIGN
     end = data_offset + (data[-1][0] + data[-1][1].size if data else 0)
-    head = _PREFIX.pack(MAGIC, VERSION, 0, len(text), xxhash.xxh3_64_intdigest(text), data_offset, end, 0)
+    head = _PREFIX.pack(MAGIC, header["format_version"], 0, len(text), xxhash.xxh3_64_intdigest(text), data_offset, end, 0)
     prefix = head[:48] + struct.pack("<Q", xxhash.xxh3_64_intdigest(head[:48]))
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
@@ -228,9 +235,9 @@ def _read_prefix(path, f, size):
     if magic != MAGIC:
         what = "a partially written reservoir (no magic yet)" if magic == bytes(8) else f"magic {magic!r}"
         _fail(path, f"not a vqpipe reservoir: {what}, expected {MAGIC!r}")
-    if version != VERSION:
+    if version not in READS:
         _fail(path, f"unsupported reservoir format version {version}; "
-                    f"this vqpipe {__version__} reads version {VERSION}")
+                    f"this vqpipe {__version__} reads versions {', '.join(map(str, READS))}")
     if xxhash.xxh3_64_intdigest(raw[:48]) != prefix_hash:
         _fail(path, "prefix checksum mismatch: the first 64 bytes are corrupted")
     if flags or raw[56:] != bytes(PREFIX_SIZE - 56):
@@ -242,7 +249,7 @@ def _read_prefix(path, f, size):
         _fail(path, f"header length {header_len} is out of bounds (file {size} bytes, limit {MAX_HEADER})")
     if data_offset < PREFIX_SIZE + header_len or data_offset > size or data_offset % ALIGN:
         _fail(path, f"data offset {data_offset} is out of bounds or not {ALIGN}-aligned")
-    return header_len, header_hash, data_offset
+    return header_len, header_hash, data_offset, version
 
 
 def _check_spec(path, where, spec, blobs):
@@ -267,7 +274,7 @@ def _expected_layer_tensors(meta):
     n_in, n_out, bits, rot = meta["in_features"], meta["out_features"], meta["bits"], meta["rotation"]
     out = {
         "packed": ([n_out, words_per_row(n_in, bits)], "uint32"),
-        "scales": ([n_out], None),
+        "scales": ([n_out], None) if meta.get("group_size") is None else ([n_out, n_in // meta["group_size"]], None),
         "codebook": ([1 << bits], None),
     }
     if meta["has_bias"]:
@@ -292,6 +299,9 @@ def _check_layer(path, name, meta, blobs):
             _fail(path, f"malformed header: {where} has invalid {k}")
     if meta.get("bits") not in BITS or not isinstance(meta.get("has_bias"), bool):
         _fail(path, f"malformed header: {where} has invalid bits or has_bias")
+    gs = meta.get("group_size")
+    if gs is not None and not (_is_int(gs, 1) and meta["in_features"] % gs == 0):
+        _fail(path, f"malformed header: {where} group_size {gs!r} does not divide in_features {meta['in_features']}")
     rot = meta.get("rotation")
     if not isinstance(rot, dict) or rot.get("kind") not in ROTATION_KINDS:
         _fail(path, f"malformed header: {where} has an unknown rotation kind")
@@ -320,7 +330,7 @@ def _check_layer(path, name, meta, blobs):
 def _check_header(path, h, size, data_offset):
     if not isinstance(h, dict) or h.get("format") != "vqpipe-reservoir":
         _fail(path, "malformed header: not a vqpipe-reservoir header")
-    if h.get("format_version") != VERSION or h.get("checksum") != CHECKSUM:
+    if h.get("format_version") not in READS or h.get("checksum") != CHECKSUM:
         _fail(path, f"unsupported header: format_version {h.get('format_version')!r}, checksum {h.get('checksum')!r}")
     blobs = h.get("blobs")
     if not isinstance(blobs, list):
@@ -339,6 +349,8 @@ def _check_header(path, h, size, data_offset):
         _fail(path, "malformed header: persist_rotation is not a boolean")
     for name, meta in h["layers"].items():
         _check_layer(path, name, meta, blobs)
+        if meta.get("group_size") is not None and h["format_version"] < 2:
+            _fail(path, f"malformed header: layer {name!r} has group scales in a version 1 file")
     for name, spec in h["params"].items():
         _check_spec(path, f"param {name!r}", spec, blobs)
 
@@ -356,7 +368,7 @@ def read_header(path):
         raise ReservoirError(f"{path}: cannot open: {e.strerror}") from e
     with f:
         size = os.fstat(f.fileno()).st_size
-        header_len, header_hash, data_offset = _read_prefix(path, f, size)
+        header_len, header_hash, data_offset, version = _read_prefix(path, f, size)
         text = f.read(header_len)
     if len(text) != header_len:
         _fail(path, "short read of the header")
@@ -367,6 +379,8 @@ def read_header(path):
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         _fail(path, f"malformed header: {e}")
     _check_header(path, header, size, data_offset)
+    if header["format_version"] != version:
+        _fail(path, f"malformed header: format_version {header['format_version']} but the prefix says {version}")
     header["_data_offset"], header["_file_size"] = data_offset, size
     return header
 

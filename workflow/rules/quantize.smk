@@ -2,6 +2,25 @@
 # (under the configured BLAS) that validate compares against.
 
 
+def quantize_option(model, key):
+    """Quantize option ``key`` of ``model``: models.NAME.quantize.KEY, else quantize.KEY."""
+    return config["models"][model].get("quantize", {}).get(key, config["quantize"][key])
+
+
+def quantize_flags(model):
+    """Command-line flags of the options that change the codes (all of them are rule params)."""
+    q = config["quantize"]
+    flags = (" --embeddings" if q["embeddings"] else "") + ("" if q["lm_head"] else " --no-lm-head")
+    group = quantize_option(model, "group_size")
+    if group is not None:
+        flags += f" --group-size {group}"
+    cal = quantize_option(model, "calibration")
+    if cal["text"] != "none":
+        flags += (f" --calibration {cal['text']} --calib-windows {cal['windows']} --calib-length {cal['length']}"
+                  f" --calib-seed {cal['seed']} --damp {cal['damp']}")
+    return flags
+
+
 rule quantize:
     input:
         source=SOURCE,
@@ -20,8 +39,9 @@ rule quantize:
         lm_head=config["quantize"]["lm_head"],
         dtype=config["quantize"]["dtype"],
         blas=BLAS,
-        flags=(" --embeddings" if config["quantize"]["embeddings"] else "")
-        + ("" if config["quantize"]["lm_head"] else " --no-lm-head"),
+        group_size=lambda w: quantize_option(w.model, "group_size"),
+        calibration=lambda w: quantize_option(w.model, "calibration"),
+        flags=lambda w: quantize_flags(w.model),
     log:
         "logs/quantize/{model}/b{bits}-{rotation}.log",
     threads: res("quantize", "threads")

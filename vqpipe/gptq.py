@@ -1,0 +1,146 @@
+"""GPTQ/LDLQ error feedback on the rotated Lloyd-Max grid, and per-group scales.
+
+A linear layer's output error on inputs X is ||(W - W_hat) X||^2 = tr(E H E^T) with H = X X^T
+(in x in, summed over calibration tokens). In the rotated basis (y = W R^T . R x) the weight is
+W_r = W R^T and the input moments are H_r = R H R^T. GPTQ (Frantar et al., 2022; LDLQ in QuIP,
+Chee et al., 2023, is the same recursion) quantizes W_r one column at a time and pushes each
+column's error onto the columns not yet quantized, through the upper Cholesky factor U of H_r^-1,
+so that the error left is what the remaining columns cannot absorb. QuIP# and HIGGS run it on a
+Hadamard-rotated weight with a Gaussian grid, which is what we have here.
+
+Scales: the codebook is the Lloyd-Max grid of a unit variance entry (fixed per bits and width).
+A group of ``group_size`` consecutive rotated entries of a row gets its own step, set from the
+RMS of the group as it stands when GPTQ reaches it (after the feedback from earlier columns),
+rounded to float16 before use (that is what is stored). When ``group_size`` is None a row has
+one step, its RMS. After the codes are chosen the steps are refit by least squares, weighted by H
+when there is one: with the codes fixed the H-weighted error is a quadratic in the steps.
+
+All work is float32 numpy on the CPU, except the Cholesky factorisations (MLX on the CPU stream:
+LAPACK through the OpenBLAS preload is several times faster than numpy's bundled build here).
+"""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from .codebook import boundaries
+
+DAMP = 0.01  # diagonal damping, as a fraction of H's mean diagonal (GPTQ's default)
+BLOCK = 128  # columns per lazy-batch block
+
+
+def rotate_hessian(h, rotation):
+    """R H R^T for a symmetric H (mx array, in x in)."""
+    return rotation.apply(rotation.apply(h.astype(mx.float32)).T)
+
+
+def inverse_cholesky(h, damp=DAMP):
+    """Upper U with U^T U = (H + damp * mean(diag H) I)^-1 (numpy float32).
+
+    Dead inputs (zero diagonal) get a unit diagonal; their weights are multiplied by zero anyway.
+    If the damped H is still not positive definite in float32, the damping grows tenfold.
+    """
+    h = mx.array(h, dtype=mx.float32)
+    d = h.shape[0]
+    diag = mx.diagonal(h)
+    dead = diag <= 0
+    h = h + mx.diag(mx.where(dead, 1.0, 0.0))
+    mean = mx.mean(mx.where(dead, 0.0, diag)).item()
+    mean = mean if mean > 0 else 1.0
+    eye = mx.eye(d, dtype=mx.float32)
+    for _ in range(4):
+        a = h + (damp * mean) * eye
+        low = mx.linalg.cholesky(a, stream=mx.cpu)
+        u = mx.linalg.cholesky(mx.linalg.cholesky_inv(low, stream=mx.cpu), upper=True, stream=mx.cpu)
+        u = np.array(u)
+        if np.all(np.isfinite(u)) and np.all(np.diag(u) > 0):
+            return u
+        damp *= 10
+    raise ValueError(f"calibration second moments (dim {d}) are not positive definite even with damping {damp / 10:g}")
+
+
+def _f16(x):
+    """Round to float16 (what grouped scales are stored as), kept away from zero and overflow."""
+    return np.clip(x, 6.2e-5, 65504).astype(np.float16).astype(np.float32)
+
+
+def gptq(w, u, levels, group_size=None, block=BLOCK):
+    """Quantize rotated weights ``w`` [out, d] with error feedback through ``u`` (inverse_cholesky).
+
+    ``levels`` are the unit-variance codebook levels (sorted). Returns (indices uint8 [out, d],
+    steps float32 [out, groups]); the dequantized entry is steps[o, g] * levels[idx[o, i]].
+    ``u`` = identity gives plain round-to-nearest with the same scales.
+    """
+    out, d = w.shape
+    gs = group_size or d
+    if d % gs:
+        raise ValueError(f"group size {gs} does not divide the row length {d}")
+    # Column i of W is row i here: every per-column operation touches contiguous memory.
+    wt = np.array(np.asarray(w, dtype=np.float32).T, order="C")
+    bounds = boundaries(np.asarray(levels)).astype(np.float32)
+    levels = np.asarray(levels, dtype=np.float32)
+    if gs < d:
+        block = gs * max(1, block // gs)  # a group never straddles two blocks
+    idx = np.empty((d, out), dtype=np.uint8)
+    steps = np.empty((d // gs, out), dtype=np.float32)
+    step = None
+    if gs == d:
+        step = np.maximum(np.sqrt(np.mean(wt * wt, axis=0)), 1e-30)
+        steps[0] = step
+    for b0 in range(0, d, block):
+        b1 = min(b0 + block, d)
+        e1 = np.empty((b1 - b0, out), dtype=np.float32)
+        for i in range(b0, b1):
+            if gs < d and i % gs == 0:
+                g = wt[i : i + gs]
+                step = _f16(np.sqrt(np.mean(g * g, axis=0)) * math.sqrt(d)) / math.sqrt(d)
+                steps[i // gs] = step
+            col = wt[i]
+            q = np.searchsorted(bounds, col / step)
+            idx[i] = q
+            err = (col - step * levels[q]) / u[i, i]
+            e1[i - b0] = err
+            if i + 1 < b1:
+                wt[i + 1 : b1] -= u[i, i + 1 : b1, None] * err
+        if b1 < d:
+            wt[b1:] -= u[b0:b1, b1:].T @ e1
+    return np.ascontiguousarray(idx.T), np.ascontiguousarray(steps.T)
+
+
+def refit_steps(w, c, group_size=None, h=None, chunk=None):
+    """Least-squares steps for fixed codes: minimise sum_o (w_o - w_hat_o) H (w_o - w_hat_o)^T
+    (H = I when None) with w_hat_o[i] = s[o, g(i)] * c[o, i]. ``c`` holds the code values
+    (levels[idx]). Returns s [out, groups] float32 (rows or groups whose codes are all zero keep 0).
+    """
+    out, d = w.shape
+    gs = group_size or d
+    groups = d // gs
+    w = np.asarray(w, dtype=np.float32)
+    c = np.asarray(c, dtype=np.float32)
+    if h is None:  # block-diagonal: one scalar problem per group
+        cw = (c * w).reshape(out, groups, gs).sum(-1, dtype=np.float64)
+        cc = (c * c).reshape(out, groups, gs).sum(-1, dtype=np.float64)
+        return (cw / np.maximum(cc, 1e-300)).astype(np.float32)
+    h = np.asarray(h, dtype=np.float32)
+    hw = w @ h
+    b = (c * hw).reshape(out, groups, gs).sum(-1, dtype=np.float64)
+    if groups == 1:
+        cc = np.einsum("ij,ij->i", c @ h, c, dtype=np.float64)[:, None]
+        return (b / np.maximum(cc, 1e-300)).astype(np.float32)
+    chunk = chunk or max(1, (16 << 20) // (d * groups))
+    s = np.empty((out, groups), dtype=np.float32)
+    ht = [np.ascontiguousarray(h[g * gs : (g + 1) * gs]) for g in range(groups)]  # H rows of group g
+    for r0 in range(0, out, chunk):
+        cr = c[r0 : r0 + chunk]
+        n = cr.shape[0]
+        # y[n, g', i] = sum_{k in g'} c[n, k] H[k, i];  A[n, g, g'] = sum_{i in g} y[n, g', i] c[n, i]
+        y = np.empty((n, groups, d), dtype=np.float32)
+        for g in range(groups):
+            y[:, g] = cr[:, g * gs : (g + 1) * gs] @ ht[g]
+        y = y.reshape(n, groups, groups, gs).transpose(0, 2, 1, 3)  # [n, g, g', k]
+        a = np.matmul(y, cr.reshape(n, groups, gs, 1))[..., 0].astype(np.float64)  # [n, g, g']
+        diag = np.einsum("ngg->ng", a)
+        a += np.eye(groups)[None] * (1e-9 * np.maximum(diag.max(-1), 1e-300))[:, None, None]
+        s[r0 : r0 + chunk] = np.linalg.solve(a, b[r0 : r0 + chunk, :, None])[..., 0]
+    return s
