@@ -158,29 +158,31 @@ def test_one_description_two_dialects():
     # MLX finds shapes by name in the body: these must be referenced there.
     assert all(s in b_cuda for s in ("x_shape", "packed_shape", "bias_ndim"))
     # the Python launch geometry and the kernel's compile-time constants agree
-    assert f"constexpr int R = {qmv.ROWS};" in qmv._SOURCE and f"constexpr int U = {qmv.UNROLL};" in qmv._SOURCE
+    assert f"constexpr int R = {qmv.ROWS};" in qmv._SOURCE
 
 
 QWEN = [(896, 896), (896, 128), (896, 4864), (4864, 896), (896, 151936), (4096, 11008), (11008, 4096)]
 
 
-def _spec(n_in, n_out, m=1, bits=4, dtype=mx.bfloat16, bias=False, bias_dtype=None):
-    return qmv.launch_spec((m, n_in), (n_out, words_per_row(n_in, bits)), (n_out,), 1 << bits,
-                           (n_out,) if bias else None, bits, dtype, bias_dtype)
+def _spec(n_in, n_out, m=1, bits=4, dtype=mx.bfloat16, bias=False, bias_dtype=None, group_size=None):
+    scales = (n_out,) if group_size is None else (n_out, n_in // group_size)
+    return qmv.launch_spec((m, n_in), (n_out, words_per_row(n_in, bits)), scales, 1 << bits,
+                           (n_out,) if bias else None, bits, dtype, bias_dtype, group_size=group_size)
 
 
 def test_launch_template_holds_no_shape():
     shapes = [(i, o) for i in (32, 50, 96, 896, 2048, 4864, 11008) for o in (1, 7, 128, 4864, 151936)]
     specs = [_spec(i, o) for i, o in shapes]
     assert all(s["template"] == specs[0]["template"] for s in specs)
-    assert specs[0]["template"] == [("T", mx.bfloat16), ("BT", mx.bfloat16), ("BITS", 4), ("MT", 1)]
+    assert specs[0]["template"] == [("T", mx.bfloat16), ("BT", mx.bfloat16), ("ST", mx.float32), ("BITS", 4),
+                                    ("MT", 1), ("GS", 0)]
     assert len({s["grid"] for s in specs}) >= 10  # the grid follows the shape, the kernel does not
     for s in specs:
         tx, ks, rw = s["threadgroup"]
         assert tx == 32 and ks in (1, 2, 4, 8) and 4 <= ks * rw <= 8
         assert s["grid"][1:] == (ks, rw) and s["grid"][0] % 32 == 0
     # M enters as MT = next power of two; the bias dtype only where a layer has one
-    assert [_spec(896, 896, m)["template"][3][1] for m in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert [_spec(896, 896, m)["template"][4][1] for m in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
     assert _spec(896, 896, bias=True, bias_dtype=mx.float32)["template"][1] == ("BT", mx.float32)
     # rows are split over warps only where there are few, long rows: the down projections, not the lm_head
     ks = {(i, o): _spec(i, o)["threadgroup"][1] for i, o in QWEN}
@@ -220,14 +222,16 @@ def test_validation_through_launch_spec():
 
 
 @functools.lru_cache(maxsize=64)
-def _weights(bits, n_in, n_out, seed=0):
-    """Packed indices (random garbage in the row padding too), scales, a codebook, a bias; numpy."""
-    rng = np.random.default_rng([bits, n_in, n_out, seed])
+def _weights(bits, n_in, n_out, seed=0, group_size=None):
+    """Packed indices (random garbage in the row padding too), scales (per row, or [out, in // group_size]),
+    a codebook, a bias; numpy."""
+    rng = np.random.default_rng([bits, n_in, n_out, seed, group_size or 0])
     idx = rng.integers(0, 1 << bits, size=(n_out, packing.padded_length(n_in)), dtype=np.uint8)
     packed = packing.pack(idx, bits)
     levels = (lloyd_codebook(bits, max(n_in, 3)) / np.sqrt(n_in)).astype(np.float32) if bits <= 4 else \
         (rng.standard_normal(1 << bits) / np.sqrt(n_in)).astype(np.float32)
-    scales = rng.uniform(0.5, 1.5, n_out).astype(np.float32)
+    shape = n_out if group_size is None else (n_out, n_in // group_size)
+    scales = rng.uniform(0.5, 1.5, shape).astype(np.float32)
     bias = (rng.standard_normal(n_out) * 0.5).astype(np.float32)
     return packed, scales, levels, bias
 
@@ -235,7 +239,7 @@ def _weights(bits, n_in, n_out, seed=0):
 _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23}
 
 
-def _reference64(x, packed, scales, levels, bias, bits):
+def _reference64(x, packed, scales, levels, bias, bits, group_size=None):
     """(y, tolerance) in float64. The kernel converts x and the codebook to float32 exactly and
     accumulates ~n products in float32 (each add or FMA rounds by at most 2^-24 relative to a running
     sum bounded by sum|c x|), then one multiply by s, one add of b, one cast to x's dtype (half an
@@ -243,8 +247,11 @@ def _reference64(x, packed, scales, levels, bias, bits):
     n = x.shape[-1]
     xd = np.array(x.astype(mx.float32), dtype=np.float64).reshape(-1, n)
     w = levels.astype(np.float64)[packing.unpack_numpy(packed, bits, n)]
+    s = np.array(scales, dtype=np.float64)
+    if s.ndim == 2:  # per group: the scales weight the codebook values, then s = 1 per row
+        w = w * np.repeat(s, group_size, axis=1)[:, :n]
+        s = np.ones(w.shape[0])
     acc = xd @ w.T
-    s = scales.astype(np.float64)
     b = 0.0 if bias is None else np.array(bias.astype(mx.float32), dtype=np.float64)
     y = acc * s + b
     dt = str(x.dtype).rsplit(".", 1)[-1]
@@ -502,7 +509,7 @@ def test_compiled_kernel_count_fixed_across_shapes():
 _HOST_TOKENS = {
     "QMV_SHARED": "static", "QMV_BARRIER": "g_block_barrier->arrive_and_wait()", "QMV_LANE": "t_lane",
     "QMV_KS_ID": "t_ks", "QMV_KS": "g_KS", "QMV_RW_ID": "t_rw", "QMV_RW": "g_RW", "QMV_BLOCK": "g_block",
-    "QMV_UNROLL": "",
+    "QMV_BLOCKS": "g_blocks", "QMV_UNROLL": "",
 }
 _HOST_HEADER = r"""
 #include <barrier>
@@ -513,7 +520,7 @@ _HOST_HEADER = r"""
 #include <vector>
 static std::barrier<>* g_block_barrier;
 static std::vector<std::barrier<>*> g_warp_barriers;
-static unsigned int g_KS, g_RW, g_block;
+static unsigned int g_KS, g_RW, g_block, g_blocks;
 static thread_local unsigned int t_lane, t_ks, t_rw;
 static float g_xchg[8][32];
 inline unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
@@ -525,29 +532,42 @@ inline float qmv_shfl_xor(float v, int m) {
   g_warp_barriers[w]->arrive_and_wait();
   return r;
 }
-template <int BITS, int CH>
-inline unsigned int qmv_window(const uint32_t* p, unsigned int base, unsigned int c) {
-  if (CH * BITS == 32) return p[base + c];
-  const unsigned int bit = c * (unsigned int)(CH * BITS), wi = bit >> 5, sh = bit & 31u, lo = p[base + wi];
-  if (sh + CH * BITS <= 32u) return lo >> sh;
-  return (lo >> sh) | (p[base + wi + 1u] << (32u - sh));
+template <int BITS, int PER>
+inline unsigned int qmv_index(const unsigned int* w, int v) {
+  if (BITS != 3) return (w[v / PER] >> (BITS * (v % PER))) & ((1u << BITS) - 1u);
+  const int bit = 3 * v, j = bit >> 5, sh = bit & 31;
+  if (sh + 3 <= 32) return (w[j] >> sh) & 7u;
+  return ((w[j] >> sh) | (w[j + 1] << (32 - sh))) & 7u;
+}
+// the "vector" branch is the same words read as one 16-byte block (checked for alignment like the GPU)
+template <int VW>
+inline void qmv_load_words(unsigned int* dst, const uint32_t* p, unsigned int off, unsigned int left, bool valid, bool vec) {
+  if (valid && VW == 4 && vec) {
+    if (((unsigned long long)(p + off) & 15ull) != 0ull) { fprintf(stderr, "misaligned vector load\n"); abort(); }
+    for (int j = 0; j < 4; ++j) dst[j] = p[off + j];
+    return;
+  }
+  for (int j = 0; j < VW; ++j) dst[j] = (valid && (unsigned int)j < left) ? p[off + j] : 0u;
 }
 #define QMV_LOAD_X(dst, p, vec) for (int t_ = 0; t_ < SC; ++t_) { (dst)[t_] = (p)[t_]; }
 #define QMV_X_ALIGNED(p) false
+#define QMV_W_ALIGNED(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull)
 """
 _HOST_MAIN = r"""
-template <int BITS, int MT>
+template <int BITS, int MT, int GS>
 void run(char** argv) {
-  int M = atoi(argv[3]), PIN = atoi(argv[4]), OUT = atoi(argv[5]), WPR = atoi(argv[6]);
-  g_KS = atoi(argv[7]); g_RW = atoi(argv[8]); int blocks = atoi(argv[9]), has_bias = atoi(argv[10]);
-  std::vector<float> x((size_t)M * PIN), s(OUT), cb(1 << BITS), b(OUT), out((size_t)M * OUT, -1.0f);
+  int M = atoi(argv[4]), PIN = atoi(argv[5]), OUT = atoi(argv[6]), WPR = atoi(argv[7]);
+  g_KS = atoi(argv[8]); g_RW = atoi(argv[9]); int blocks = atoi(argv[10]), has_bias = atoi(argv[11]);
+  int G = atoi(argv[12]);
+  g_blocks = blocks;
+  std::vector<float> x((size_t)M * PIN), s((size_t)OUT * G), cb(1 << BITS), b(OUT), out((size_t)M * OUT, -1.0f);
   std::vector<uint32_t> pk((size_t)OUT * WPR);
-  FILE* f = fopen(argv[11], "rb");
+  FILE* f = fopen(argv[13], "rb");
   size_t n = fread(x.data(), 4, x.size(), f) + fread(pk.data(), 4, pk.size(), f) + fread(s.data(), 4, s.size(), f)
       + fread(cb.data(), 4, cb.size(), f) + fread(b.data(), 4, b.size(), f);
   fclose(f);
   if (n != x.size() + pk.size() + s.size() + cb.size() + b.size()) return;
-  int xs[2] = {M, PIN}, ps[2] = {OUT, WPR};
+  int xs[2] = {M, PIN}, ps[2] = {OUT, WPR}, ss[2] = {OUT, G};
   for (int blk = 0; blk < blocks; ++blk) {
     g_block = blk;
     int nt = 32 * g_KS * g_RW;
@@ -560,19 +580,20 @@ void run(char** argv) {
     for (int t = 0; t < nt; ++t)
       th.emplace_back([&, t] {
         t_lane = t % 32; t_ks = (t / 32) % g_KS; t_rw = t / (32 * g_KS);
-        kernel<BITS, MT>(x.data(), xs, pk.data(), ps, s.data(), cb.data(), b.data(), has_bias ? 1 : 2, out.data());
+        kernel<BITS, MT, GS>(x.data(), xs, pk.data(), ps, s.data(), ss, cb.data(), b.data(), has_bias ? 1 : 2, out.data());
       });
     for (auto& t : th) t.join();
     for (auto* p : wb) delete p;
   }
-  f = fopen(argv[12], "wb");
+  f = fopen(argv[14], "wb");
   fwrite(out.data(), 4, out.size(), f);
   fclose(f);
 }
 int main(int argc, char** argv) {
-  int bits = atoi(argv[1]), mt = atoi(argv[2]);
-#define C(B, T) if (bits == B && mt == T) { run<B, T>(argv); return 0; }
-  C(2, 1) C(2, 4) C(3, 1) C(3, 4) C(4, 1) C(4, 2) C(4, 4) C(4, 8) C(8, 1) C(8, 4)
+  int bits = atoi(argv[1]), mt = atoi(argv[2]), gs = atoi(argv[3]);
+#define C(B, T, S) if (bits == B && mt == T && gs == S) { run<B, T, S>(argv); return 0; }
+  C(2, 1, 0) C(2, 4, 0) C(3, 1, 0) C(3, 4, 0) C(4, 1, 0) C(4, 2, 0) C(4, 4, 0) C(4, 8, 0) C(8, 1, 0) C(8, 4, 0)
+  C(4, 1, 32) C(4, 2, 128) C(2, 1, 32) C(2, 4, 32) C(2, 4, 64) C(3, 1, 64) C(3, 2, 256) C(8, 1, 32) C(4, 8, 256)
   return 1;
 }
 """
@@ -589,9 +610,10 @@ def host_kernel(tmp_path_factory):
     body = qmv._SOURCE
     for token, text in _HOST_TOKENS.items():
         body = re.sub(rf"\b{token}\b", text, body)
-    src = (_HOST_HEADER + "template <int BITS, int MT>\nvoid kernel(const float* x, const int* x_shape, "
-           "const uint32_t* packed, const int* packed_shape, const float* scales, const float* codebook, "
-           "const float* bias, int bias_ndim, float* out) {\n using T = float;\n" + body + "}\n" + _HOST_MAIN)
+    src = (_HOST_HEADER + "template <int BITS, int MT, int GS>\nvoid kernel(const float* x, const int* x_shape, "
+           "const uint32_t* packed, const int* packed_shape, const float* scales, const int* scales_shape, "
+           "const float* codebook, const float* bias, int bias_ndim, float* out) {\n using T = float;\n"
+           + body + "}\n" + _HOST_MAIN)
     d = tmp_path_factory.mktemp("qmv_host")
     (d / "k.cpp").write_text(src)
     r = subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", "k.cpp", "-o", "k"], cwd=d, capture_output=True, text=True)
@@ -601,29 +623,42 @@ def host_kernel(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("bits, n_in, n_out, m, target", [
-    (4, 50, 7, 1, None), (4, 896, 9, 3, None), (4, 4864, 7, 8, None), (4, 4864, 9, 2, 1), (4, 11008, 3, 1, None),
-    (3, 96, 9, 1, None), (3, 4864, 7, 4, None), (3, 896, 5, 1, 1), (2, 4864, 9, 1, None), (2, 896, 7, 3, 1),
-    (8, 896, 6, 1, None), (8, 160, 9, 4, 1),
+@pytest.mark.parametrize("bits, n_in, n_out, m, target, gs, blocks", [
+    (4, 50, 7, 1, None, 0, None), (4, 896, 9, 3, None, 0, None), (4, 4864, 7, 8, None, 0, None),
+    (4, 4864, 9, 2, 1, 0, None), (4, 11008, 3, 1, None, 0, None), (3, 96, 9, 1, None, 0, None),
+    (3, 4864, 7, 4, None, 0, None), (3, 896, 5, 1, 1, 0, None), (2, 4864, 9, 1, None, 0, None),
+    (2, 896, 7, 3, 1, 0, None), (2, 96, 5, 1, None, 0, None), (8, 896, 6, 1, None, 0, None),
+    (8, 160, 9, 4, 1, 0, None),
+    # per-group scales: groups smaller than a chunk (2 bits: 64 values), equal, larger; padding past in_features
+    (4, 896, 9, 1, None, 32, None), (4, 4864, 7, 2, 1, 128, None), (2, 896, 7, 1, 1, 32, None),
+    (2, 96, 5, 4, None, 32, None), (2, 4864, 6, 4, None, 64, None), (3, 4864, 5, 1, None, 64, None),
+    (3, 768, 9, 2, 1, 256, None), (8, 896, 6, 1, None, 32, None), (4, 2048, 13, 8, None, 256, None),
+    # more row sets than threadgroups: the grid-stride loop over row sets
+    (4, 896, 37, 1, 1, 0, 2), (4, 512, 61, 2, 1, 128, 3),
 ])
-def test_kernel_body_on_cpu_host_dialect(host_kernel, monkeypatch, bits, n_in, n_out, m, target):
+def test_kernel_body_on_cpu_host_dialect(host_kernel, monkeypatch, bits, n_in, n_out, m, target, gs, blocks):
     if target is not None:  # force KS = 1 (many iterations per warp) on a small layer
         monkeypatch.setattr(qmv, "TARGET_WARPS", target)
+    if blocks is not None:
+        monkeypatch.setattr(qmv, "MAX_BLOCKS", blocks)
     qmv.launch_spec.cache_clear()
     try:
-        spec = _spec(n_in, n_out, m, bits, mx.float32, bias=True)
+        spec = _spec(n_in, n_out, m, bits, mx.float32, bias=True, group_size=gs or None)
     finally:
         qmv.launch_spec.cache_clear()
-    (gx, ks, rw), mt = spec["grid"], spec["template"][3][1]
-    packed, scales, levels, bias = _weights(bits, n_in, n_out)
+    (gx, ks, rw), mt = spec["grid"], spec["template"][4][1]
+    if blocks is not None:
+        assert gx // 32 == blocks and blocks * rw * qmv.ROWS < n_out
+    packed, scales, levels, bias = _weights(bits, n_in, n_out, group_size=gs or None)
     rng = np.random.default_rng(n_in + bits)
     x = np.zeros((m, spec["padded_in"]), np.float32)
     x[:, :n_in] = rng.standard_normal((m, n_in))
     with open(host_kernel / "in.bin", "wb") as f:
         for a in (x, packed, scales, levels, bias):
             f.write(np.ascontiguousarray(a).tobytes())
-    args = [bits, mt, m, spec["padded_in"], n_out, packed.shape[1], ks, rw, gx // 32, 1, "in.bin", "out.bin"]
+    g = scales.shape[1] if scales.ndim == 2 else 1
+    args = [bits, mt, gs, m, spec["padded_in"], n_out, packed.shape[1], ks, rw, gx // 32, 1, g, "in.bin", "out.bin"]
     subprocess.run(["./k", *map(str, args)], cwd=host_kernel, check=True, timeout=120)
     got = np.fromfile(host_kernel / "out.bin", np.float32).reshape(m, n_out)
-    y, tol = _reference64(mx.array(x[:, :n_in]), packed, scales, levels, mx.array(bias), bits)
+    y, tol = _reference64(mx.array(x[:, :n_in]), packed, scales, levels, mx.array(bias), bits, gs or None)
     assert np.all(np.abs(got - y) <= tol), np.abs(got - y).max()

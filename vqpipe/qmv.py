@@ -50,9 +50,16 @@ from .gpu import backend
 from .packing import unpack, words_per_row
 
 MAX_M = 8  # rows of x (prod of its leading dims) the kernel takes; more -> the dense path
-ROWS = 4  # output rows per warp (R)
-UNROLL = 4  # warp steps per iteration (U); must match "constexpr int U" in _SOURCE
+ROWS = 4  # output rows per warp (R); must match "constexpr int R" in _SOURCE
 TARGET_WARPS = 4096  # enough warps to fill an H200 (132 SMs x ~32 resident warps)
+MAX_BLOCKS = 2048  # threadgroups at most; more row sets are taken grid-stride (not tuned)
+GROUP_SIZES = (32, 64, 128, 256)  # per-group scale layouts the kernel takes (besides per row)
+SCALE_DTYPES = (mx.float16, mx.float32)
+
+
+def chunk_values(bits):
+    """Values per lane chunk: 4 packed words (16 bytes) for 2/4/8 bits, 3 words (32 values) for 3."""
+    return 32 * (3 if bits == 3 else 4) // bits
 BITS = (2, 3, 4, 8)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
@@ -61,11 +68,13 @@ DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # Dialect tokens QMV_* are substituted in Python; helpers qmv_* come from the dialect header.
 _SOURCE = """
     constexpr int R = 4;                                // rows per warp
-    constexpr int U = 4;                                // warp steps per iteration (loads in flight)
-    constexpr int CH = (BITS == 3) ? 8 : 32 / BITS;     // values per lane chunk (one 32-bit window)
-    constexpr int SC = CH < 8 ? CH : 8;                 // values per activation load
+    constexpr int VW = (BITS == 3) ? 3 : 4;             // packed words per lane chunk (12 or 16 bytes)
+    constexpr int VPC = 32 * VW / BITS;                 // values per chunk: 64, 32, 32, 16 for 2, 3, 4, 8 bits
+    constexpr int SC = 8;                               // values per activation load (one sub-chunk)
+    constexpr int PER = 32 / BITS;                      // values per word (2, 4, 8 bits)
     constexpr int NLEV = 1 << BITS;
-    constexpr unsigned int MASK = (1u << BITS) - 1u;
+    constexpr int GSD = GS > 0 ? GS : 1;
+    constexpr int NG = (GS > 0 && VPC > GS) ? VPC / GSD : 1;  // scale groups a chunk spans (GS >= 32)
     QMV_SHARED float cb_s[NLEV];
     QMV_SHARED float red_s[8 * R * MT];
 
@@ -76,133 +85,155 @@ _SOURCE = """
     const unsigned int RW = QMV_RW;
     const unsigned int tid = (rw * KS + ks) * 32u + lane;
     const unsigned int M = x_shape[0];
-    const unsigned int PIN = x_shape[1];                // in_features padded to a multiple of 32
+    const unsigned int PIN = x_shape[1];                // in_features padded to a multiple of VPC
     const unsigned int OUT = packed_shape[0];
     const unsigned int WPR = packed_shape[1];           // words per row
-    const unsigned int NCH = PIN / CH;
-    const unsigned int STRIDE = 32u * KS * U;           // chunks one warp advances per iteration
+    const unsigned int G = GS > 0 ? scales_shape[1] : 1u;  // scale groups per row
+    const unsigned int NCH = PIN / VPC;
+    const unsigned int STRIDE = 32u * KS;               // chunks one warp advances per iteration
     const bool has_bias = bias_ndim == 1;               // the no-bias placeholder is 2-D
-    const unsigned int row0 = (QMV_BLOCK * RW + rw) * R;
-    // uniform per warp: all 32 lanes share row0, so whole warps skip and the shuffles stay full
-    const bool active = row0 < OUT;
+    const unsigned int row_sets = (OUT + R - 1u) / R;
+    // 16-byte loads of packed words when every row starts 16-byte aligned (VW = 4 only)
+    const bool wvec = VW == 4 && (WPR & 3u) == 0u && QMV_W_ALIGNED(packed);
+    const bool xvec = QMV_X_ALIGNED(x);
 
-    unsigned int base[R];
-    QMV_UNROLL
-    for (int r = 0; r < R; ++r) {
-        // a partial last row set re-reads the last row; those sums are never written
-        base[r] = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR;
-    }
-    // The first iteration's words are requested before the codebook barrier, and each
-    // iteration requests the next one's before it computes: a warp keeps loads in flight.
-    unsigned int win[U][R];
-    QMV_UNROLL
-    for (int u = 0; u < U; ++u) {
-        const unsigned int c = ks * 32u + (unsigned int)u * 32u * KS + lane;
-        QMV_UNROLL
-        for (int r = 0; r < R; ++r) {
-            win[u][r] = (active && c < NCH) ? qmv_window<BITS, CH>(packed, base[r], c) : 0u;
-        }
-    }
     for (unsigned int i = tid; i < (unsigned int)NLEV; i += RW * KS * 32u) {
-        cb_s[i] = codebook[i];
+        cb_s[i] = static_cast<float>(codebook[i]);
     }
     QMV_BARRIER;
 
-    float acc[R][MT];
-    QMV_UNROLL
-    for (int r = 0; r < R; ++r) {
+    // Row sets are taken grid-stride, so the codebook fill and barrier above are paid once per block.
+    for (unsigned int set0 = QMV_BLOCK * RW; set0 < row_sets; set0 += QMV_BLOCKS * RW) {
+        const unsigned int row0 = (set0 + rw) * R;
+        // uniform per warp: all 32 lanes share row0, so whole warps skip and the shuffles stay full
+        const bool active = row0 < OUT;
+        unsigned int base[R];
         QMV_UNROLL
-        for (int m = 0; m < MT; ++m) {
-            acc[r][m] = 0.0f;
+        for (int r = 0; r < R; ++r) {
+            // a partial last row set re-reads the last row; those sums are never written
+            base[r] = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR;
         }
-    }
-    if (active) {
-        const bool vec = QMV_X_ALIGNED(x);
-        for (unsigned int c0 = ks * 32u; c0 < NCH; c0 += STRIDE) {
-            unsigned int nxt[U][R];
-            QMV_UNROLL
-            for (int u = 0; u < U; ++u) {
-                const unsigned int c = c0 + STRIDE + (unsigned int)u * 32u * KS + lane;
-                QMV_UNROLL
-                for (int r = 0; r < R; ++r) {
-                    nxt[u][r] = c < NCH ? qmv_window<BITS, CH>(packed, base[r], c) : 0u;
-                }
-            }
-            QMV_UNROLL
-            for (int u = 0; u < U; ++u) {
-                const unsigned int c = c0 + (unsigned int)u * 32u * KS + lane;
-                if (c < NCH) {
-                    QMV_UNROLL
-                    for (int h = 0; h < CH / SC; ++h) {
-                        float xv[MT][SC];
-                        QMV_UNROLL
-                        for (int m = 0; m < MT; ++m) {
-                            // rows past M repeat the last row; their sums are never written
-                            const unsigned int mm = qmv_umin((unsigned int)m, M - 1u);
-                            QMV_LOAD_X(xv[m], x + mm * PIN + c * CH + h * SC, vec);
-                        }
-                        QMV_UNROLL
-                        for (int r = 0; r < R; ++r) {
-                            QMV_UNROLL
-                            for (int t = 0; t < SC; ++t) {
-                                const float w = cb_s[(win[u][r] >> (BITS * (h * SC + t))) & MASK];
-                                QMV_UNROLL
-                                for (int m = 0; m < MT; ++m) {
-                                    acc[r][m] += w * xv[m][t];
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-            QMV_UNROLL
-            for (int u = 0; u < U; ++u) {
-                QMV_UNROLL
-                for (int r = 0; r < R; ++r) {
-                    win[u][r] = nxt[u][r];
-                }
-            }
-        }
+        float acc[R][MT];
         QMV_UNROLL
         for (int r = 0; r < R; ++r) {
             QMV_UNROLL
             for (int m = 0; m < MT; ++m) {
-                float v = acc[r][m];
-                QMV_UNROLL
-                for (int s = 16; s > 0; s /= 2) {
-                    v += qmv_shfl_xor(v, s);
-                }
-                acc[r][m] = v;
+                acc[r][m] = 0.0f;
             }
         }
-        if (lane == 0u) {
+        if (active) {
+            // the next chunk's words are requested before this one is computed: loads in flight
+            unsigned int win[R][VW];
+            unsigned int c = ks * 32u + lane;
+            QMV_UNROLL
+            for (int r = 0; r < R; ++r) {
+                qmv_load_words<VW>(win[r], packed, base[r] + c * VW, WPR - c * VW, c < NCH, wvec);
+            }
+            for (; c < NCH; c += STRIDE) {
+                unsigned int nxt[R][VW];
+                const unsigned int cn = c + STRIDE;
+                QMV_UNROLL
+                for (int r = 0; r < R; ++r) {
+                    qmv_load_words<VW>(nxt[r], packed, base[r] + cn * VW, WPR - cn * VW, cn < NCH, wvec);
+                }
+                float sg[R][NG];
+                if (GS > 0) {
+                    QMV_UNROLL
+                    for (int r = 0; r < R; ++r) {
+                        const unsigned int o = qmv_umin(row0 + (unsigned int)r, OUT - 1u);
+                        QMV_UNROLL
+                        for (int k = 0; k < NG; ++k) {
+                            // chunks in the zero padding past in_features reuse the last group
+                            sg[r][k] = static_cast<float>(scales[o * G + qmv_umin((c * VPC) / GSD + k, G - 1u)]);
+                        }
+                    }
+                }
+                QMV_UNROLL
+                for (int h = 0; h < VPC / SC; ++h) {
+                    float xv[MT][SC];
+                    QMV_UNROLL
+                    for (int m = 0; m < MT; ++m) {
+                        // rows past M repeat the last row; their sums are never written
+                        const unsigned int mm = qmv_umin((unsigned int)m, M - 1u);
+                        QMV_LOAD_X(xv[m], x + mm * PIN + c * VPC + h * SC, xvec);
+                    }
+                    QMV_UNROLL
+                    for (int r = 0; r < R; ++r) {
+                        float part[MT];
+                        QMV_UNROLL
+                        for (int m = 0; m < MT; ++m) {
+                            part[m] = 0.0f;
+                        }
+                        QMV_UNROLL
+                        for (int t = 0; t < SC; ++t) {
+                            const float w = cb_s[qmv_index<BITS, PER>(win[r], h * SC + t)];
+                            QMV_UNROLL
+                            for (int m = 0; m < MT; ++m) {
+                                part[m] += w * xv[m][t];
+                            }
+                        }
+                        QMV_UNROLL
+                        for (int m = 0; m < MT; ++m) {
+                            if (GS > 0) {
+                                acc[r][m] += sg[r][NG > 1 ? (h * SC) / GSD : 0] * part[m];
+                            } else {
+                                acc[r][m] += part[m];
+                            }
+                        }
+                    }
+                }
+                QMV_UNROLL
+                for (int r = 0; r < R; ++r) {
+                    QMV_UNROLL
+                    for (int j = 0; j < VW; ++j) {
+                        win[r][j] = nxt[r][j];
+                    }
+                }
+            }
             QMV_UNROLL
             for (int r = 0; r < R; ++r) {
                 QMV_UNROLL
                 for (int m = 0; m < MT; ++m) {
-                    red_s[((rw * KS + ks) * R + r) * MT + m] = acc[r][m];
+                    float v = acc[r][m];
+                    QMV_UNROLL
+                    for (int s = 16; s > 0; s /= 2) {
+                        v += qmv_shfl_xor(v, s);
+                    }
+                    acc[r][m] = v;
+                }
+            }
+            if (lane == 0u) {
+                QMV_UNROLL
+                for (int r = 0; r < R; ++r) {
+                    QMV_UNROLL
+                    for (int m = 0; m < MT; ++m) {
+                        red_s[((rw * KS + ks) * R + r) * MT + m] = acc[r][m];
+                    }
                 }
             }
         }
-    }
-    QMV_BARRIER;
-    // one thread per (row set, row, m): the KS partials in warp order, then scale, bias, one cast
-    if (tid < RW * R * MT) {
-        const unsigned int srw = tid / (R * MT);
-        const unsigned int r = (tid / MT) % R;
-        const unsigned int m = tid % MT;
-        const unsigned int o = (QMV_BLOCK * RW + srw) * R + r;
-        if (o < OUT && m < M) {
-            float s = red_s[((srw * KS) * R + r) * MT + m];
-            for (unsigned int k = 1; k < KS; ++k) {
-                s += red_s[((srw * KS + k) * R + r) * MT + m];
+        QMV_BARRIER;
+        // one thread per (row set, row, m): the KS partials in warp order, then scale, bias, one cast
+        if (tid < RW * R * MT) {
+            const unsigned int srw = tid / (R * MT);
+            const unsigned int r = (tid / MT) % R;
+            const unsigned int m = tid % MT;
+            const unsigned int o = (set0 + srw) * R + r;
+            if (o < OUT && m < M) {
+                float s = red_s[((srw * KS) * R + r) * MT + m];
+                for (unsigned int k = 1; k < KS; ++k) {
+                    s += red_s[((srw * KS + k) * R + r) * MT + m];
+                }
+                if (GS == 0) {
+                    s *= static_cast<float>(scales[o]);
+                }
+                if (has_bias) {
+                    s += static_cast<float>(bias[o]);
+                }
+                out[m * OUT + o] = static_cast<T>(s);
             }
-            s *= scales[o];
-            if (has_bias) {
-                s += static_cast<float>(bias[o]);
-            }
-            out[m * OUT + o] = static_cast<T>(s);
         }
+        QMV_BARRIER;  // red_s is reused by the next row set
     }
 """
 
@@ -213,25 +244,38 @@ _CUDA_HEADER = """
 __device__ __forceinline__ unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
 __device__ __forceinline__ float qmv_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 
-// The 32-bit window of chunk c of a row starting at word `base`: word c for 2/4/8 bits; for 3 bits
-// stream bits [24c, 24c + 24), which straddle into the next word when they start at bit 16 or 24.
-template <int BITS, int CH>
-__device__ __forceinline__ unsigned int qmv_window(const unsigned int* p, unsigned int base, unsigned int c) {
-    if (CH * BITS == 32) {
-        return p[base + c];
+// Codebook index of value v (a compile-time constant once unrolled) of a chunk held in words w[]:
+// 2/4/8 bits never straddle a word; a 3-bit value may straddle two (bits 30-32, 62-64 of the chunk).
+template <int BITS, int PER>
+__device__ __forceinline__ unsigned int qmv_index(const unsigned int* w, int v) {
+    if (BITS != 3) {
+        return (w[v / PER] >> (BITS * (v % PER))) & ((1u << BITS) - 1u);
     }
-    const unsigned int bit = c * (unsigned int)(CH * BITS);
-    const unsigned int wi = bit >> 5;
-    const unsigned int sh = bit & 31u;
-    const unsigned int lo = p[base + wi];
-    if (sh + CH * BITS <= 32u) {
-        return lo >> sh;
+    const int bit = 3 * v, j = bit >> 5, sh = bit & 31;
+    if (sh + 3 <= 32) {
+        return (w[j] >> sh) & 7u;
     }
-    return (lo >> sh) | (p[base + wi + 1u] << (32u - sh));  // here 0 < sh < 32
+    return ((w[j] >> sh) | (w[j + 1] << (32 - sh))) & 7u;
 }
 
-// N consecutive activations as float; 16-byte (8-byte for 8 bytes in all) vector loads when x is
-// 16-byte aligned (MLX passes views with their offset, so this is checked, not assumed).
+// VW packed words from p[off...] (zeros where !valid; words past the row's end, left <= j, as zero):
+// one 16-byte load where rows are 16-byte aligned (vec), else VW coalesced 4-byte loads.
+template <int VW>
+__device__ __forceinline__ void qmv_load_words(unsigned int* dst, const unsigned int* p, unsigned int off, unsigned int left,
+                                               bool valid, bool vec) {
+    if (valid && VW == 4 && vec) {
+        const uint4 v = *reinterpret_cast<const uint4*>(p + off);
+        dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < VW; ++j) {
+        dst[j] = (valid && (unsigned int)j < left) ? p[off + j] : 0u;
+    }
+}
+
+// N consecutive activations as float; 16-byte vector loads when x is 16-byte aligned (MLX passes
+// views with their offset, so this is checked, not assumed).
 template <typename T, int N>
 struct alignas(sizeof(T) * N) qmv_vec {
     T val[N];
@@ -258,29 +302,36 @@ __device__ __forceinline__ void qmv_load_x(float* dst, const T* p, bool vec) {
 }
 #define QMV_LOAD_X(dst, p, vec) qmv_load_x<SC>(dst, p, vec)
 #define QMV_X_ALIGNED(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull)
+#define QMV_W_ALIGNED(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull)
 """
 
-# Untested: no Apple GPU was available. Scalar activation loads (Apple GPUs coalesce them).
+# Untested: no Apple GPU was available. Scalar loads throughout (Apple GPUs coalesce them).
 _METAL_HEADER = """
 inline unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
 inline float qmv_shfl_xor(float v, int m) { return metal::simd_shuffle_xor(v, ushort(m)); }
 
-template <int BITS, int CH>
-inline unsigned int qmv_window(const device uint32_t* p, unsigned int base, unsigned int c) {
-    if (CH * BITS == 32) {
-        return p[base + c];
+template <int BITS, int PER>
+inline unsigned int qmv_index(const thread unsigned int* w, int v) {
+    if (BITS != 3) {
+        return (w[v / PER] >> (BITS * (v % PER))) & ((1u << BITS) - 1u);
     }
-    const unsigned int bit = c * (unsigned int)(CH * BITS);
-    const unsigned int wi = bit >> 5;
-    const unsigned int sh = bit & 31u;
-    const unsigned int lo = p[base + wi];
-    if (sh + CH * BITS <= 32u) {
-        return lo >> sh;
+    const int bit = 3 * v, j = bit >> 5, sh = bit & 31;
+    if (sh + 3 <= 32) {
+        return (w[j] >> sh) & 7u;
     }
-    return (lo >> sh) | (p[base + wi + 1u] << (32u - sh));
+    return ((w[j] >> sh) | (w[j + 1] << (32 - sh))) & 7u;
+}
+
+template <int VW>
+inline void qmv_load_words(thread unsigned int* dst, const device uint32_t* p, unsigned int off, unsigned int left,
+                           bool valid, bool vec) {
+    for (int j = 0; j < VW; ++j) {
+        dst[j] = (valid && (unsigned int)j < left) ? p[off + j] : 0u;
+    }
 }
 #define QMV_LOAD_X(dst, p, vec) for (int t_ = 0; t_ < SC; ++t_) { (dst)[t_] = static_cast<float>((p)[t_]); }
 #define QMV_X_ALIGNED(p) false
+#define QMV_W_ALIGNED(p) false
 """
 
 DIALECTS = {
@@ -294,6 +345,7 @@ DIALECTS = {
             "QMV_KS": "blockDim.y",
             "QMV_RW_ID": "threadIdx.z",
             "QMV_RW": "blockDim.z",
+            "QMV_BLOCKS": "gridDim.x",
             "QMV_BLOCK": "blockIdx.x",
             "QMV_UNROLL": "#pragma unroll",
         },
@@ -308,13 +360,14 @@ DIALECTS = {
             "QMV_KS": "threads_per_threadgroup.y",
             "QMV_RW_ID": "thread_position_in_threadgroup.z",
             "QMV_RW": "threads_per_threadgroup.z",
+            "QMV_BLOCKS": "threadgroups_per_grid.x",
             "QMV_BLOCK": "threadgroup_position_in_grid.x",
             "QMV_UNROLL": "#pragma unroll",
         },
     },
 }
 # Tokens the dialect headers define as macros (left in the body on purpose).
-_HEADER_MACROS = ("QMV_LOAD_X", "QMV_X_ALIGNED")
+_HEADER_MACROS = ("QMV_LOAD_X", "QMV_X_ALIGNED", "QMV_W_ALIGNED")
 
 _kernels = {}  # dialect -> MLX kernel object, built once
 _instances = set()  # (dialect, dtype, bias dtype, bits, MT): one JIT-compiled kernel each
@@ -405,7 +458,8 @@ def _pow2_ceil(n):
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def check_args(in_features, m, packed_shape, packed_dtype, scales_shape, codebook_size, bias_shape, bits, dtype):
+def check_args(in_features, m, packed_shape, packed_dtype, scales_shape, codebook_size, bias_shape, bits, dtype,
+               group_size=None, scales_dtype=mx.float32):
     """Raise ValueError naming the first thing that does not fit the kernel."""
     if bits not in BITS:
         raise ValueError(f"qmv: bits must be one of {BITS}, got {bits!r}")
@@ -427,40 +481,53 @@ def check_args(in_features, m, packed_shape, packed_dtype, scales_shape, codeboo
             f"qmv: packed has {words} words per row; {in_features} input features at {bits} bits "
             f"need {words_per_row(in_features, bits)} (in_features of x and packed disagree?)"
         )
-    if tuple(scales_shape) != (out_features,):
-        raise ValueError(f"qmv: scales must have shape ({out_features},), got {tuple(scales_shape)}")
+    if scales_dtype not in SCALE_DTYPES:
+        raise ValueError(f"qmv: scales must be float16 or float32, got {scales_dtype}")
+    if group_size is None:
+        if tuple(scales_shape) != (out_features,):
+            raise ValueError(f"qmv: scales must have shape ({out_features},), got {tuple(scales_shape)}")
+    else:
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"qmv: group_size must be one of {GROUP_SIZES} (or None: per row), got {group_size!r}")
+        if in_features % group_size:
+            raise ValueError(f"qmv: in_features {in_features} is not a multiple of group_size {group_size}")
+        want = (out_features, in_features // group_size)
+        if tuple(scales_shape) != want:
+            raise ValueError(f"qmv: group scales must have shape {want}, got {tuple(scales_shape)}")
     if codebook_size != 1 << bits:
         raise ValueError(f"qmv: a {bits}-bit codebook has {1 << bits} levels, got {codebook_size}")
     if bias_shape is not None and tuple(bias_shape) != (out_features,):
         raise ValueError(f"qmv: bias must have shape ({out_features},), got {tuple(bias_shape)}")
-    if out_features * words >= 2**31 or m * out_features >= 2**31 or m * -(-in_features // 32) * 32 >= 2**31:
+    padded = -(-in_features // chunk_values(bits)) * chunk_values(bits)
+    if out_features * words >= 2**31 or m * out_features >= 2**31 or m * padded >= 2**31:
         raise ValueError("qmv: the kernel indexes with 32-bit integers; split the layer")
 
 
 @functools.lru_cache(maxsize=1024)
 def launch_spec(x_shape, packed_shape, scales_shape, codebook_size, bias_shape, bits, dtype, bias_dtype=None,
-                packed_dtype=mx.uint32):
+                packed_dtype=mx.uint32, group_size=None, scales_dtype=mx.float32):
     """Validate one call (ValueError naming the problem) and return its template arguments, grid,
     threadgroup and output shape (cached: per call this is one dict lookup; read-only). Only the
     template arguments select a compiled kernel, and they hold no shape: M enters as MT, M rounded
     up to a power of two (1, 2, 4, 8), and the row split KS as the threadgroup's y size."""
     in_features = x_shape[-1] if x_shape else 0
     m = math.prod(x_shape[:-1]) if x_shape else 0
-    check_args(in_features, m, packed_shape, packed_dtype, scales_shape, codebook_size, bias_shape, bits, dtype)
+    check_args(in_features, m, packed_shape, packed_dtype, scales_shape, codebook_size, bias_shape, bits, dtype,
+               group_size, scales_dtype)
     out_features = packed_shape[0]
-    padded = -(-in_features // 32) * 32
-    chunk = 8 if bits == 3 else 32 // bits
-    steps = -(-(padded // chunk) // 32)  # warp steps per row
+    vpc = chunk_values(bits)
+    padded = -(-in_features // vpc) * vpc
+    steps = -(-(padded // vpc) // 32)  # chunk steps per lane and row with one warp per row set
     row_sets = -(-out_features // ROWS)
     # Split rows over more warps only while there are too few warps to fill the GPU, and never so
-    # far that a warp has less than one unrolled iteration of work.
-    cap = _pow2_floor(min(8, max(1, -(-steps // UNROLL))))
+    # far that a warp has less than one chunk step of work.
+    cap = _pow2_floor(min(8, max(1, steps)))
     ks = min(cap, _pow2_ceil(-(-TARGET_WARPS // row_sets)))
     rw = max(1, 4 // ks)  # row sets per threadgroup: 128 threads, 256 when KS = 8
-    blocks = -(-row_sets // rw)
+    blocks = min(-(-row_sets // rw), MAX_BLOCKS)
     return {
-        "template": [("T", dtype), ("BT", dtype if bias_dtype is None else bias_dtype), ("BITS", int(bits)),
-                     ("MT", _pow2_ceil(m))],
+        "template": [("T", dtype), ("BT", dtype if bias_dtype is None else bias_dtype), ("ST", scales_dtype),
+                     ("BITS", int(bits)), ("MT", _pow2_ceil(m)), ("GS", int(group_size or 0))],
         "grid": (32 * blocks, ks, rw),
         "threadgroup": (32, ks, rw),
         "output_shapes": [(m, out_features)],
@@ -476,49 +543,49 @@ def _placeholder(dtype):
     return _placeholders[dtype]
 
 
-def reference(xr, packed, scales, codebook, bits, bias=None):
+def reference(xr, packed, scales, codebook, bits, bias=None, group_size=None):
     """The dense path, exactly as ``QuantizedLinear.__call__`` computes it from the rotated input:
     rebuild C[q] in x's dtype, one matmul, then scales and bias in x's dtype."""
-    dt = xr.dtype
-    y = xr @ codebook.astype(dt)[unpack(packed, bits, xr.shape[-1])].T
-    y = y * scales.astype(dt)
-    if bias is not None:
-        y = y + bias.astype(dt)
-    return y
+    from .qlinear import dense_forward
+
+    return dense_forward(xr, packed, scales, codebook, bits, bias, group_size)
 
 
-def quantized_matvec(xr, packed, scales, codebook, bits, bias=None, use_kernels=None):
+def quantized_matvec(xr, packed, scales, codebook, bits, bias=None, use_kernels=None, group_size=None):
     """``scales * (codebook[unpack(packed)] @ xr) + bias`` along the last axis of ``xr`` (the
-    already rotated activation), in ``xr``'s dtype.
+    already rotated activation), in ``xr``'s dtype; with ``group_size``, scales [out, in // group_size]
+    weight each group of rotated inputs.
 
     With the kernel active (``use_kernels``: None = switch and backend, True = insist, False = never)
     and M = prod(xr.shape[:-1]) <= MAX_M this is one fused launch; otherwise :func:`reference`.
     ``use_kernels=True`` raises on arguments the kernel cannot take (the message names the problem).
     """
     if not kernels_active(use_kernels):
-        return reference(xr, packed, scales, codebook, bits, bias)
+        return reference(xr, packed, scales, codebook, bits, bias, group_size)
     if use_kernels is None and not (0 < rows_of(xr) <= MAX_M and xr.dtype in DTYPES):
-        return reference(xr, packed, scales, codebook, bits, bias)
-    return launch(backend(), xr, packed, scales, codebook, bits, bias)
+        return reference(xr, packed, scales, codebook, bits, bias, group_size)
+    return launch(backend(), xr, packed, scales, codebook, bits, bias, group_size)
 
 
-_prepared = {}  # argument signature -> (launch spec, whether scales / codebook need a float32 cast)
+_prepared = {}  # argument signature -> (launch spec, whether the codebook needs a float32 cast)
 
 
 def _prepare(key, dialect, bits):
-    (x_shape, x_dtype, p_shape, p_dtype, s_shape, s_dtype, c_shape, c_dtype, b_sig, _, _) = key
+    (x_shape, x_dtype, p_shape, p_dtype, s_shape, s_dtype, c_shape, c_dtype, b_sig, _, _, group_size) = key
+    cast_scales = s_dtype not in SCALE_DTYPES  # e.g. bfloat16 scales: one cast to float32 per call
     spec = launch_spec(x_shape, p_shape, s_shape, math.prod(c_shape), None if b_sig is None else b_sig[0], bits,
-                       x_dtype, None if b_sig is None else b_sig[1], p_dtype)
+                       x_dtype, None if b_sig is None else b_sig[1], p_dtype, group_size,
+                       mx.float32 if cast_scales else s_dtype)
     _instances.add((dialect, *(str(v) for _, v in spec["template"])))
-    _prepared[key] = entry = (spec, s_dtype != mx.float32, c_dtype != mx.float32)
+    _prepared[key] = entry = (spec, cast_scales, c_dtype != mx.float32)
     return entry
 
 
-def launch(dialect, xr, packed, scales, codebook, bits, bias=None):
+def launch(dialect, xr, packed, scales, codebook, bits, bias=None, group_size=None):
     """One fused launch in ``dialect`` (no switch or backend check: see :func:`quantized_matvec`).
-    Arguments are validated once per signature (shapes, dtypes, bits), then looked up."""
+    Arguments are validated once per signature (shapes, dtypes, bits, group size), then looked up."""
     key = (xr.shape, xr.dtype, packed.shape, packed.dtype, scales.shape, scales.dtype, codebook.shape,
-           codebook.dtype, None if bias is None else (bias.shape, bias.dtype), bits, dialect)
+           codebook.dtype, None if bias is None else (bias.shape, bias.dtype), bits, dialect, group_size)
     spec, cast_scales, cast_codebook = _prepared.get(key) or _prepare(key, dialect, int(bits))
     m, in_features = spec["m"], xr.shape[-1]
     x2 = xr.reshape(m, in_features)

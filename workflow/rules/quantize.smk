@@ -19,7 +19,7 @@ rule quantize:
         lm_head=config["quantize"]["lm_head"],
         dtype=config["quantize"]["dtype"],
         blas=BLAS,
-        flags=(" --embeddings" if config["quantize"]["embeddings"] else "")
+        flags=(" --embeddings" if config["quantize"]["embeddings"] else " --no-embeddings")
         + ("" if config["quantize"]["lm_head"] else " --no-lm-head"),
     log:
         "logs/quantize/{model}/b{bits}-{rotation}.log",
