@@ -134,3 +134,21 @@ def test_group_scales_dense_path():
     meta, arrays = grouped.to_state()
     assert meta["group_size"] == gs
     assert QuantizedLinear.from_state(meta, arrays).group_size == gs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(__import__("vqpipe.qmv").qmv.backend() is None, reason="needs MLX's Metal or CUDA backend")
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_fused_kernel_decode_same_tokens_in_float32(sources, preset):
+    from vqpipe import qmv
+
+    ref, tok = load(str(sources[preset]))
+    got, _ = load(str(sources[preset]))
+    quantize_model(ref, 4, embeddings=True, dtype=mx.float32, fuse=False)
+    quantize_model(got, 4, embeddings=True, dtype=mx.float32)
+    prompt = tok.encode("The rotation spreads the outliers over every coordinate")
+    with qmv.enabled(True):
+        a, b = _greedy(ref, prompt, 12), _greedy(got, prompt, 12)
+    with qmv.enabled(False):
+        c = _greedy(got, prompt, 12)
+    assert a == b == c

@@ -314,11 +314,13 @@ def _configs():
 CONFIGS = _configs()
 
 
-def _run(bits, dt, n_in, n_out, m, with_bias, key=0, bias_dtype=None):
-    packed, scales, levels, bias = _weights(bits, n_in, n_out)
+def _run(bits, dt, n_in, n_out, m, with_bias, key=0, bias_dtype=None, group_size=None, scales_dtype=mx.float32):
+    packed, scales, levels, bias = _weights(bits, n_in, n_out, group_size=group_size)
     x = mx.random.normal((1, m, n_in), key=mx.random.key(key)).astype(getattr(mx, dt))
     b = mx.array(bias).astype(bias_dtype or getattr(mx, dt)) if with_bias else None
-    got = qmv.quantized_matvec(x, mx.array(packed), mx.array(scales), mx.array(levels), bits, b, use_kernels=True)
+    s = mx.array(scales).astype(scales_dtype)
+    got = qmv.quantized_matvec(x, mx.array(packed), s, mx.array(levels), bits, b, use_kernels=True,
+                               group_size=group_size)
     mx.eval(got)
     return x, b, got
 
@@ -332,6 +334,25 @@ def test_kernel_matches_float64_reference(cfg):
     assert got.shape == (1, m, n_out) and got.dtype == x.dtype
     packed, scales, levels, _ = _weights(bits, n_in, n_out)
     _check(got, *_reference64(x, packed, scales, levels, b, bits))
+
+
+GROUP_CONFIGS = [(bits, dt, n_in, n_out, m, gs, sdt)
+                 for bits, gs in ((2, 32), (2, 64), (3, 64), (3, 256), (4, 32), (4, 128), (4, 256), (8, 32))
+                 for dt, n_in, n_out, m, sdt in (("bfloat16", 896, 128, 1, "float32"), ("float16", 4864, 7, 5, "float16"),
+                                                 ("float32", 256, 4864, 8, "float32"), ("bfloat16", 4096, 256, 2, "float16"))
+                 if n_in % gs == 0]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("cfg", GROUP_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_kernel_group_scales_match_float64_reference(cfg):
+    bits, dt, n_in, n_out, m, gs, sdt = cfg
+    x, b, got = _run(bits, dt, n_in, n_out, m, True, key=GROUP_CONFIGS.index(cfg), group_size=gs,
+                     scales_dtype=getattr(mx, sdt))
+    packed, scales, levels, _ = _weights(bits, n_in, n_out, group_size=gs)
+    scales = np.array(mx.array(scales).astype(getattr(mx, sdt)).astype(mx.float32))  # what the kernel read
+    _check(got, *_reference64(x, packed, scales, levels, b, bits, gs))
 
 
 @pytest.mark.gpu
