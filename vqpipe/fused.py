@@ -80,12 +80,12 @@ class FusedGroup:
 
     def compute(self, x):
         """Every sibling's output for ``x``, in sibling order."""
-        xr = self.rotation.apply(x)
         dialect = qmv.dispatch(x)
-        if dialect is not None:
-            y = qmv.launch(dialect, xr, self.packed, self.scales, self.codebook, self.bits, self.bias, self.group_size)
-        else:
-            y = dense_forward(xr, self.packed, self.scales, self.codebook, self.bits, self.bias, self.group_size)
+        if dialect is not None:  # one launch: rotation in its prologue, one output per sibling
+            return qmv.launch(dialect, x, self.packed, self.scales, self.codebook, self.bits, self.bias,
+                              self.group_size, self.rotation, self.splits)
+        xr = self.rotation.apply(x)
+        y = dense_forward(xr, self.packed, self.scales, self.codebook, self.bits, self.bias, self.group_size)
         return mx.split(y, self.splits, axis=-1)
 
     def __call__(self, layer, x):

@@ -133,9 +133,10 @@ class QuantizedLinear(nn.Module):
         dialect = qmv.dispatch(x)
         if dialect is not None:
             # self[...]: nn.Module's attribute lookup costs ~0.4 us a time, and this runs per layer per token
+            # the kernel rotates x in its prologue where it can (else MLX ops rotate it first)
             return qmv.launch(
-                dialect, self.rotation.apply(x), self["packed"], self["scales"], self["codebook"], self.bits,
-                self.get("bias"), self.group_size,
+                dialect, x, self["packed"], self["scales"], self["codebook"], self.bits, self.get("bias"),
+                self.group_size, self.rotation,
             )
         return dense_forward(self.rotation.apply(x), self.packed, self.scales, self.codebook, self.bits,
                              self.get("bias"), self.group_size)

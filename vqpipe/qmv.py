@@ -44,6 +44,7 @@ import os
 import re
 
 import mlx.core as mx
+import numpy as np
 
 from . import gpu
 from .gpu import backend
@@ -75,8 +76,12 @@ _SOURCE = """
     constexpr int NLEV = 1 << BITS;
     constexpr int GSD = GS > 0 ? GS : 1;
     constexpr int NG = (GS > 0 && VPC > GS) ? VPC / GSD : 1;  // scale groups a chunk spans (GS >= 32)
+    constexpr int XC = XCAP > 0 ? XCAP : 1;
     QMV_SHARED float cb_s[NLEV];
     QMV_SHARED float red_s[8 * R * MT];
+    // XCAP > 0: the activation rows rotated in the prologue, float, 4 pad floats per 32 (qmv_xi), so
+    // the lanes' 16-byte reads at a stride of one chunk fall in distinct banks
+    QMV_SHARED16 float xs_s[XC];
 
     const unsigned int lane = QMV_LANE;
     const unsigned int ks = QMV_KS_ID;                  // which slice of the row's chunks
@@ -84,8 +89,13 @@ _SOURCE = """
     const unsigned int rw = QMV_RW_ID;                  // which row set of this block
     const unsigned int RW = QMV_RW;
     const unsigned int tid = (rw * KS + ks) * 32u + lane;
-    const unsigned int M = x_shape[0];
-    const unsigned int PIN = x_shape[1];                // in_features padded to a multiple of VPC
+    const unsigned int NT = RW * KS * 32u;
+    unsigned int M = 1u;                                // rows: the product of x's leading dims
+    for (unsigned int k = 0; k + 1u < (unsigned int)x_ndim; ++k) {
+        M *= (unsigned int)x_shape[k];
+    }
+    const unsigned int DIN = x_shape[x_ndim - 1];       // XCAP > 0: in_features; else padded to a chunk
+    const unsigned int PIN = ((DIN + VPC - 1u) / VPC) * VPC;
     const unsigned int OUT = packed_shape[0];
     const unsigned int WPR = packed_shape[1];           // words per row
     const unsigned int G = GS > 0 ? scales_shape[1] : 1u;  // scale groups per row
@@ -97,12 +107,69 @@ _SOURCE = """
     const bool wvec = VW == 4 && (WPR & 3u) == 0u && QMV_W_ALIGNED(packed);
     const bool xvec = QMV_X_ALIGNED(x);
 
-    for (unsigned int i = tid; i < (unsigned int)NLEV; i += RW * KS * 32u) {
+    // The first row set's first chunk is requested before the codebook fill and the prologue.
+    unsigned int win[R][VW];
+    {
+        const unsigned int row0 = (QMV_BLOCK * RW + rw) * R;
+        const unsigned int c = ks * 32u + lane;
+        QMV_UNROLL
+        for (int r = 0; r < R; ++r) {
+            const unsigned int b = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR;
+            qmv_load_words<VW>(win[r], packed, b + c * VW, WPR - c * VW, row0 < OUT && c < NCH, wvec);
+        }
+    }
+    for (unsigned int i = tid; i < (unsigned int)NLEV; i += NT) {
         cb_s[i] = static_cast<float>(codebook[i]);
+    }
+    // Prologue (XCAP > 0): xr = (L (x) S_B / sqrt(B)) (sd * x) for each row, x viewed as A x B
+    // (S_B the Sylvester Hadamard matrix, B a power of two; L an A x A matrix: MLX's Hadamard base
+    // matrix, the Kronecker factor Q, or [1]), in float32, every block for itself.
+    unsigned int xoff = 0u;
+    if (XCAP > 0) {
+        const unsigned int A = rot_l_shape[0];
+        const unsigned int B = DIN / A;
+        const unsigned int PINP = PIN / 32u * 36u;      // padded floats per row
+        for (unsigned int idx = tid; idx < M * PIN; idx += NT) {
+            const unsigned int m = idx / PIN, i = idx % PIN;
+            xs_s[m * PINP + qmv_xi(i)] = i < DIN ? static_cast<float>(x[m * DIN + i]) * rot_s[i] : 0.0f;
+        }
+        QMV_BARRIER;
+        for (unsigned int h = 1u; h < B; h *= 2u) {
+            for (unsigned int q = tid; q < M * A * (B / 2u); q += NT) {
+                const unsigned int row = q / (B / 2u), k = q % (B / 2u);
+                const unsigned int m = row / A;
+                const unsigned int i = (row % A) * B + (k / h) * 2u * h + (k % h);
+                const unsigned int pi = m * PINP + qmv_xi(i), pj = m * PINP + qmv_xi(i + h);
+                const float u = xs_s[pi], v = xs_s[pj];
+                xs_s[pi] = u + v;
+                xs_s[pj] = u - v;
+            }
+            QMV_BARRIER;
+        }
+        const float scl = qmv_inv_sqrt((float)B);
+        if (A > 1u) {  // out of place, into the second buffer
+            xoff = M * PINP;
+            for (unsigned int idx = tid; idx < M * PIN; idx += NT) {
+                const unsigned int m = idx / PIN, e = idx % PIN;
+                float s = 0.0f;
+                if (e < DIN) {
+                    const unsigned int i = e / B, j = e % B;
+                    for (unsigned int k = 0; k < A; ++k) {
+                        s += rot_l[i * A + k] * xs_s[m * PINP + qmv_xi(k * B + j)];
+                    }
+                }
+                xs_s[xoff + m * PINP + qmv_xi(e)] = s * scl;
+            }
+        } else {
+            for (unsigned int idx = tid; idx < M * PIN; idx += NT) {
+                const unsigned int m = idx / PIN, e = idx % PIN;
+                xs_s[m * PINP + qmv_xi(e)] *= scl;
+            }
+        }
     }
     QMV_BARRIER;
 
-    // Row sets are taken grid-stride, so the codebook fill and barrier above are paid once per block.
+    // Row sets are taken grid-stride, so the codebook fill and the prologue are paid once per block.
     for (unsigned int set0 = QMV_BLOCK * RW; set0 < row_sets; set0 += QMV_BLOCKS * RW) {
         const unsigned int row0 = (set0 + rw) * R;
         // uniform per warp: all 32 lanes share row0, so whole warps skip and the shuffles stay full
@@ -113,6 +180,13 @@ _SOURCE = """
             // a partial last row set re-reads the last row; those sums are never written
             base[r] = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR;
         }
+        if (set0 != QMV_BLOCK * RW) {  // later row sets: their first chunk now
+            const unsigned int c = ks * 32u + lane;
+            QMV_UNROLL
+            for (int r = 0; r < R; ++r) {
+                qmv_load_words<VW>(win[r], packed, base[r] + c * VW, WPR - c * VW, active && c < NCH, wvec);
+            }
+        }
         float acc[R][MT];
         QMV_UNROLL
         for (int r = 0; r < R; ++r) {
@@ -122,14 +196,8 @@ _SOURCE = """
             }
         }
         if (active) {
-            // the next chunk's words are requested before this one is computed: loads in flight
-            unsigned int win[R][VW];
-            unsigned int c = ks * 32u + lane;
-            QMV_UNROLL
-            for (int r = 0; r < R; ++r) {
-                qmv_load_words<VW>(win[r], packed, base[r] + c * VW, WPR - c * VW, c < NCH, wvec);
-            }
-            for (; c < NCH; c += STRIDE) {
+            for (unsigned int c = ks * 32u + lane; c < NCH; c += STRIDE) {
+                // the next chunk's words are requested before this one is computed: loads in flight
                 unsigned int nxt[R][VW];
                 const unsigned int cn = c + STRIDE;
                 QMV_UNROLL
@@ -155,7 +223,11 @@ _SOURCE = """
                     for (int m = 0; m < MT; ++m) {
                         // rows past M repeat the last row; their sums are never written
                         const unsigned int mm = qmv_umin((unsigned int)m, M - 1u);
-                        QMV_LOAD_X(xv[m], x + mm * PIN + c * VPC + h * SC, xvec);
+                        if (XCAP > 0) {
+                            QMV_LOAD_XS(xv[m], xs_s + xoff + mm * (PIN / 32u * 36u) + qmv_xi(c * VPC + h * SC));
+                        } else {
+                            QMV_LOAD_X(xv[m], x + mm * PIN + c * VPC + h * SC, xvec);
+                        }
                     }
                     QMV_UNROLL
                     for (int r = 0; r < R; ++r) {
@@ -230,18 +302,39 @@ _SOURCE = """
                 if (has_bias) {
                     s += static_cast<float>(bias[o]);
                 }
-                out[m * OUT + o] = static_cast<T>(s);
+                const T v = static_cast<T>(s);
+                QMV_STORE
             }
         }
         QMV_BARRIER;  // red_s is reused by the next row set
     }
 """
 
-INPUT_NAMES = ["x", "packed", "scales", "codebook", "bias"]
-OUTPUT_NAMES = ["out"]
+INPUT_NAMES = ["x", "packed", "scales", "codebook", "bias", "rot_s", "rot_l", "seg"]
+MAX_OUTPUTS = 3  # q|k|v: one launch writes up to 3 outputs (rows split at `seg`), so no slice ops follow
+
+
+def output_names(n):
+    return [f"out{k}" for k in range(n)]
+
+
+def store_code(n):
+    """The epilogue's store of value v for row o and activation row m into n outputs split at seg."""
+    if n == 1:
+        return "out0[m * OUT + o] = v;"
+    lines, start = [], "0u"
+    for k in range(n):
+        end = "OUT" if k == n - 1 else f"(unsigned int)seg[{k}]"
+        width = f"({end} - {start})"
+        cond = "" if k == n - 1 else f"if (o < {end}) "
+        prefix = "" if k == 0 else "else "
+        lines.append(f"{prefix}{cond}{{ out{k}[m * {width} + (o - {start})] = v; }}")
+        start = end
+    return " ".join(lines)
 
 _CUDA_HEADER = """
 __device__ __forceinline__ unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
+__device__ __forceinline__ float qmv_inv_sqrt(float v) { return 1.0f / sqrtf(v); }  // IEEE sqrt and division
 __device__ __forceinline__ float qmv_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 
 // Codebook index of value v (a compile-time constant once unrolled) of a chunk held in words w[]:
@@ -303,11 +396,20 @@ __device__ __forceinline__ void qmv_load_x(float* dst, const T* p, bool vec) {
 #define QMV_LOAD_X(dst, p, vec) qmv_load_x<SC>(dst, p, vec)
 #define QMV_X_ALIGNED(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull)
 #define QMV_W_ALIGNED(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull)
+
+// Index of element i of a staged activation row: 4 pad floats after every 32.
+__device__ __forceinline__ unsigned int qmv_xi(unsigned int i) { return i + ((i >> 5) << 2); }
+// 8 staged floats (16-byte aligned: the offsets are multiples of 4 floats) as two 16-byte loads.
+#define QMV_LOAD_XS(dst, p) do { const float4 a_ = reinterpret_cast<const float4*>(p)[0]; \
+    const float4 b_ = reinterpret_cast<const float4*>(p)[1]; \
+    (dst)[0] = a_.x; (dst)[1] = a_.y; (dst)[2] = a_.z; (dst)[3] = a_.w; \
+    (dst)[4] = b_.x; (dst)[5] = b_.y; (dst)[6] = b_.z; (dst)[7] = b_.w; } while (0)
 """
 
 # Untested: no Apple GPU was available. Scalar loads throughout (Apple GPUs coalesce them).
 _METAL_HEADER = """
 inline unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
+inline float qmv_inv_sqrt(float v) { return 1.0f / metal::precise::sqrt(v); }
 inline float qmv_shfl_xor(float v, int m) { return metal::simd_shuffle_xor(v, ushort(m)); }
 
 template <int BITS, int PER>
@@ -332,12 +434,15 @@ inline void qmv_load_words(thread unsigned int* dst, const device uint32_t* p, u
 #define QMV_LOAD_X(dst, p, vec) for (int t_ = 0; t_ < SC; ++t_) { (dst)[t_] = static_cast<float>((p)[t_]); }
 #define QMV_X_ALIGNED(p) false
 #define QMV_W_ALIGNED(p) false
+inline unsigned int qmv_xi(unsigned int i) { return i + ((i >> 5) << 2); }
+#define QMV_LOAD_XS(dst, p) for (int t_ = 0; t_ < SC; ++t_) { (dst)[t_] = (p)[t_]; }
 """
 
 DIALECTS = {
     "cuda": {
         "header": _CUDA_HEADER,
         "tokens": {
+            "QMV_SHARED16": "__shared__ __align__(16)",
             "QMV_SHARED": "__shared__",
             "QMV_BARRIER": "__syncthreads()",
             "QMV_LANE": "threadIdx.x",
@@ -353,6 +458,7 @@ DIALECTS = {
     "metal": {
         "header": _METAL_HEADER,
         "tokens": {
+            "QMV_SHARED16": "threadgroup alignas(16)",
             "QMV_SHARED": "threadgroup",
             "QMV_BARRIER": "threadgroup_barrier(mem_flags::mem_threadgroup)",
             "QMV_LANE": "thread_position_in_threadgroup.x",
@@ -367,23 +473,24 @@ DIALECTS = {
     },
 }
 # Tokens the dialect headers define as macros (left in the body on purpose).
-_HEADER_MACROS = ("QMV_LOAD_X", "QMV_X_ALIGNED", "QMV_W_ALIGNED")
+_HEADER_MACROS = ("QMV_LOAD_X", "QMV_X_ALIGNED", "QMV_W_ALIGNED", "QMV_LOAD_XS")
 
-_kernels = {}  # dialect -> MLX kernel object, built once
+_kernels = {}  # (dialect, outputs) -> MLX kernel object, built once
 _instances = set()  # (dialect, dtype, bias dtype, bits, MT): one JIT-compiled kernel each
 _enabled = os.environ.get("VQPIPE_QMV_KERNELS", "1") != "0"
 _placeholders = {}  # dtype -> the 2-D stand-in passed as `bias` when a layer has none
 
 
-def render(dialect):
-    """(name, header, body) of the kernel in one dialect. The name carries a digest of the source:
-    MLX caches compiled kernels (in memory and as PTX on disk) by name alone."""
+def render(dialect, outputs=1):
+    """(name, header, body) of the kernel in one dialect, writing ``outputs`` outputs. The name
+    carries a digest of the source: MLX caches compiled kernels (in memory and as PTX on disk) by
+    name alone."""
     spec = DIALECTS[dialect]
-    body = _SOURCE
+    body = _SOURCE.replace("QMV_STORE", store_code(outputs))
     for token, text in spec["tokens"].items():
         body = re.sub(rf"\b{token}\b", text, body)
     digest = hashlib.sha1((spec["header"] + body).encode()).hexdigest()[:10]
-    return f"vqpipe_qmv_{digest}", spec["header"], body
+    return f"vqpipe_qmv{outputs}_{digest}", spec["header"], body
 
 
 def set_enabled(flag):
@@ -440,14 +547,14 @@ def compiled_kernel_count():
     return len(_instances)
 
 
-def _kernel(dialect):
-    if dialect not in _kernels:
-        name, header, body = render(dialect)
+def _kernel(dialect, outputs=1):
+    key = (dialect, outputs)
+    if key not in _kernels:
+        name, header, body = render(dialect, outputs)
         make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
-        _kernels[dialect] = make(
-            name=name, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES, source=body, header=header
-        )
-    return _kernels[dialect]
+        _kernels[key] = make(name=name, input_names=INPUT_NAMES, output_names=output_names(outputs), source=body,
+                             header=header)
+    return _kernels[key]
 
 
 def _pow2_floor(n):
@@ -505,7 +612,7 @@ def check_args(in_features, m, packed_shape, packed_dtype, scales_shape, codeboo
 
 @functools.lru_cache(maxsize=1024)
 def launch_spec(x_shape, packed_shape, scales_shape, codebook_size, bias_shape, bits, dtype, bias_dtype=None,
-                packed_dtype=mx.uint32, group_size=None, scales_dtype=mx.float32):
+                packed_dtype=mx.uint32, group_size=None, scales_dtype=mx.float32, xcap=0, splits=None):
     """Validate one call (ValueError naming the problem) and return its template arguments, grid,
     threadgroup and output shape (cached: per call this is one dict lookup; read-only). Only the
     template arguments select a compiled kernel, and they hold no shape: M enters as MT, M rounded
@@ -525,13 +632,18 @@ def launch_spec(x_shape, packed_shape, scales_shape, codebook_size, bias_shape, 
     ks = min(cap, _pow2_ceil(-(-TARGET_WARPS // row_sets)))
     rw = max(1, 4 // ks)  # row sets per threadgroup: 128 threads, 256 when KS = 8
     blocks = min(-(-row_sets // rw), MAX_BLOCKS)
+    ends = list(splits or ()) + [out_features]
+    if len(ends) > MAX_OUTPUTS or any(b <= a for a, b in zip([0] + ends, ends)):
+        raise ValueError(f"qmv: splits {splits} must increase strictly inside (0, {out_features}), at most "
+                         f"{MAX_OUTPUTS - 1} of them")
+    lead = tuple(x_shape[:-1])
     return {
         "template": [("T", dtype), ("BT", dtype if bias_dtype is None else bias_dtype), ("ST", scales_dtype),
-                     ("BITS", int(bits)), ("MT", _pow2_ceil(m)), ("GS", int(group_size or 0))],
+                     ("BITS", int(bits)), ("MT", _pow2_ceil(m)), ("GS", int(group_size or 0)), ("XCAP", int(xcap))],
         "grid": (32 * blocks, ks, rw),
         "threadgroup": (32, ks, rw),
-        "output_shapes": [(m, out_features)],
-        "output_dtypes": [dtype],
+        "output_shapes": [lead + (b - a,) for a, b in zip([0] + ends, ends)],
+        "output_dtypes": [dtype] * len(ends),
         "m": m,
         "padded_in": padded,
     }
@@ -567,37 +679,105 @@ def quantized_matvec(xr, packed, scales, codebook, bits, bias=None, use_kernels=
     return launch(backend(), xr, packed, scales, codebook, bits, bias, group_size)
 
 
-_prepared = {}  # argument signature -> (launch spec, whether the codebook needs a float32 cast)
+XCAP_BUCKETS = (1024, 2048, 4096, 8192, 11264)  # floats of shared memory for the staged activation
+MAX_XCAP = {"cuda": 11264, "metal": 7168}  # 44 KiB (under CUDA's 48 KiB static limit); Metal has 32 KiB
+MAX_ROT_A = 64  # the prologue's dense factor L is at most this many rows (A MACs per element)
+_rotate_in_kernel = os.environ.get("VQPIPE_QMV_ROTATE", "1") != "0"
 
 
-def _prepare(key, dialect, bits):
-    (x_shape, x_dtype, p_shape, p_dtype, s_shape, s_dtype, c_shape, c_dtype, b_sig, _, _, group_size) = key
+def set_rotate_in_kernel(flag):
+    """Whether the kernel rotates the activation in its prologue where it can (also
+    ``VQPIPE_QMV_ROTATE=0`` at import); off, the rotation runs as MLX ops first. Returns the previous."""
+    global _rotate_in_kernel
+    previous, _rotate_in_kernel = _rotate_in_kernel, bool(flag)
+    return previous
+
+
+def rotation_operands(rotation):
+    """(sd, L) for the kernel's prologue, R = (L (x) S_B / sqrt(B)) diag(sd) with B = dim / L's size
+    a power of two, or None where a rotation has no such form (qr, none) or L is too large."""
+    from . import rotation as rot
+
+    key = ("qmv-prologue",)
+    if key in rotation._cast:
+        return rotation._cast[key]
+    out = None
+    if rotation.kind == "hadamard":
+        d = rotation.dim
+        base = next((b for b in rot.HADAMARD_BASES[1:] if d % b == 0 and rot._is_pow2(d // b)), 1)
+        lmat = rot._hadamard_base(base) if base > 1 else mx.ones((1, 1))
+        out = (rotation.signs.astype(mx.float32), lmat.astype(mx.float32))
+    elif rotation.kind == "kron":
+        base = next((b for b in rot.HADAMARD_BASES[1:] if rotation.p % b == 0 and rot._is_pow2(rotation.p // b)), 1)
+        q = rotation.q.astype(mx.float32)
+        lmat = q if base == 1 else mx.array(np.kron(np.array(q), np.array(rot._hadamard_base(base))))
+        out = (mx.tile(rotation.signs.astype(mx.float32), (rotation.m,)), lmat)
+    if out is not None and out[1].shape[0] > MAX_ROT_A:
+        out = None
+    if out is not None:
+        mx.eval(*out)
+    rotation._cast[key] = out
+    return out
+
+
+def prologue_floats(bits, in_features, m, a):
+    """Shared floats the prologue needs: padded rows (4 pad floats per 32), twice when L is not [1]."""
+    vpc = chunk_values(bits)
+    padded = -(-in_features // vpc) * vpc
+    return (2 if a > 1 else 1) * m * (padded // 32 * 36)
+
+
+_prepared = {}  # argument signature -> (spec, cast scales, cast codebook, rotate in kernel, seg array)
+
+
+def _prepare(key, dialect, bits, rotation):
+    (x_shape, x_dtype, p_shape, p_dtype, s_shape, s_dtype, c_shape, c_dtype, b_sig, _, _, group_size, _, splits) = key
     cast_scales = s_dtype not in SCALE_DTYPES  # e.g. bfloat16 scales: one cast to float32 per call
+    ops = rotation_operands(rotation) if rotation is not None and _rotate_in_kernel else None
+    xcap = 0
+    if ops is not None:
+        need = prologue_floats(bits, x_shape[-1], math.prod(x_shape[:-1]), ops[1].shape[0])
+        xcap = next((c for c in XCAP_BUCKETS if c >= need and c <= MAX_XCAP[dialect]), 0)
     spec = launch_spec(x_shape, p_shape, s_shape, math.prod(c_shape), None if b_sig is None else b_sig[0], bits,
                        x_dtype, None if b_sig is None else b_sig[1], p_dtype, group_size,
-                       mx.float32 if cast_scales else s_dtype)
-    _instances.add((dialect, *(str(v) for _, v in spec["template"])))
-    _prepared[key] = entry = (spec, cast_scales, c_dtype != mx.float32)
+                       mx.float32 if cast_scales else s_dtype, xcap, splits)
+    _instances.add((dialect, len(spec["output_shapes"]), *(str(v) for _, v in spec["template"])))
+    seg = mx.array(list(splits) if splits else [0], mx.int32)
+    _prepared[key] = entry = (spec, cast_scales, c_dtype != mx.float32, xcap > 0, seg)
     return entry
 
 
-def launch(dialect, xr, packed, scales, codebook, bits, bias=None, group_size=None):
+def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=None, rotation=None, splits=None):
     """One fused launch in ``dialect`` (no switch or backend check: see :func:`quantized_matvec`).
-    Arguments are validated once per signature (shapes, dtypes, bits, group size), then looked up."""
-    key = (xr.shape, xr.dtype, packed.shape, packed.dtype, scales.shape, scales.dtype, codebook.shape,
-           codebook.dtype, None if bias is None else (bias.shape, bias.dtype), bits, dialect, group_size)
-    spec, cast_scales, cast_codebook = _prepared.get(key) or _prepare(key, dialect, int(bits))
-    m, in_features = spec["m"], xr.shape[-1]
-    x2 = xr.reshape(m, in_features)
-    if spec["padded_in"] != in_features:  # zeros past in_features: the padded indices then add nothing
-        x2 = mx.pad(x2, [(0, 0), (0, spec["padded_in"] - in_features)])
-    (y,) = _kernel(dialect)(
+
+    ``x`` is the activation, rotated already unless ``rotation`` is given: then the kernel rotates
+    it in its prologue where :func:`rotation_operands` and the shared memory allow, else it is
+    rotated first by MLX ops. ``splits`` (row indices) cut the output rows into up to 3 outputs,
+    returned as a list. Arguments are validated once per signature, then looked up."""
+    rkey = None if rotation is None else (rotation.kind, rotation.dim, rotation.seed, _rotate_in_kernel)
+    key = (x.shape, x.dtype, packed.shape, packed.dtype, scales.shape, scales.dtype, codebook.shape,
+           codebook.dtype, None if bias is None else (bias.shape, bias.dtype), bits, dialect, group_size, rkey,
+           None if splits is None else tuple(splits))
+    entry = _prepared.get(key) or _prepare(key, dialect, int(bits), rotation)
+    spec, cast_scales, cast_codebook, in_kernel, seg = entry
+    if in_kernel:
+        rot_s, rot_l = rotation_operands(rotation)
+    else:
+        if rotation is not None:
+            x = rotation.apply(x)
+        if spec["padded_in"] != x.shape[-1]:  # zeros past in_features: the padded indices then add nothing
+            x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, spec["padded_in"] - x.shape[-1])])
+        rot_s = rot_l = _placeholder(mx.float32)
+    outs = _kernel(dialect, len(spec["output_shapes"]))(
         inputs=[
-            x2,
+            x,
             packed,
             scales.astype(mx.float32) if cast_scales else scales,
             codebook.astype(mx.float32) if cast_codebook else codebook,
-            _placeholder(xr.dtype) if bias is None else bias,
+            _placeholder(x.dtype) if bias is None else bias,
+            rot_s,
+            rot_l,
+            seg,
         ],
         template=spec["template"],
         grid=spec["grid"],
@@ -605,4 +785,4 @@ def launch(dialect, xr, packed, scales, codebook, bits, bias=None, group_size=No
         output_shapes=spec["output_shapes"],
         output_dtypes=spec["output_dtypes"],
     )
-    return y.reshape(*xr.shape[:-1], spec["output_shapes"][0][1])
+    return outs if splits is not None else outs[0]
