@@ -44,8 +44,8 @@ if want tests; then
     tests/test_qmv.py tests/test_fused.py ${TEST_ARGS:-}
 fi
 if want qmv; then
-  run bench_qmv "${QMV_LIMIT:-150}" $PY -m vqpipe bench-qmv --modes independent chained --repeats 20 \
-    --shapes qwen-qkv qwen-q/o qwen-gateup qwen-down qwen-lm_head l3-qkv l3-o l3-gateup l3-down l3-lm_head \
+  run bench_qmv "${QMV_LIMIT:-150}" $PY -m vqpipe bench-qmv --modes ${QMV_MODES:-independent chained} \
+    --repeats ${QMV_REPEATS:-20} --shapes ${QMV_SHAPES:-qwen-qkv qwen-q/o qwen-gateup qwen-down qwen-lm_head l3-qkv l3-o l3-gateup l3-down l3-lm_head} \
     --out "$OUT/bench-qmv.json"
 fi
 if want qmv_bits; then
@@ -77,7 +77,7 @@ if want load; then
 fi
 if want big; then
   TAIL=40 run bench_decode_8b "${BIG_LIMIT:-300}" $PY -m vqpipe.bench.decode_shapes --preset llama3-8b \
-    --prompt-lengths 512 4096 --gen-tokens 128 --repeats ${BIG_REPEATS:-5} --bits ${BIG_BITS:-4} \
+    --prompt-lengths 512 4096 --gen-tokens 128 --repeats ${BIG_REPEATS:-5} --bits ${BIG_BITS:-4 3 2} \
     --out "$OUT/bench-decode-llama3-8b.json"
 fi
 echo "== done $(since)"
