@@ -414,9 +414,13 @@ def test_kernel_prologue_rotation_matches_float64(cfg):
     x = mx.random.normal((1, m, n_in), key=mx.random.key(n_out)).astype(getattr(mx, dt))
     b = mx.array(bias).astype(x.dtype)
     args = (mx.array(packed), mx.array(scales), mx.array(levels), bits, b, None, r)
-    with_splits = qmv.launch(qmv.backend(), x, *args, splits=splits) if splits else None
-    got = qmv.launch(qmv.backend(), x, *args)
-    mx.eval(got, with_splits)
+    previous = qmv.set_rotate_in_kernel(True)
+    try:
+        with_splits = qmv.launch(qmv.backend(), x, *args, splits=splits) if splits else None
+        got = qmv.launch(qmv.backend(), x, *args)
+        mx.eval(got, with_splits)
+    finally:
+        qmv.set_rotate_in_kernel(previous)
     sd, lm = (np.array(a, np.float64) for a in qmv.rotation_operands(r))
     a = lm.shape[0]
     big = np.kron(lm, _sylvester(n_in // a) / np.sqrt(n_in // a)) * sd[None, :]

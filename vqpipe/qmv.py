@@ -682,12 +682,15 @@ def quantized_matvec(xr, packed, scales, codebook, bits, bias=None, use_kernels=
 XCAP_BUCKETS = (1024, 2048, 4096, 8192, 11264)  # floats of shared memory for the staged activation
 MAX_XCAP = {"cuda": 11264, "metal": 7168}  # 44 KiB (under CUDA's 48 KiB static limit); Metal has 32 KiB
 MAX_ROT_A = 64  # the prologue's dense factor L is at most this many rows (A MACs per element)
-_rotate_in_kernel = os.environ.get("VQPIPE_QMV_ROTATE", "1") != "0"
+# Off by default: on the H200 every threadgroup redoing the rotation cost more than the MLX ops it
+# saves (docs/qmv.md, "Prologue rotation"), e.g. 174 us against 52 us for the kernel alone at 4096 -> 6144.
+_rotate_in_kernel = os.environ.get("VQPIPE_QMV_ROTATE", "0") == "1"
 
 
 def set_rotate_in_kernel(flag):
     """Whether the kernel rotates the activation in its prologue where it can (also
-    ``VQPIPE_QMV_ROTATE=0`` at import); off, the rotation runs as MLX ops first. Returns the previous."""
+    ``VQPIPE_QMV_ROTATE=1`` at import; off by default); off, the rotation runs as MLX ops first.
+    Returns the previous setting."""
     global _rotate_in_kernel
     previous, _rotate_in_kernel = _rotate_in_kernel, bool(flag)
     return previous

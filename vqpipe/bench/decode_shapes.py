@@ -143,6 +143,13 @@ def run(args, progress=print):
     baseline = "bf16"
     aa = baseline + harness.AA_SUFFIX
     records, comparisons, texts = [], [], []
+
+    def result():
+        return {"kind": "bench-decode-shapes", "preset": args.preset, "config": config, "environment": environment(),
+                "settings": {k: v for k, v in vars(args).items() if k != "out"}, "copy_bandwidth": copy,
+                "kv_bytes_per_position": kvpp, "weights": info, "records": records, "comparisons": comparisons,
+                "texts": texts, "wall_s": time.perf_counter() - t_start}
+
     for P in args.prompt_lengths:
         prompts = [mx.random.randint(0, config["vocab_size"] - 16, (P,), key=mx.random.key(1000 * P + k))
                    for k in range(args.prompts)]
@@ -187,10 +194,9 @@ def run(args, progress=print):
             texts.append({"context": P, "a": baseline, "b": name, "identical_ids": sum(same), "pairs": len(same)})
         texts.append({"context": P, "a": baseline, "b": aa, "identical_ids": sum(a["ids"] == b["ids"] for a, b in zip(log[baseline], log[aa])),
                       "pairs": len(log[aa]), "what": "A/A: the baseline run twice (determinism)"})
-    return {"kind": "bench-decode-shapes", "preset": args.preset, "config": config, "environment": environment(),
-            "settings": {k: v for k, v in vars(args).items() if k != "out"}, "copy_bandwidth": copy,
-            "kv_bytes_per_position": kvpp, "weights": info, "records": records, "comparisons": comparisons,
-            "texts": texts, "wall_s": time.perf_counter() - t_start}
+        if args.out:  # after every prompt length: a run cut short keeps what it measured
+            write_json(args.out, result())
+    return result()
 
 
 def parse_args(argv):
