@@ -7,8 +7,8 @@
 #   bash scripts/gpu_decode.sh                      # after staging the MLX CUDA runtime (docs/kivi.md)
 #   STEPS="tests qmv" bash scripts/gpu_decode.sh
 #
-# STEPS (default "tests qmv pipeline decode"): tests, qmv, qmv_bits, pipeline, decode, decode_bits,
-# load, big. WORK holds the artifacts (default /root/vqwork, kept between calls on one machine);
+# STEPS (default "tests qmv pipeline decode"): tests, qmv, qmv_bits, pipeline, decode, load, big.
+# TEST_K selects GPU tests (pytest -k), QMV_MODES/QMV_REPEATS/QMV_SHAPES bench-qmv, BIG_BITS the 8B arms. WORK holds the artifacts (default /root/vqwork, kept between calls on one machine);
 # results go to $OUT (default results/gpu_decode).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,8 +40,9 @@ Q=$WORK/quantized/$MODEL/b4-auto
 RES=$WORK/reservoir/$MODEL/b4-auto
 
 if want tests; then
+  # TEST_K: a pytest -k expression (one argument, spaces allowed), e.g. "not matches_float64_reference or 4864"
   TAIL=15 run gpu_tests "${TEST_LIMIT:-200}" $PY -m pytest -q -ra -p no:cacheprovider --maxfail=5 -m gpu \
-    tests/test_qmv.py tests/test_fused.py ${TEST_ARGS:-}
+    tests/test_qmv.py tests/test_fused.py -k "${TEST_K:-gpu or not gpu}"
 fi
 if want qmv; then
   run bench_qmv "${QMV_LIMIT:-150}" $PY -m vqpipe bench-qmv --modes ${QMV_MODES:-independent chained} \
