@@ -53,6 +53,15 @@ def _source_dtype(module):
     return module.weight.dtype
 
 
+def _sum_squares(weight, rows=8192):
+    """sum(w^2) in float32, a chunk of rows at a time (no full-size temporaries)."""
+    total = 0.0
+    for start in range(0, weight.shape[0], rows):
+        w = weight[start:start + rows].astype(mx.float32)
+        total += mx.sum(w * w).item()
+    return total
+
+
 def _dense_weight(module, dtype):
     """The full-precision weight of a Linear/Embedding, dequantizing affine-quantized layers."""
     if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
@@ -100,8 +109,10 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     for i, (name, kind) in enumerate(targets):
         t0 = time.perf_counter()
         module = modules.pop(name)
-        weight = _dense_weight(module, mx.float32)
         keep = dtype or _source_dtype(module)
+        # In the source dtype: quantize_weight casts row chunks to float32, so a 150k-row embedding
+        # never has a whole float32 copy (nor a squared one) alive at once.
+        weight = _dense_weight(module, keep)
         if kind == "dense-embedding":
             new = nn.Embedding(*weight.shape)
             new.weight = weight.astype(keep)
@@ -117,7 +128,7 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
             if "bias" in module:
                 new.bias = module.bias.astype(dtype or module.bias.dtype)
             mx.eval(new.parameters())
-            total = mx.sum(weight * weight).item()
+            total = _sum_squares(weight)
             records.append({
                 "name": name, "kind": kind, "shape": list(weight.shape), "rotation": new.rotation.kind,
                 "squared_error": new.squared_error, "weight_sq": total,
