@@ -238,6 +238,7 @@ def hadamard_ok(n):
 def test_presets():
     counts = {name: synth.param_count(synth.make_config(name)) for name in synth.PRESETS}
     assert counts["qwen2.5-0.5b"] == 494_032_768  # the real Qwen2.5-0.5B
+    assert counts["llama3-8b"] == 8_030_261_248  # the real Meta-Llama-3-8B (built on GPU hosts only)
     assert counts["tiny"] <= 40e6 and counts["tiny-llama"] <= 40e6
     assert not hadamard_ok(synth.PRESETS["tiny"]["intermediate_size"])
     assert not hadamard_ok(synth.PRESETS["tiny-llama"]["intermediate_size"])

@@ -140,7 +140,7 @@ def test_env_switch(value, expected):
 def test_one_description_two_dialects():
     (n_cuda, h_cuda, b_cuda), (n_metal, h_metal, b_metal) = (qmv.render(d) for d in ("cuda", "metal"))
     for name, header, body in ((n_cuda, h_cuda, b_cuda), (n_metal, h_metal, b_metal)):
-        assert name == "vqpipe_qmv_" + hashlib.sha1((header + body).encode()).hexdigest()[:10]
+        assert name == "vqpipe_qmv1_" + hashlib.sha1((header + body).encode()).hexdigest()[:10]
         left = {t for t in qmv.DIALECTS["cuda"]["tokens"] if t in body}
         assert not left, left  # every dialect token substituted
         for macro in qmv._HEADER_MACROS:  # the rest are macros each header defines
@@ -154,33 +154,40 @@ def test_one_description_two_dialects():
     for dialect, body in (("cuda", b_cuda), ("metal", b_metal)):
         for token, text in sorted(qmv.DIALECTS[dialect]["tokens"].items(), key=lambda kv: -len(kv[1])):
             body = body.replace(text, token)
-        assert body == qmv._SOURCE
+        assert body == qmv._SOURCE.replace("QMV_STORE", qmv.store_code(1))
+    # one kernel per output count, each with its own name (MLX caches by name)
+    assert len({qmv.render("cuda", n)[0] for n in (1, 2, 3)}) == 3
+    assert "out2[" in qmv.render("cuda", 3)[2] and "out1" not in qmv.render("cuda", 1)[2]
     # MLX finds shapes by name in the body: these must be referenced there.
     assert all(s in b_cuda for s in ("x_shape", "packed_shape", "bias_ndim"))
     # the Python launch geometry and the kernel's compile-time constants agree
-    assert f"constexpr int R = {qmv.ROWS};" in qmv._SOURCE and f"constexpr int U = {qmv.UNROLL};" in qmv._SOURCE
+    assert f"constexpr int R = {qmv.ROWS};" in qmv._SOURCE
 
 
 QWEN = [(896, 896), (896, 128), (896, 4864), (4864, 896), (896, 151936), (4096, 11008), (11008, 4096)]
 
 
-def _spec(n_in, n_out, m=1, bits=4, dtype=mx.bfloat16, bias=False, bias_dtype=None):
-    return qmv.launch_spec((m, n_in), (n_out, words_per_row(n_in, bits)), (n_out,), 1 << bits,
-                           (n_out,) if bias else None, bits, dtype, bias_dtype)
+def _spec(n_in, n_out, m=1, bits=4, dtype=mx.bfloat16, bias=False, bias_dtype=None, group_size=None, xcap=0,
+          splits=None):
+    scales = (n_out,) if group_size is None else (n_out, n_in // group_size)
+    return qmv.launch_spec((m, n_in), (n_out, words_per_row(n_in, bits)), scales, 1 << bits,
+                           (n_out,) if bias else None, bits, dtype, bias_dtype, group_size=group_size, xcap=xcap,
+                           splits=splits)
 
 
 def test_launch_template_holds_no_shape():
     shapes = [(i, o) for i in (32, 50, 96, 896, 2048, 4864, 11008) for o in (1, 7, 128, 4864, 151936)]
     specs = [_spec(i, o) for i, o in shapes]
     assert all(s["template"] == specs[0]["template"] for s in specs)
-    assert specs[0]["template"] == [("T", mx.bfloat16), ("BT", mx.bfloat16), ("BITS", 4), ("MT", 1)]
+    assert specs[0]["template"] == [("T", mx.bfloat16), ("BT", mx.bfloat16), ("ST", mx.float32), ("BITS", 4),
+                                    ("MT", 1), ("GS", 0), ("XCAP", 0)]
     assert len({s["grid"] for s in specs}) >= 10  # the grid follows the shape, the kernel does not
     for s in specs:
         tx, ks, rw = s["threadgroup"]
         assert tx == 32 and ks in (1, 2, 4, 8) and 4 <= ks * rw <= 8
         assert s["grid"][1:] == (ks, rw) and s["grid"][0] % 32 == 0
     # M enters as MT = next power of two; the bias dtype only where a layer has one
-    assert [_spec(896, 896, m)["template"][3][1] for m in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert [_spec(896, 896, m)["template"][4][1] for m in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
     assert _spec(896, 896, bias=True, bias_dtype=mx.float32)["template"][1] == ("BT", mx.float32)
     # rows are split over warps only where there are few, long rows: the down projections, not the lm_head
     ks = {(i, o): _spec(i, o)["threadgroup"][1] for i, o in QWEN}
@@ -220,14 +227,16 @@ def test_validation_through_launch_spec():
 
 
 @functools.lru_cache(maxsize=64)
-def _weights(bits, n_in, n_out, seed=0):
-    """Packed indices (random garbage in the row padding too), scales, a codebook, a bias; numpy."""
-    rng = np.random.default_rng([bits, n_in, n_out, seed])
+def _weights(bits, n_in, n_out, seed=0, group_size=None):
+    """Packed indices (random garbage in the row padding too), scales (per row, or [out, in // group_size]),
+    a codebook, a bias; numpy."""
+    rng = np.random.default_rng([bits, n_in, n_out, seed, group_size or 0])
     idx = rng.integers(0, 1 << bits, size=(n_out, packing.padded_length(n_in)), dtype=np.uint8)
     packed = packing.pack(idx, bits)
     levels = (lloyd_codebook(bits, max(n_in, 3)) / np.sqrt(n_in)).astype(np.float32) if bits <= 4 else \
         (rng.standard_normal(1 << bits) / np.sqrt(n_in)).astype(np.float32)
-    scales = rng.uniform(0.5, 1.5, n_out).astype(np.float32)
+    shape = n_out if group_size is None else (n_out, n_in // group_size)
+    scales = rng.uniform(0.5, 1.5, shape).astype(np.float32)
     bias = (rng.standard_normal(n_out) * 0.5).astype(np.float32)
     return packed, scales, levels, bias
 
@@ -235,20 +244,25 @@ def _weights(bits, n_in, n_out, seed=0):
 _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23}
 
 
-def _reference64(x, packed, scales, levels, bias, bits):
+def _reference64(x, packed, scales, levels, bias, bits, group_size=None, x64=None, xerr=None):
     """(y, tolerance) in float64. The kernel converts x and the codebook to float32 exactly and
     accumulates ~n products in float32 (each add or FMA rounds by at most 2^-24 relative to a running
     sum bounded by sum|c x|), then one multiply by s, one add of b, one cast to x's dtype (half an
     ulp: eps/2 relative, plus the smallest subnormal for fp16)."""
     n = x.shape[-1]
-    xd = np.array(x.astype(mx.float32), dtype=np.float64).reshape(-1, n)
+    xd = np.array(x.astype(mx.float32), dtype=np.float64).reshape(-1, n) if x64 is None else x64
     w = levels.astype(np.float64)[packing.unpack_numpy(packed, bits, n)]
+    s = np.array(scales, dtype=np.float64)
+    if s.ndim == 2:  # per group: the scales weight the codebook values, then s = 1 per row
+        w = w * np.repeat(s, group_size, axis=1)[:, :n]
+        s = np.ones(w.shape[0])
     acc = xd @ w.T
-    s = scales.astype(np.float64)
     b = 0.0 if bias is None else np.array(bias.astype(mx.float32), dtype=np.float64)
     y = acc * s + b
     dt = str(x.dtype).rsplit(".", 1)[-1]
     err32 = s * (n + 48) * 2.0**-24 * (np.abs(xd) @ np.abs(w).T) + 2.0**-23 * (np.abs(acc * s) + np.abs(b))
+    if xerr is not None:  # the activation's own error (rotated in float32 by the kernel)
+        err32 = err32 + s * (xerr @ np.abs(w).T)
     tol = err32 + _EPS[dt] / 2 * (np.abs(y) + err32) + (2.0**-24 if dt == "float16" else 1e-37)
     return y, tol
 
@@ -307,11 +321,13 @@ def _configs():
 CONFIGS = _configs()
 
 
-def _run(bits, dt, n_in, n_out, m, with_bias, key=0, bias_dtype=None):
-    packed, scales, levels, bias = _weights(bits, n_in, n_out)
+def _run(bits, dt, n_in, n_out, m, with_bias, key=0, bias_dtype=None, group_size=None, scales_dtype=mx.float32):
+    packed, scales, levels, bias = _weights(bits, n_in, n_out, group_size=group_size)
     x = mx.random.normal((1, m, n_in), key=mx.random.key(key)).astype(getattr(mx, dt))
     b = mx.array(bias).astype(bias_dtype or getattr(mx, dt)) if with_bias else None
-    got = qmv.quantized_matvec(x, mx.array(packed), mx.array(scales), mx.array(levels), bits, b, use_kernels=True)
+    s = mx.array(scales).astype(scales_dtype)
+    got = qmv.quantized_matvec(x, mx.array(packed), s, mx.array(levels), bits, b, use_kernels=True,
+                               group_size=group_size)
     mx.eval(got)
     return x, b, got
 
@@ -325,6 +341,25 @@ def test_kernel_matches_float64_reference(cfg):
     assert got.shape == (1, m, n_out) and got.dtype == x.dtype
     packed, scales, levels, _ = _weights(bits, n_in, n_out)
     _check(got, *_reference64(x, packed, scales, levels, b, bits))
+
+
+GROUP_CONFIGS = [(bits, dt, n_in, n_out, m, gs, sdt)
+                 for bits, gs in ((2, 32), (2, 64), (3, 64), (3, 256), (4, 32), (4, 128), (4, 256), (8, 32))
+                 for dt, n_in, n_out, m, sdt in (("bfloat16", 896, 128, 1, "float32"), ("float16", 4864, 7, 5, "float16"),
+                                                 ("float32", 256, 4864, 8, "float32"), ("bfloat16", 4096, 256, 2, "float16"))
+                 if n_in % gs == 0]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("cfg", GROUP_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_kernel_group_scales_match_float64_reference(cfg):
+    bits, dt, n_in, n_out, m, gs, sdt = cfg
+    x, b, got = _run(bits, dt, n_in, n_out, m, True, key=GROUP_CONFIGS.index(cfg), group_size=gs,
+                     scales_dtype=getattr(mx, sdt))
+    packed, scales, levels, _ = _weights(bits, n_in, n_out, group_size=gs)
+    scales = np.array(mx.array(scales).astype(getattr(mx, sdt)).astype(mx.float32))  # what the kernel read
+    _check(got, *_reference64(x, packed, scales, levels, b, bits, gs))
 
 
 @pytest.mark.gpu
@@ -361,6 +396,45 @@ def test_unaligned_activation_takes_the_scalar_path(dt):
     assert _same_bytes(a, b)
 
 
+PROLOGUE_CONFIGS = [("hadamard", 896, 4, 1152, 1, "bfloat16", (896, 1024)), ("kron", 4864, 4, 896, 1, "bfloat16", None),
+                    ("hadamard", 4096, 4, 6144, 1, "float16", (4096, 5120)), ("hadamard", 4096, 3, 512, 2, "float32", None),
+                    ("kron", 1472, 2, 300, 1, "bfloat16", (100,)), ("hadamard", 768, 4, 64, 4, "float32", (32, 48)),
+                    ("hadamard", 896, 8, 100, 8, "bfloat16", None), ("kron", 4864, 4, 200, 1, "float32", (150,))]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("cfg", PROLOGUE_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_kernel_prologue_rotation_matches_float64(cfg):
+    from vqpipe.rotation import make_rotation
+
+    kind, n_in, bits, n_out, m, dt, splits = cfg
+    r = make_rotation(kind, n_in, seed=7)
+    packed, scales, levels, bias = _weights(bits, n_in, n_out)
+    x = mx.random.normal((1, m, n_in), key=mx.random.key(n_out)).astype(getattr(mx, dt))
+    b = mx.array(bias).astype(x.dtype)
+    args = (mx.array(packed), mx.array(scales), mx.array(levels), bits, b, None, r)
+    previous = qmv.set_rotate_in_kernel(True)
+    try:
+        with_splits = qmv.launch(qmv.backend(), x, *args, splits=splits) if splits else None
+        got = qmv.launch(qmv.backend(), x, *args)
+        mx.eval(got, with_splits)
+    finally:
+        qmv.set_rotate_in_kernel(previous)
+    sd, lm = (np.array(a, np.float64) for a in qmv.rotation_operands(r))
+    a = lm.shape[0]
+    big = np.kron(lm, _sylvester(n_in // a) / np.sqrt(n_in // a)) * sd[None, :]
+    xin = np.array(x.astype(mx.float32), np.float64).reshape(m, n_in)
+    xerr = (np.log2(n_in // a) + a + 3) * 2.0**-24 * (np.abs(xin) @ np.abs(big).T)
+    _check(got, *_reference64(x, packed, scales, levels, b, bits, x64=xin @ big.T, xerr=xerr))
+    if splits:  # the outputs are the row ranges of the single-output launch, byte for byte
+        ends = [0, *splits, n_out]
+        for k, part in enumerate(with_splits):
+            assert part.shape == (1, m, ends[k + 1] - ends[k])
+            want = np.array(got[..., ends[k]:ends[k + 1]].astype(mx.float32))
+            assert np.array_equal(np.array(part.astype(mx.float32)), want)
+
+
 # --- GPU: layers, generation ---------------------------------------------------------------------
 
 
@@ -383,9 +457,16 @@ def test_quantized_linear_kernel_close_to_dense(dt, bound, n_in, n_out, bits):
         off = layer(x)
     core = qmv.quantized_matvec(layer.rotation.apply(x), layer.packed, layer.scales, layer.codebook, bits, layer.bias,
                                 use_kernels=True)
-    mx.eval(on, off, core)
+    previous = qmv.set_rotate_in_kernel(False)
+    try:
+        with qmv.enabled(True):
+            on_mlx_rotation = layer(x)
+    finally:
+        qmv.set_rotate_in_kernel(previous)
+    mx.eval(on, off, core, on_mlx_rotation)
     assert on.dtype == off.dtype == x.dtype and on.shape == off.shape
-    assert _same_bytes(on, core)  # the layer is rotation + the kernel
+    assert _same_bytes(on_mlx_rotation, core)  # without the prologue the layer is MLX's rotation + the kernel
+    assert _rel(on, core) < bound  # the prologue rotates in float32 instead
     # the dense path rounds the codebook and the output to x's dtype: bf16 differs by ~2^-8
     assert _rel(on, off) < bound
 
@@ -475,7 +556,7 @@ def test_generation_kernel_on_off(dt, embeddings, tmp_path_factory, monkeypatch)
 def _ptx_files():
     d = os.environ.get("MLX_PTX_CACHE_DIR") or Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
     d = Path(d)
-    return sorted(p.name for p in d.glob("custom_kernel_vqpipe_qmv_*.ptx")) if d.is_dir() else []
+    return sorted(p.name for p in d.glob("custom_kernel_vqpipe_qmv*.ptx")) if d.is_dir() else []
 
 
 @pytest.mark.gpu
@@ -502,10 +583,11 @@ def test_compiled_kernel_count_fixed_across_shapes():
 _HOST_TOKENS = {
     "QMV_SHARED": "static", "QMV_BARRIER": "g_block_barrier->arrive_and_wait()", "QMV_LANE": "t_lane",
     "QMV_KS_ID": "t_ks", "QMV_KS": "g_KS", "QMV_RW_ID": "t_rw", "QMV_RW": "g_RW", "QMV_BLOCK": "g_block",
-    "QMV_UNROLL": "",
+    "QMV_BLOCKS": "g_blocks", "QMV_UNROLL": "", "QMV_SHARED16": "alignas(16) static",
 }
 _HOST_HEADER = r"""
 #include <barrier>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -513,10 +595,11 @@ _HOST_HEADER = r"""
 #include <vector>
 static std::barrier<>* g_block_barrier;
 static std::vector<std::barrier<>*> g_warp_barriers;
-static unsigned int g_KS, g_RW, g_block;
+static unsigned int g_KS, g_RW, g_block, g_blocks;
 static thread_local unsigned int t_lane, t_ks, t_rw;
 static float g_xchg[8][32];
 inline unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
+inline float qmv_inv_sqrt(float v) { return 1.0f / std::sqrt(v); }
 inline float qmv_shfl_xor(float v, int m) {
   unsigned int w = t_rw * g_KS + t_ks;
   g_xchg[w][t_lane] = v;
@@ -525,29 +608,48 @@ inline float qmv_shfl_xor(float v, int m) {
   g_warp_barriers[w]->arrive_and_wait();
   return r;
 }
-template <int BITS, int CH>
-inline unsigned int qmv_window(const uint32_t* p, unsigned int base, unsigned int c) {
-  if (CH * BITS == 32) return p[base + c];
-  const unsigned int bit = c * (unsigned int)(CH * BITS), wi = bit >> 5, sh = bit & 31u, lo = p[base + wi];
-  if (sh + CH * BITS <= 32u) return lo >> sh;
-  return (lo >> sh) | (p[base + wi + 1u] << (32u - sh));
+template <int BITS, int PER>
+inline unsigned int qmv_index(const unsigned int* w, int v) {
+  if (BITS != 3) return (w[v / PER] >> (BITS * (v % PER))) & ((1u << BITS) - 1u);
+  const int bit = 3 * v, j = bit >> 5, sh = bit & 31;
+  if (sh + 3 <= 32) return (w[j] >> sh) & 7u;
+  return ((w[j] >> sh) | (w[j + 1] << (32 - sh))) & 7u;
+}
+// the "vector" branch is the same words read as one 16-byte block (checked for alignment like the GPU)
+template <int VW>
+inline void qmv_load_words(unsigned int* dst, const uint32_t* p, unsigned int off, unsigned int left, bool valid, bool vec) {
+  if (valid && VW == 4 && vec) {
+    if (((unsigned long long)(p + off) & 15ull) != 0ull) { fprintf(stderr, "misaligned vector load\n"); abort(); }
+    for (int j = 0; j < 4; ++j) dst[j] = p[off + j];
+    return;
+  }
+  for (int j = 0; j < VW; ++j) dst[j] = (valid && (unsigned int)j < left) ? p[off + j] : 0u;
 }
 #define QMV_LOAD_X(dst, p, vec) for (int t_ = 0; t_ < SC; ++t_) { (dst)[t_] = (p)[t_]; }
 #define QMV_X_ALIGNED(p) false
+inline unsigned int qmv_xi(unsigned int i) { return i + ((i >> 5) << 2); }
+#define QMV_LOAD_XS(dst, p) do { if (((unsigned long long)(p) & 15ull) != 0ull) { fprintf(stderr, "misaligned xs\n"); abort(); } \
+  for (int t_ = 0; t_ < SC; ++t_) { (dst)[t_] = (p)[t_]; } } while (0)
+#define QMV_W_ALIGNED(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull)
 """
 _HOST_MAIN = r"""
-template <int BITS, int MT>
+template <int BITS, int MT, int GS, int XCAP>
 void run(char** argv) {
-  int M = atoi(argv[3]), PIN = atoi(argv[4]), OUT = atoi(argv[5]), WPR = atoi(argv[6]);
-  g_KS = atoi(argv[7]); g_RW = atoi(argv[8]); int blocks = atoi(argv[9]), has_bias = atoi(argv[10]);
-  std::vector<float> x((size_t)M * PIN), s(OUT), cb(1 << BITS), b(OUT), out((size_t)M * OUT, -1.0f);
+  int M = atoi(argv[5]), DIN = atoi(argv[6]), OUT = atoi(argv[7]), WPR = atoi(argv[8]);
+  g_KS = atoi(argv[9]); g_RW = atoi(argv[10]); int blocks = atoi(argv[11]), has_bias = atoi(argv[12]);
+  int G = atoi(argv[13]), A = atoi(argv[14]), S0 = atoi(argv[15]), S1 = atoi(argv[16]);
+  int ROTN = XCAP > 0 ? DIN : 1;
+  g_blocks = blocks;
+  std::vector<float> x((size_t)M * DIN), s((size_t)OUT * G), cb(1 << BITS), b(OUT), rs(ROTN), rl((size_t)A * A);
+  std::vector<float> o0((size_t)M * S0, -1.0f), o1((size_t)M * (S1 - S0) + 1, -1.0f), o2((size_t)M * (OUT - S1) + 1, -1.0f);
   std::vector<uint32_t> pk((size_t)OUT * WPR);
-  FILE* f = fopen(argv[11], "rb");
+  FILE* f = fopen(argv[17], "rb");
   size_t n = fread(x.data(), 4, x.size(), f) + fread(pk.data(), 4, pk.size(), f) + fread(s.data(), 4, s.size(), f)
-      + fread(cb.data(), 4, cb.size(), f) + fread(b.data(), 4, b.size(), f);
+      + fread(cb.data(), 4, cb.size(), f) + fread(b.data(), 4, b.size(), f) + fread(rs.data(), 4, rs.size(), f)
+      + fread(rl.data(), 4, rl.size(), f);
   fclose(f);
-  if (n != x.size() + pk.size() + s.size() + cb.size() + b.size()) return;
-  int xs[2] = {M, PIN}, ps[2] = {OUT, WPR};
+  if (n != x.size() + pk.size() + s.size() + cb.size() + b.size() + rs.size() + rl.size()) return;
+  int xs[2] = {M, DIN}, ps[2] = {OUT, WPR}, ss[2] = {OUT, G}, ls[2] = {A, A}, seg[2] = {S0, S1};
   for (int blk = 0; blk < blocks; ++blk) {
     g_block = blk;
     int nt = 32 * g_KS * g_RW;
@@ -560,19 +662,27 @@ void run(char** argv) {
     for (int t = 0; t < nt; ++t)
       th.emplace_back([&, t] {
         t_lane = t % 32; t_ks = (t / 32) % g_KS; t_rw = t / (32 * g_KS);
-        kernel<BITS, MT>(x.data(), xs, pk.data(), ps, s.data(), cb.data(), b.data(), has_bias ? 1 : 2, out.data());
+        kernel<BITS, MT, GS, XCAP>(x.data(), xs, 2, pk.data(), ps, s.data(), ss, cb.data(), b.data(), has_bias ? 1 : 2,
+                                   rs.data(), rl.data(), ls, seg, o0.data(), o1.data(), o2.data());
       });
     for (auto& t : th) t.join();
     for (auto* p : wb) delete p;
   }
-  f = fopen(argv[12], "wb");
-  fwrite(out.data(), 4, out.size(), f);
+  f = fopen(argv[18], "wb");
+  fwrite(o0.data(), 4, (size_t)M * S0, f);
+  fwrite(o1.data(), 4, (size_t)M * (S1 - S0), f);
+  fwrite(o2.data(), 4, (size_t)M * (OUT - S1), f);
   fclose(f);
 }
 int main(int argc, char** argv) {
-  int bits = atoi(argv[1]), mt = atoi(argv[2]);
-#define C(B, T) if (bits == B && mt == T) { run<B, T>(argv); return 0; }
-  C(2, 1) C(2, 4) C(3, 1) C(3, 4) C(4, 1) C(4, 2) C(4, 4) C(4, 8) C(8, 1) C(8, 4)
+  int bits = atoi(argv[1]), mt = atoi(argv[2]), gs = atoi(argv[3]), xcap = atoi(argv[4]);
+#define C(B, T, S, X) if (bits == B && mt == T && gs == S && xcap == X) { run<B, T, S, X>(argv); return 0; }
+  C(2, 1, 0, 0) C(2, 4, 0, 0) C(3, 1, 0, 0) C(3, 4, 0, 0) C(4, 1, 0, 0) C(4, 2, 0, 0) C(4, 4, 0, 0) C(4, 8, 0, 0)
+  C(8, 1, 0, 0) C(8, 4, 0, 0) C(4, 1, 32, 0) C(4, 2, 128, 0) C(2, 1, 32, 0) C(2, 4, 32, 0) C(2, 4, 64, 0)
+  C(3, 1, 64, 0) C(3, 2, 256, 0) C(8, 1, 32, 0) C(4, 8, 256, 0)
+  C(4, 1, 0, 2048) C(4, 1, 0, 11264) C(4, 2, 0, 4096) C(3, 1, 0, 2048) C(2, 4, 64, 8192) C(4, 1, 64, 1024)
+  C(4, 1, 0, 8192) C(2, 1, 0, 2048) C(8, 2, 0, 4096) C(4, 8, 0, 11264)
+  C(2, 2, 64, 8192) C(4, 2, 0, 8192) C(2, 1, 0, 1024) C(8, 2, 0, 2048) C(4, 1, 32, 1024)
   return 1;
 }
 """
@@ -586,12 +696,14 @@ def host_kernel(tmp_path_factory):
     cxx = shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler for the host rendering of the kernel")
-    body = qmv._SOURCE
+    body = qmv._SOURCE.replace("QMV_STORE", qmv.store_code(3))  # single outputs: seg = [OUT, OUT]
     for token, text in _HOST_TOKENS.items():
         body = re.sub(rf"\b{token}\b", text, body)
-    src = (_HOST_HEADER + "template <int BITS, int MT>\nvoid kernel(const float* x, const int* x_shape, "
-           "const uint32_t* packed, const int* packed_shape, const float* scales, const float* codebook, "
-           "const float* bias, int bias_ndim, float* out) {\n using T = float;\n" + body + "}\n" + _HOST_MAIN)
+    src = (_HOST_HEADER + "template <int BITS, int MT, int GS, int XCAP>\nvoid kernel(const float* x, const int* x_shape, "
+           "int x_ndim, const uint32_t* packed, const int* packed_shape, const float* scales, const int* scales_shape, "
+           "const float* codebook, const float* bias, int bias_ndim, const float* rot_s, const float* rot_l, "
+           "const int* rot_l_shape, const int* seg, float* out0, float* out1, float* out2) {\n using T = float;\n"
+           + body + "}\n" + _HOST_MAIN)
     d = tmp_path_factory.mktemp("qmv_host")
     (d / "k.cpp").write_text(src)
     r = subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", "k.cpp", "-o", "k"], cwd=d, capture_output=True, text=True)
@@ -601,29 +713,100 @@ def host_kernel(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("bits, n_in, n_out, m, target", [
-    (4, 50, 7, 1, None), (4, 896, 9, 3, None), (4, 4864, 7, 8, None), (4, 4864, 9, 2, 1), (4, 11008, 3, 1, None),
-    (3, 96, 9, 1, None), (3, 4864, 7, 4, None), (3, 896, 5, 1, 1), (2, 4864, 9, 1, None), (2, 896, 7, 3, 1),
-    (8, 896, 6, 1, None), (8, 160, 9, 4, 1),
+@pytest.mark.parametrize("bits, n_in, n_out, m, target, gs, blocks", [
+    (4, 50, 7, 1, None, 0, None), (4, 896, 9, 3, None, 0, None), (4, 4864, 7, 8, None, 0, None),
+    (4, 4864, 9, 2, 1, 0, None), (4, 11008, 3, 1, None, 0, None), (3, 96, 9, 1, None, 0, None),
+    (3, 4864, 7, 4, None, 0, None), (3, 896, 5, 1, 1, 0, None), (2, 4864, 9, 1, None, 0, None),
+    (2, 896, 7, 3, 1, 0, None), (2, 96, 5, 1, None, 0, None), (8, 896, 6, 1, None, 0, None),
+    (8, 160, 9, 4, 1, 0, None),
+    # per-group scales: groups smaller than a chunk (2 bits: 64 values), equal, larger; padding past in_features
+    (4, 896, 9, 1, None, 32, None), (4, 4864, 7, 2, 1, 128, None), (2, 896, 7, 1, 1, 32, None),
+    (2, 96, 5, 4, None, 32, None), (2, 4864, 6, 4, None, 64, None), (3, 4864, 5, 1, None, 64, None),
+    (3, 768, 9, 2, 1, 256, None), (8, 896, 6, 1, None, 32, None), (4, 2048, 13, 8, None, 256, None),
+    # more row sets than threadgroups: the grid-stride loop over row sets
+    (4, 896, 37, 1, 1, 0, 2), (4, 512, 61, 2, 1, 128, 3),
 ])
-def test_kernel_body_on_cpu_host_dialect(host_kernel, monkeypatch, bits, n_in, n_out, m, target):
+def test_kernel_body_on_cpu_host_dialect(host_kernel, monkeypatch, bits, n_in, n_out, m, target, gs, blocks):
     if target is not None:  # force KS = 1 (many iterations per warp) on a small layer
         monkeypatch.setattr(qmv, "TARGET_WARPS", target)
+    if blocks is not None:
+        monkeypatch.setattr(qmv, "MAX_BLOCKS", blocks)
+    _host_check(host_kernel, bits, n_in, n_out, m, gs, blocks=blocks)
+
+
+def _sylvester(b):
+    h = np.ones((1, 1))
+    while h.shape[0] < b:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def _host_check(host_kernel, bits, n_in, n_out, m, gs, rotation=None, splits=None, blocks=None):
+    ops = None if rotation is None else qmv.rotation_operands(rotation)
+    a = 1 if ops is None else ops[1].shape[0]
+    xcap = 0
+    if ops is not None:
+        need = qmv.prologue_floats(bits, n_in, m, a)
+        xcap = next(c for c in qmv.XCAP_BUCKETS if c >= need)
     qmv.launch_spec.cache_clear()
     try:
-        spec = _spec(n_in, n_out, m, bits, mx.float32, bias=True)
+        spec = _spec(n_in, n_out, m, bits, mx.float32, bias=True, group_size=gs or None, xcap=xcap, splits=splits)
     finally:
         qmv.launch_spec.cache_clear()
-    (gx, ks, rw), mt = spec["grid"], spec["template"][3][1]
-    packed, scales, levels, bias = _weights(bits, n_in, n_out)
+    (gx, ks, rw), mt = spec["grid"], spec["template"][4][1]
+    assert spec["template"][6] == ("XCAP", xcap)
+    if blocks is not None:
+        assert gx // 32 == blocks and blocks * rw * qmv.ROWS < n_out
+    packed, scales, levels, bias = _weights(bits, n_in, n_out, group_size=gs or None)
     rng = np.random.default_rng(n_in + bits)
-    x = np.zeros((m, spec["padded_in"]), np.float32)
+    din = n_in if ops is not None else spec["padded_in"]  # the prologue pads in shared memory itself
+    x = np.zeros((m, din), np.float32)
     x[:, :n_in] = rng.standard_normal((m, n_in))
+    rs = np.array(ops[0]) if ops is not None else np.zeros(1, np.float32)
+    rl = np.array(ops[1]) if ops is not None else np.zeros((1, 1), np.float32)
     with open(host_kernel / "in.bin", "wb") as f:
-        for a in (x, packed, scales, levels, bias):
-            f.write(np.ascontiguousarray(a).tobytes())
-    args = [bits, mt, m, spec["padded_in"], n_out, packed.shape[1], ks, rw, gx // 32, 1, "in.bin", "out.bin"]
+        for arr in (x, packed, scales, levels, bias, rs, rl):
+            f.write(np.ascontiguousarray(arr, dtype=np.uint32 if arr is packed else np.float32).tobytes())
+    g = scales.shape[1] if scales.ndim == 2 else 1
+    seg = list(splits) + [n_out] * (2 - len(splits)) if splits else [n_out, n_out]
+    args = [bits, mt, gs, xcap, m, din, n_out, packed.shape[1], ks, rw, gx // 32, 1, g, a, *seg, "in.bin", "out.bin"]
     subprocess.run(["./k", *map(str, args)], cwd=host_kernel, check=True, timeout=120)
-    got = np.fromfile(host_kernel / "out.bin", np.float32).reshape(m, n_out)
-    y, tol = _reference64(mx.array(x[:, :n_in]), packed, scales, levels, mx.array(bias), bits)
+    raw = np.fromfile(host_kernel / "out.bin", np.float32)
+    ends = [0] + seg + [n_out]
+    parts = [raw[m * ends[k]: m * ends[k + 1]].reshape(m, ends[k + 1] - ends[k]) for k in range(3)]
+    got = np.concatenate(parts, axis=1)  # each output is [m, its rows]; back to [m, n_out]
+    xin = x[:, :n_in].astype(np.float64)
+    xerr = None
+    if ops is not None:  # R = (L (x) S_B / sqrt(B)) diag(sd), from the float32 operands the kernel read
+        lm = rl.astype(np.float64)
+        big = np.kron(lm, _sylvester(n_in // a) / np.sqrt(n_in // a)) * rs.astype(np.float64)[None, :]
+        xerr = (np.log2(n_in // a) + a + 3) * 2.0**-24 * (np.abs(xin) @ np.abs(big).T)
+        xin = xin @ big.T
+    y, tol = _reference64(mx.array(xin.astype(np.float32)), packed, scales, levels, mx.array(bias), bits, gs or None,
+                          x64=xin, xerr=xerr)
     assert np.all(np.abs(got - y) <= tol), np.abs(got - y).max()
+
+
+@pytest.mark.parametrize("kind, n_in, bits, n_out, m, gs, splits", [
+    ("hadamard", 896, 4, 37, 1, 0, None), ("hadamard", 896, 4, 1152, 1, 0, (896, 1024)),
+    ("kron", 4864, 4, 9, 1, 0, None), ("hadamard", 4096, 4, 13, 1, 0, (5,)), ("hadamard", 768, 3, 11, 1, 0, None),
+    ("kron", 1472, 2, 7, 2, 64, (3, 5)), ("hadamard", 96, 4, 5, 1, 32, None), ("hadamard", 1024, 4, 9, 2, 0, (4,)),
+    ("hadamard", 256, 2, 6, 1, 0, None), ("kron", 320, 8, 6, 2, 0, None), ("hadamard", 1536, 4, 21, 2, 0, (8, 16)),
+])
+def test_kernel_prologue_rotation_and_outputs_on_cpu(host_kernel, kind, n_in, bits, n_out, m, gs, splits):
+    from vqpipe.rotation import make_rotation
+
+    _host_check(host_kernel, bits, n_in, n_out, m, gs, make_rotation(kind, n_in, seed=5), splits)
+
+
+def test_prologue_operands_reproduce_the_rotation():
+    from vqpipe.rotation import make_rotation
+
+    for kind, d in (("hadamard", 896), ("kron", 4864), ("hadamard", 4096), ("kron", 1472), ("hadamard", 768)):
+        r = make_rotation(kind, d, seed=2)
+        sd, lm = (np.array(a, np.float64) for a in qmv.rotation_operands(r))
+        b = d // lm.shape[0]
+        want = np.array(r.apply(mx.eye(d)), np.float64).T  # column i: R e_i
+        assert np.abs(np.kron(lm, _sylvester(b) / np.sqrt(b)) * sd[None, :] - want).max() < 1e-6
+    assert qmv.rotation_operands(make_rotation("qr", 64, seed=1)) is None
+    assert qmv.rotation_operands(make_rotation("none", 64)) is None

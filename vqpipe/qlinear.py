@@ -109,14 +109,37 @@ def _quantize_grouped(weight, bits, rotation, group_size, hessian, damp):
     return mx.array(pack(idx, bits)), mx.array(scales), mx.array(unit), error
 
 
+def expand_scales(scales, group_size, in_features):
+    """Scales broadcastable against C[q] (rows x in_features): per row [n] -> [n, 1]; per group
+    [n, in // group_size] -> [n, in] (group g covers rotated inputs [g * group_size, (g + 1) * group_size))."""
+    if scales.ndim == 1:
+        return scales[:, None]
+    return mx.repeat(scales, group_size, axis=-1)[..., :in_features]
+
+
+def dense_forward(xr, packed, scales, codebook, bits, bias=None, group_size=None):
+    """The dense path from the rotated input: rebuild C[q] in x's dtype, one matmul, scales, bias.
+    Per-row scales multiply the matmul's output (the formula the artifacts' reference logits were
+    made with); per-group scales multiply the rebuilt weight."""
+    dt = xr.dtype
+    w = codebook.astype(dt)[unpack(packed, bits, xr.shape[-1])]
+    if scales.ndim == 1:
+        y = (xr @ w.T) * scales.astype(dt)
+    else:
+        y = xr @ (w * expand_scales(scales.astype(dt), group_size, xr.shape[-1])).T
+    return y if bias is None else y + bias.astype(dt)
+
+
 class QuantizedLinear(nn.Module):
+    group_size = None  # None: one scale per row; else scales [out, in // group_size] (rotated index)
+
     def __init__(self, in_features, out_features, bits, rotation, packed, scales, codebook, bias=None,
                  group_size=None):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.bits = bits
-        self.group_size = group_size
+        self.group_size = None if group_size is None else int(group_size)
         self.rotation = rotation
         self.packed = packed
         self.scales = scales
@@ -140,11 +163,12 @@ class QuantizedLinear(nn.Module):
         return layer
 
     def dequantized_weight(self, dtype=mx.float32):
-        """W_hat (out x in) in the original basis: s * C[q] R. For analysis, not the forward."""
-        if self.group_size is not None:
-            return self.rotation.apply_transpose(self.rotated_weight(dtype))
+        """W_hat (out x in) in the original basis: (s * C[q]) R. For analysis, not the forward."""
         w = self.codebook.astype(dtype)[unpack(self.packed, self.bits, self.in_features)]
-        return self.rotation.apply_transpose(w) * self.scales.astype(dtype)[:, None]
+        s = expand_scales(self.scales.astype(dtype), self.group_size, self.in_features)
+        if self.scales.ndim == 1:  # per row: scaling commutes with R
+            return self.rotation.apply_transpose(w) * s
+        return self.rotation.apply_transpose(w * s)
 
     def rotated_weight(self, dtype):
         """C[q] in the rotated basis; with group scales already multiplied in (per-row scales are
@@ -157,22 +181,22 @@ class QuantizedLinear(nn.Module):
         return w.reshape(rows, self.in_features)
 
     def __call__(self, x):
+        fused = self.__dict__.get("_fused")  # siblings computed as one (vqpipe/fused.py)
+        if fused is not None:
+            return fused(self, x)
         # Decode (a few rows of x) on a GPU: the fused mat-vec reads the packed weights once
         # (vqpipe/qmv.py). Deterministic, but not bit-identical to the dense path below, which is
         # what runs everywhere else (the CPU, prefill, the switch off) exactly as before.
-        dialect = qmv.dispatch(x) if self.group_size is None else None
+        dialect = qmv.dispatch(x)
         if dialect is not None:
             # self[...]: nn.Module's attribute lookup costs ~0.4 us a time, and this runs per layer per token
+            # the kernel rotates x in its prologue where it can (else MLX ops rotate it first)
             return qmv.launch(
-                dialect, self.rotation.apply(x), self["packed"], self["scales"], self["codebook"], self.bits,
-                self.get("bias"),
+                dialect, x, self["packed"], self["scales"], self["codebook"], self.bits, self.get("bias"),
+                self.group_size, self.rotation,
             )
-        y = self.rotation.apply(x) @ self.rotated_weight(x.dtype).T
-        if self.group_size is None:
-            y = y * self.scales.astype(x.dtype)
-        if "bias" in self:
-            y = y + self.bias.astype(x.dtype)
-        return y
+        return dense_forward(self.rotation.apply(x), self.packed, self.scales, self.codebook, self.bits,
+                             self.get("bias"), self.group_size)
 
     def to_state(self):
         rmeta, rarrays = self.rotation.to_state()
@@ -218,23 +242,43 @@ class QuantizedLinear(nn.Module):
 class QuantizedEmbedding(QuantizedLinear):
     """An embedding table quantized like a linear layer (rows = tokens, rotation over hidden).
 
-    Lookup dequantizes only the selected rows; ``as_linear`` serves tied output heads.
+    Lookup dequantizes only the selected rows; ``as_linear`` serves tied output heads. The rows come
+    out in ``out_dtype`` (the source embedding's dtype, so the residual stream has the dtype it has in
+    the source) on a GPU, and in float32 on the CPU, where MLX's bf16/fp16 arithmetic is slow (README,
+    "CPU BLAS"): the rest of the model then computes in float32 there whatever its stored dtypes.
     """
+
+    out_dtype = mx.float32  # artifacts from before the dtype was recorded: the codebook's dtype
 
     @classmethod
     def from_embedding(cls, embedding, bits, rotation="auto", seed=0, weight=None):
         return cls.from_linear(embedding, bits, rotation, seed, weight=weight)
+
+    def lookup_dtype(self):
+        return mx.float32 if mx.default_device() == mx.cpu else self.out_dtype
 
     def __call__(self, ids):
         flat = ids.reshape(-1)
         rows = self.codebook[unpack(self.packed[flat], self.bits, self.in_features)]
         if self.group_size is None:
             rows = self.rotation.apply_transpose(rows) * self.scales[flat][:, None]
-        else:
-            g = self.in_features // self.group_size
-            rows = rows.reshape(-1, g, self.group_size) * self.scales[flat].astype(rows.dtype)[:, :, None]
-            rows = self.rotation.apply_transpose(rows.reshape(-1, self.in_features))
-        return rows.reshape(*ids.shape, self.in_features)
+        else:  # group scales live in the rotated basis: scale, then rotate back
+            rows = self.rotation.apply_transpose(rows * expand_scales(self.scales[flat], self.group_size, self.in_features))
+        rows = rows.reshape(*ids.shape, self.in_features)
+        dt = self.lookup_dtype()
+        return rows if rows.dtype == dt else rows.astype(dt)
+
+    def to_state(self):
+        meta, arrays = super().to_state()
+        meta["dtype"] = str(self.out_dtype).rsplit(".", 1)[-1]
+        return meta, arrays
+
+    @classmethod
+    def from_state(cls, meta, arrays):
+        layer = super().from_state(meta, arrays)
+        if "dtype" in meta:
+            layer.out_dtype = getattr(mx, meta["dtype"])
+        return layer
 
     def as_linear(self, x):
         return QuantizedLinear.__call__(self, x)

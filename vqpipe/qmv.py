@@ -44,15 +44,23 @@ import os
 import re
 
 import mlx.core as mx
+import numpy as np
 
 from . import gpu
 from .gpu import backend
 from .packing import unpack, words_per_row
 
 MAX_M = 8  # rows of x (prod of its leading dims) the kernel takes; more -> the dense path
-ROWS = 4  # output rows per warp (R)
-UNROLL = 4  # warp steps per iteration (U); must match "constexpr int U" in _SOURCE
+ROWS = 4  # output rows per warp (R); must match "constexpr int R" in _SOURCE
 TARGET_WARPS = 4096  # enough warps to fill an H200 (132 SMs x ~32 resident warps)
+MAX_BLOCKS = 2048  # threadgroups at most; more row sets are taken grid-stride (not tuned)
+GROUP_SIZES = (32, 64, 128, 256)  # per-group scale layouts the kernel takes (besides per row)
+SCALE_DTYPES = (mx.float16, mx.float32)
+
+
+def chunk_values(bits):
+    """Values per lane chunk: 4 packed words (16 bytes) for 2/4/8 bits, 3 words (32 values) for 3."""
+    return 32 * (3 if bits == 3 else 4) // bits
 BITS = (2, 3, 4, 8)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
@@ -61,13 +69,19 @@ DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # Dialect tokens QMV_* are substituted in Python; helpers qmv_* come from the dialect header.
 _SOURCE = """
     constexpr int R = 4;                                // rows per warp
-    constexpr int U = 4;                                // warp steps per iteration (loads in flight)
-    constexpr int CH = (BITS == 3) ? 8 : 32 / BITS;     // values per lane chunk (one 32-bit window)
-    constexpr int SC = CH < 8 ? CH : 8;                 // values per activation load
+    constexpr int VW = (BITS == 3) ? 3 : 4;             // packed words per lane chunk (12 or 16 bytes)
+    constexpr int VPC = 32 * VW / BITS;                 // values per chunk: 64, 32, 32, 16 for 2, 3, 4, 8 bits
+    constexpr int SC = 8;                               // values per activation load (one sub-chunk)
+    constexpr int PER = 32 / BITS;                      // values per word (2, 4, 8 bits)
     constexpr int NLEV = 1 << BITS;
-    constexpr unsigned int MASK = (1u << BITS) - 1u;
+    constexpr int GSD = GS > 0 ? GS : 1;
+    constexpr int NG = (GS > 0 && VPC > GS) ? VPC / GSD : 1;  // scale groups a chunk spans (GS >= 32)
+    constexpr int XC = XCAP > 0 ? XCAP : 1;
     QMV_SHARED float cb_s[NLEV];
     QMV_SHARED float red_s[8 * R * MT];
+    // XCAP > 0: the activation rows rotated in the prologue, float, 4 pad floats per 32 (qmv_xi), so
+    // the lanes' 16-byte reads at a stride of one chunk fall in distinct banks
+    QMV_SHARED16 float xs_s[XC];
 
     const unsigned int lane = QMV_LANE;
     const unsigned int ks = QMV_KS_ID;                  // which slice of the row's chunks
@@ -75,163 +89,286 @@ _SOURCE = """
     const unsigned int rw = QMV_RW_ID;                  // which row set of this block
     const unsigned int RW = QMV_RW;
     const unsigned int tid = (rw * KS + ks) * 32u + lane;
-    const unsigned int M = x_shape[0];
-    const unsigned int PIN = x_shape[1];                // in_features padded to a multiple of 32
+    const unsigned int NT = RW * KS * 32u;
+    unsigned int M = 1u;                                // rows: the product of x's leading dims
+    for (unsigned int k = 0; k + 1u < (unsigned int)x_ndim; ++k) {
+        M *= (unsigned int)x_shape[k];
+    }
+    const unsigned int DIN = x_shape[x_ndim - 1];       // XCAP > 0: in_features; else padded to a chunk
+    const unsigned int PIN = ((DIN + VPC - 1u) / VPC) * VPC;
     const unsigned int OUT = packed_shape[0];
     const unsigned int WPR = packed_shape[1];           // words per row
-    const unsigned int NCH = PIN / CH;
-    const unsigned int STRIDE = 32u * KS * U;           // chunks one warp advances per iteration
+    const unsigned int G = GS > 0 ? scales_shape[1] : 1u;  // scale groups per row
+    const unsigned int NCH = PIN / VPC;
+    const unsigned int STRIDE = 32u * KS;               // chunks one warp advances per iteration
     const bool has_bias = bias_ndim == 1;               // the no-bias placeholder is 2-D
-    const unsigned int row0 = (QMV_BLOCK * RW + rw) * R;
-    // uniform per warp: all 32 lanes share row0, so whole warps skip and the shuffles stay full
-    const bool active = row0 < OUT;
+    const unsigned int row_sets = (OUT + R - 1u) / R;
+    // 16-byte loads of packed words when every row starts 16-byte aligned (VW = 4 only)
+    const bool wvec = VW == 4 && (WPR & 3u) == 0u && QMV_W_ALIGNED(packed);
+    const bool xvec = QMV_X_ALIGNED(x);
 
-    unsigned int base[R];
-    QMV_UNROLL
-    for (int r = 0; r < R; ++r) {
-        // a partial last row set re-reads the last row; those sums are never written
-        base[r] = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR;
-    }
-    // The first iteration's words are requested before the codebook barrier, and each
-    // iteration requests the next one's before it computes: a warp keeps loads in flight.
-    unsigned int win[U][R];
-    QMV_UNROLL
-    for (int u = 0; u < U; ++u) {
-        const unsigned int c = ks * 32u + (unsigned int)u * 32u * KS + lane;
+    // The first row set's first chunk is requested before the codebook fill and the prologue.
+    unsigned int win[R][VW];
+    {
+        const unsigned int row0 = (QMV_BLOCK * RW + rw) * R;
+        const unsigned int c = ks * 32u + lane;
         QMV_UNROLL
         for (int r = 0; r < R; ++r) {
-            win[u][r] = (active && c < NCH) ? qmv_window<BITS, CH>(packed, base[r], c) : 0u;
+            const unsigned int b = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR;
+            qmv_load_words<VW>(win[r], packed, b + c * VW, WPR - c * VW, row0 < OUT && c < NCH, wvec);
         }
     }
-    for (unsigned int i = tid; i < (unsigned int)NLEV; i += RW * KS * 32u) {
-        cb_s[i] = codebook[i];
+    for (unsigned int i = tid; i < (unsigned int)NLEV; i += NT) {
+        cb_s[i] = static_cast<float>(codebook[i]);
+    }
+    // Prologue (XCAP > 0): xr = (L (x) S_B / sqrt(B)) (sd * x) for each row, x viewed as A x B
+    // (S_B the Sylvester Hadamard matrix, B a power of two; L an A x A matrix: MLX's Hadamard base
+    // matrix, the Kronecker factor Q, or [1]), in float32, every block for itself.
+    unsigned int xoff = 0u;
+    if (XCAP > 0) {
+        const unsigned int A = rot_l_shape[0];
+        const unsigned int B = DIN / A;
+        const unsigned int PINP = PIN / 32u * 36u;      // padded floats per row
+        for (unsigned int idx = tid; idx < M * PIN; idx += NT) {
+            const unsigned int m = idx / PIN, i = idx % PIN;
+            xs_s[m * PINP + qmv_xi(i)] = i < DIN ? static_cast<float>(x[m * DIN + i]) * rot_s[i] : 0.0f;
+        }
+        QMV_BARRIER;
+        for (unsigned int h = 1u; h < B; h *= 2u) {
+            for (unsigned int q = tid; q < M * A * (B / 2u); q += NT) {
+                const unsigned int row = q / (B / 2u), k = q % (B / 2u);
+                const unsigned int m = row / A;
+                const unsigned int i = (row % A) * B + (k / h) * 2u * h + (k % h);
+                const unsigned int pi = m * PINP + qmv_xi(i), pj = m * PINP + qmv_xi(i + h);
+                const float u = xs_s[pi], v = xs_s[pj];
+                xs_s[pi] = u + v;
+                xs_s[pj] = u - v;
+            }
+            QMV_BARRIER;
+        }
+        const float scl = qmv_inv_sqrt((float)B);
+        if (A > 1u) {  // out of place, into the second buffer
+            xoff = M * PINP;
+            for (unsigned int idx = tid; idx < M * PIN; idx += NT) {
+                const unsigned int m = idx / PIN, e = idx % PIN;
+                float s = 0.0f;
+                if (e < DIN) {
+                    const unsigned int i = e / B, j = e % B;
+                    for (unsigned int k = 0; k < A; ++k) {
+                        s += rot_l[i * A + k] * xs_s[m * PINP + qmv_xi(k * B + j)];
+                    }
+                }
+                xs_s[xoff + m * PINP + qmv_xi(e)] = s * scl;
+            }
+        } else {
+            for (unsigned int idx = tid; idx < M * PIN; idx += NT) {
+                const unsigned int m = idx / PIN, e = idx % PIN;
+                xs_s[m * PINP + qmv_xi(e)] *= scl;
+            }
+        }
     }
     QMV_BARRIER;
 
-    float acc[R][MT];
-    QMV_UNROLL
-    for (int r = 0; r < R; ++r) {
+    // Row sets are taken grid-stride, so the codebook fill and the prologue are paid once per block.
+    for (unsigned int set0 = QMV_BLOCK * RW; set0 < row_sets; set0 += QMV_BLOCKS * RW) {
+        const unsigned int row0 = (set0 + rw) * R;
+        // uniform per warp: all 32 lanes share row0, so whole warps skip and the shuffles stay full
+        const bool active = row0 < OUT;
+        unsigned int base[R];
         QMV_UNROLL
-        for (int m = 0; m < MT; ++m) {
-            acc[r][m] = 0.0f;
+        for (int r = 0; r < R; ++r) {
+            // a partial last row set re-reads the last row; those sums are never written
+            base[r] = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR;
         }
-    }
-    if (active) {
-        const bool vec = QMV_X_ALIGNED(x);
-        for (unsigned int c0 = ks * 32u; c0 < NCH; c0 += STRIDE) {
-            unsigned int nxt[U][R];
+        if (set0 != QMV_BLOCK * RW) {  // later row sets: their first chunk now
+            const unsigned int c = ks * 32u + lane;
             QMV_UNROLL
-            for (int u = 0; u < U; ++u) {
-                const unsigned int c = c0 + STRIDE + (unsigned int)u * 32u * KS + lane;
-                QMV_UNROLL
-                for (int r = 0; r < R; ++r) {
-                    nxt[u][r] = c < NCH ? qmv_window<BITS, CH>(packed, base[r], c) : 0u;
-                }
-            }
-            QMV_UNROLL
-            for (int u = 0; u < U; ++u) {
-                const unsigned int c = c0 + (unsigned int)u * 32u * KS + lane;
-                if (c < NCH) {
-                    QMV_UNROLL
-                    for (int h = 0; h < CH / SC; ++h) {
-                        float xv[MT][SC];
-                        QMV_UNROLL
-                        for (int m = 0; m < MT; ++m) {
-                            // rows past M repeat the last row; their sums are never written
-                            const unsigned int mm = qmv_umin((unsigned int)m, M - 1u);
-                            QMV_LOAD_X(xv[m], x + mm * PIN + c * CH + h * SC, vec);
-                        }
-                        QMV_UNROLL
-                        for (int r = 0; r < R; ++r) {
-                            QMV_UNROLL
-                            for (int t = 0; t < SC; ++t) {
-                                const float w = cb_s[(win[u][r] >> (BITS * (h * SC + t))) & MASK];
-                                QMV_UNROLL
-                                for (int m = 0; m < MT; ++m) {
-                                    acc[r][m] += w * xv[m][t];
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-            QMV_UNROLL
-            for (int u = 0; u < U; ++u) {
-                QMV_UNROLL
-                for (int r = 0; r < R; ++r) {
-                    win[u][r] = nxt[u][r];
-                }
+            for (int r = 0; r < R; ++r) {
+                qmv_load_words<VW>(win[r], packed, base[r] + c * VW, WPR - c * VW, active && c < NCH, wvec);
             }
         }
+        float acc[R][MT];
         QMV_UNROLL
         for (int r = 0; r < R; ++r) {
             QMV_UNROLL
             for (int m = 0; m < MT; ++m) {
-                float v = acc[r][m];
-                QMV_UNROLL
-                for (int s = 16; s > 0; s /= 2) {
-                    v += qmv_shfl_xor(v, s);
-                }
-                acc[r][m] = v;
+                acc[r][m] = 0.0f;
             }
         }
-        if (lane == 0u) {
+        if (active) {
+            for (unsigned int c = ks * 32u + lane; c < NCH; c += STRIDE) {
+                // the next chunk's words are requested before this one is computed: loads in flight
+                unsigned int nxt[R][VW];
+                const unsigned int cn = c + STRIDE;
+                QMV_UNROLL
+                for (int r = 0; r < R; ++r) {
+                    qmv_load_words<VW>(nxt[r], packed, base[r] + cn * VW, WPR - cn * VW, cn < NCH, wvec);
+                }
+                float sg[R][NG];
+                if (GS > 0) {
+                    QMV_UNROLL
+                    for (int r = 0; r < R; ++r) {
+                        const unsigned int o = qmv_umin(row0 + (unsigned int)r, OUT - 1u);
+                        QMV_UNROLL
+                        for (int k = 0; k < NG; ++k) {
+                            // chunks in the zero padding past in_features reuse the last group
+                            sg[r][k] = static_cast<float>(scales[o * G + qmv_umin((c * VPC) / GSD + k, G - 1u)]);
+                        }
+                    }
+                }
+                QMV_UNROLL
+                for (int h = 0; h < VPC / SC; ++h) {
+                    float xv[MT][SC];
+                    QMV_UNROLL
+                    for (int m = 0; m < MT; ++m) {
+                        // rows past M repeat the last row; their sums are never written
+                        const unsigned int mm = qmv_umin((unsigned int)m, M - 1u);
+                        if (XCAP > 0) {
+                            QMV_LOAD_XS(xv[m], xs_s + xoff + mm * (PIN / 32u * 36u) + qmv_xi(c * VPC + h * SC));
+                        } else {
+                            QMV_LOAD_X(xv[m], x + mm * PIN + c * VPC + h * SC, xvec);
+                        }
+                    }
+                    QMV_UNROLL
+                    for (int r = 0; r < R; ++r) {
+                        float part[MT];
+                        QMV_UNROLL
+                        for (int m = 0; m < MT; ++m) {
+                            part[m] = 0.0f;
+                        }
+                        QMV_UNROLL
+                        for (int t = 0; t < SC; ++t) {
+                            const float w = cb_s[qmv_index<BITS, PER>(win[r], h * SC + t)];
+                            QMV_UNROLL
+                            for (int m = 0; m < MT; ++m) {
+                                part[m] += w * xv[m][t];
+                            }
+                        }
+                        QMV_UNROLL
+                        for (int m = 0; m < MT; ++m) {
+                            if (GS > 0) {
+                                acc[r][m] += sg[r][NG > 1 ? (h * SC) / GSD : 0] * part[m];
+                            } else {
+                                acc[r][m] += part[m];
+                            }
+                        }
+                    }
+                }
+                QMV_UNROLL
+                for (int r = 0; r < R; ++r) {
+                    QMV_UNROLL
+                    for (int j = 0; j < VW; ++j) {
+                        win[r][j] = nxt[r][j];
+                    }
+                }
+            }
             QMV_UNROLL
             for (int r = 0; r < R; ++r) {
                 QMV_UNROLL
                 for (int m = 0; m < MT; ++m) {
-                    red_s[((rw * KS + ks) * R + r) * MT + m] = acc[r][m];
+                    float v = acc[r][m];
+                    QMV_UNROLL
+                    for (int s = 16; s > 0; s /= 2) {
+                        v += qmv_shfl_xor(v, s);
+                    }
+                    acc[r][m] = v;
+                }
+            }
+            if (lane == 0u) {
+                QMV_UNROLL
+                for (int r = 0; r < R; ++r) {
+                    QMV_UNROLL
+                    for (int m = 0; m < MT; ++m) {
+                        red_s[((rw * KS + ks) * R + r) * MT + m] = acc[r][m];
+                    }
                 }
             }
         }
-    }
-    QMV_BARRIER;
-    // one thread per (row set, row, m): the KS partials in warp order, then scale, bias, one cast
-    if (tid < RW * R * MT) {
-        const unsigned int srw = tid / (R * MT);
-        const unsigned int r = (tid / MT) % R;
-        const unsigned int m = tid % MT;
-        const unsigned int o = (QMV_BLOCK * RW + srw) * R + r;
-        if (o < OUT && m < M) {
-            float s = red_s[((srw * KS) * R + r) * MT + m];
-            for (unsigned int k = 1; k < KS; ++k) {
-                s += red_s[((srw * KS + k) * R + r) * MT + m];
+        QMV_BARRIER;
+        // one thread per (row set, row, m): the KS partials in warp order, then scale, bias, one cast
+        if (tid < RW * R * MT) {
+            const unsigned int srw = tid / (R * MT);
+            const unsigned int r = (tid / MT) % R;
+            const unsigned int m = tid % MT;
+            const unsigned int o = (set0 + srw) * R + r;
+            if (o < OUT && m < M) {
+                float s = red_s[((srw * KS) * R + r) * MT + m];
+                for (unsigned int k = 1; k < KS; ++k) {
+                    s += red_s[((srw * KS + k) * R + r) * MT + m];
+                }
+                if (GS == 0) {
+                    s *= static_cast<float>(scales[o]);
+                }
+                if (has_bias) {
+                    s += static_cast<float>(bias[o]);
+                }
+                const T v = static_cast<T>(s);
+                QMV_STORE
             }
-            s *= scales[o];
-            if (has_bias) {
-                s += static_cast<float>(bias[o]);
-            }
-            out[m * OUT + o] = static_cast<T>(s);
         }
+        QMV_BARRIER;  // red_s is reused by the next row set
     }
 """
 
-INPUT_NAMES = ["x", "packed", "scales", "codebook", "bias"]
-OUTPUT_NAMES = ["out"]
+INPUT_NAMES = ["x", "packed", "scales", "codebook", "bias", "rot_s", "rot_l", "seg"]
+MAX_OUTPUTS = 3  # q|k|v: one launch writes up to 3 outputs (rows split at `seg`), so no slice ops follow
+
+
+def output_names(n):
+    return [f"out{k}" for k in range(n)]
+
+
+def store_code(n):
+    """The epilogue's store of value v for row o and activation row m into n outputs split at seg."""
+    if n == 1:
+        return "out0[m * OUT + o] = v;"
+    lines, start = [], "0u"
+    for k in range(n):
+        end = "OUT" if k == n - 1 else f"(unsigned int)seg[{k}]"
+        width = f"({end} - {start})"
+        cond = "" if k == n - 1 else f"if (o < {end}) "
+        prefix = "" if k == 0 else "else "
+        lines.append(f"{prefix}{cond}{{ out{k}[m * {width} + (o - {start})] = v; }}")
+        start = end
+    return " ".join(lines)
 
 _CUDA_HEADER = """
 __device__ __forceinline__ unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
+__device__ __forceinline__ float qmv_inv_sqrt(float v) { return 1.0f / sqrtf(v); }  // IEEE sqrt and division
 __device__ __forceinline__ float qmv_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 
-// The 32-bit window of chunk c of a row starting at word `base`: word c for 2/4/8 bits; for 3 bits
-// stream bits [24c, 24c + 24), which straddle into the next word when they start at bit 16 or 24.
-template <int BITS, int CH>
-__device__ __forceinline__ unsigned int qmv_window(const unsigned int* p, unsigned int base, unsigned int c) {
-    if (CH * BITS == 32) {
-        return p[base + c];
+// Codebook index of value v (a compile-time constant once unrolled) of a chunk held in words w[]:
+// 2/4/8 bits never straddle a word; a 3-bit value may straddle two (bits 30-32, 62-64 of the chunk).
+template <int BITS, int PER>
+__device__ __forceinline__ unsigned int qmv_index(const unsigned int* w, int v) {
+    if (BITS != 3) {
+        return (w[v / PER] >> (BITS * (v % PER))) & ((1u << BITS) - 1u);
     }
-    const unsigned int bit = c * (unsigned int)(CH * BITS);
-    const unsigned int wi = bit >> 5;
-    const unsigned int sh = bit & 31u;
-    const unsigned int lo = p[base + wi];
-    if (sh + CH * BITS <= 32u) {
-        return lo >> sh;
+    const int bit = 3 * v, j = bit >> 5, sh = bit & 31;
+    if (sh + 3 <= 32) {
+        return (w[j] >> sh) & 7u;
     }
-    return (lo >> sh) | (p[base + wi + 1u] << (32u - sh));  // here 0 < sh < 32
+    return ((w[j] >> sh) | (w[j + 1] << (32 - sh))) & 7u;
 }
 
-// N consecutive activations as float; 16-byte (8-byte for 8 bytes in all) vector loads when x is
-// 16-byte aligned (MLX passes views with their offset, so this is checked, not assumed).
+// VW packed words from p[off...] (zeros where !valid; words past the row's end, left <= j, as zero):
+// one 16-byte load where rows are 16-byte aligned (vec), else VW coalesced 4-byte loads.
+template <int VW>
+__device__ __forceinline__ void qmv_load_words(unsigned int* dst, const unsigned int* p, unsigned int off, unsigned int left,
+                                               bool valid, bool vec) {
+    if (valid && VW == 4 && vec) {
+        const uint4 v = *reinterpret_cast<const uint4*>(p + off);
+        dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < VW; ++j) {
+        dst[j] = (valid && (unsigned int)j < left) ? p[off + j] : 0u;
+    }
+}
+
+// N consecutive activations as float; 16-byte vector loads when x is 16-byte aligned (MLX passes
+// views with their offset, so this is checked, not assumed).
 template <typename T, int N>
 struct alignas(sizeof(T) * N) qmv_vec {
     T val[N];
@@ -258,35 +395,54 @@ __device__ __forceinline__ void qmv_load_x(float* dst, const T* p, bool vec) {
 }
 #define QMV_LOAD_X(dst, p, vec) qmv_load_x<SC>(dst, p, vec)
 #define QMV_X_ALIGNED(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull)
+#define QMV_W_ALIGNED(p) ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull)
+
+// Index of element i of a staged activation row: 4 pad floats after every 32.
+__device__ __forceinline__ unsigned int qmv_xi(unsigned int i) { return i + ((i >> 5) << 2); }
+// 8 staged floats (16-byte aligned: the offsets are multiples of 4 floats) as two 16-byte loads.
+#define QMV_LOAD_XS(dst, p) do { const float4 a_ = reinterpret_cast<const float4*>(p)[0]; \
+    const float4 b_ = reinterpret_cast<const float4*>(p)[1]; \
+    (dst)[0] = a_.x; (dst)[1] = a_.y; (dst)[2] = a_.z; (dst)[3] = a_.w; \
+    (dst)[4] = b_.x; (dst)[5] = b_.y; (dst)[6] = b_.z; (dst)[7] = b_.w; } while (0)
 """
 
-# Untested: no Apple GPU was available. Scalar activation loads (Apple GPUs coalesce them).
+# Untested: no Apple GPU was available. Scalar loads throughout (Apple GPUs coalesce them).
 _METAL_HEADER = """
 inline unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
+inline float qmv_inv_sqrt(float v) { return 1.0f / metal::precise::sqrt(v); }
 inline float qmv_shfl_xor(float v, int m) { return metal::simd_shuffle_xor(v, ushort(m)); }
 
-template <int BITS, int CH>
-inline unsigned int qmv_window(const device uint32_t* p, unsigned int base, unsigned int c) {
-    if (CH * BITS == 32) {
-        return p[base + c];
+template <int BITS, int PER>
+inline unsigned int qmv_index(const thread unsigned int* w, int v) {
+    if (BITS != 3) {
+        return (w[v / PER] >> (BITS * (v % PER))) & ((1u << BITS) - 1u);
     }
-    const unsigned int bit = c * (unsigned int)(CH * BITS);
-    const unsigned int wi = bit >> 5;
-    const unsigned int sh = bit & 31u;
-    const unsigned int lo = p[base + wi];
-    if (sh + CH * BITS <= 32u) {
-        return lo >> sh;
+    const int bit = 3 * v, j = bit >> 5, sh = bit & 31;
+    if (sh + 3 <= 32) {
+        return (w[j] >> sh) & 7u;
     }
-    return (lo >> sh) | (p[base + wi + 1u] << (32u - sh));
+    return ((w[j] >> sh) | (w[j + 1] << (32 - sh))) & 7u;
+}
+
+template <int VW>
+inline void qmv_load_words(thread unsigned int* dst, const device uint32_t* p, unsigned int off, unsigned int left,
+                           bool valid, bool vec) {
+    for (int j = 0; j < VW; ++j) {
+        dst[j] = (valid && (unsigned int)j < left) ? p[off + j] : 0u;
+    }
 }
 #define QMV_LOAD_X(dst, p, vec) for (int t_ = 0; t_ < SC; ++t_) { (dst)[t_] = static_cast<float>((p)[t_]); }
 #define QMV_X_ALIGNED(p) false
+#define QMV_W_ALIGNED(p) false
+inline unsigned int qmv_xi(unsigned int i) { return i + ((i >> 5) << 2); }
+#define QMV_LOAD_XS(dst, p) for (int t_ = 0; t_ < SC; ++t_) { (dst)[t_] = (p)[t_]; }
 """
 
 DIALECTS = {
     "cuda": {
         "header": _CUDA_HEADER,
         "tokens": {
+            "QMV_SHARED16": "__shared__ __align__(16)",
             "QMV_SHARED": "__shared__",
             "QMV_BARRIER": "__syncthreads()",
             "QMV_LANE": "threadIdx.x",
@@ -294,6 +450,7 @@ DIALECTS = {
             "QMV_KS": "blockDim.y",
             "QMV_RW_ID": "threadIdx.z",
             "QMV_RW": "blockDim.z",
+            "QMV_BLOCKS": "gridDim.x",
             "QMV_BLOCK": "blockIdx.x",
             "QMV_UNROLL": "#pragma unroll",
         },
@@ -301,6 +458,7 @@ DIALECTS = {
     "metal": {
         "header": _METAL_HEADER,
         "tokens": {
+            "QMV_SHARED16": "threadgroup alignas(16)",
             "QMV_SHARED": "threadgroup",
             "QMV_BARRIER": "threadgroup_barrier(mem_flags::mem_threadgroup)",
             "QMV_LANE": "thread_position_in_threadgroup.x",
@@ -308,29 +466,31 @@ DIALECTS = {
             "QMV_KS": "threads_per_threadgroup.y",
             "QMV_RW_ID": "thread_position_in_threadgroup.z",
             "QMV_RW": "threads_per_threadgroup.z",
+            "QMV_BLOCKS": "threadgroups_per_grid.x",
             "QMV_BLOCK": "threadgroup_position_in_grid.x",
             "QMV_UNROLL": "#pragma unroll",
         },
     },
 }
 # Tokens the dialect headers define as macros (left in the body on purpose).
-_HEADER_MACROS = ("QMV_LOAD_X", "QMV_X_ALIGNED")
+_HEADER_MACROS = ("QMV_LOAD_X", "QMV_X_ALIGNED", "QMV_W_ALIGNED", "QMV_LOAD_XS")
 
-_kernels = {}  # dialect -> MLX kernel object, built once
+_kernels = {}  # (dialect, outputs) -> MLX kernel object, built once
 _instances = set()  # (dialect, dtype, bias dtype, bits, MT): one JIT-compiled kernel each
 _enabled = os.environ.get("VQPIPE_QMV_KERNELS", "1") != "0"
 _placeholders = {}  # dtype -> the 2-D stand-in passed as `bias` when a layer has none
 
 
-def render(dialect):
-    """(name, header, body) of the kernel in one dialect. The name carries a digest of the source:
-    MLX caches compiled kernels (in memory and as PTX on disk) by name alone."""
+def render(dialect, outputs=1):
+    """(name, header, body) of the kernel in one dialect, writing ``outputs`` outputs. The name
+    carries a digest of the source: MLX caches compiled kernels (in memory and as PTX on disk) by
+    name alone."""
     spec = DIALECTS[dialect]
-    body = _SOURCE
+    body = _SOURCE.replace("QMV_STORE", store_code(outputs))
     for token, text in spec["tokens"].items():
         body = re.sub(rf"\b{token}\b", text, body)
     digest = hashlib.sha1((spec["header"] + body).encode()).hexdigest()[:10]
-    return f"vqpipe_qmv_{digest}", spec["header"], body
+    return f"vqpipe_qmv{outputs}_{digest}", spec["header"], body
 
 
 def set_enabled(flag):
@@ -387,14 +547,14 @@ def compiled_kernel_count():
     return len(_instances)
 
 
-def _kernel(dialect):
-    if dialect not in _kernels:
-        name, header, body = render(dialect)
+def _kernel(dialect, outputs=1):
+    key = (dialect, outputs)
+    if key not in _kernels:
+        name, header, body = render(dialect, outputs)
         make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
-        _kernels[dialect] = make(
-            name=name, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES, source=body, header=header
-        )
-    return _kernels[dialect]
+        _kernels[key] = make(name=name, input_names=INPUT_NAMES, output_names=output_names(outputs), source=body,
+                             header=header)
+    return _kernels[key]
 
 
 def _pow2_floor(n):
@@ -405,7 +565,8 @@ def _pow2_ceil(n):
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def check_args(in_features, m, packed_shape, packed_dtype, scales_shape, codebook_size, bias_shape, bits, dtype):
+def check_args(in_features, m, packed_shape, packed_dtype, scales_shape, codebook_size, bias_shape, bits, dtype,
+               group_size=None, scales_dtype=mx.float32):
     """Raise ValueError naming the first thing that does not fit the kernel."""
     if bits not in BITS:
         raise ValueError(f"qmv: bits must be one of {BITS}, got {bits!r}")
@@ -427,44 +588,62 @@ def check_args(in_features, m, packed_shape, packed_dtype, scales_shape, codeboo
             f"qmv: packed has {words} words per row; {in_features} input features at {bits} bits "
             f"need {words_per_row(in_features, bits)} (in_features of x and packed disagree?)"
         )
-    if tuple(scales_shape) != (out_features,):
-        raise ValueError(f"qmv: scales must have shape ({out_features},), got {tuple(scales_shape)}")
+    if scales_dtype not in SCALE_DTYPES:
+        raise ValueError(f"qmv: scales must be float16 or float32, got {scales_dtype}")
+    if group_size is None:
+        if tuple(scales_shape) != (out_features,):
+            raise ValueError(f"qmv: scales must have shape ({out_features},), got {tuple(scales_shape)}")
+    else:
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"qmv: group_size must be one of {GROUP_SIZES} (or None: per row), got {group_size!r}")
+        if in_features % group_size:
+            raise ValueError(f"qmv: in_features {in_features} is not a multiple of group_size {group_size}")
+        want = (out_features, in_features // group_size)
+        if tuple(scales_shape) != want:
+            raise ValueError(f"qmv: group scales must have shape {want}, got {tuple(scales_shape)}")
     if codebook_size != 1 << bits:
         raise ValueError(f"qmv: a {bits}-bit codebook has {1 << bits} levels, got {codebook_size}")
     if bias_shape is not None and tuple(bias_shape) != (out_features,):
         raise ValueError(f"qmv: bias must have shape ({out_features},), got {tuple(bias_shape)}")
-    if out_features * words >= 2**31 or m * out_features >= 2**31 or m * -(-in_features // 32) * 32 >= 2**31:
+    padded = -(-in_features // chunk_values(bits)) * chunk_values(bits)
+    if out_features * words >= 2**31 or m * out_features >= 2**31 or m * padded >= 2**31:
         raise ValueError("qmv: the kernel indexes with 32-bit integers; split the layer")
 
 
 @functools.lru_cache(maxsize=1024)
 def launch_spec(x_shape, packed_shape, scales_shape, codebook_size, bias_shape, bits, dtype, bias_dtype=None,
-                packed_dtype=mx.uint32):
+                packed_dtype=mx.uint32, group_size=None, scales_dtype=mx.float32, xcap=0, splits=None):
     """Validate one call (ValueError naming the problem) and return its template arguments, grid,
     threadgroup and output shape (cached: per call this is one dict lookup; read-only). Only the
     template arguments select a compiled kernel, and they hold no shape: M enters as MT, M rounded
     up to a power of two (1, 2, 4, 8), and the row split KS as the threadgroup's y size."""
     in_features = x_shape[-1] if x_shape else 0
     m = math.prod(x_shape[:-1]) if x_shape else 0
-    check_args(in_features, m, packed_shape, packed_dtype, scales_shape, codebook_size, bias_shape, bits, dtype)
+    check_args(in_features, m, packed_shape, packed_dtype, scales_shape, codebook_size, bias_shape, bits, dtype,
+               group_size, scales_dtype)
     out_features = packed_shape[0]
-    padded = -(-in_features // 32) * 32
-    chunk = 8 if bits == 3 else 32 // bits
-    steps = -(-(padded // chunk) // 32)  # warp steps per row
+    vpc = chunk_values(bits)
+    padded = -(-in_features // vpc) * vpc
+    steps = -(-(padded // vpc) // 32)  # chunk steps per lane and row with one warp per row set
     row_sets = -(-out_features // ROWS)
     # Split rows over more warps only while there are too few warps to fill the GPU, and never so
-    # far that a warp has less than one unrolled iteration of work.
-    cap = _pow2_floor(min(8, max(1, -(-steps // UNROLL))))
+    # far that a warp has less than one chunk step of work.
+    cap = _pow2_floor(min(8, max(1, steps)))
     ks = min(cap, _pow2_ceil(-(-TARGET_WARPS // row_sets)))
     rw = max(1, 4 // ks)  # row sets per threadgroup: 128 threads, 256 when KS = 8
-    blocks = -(-row_sets // rw)
+    blocks = min(-(-row_sets // rw), MAX_BLOCKS)
+    ends = list(splits or ()) + [out_features]
+    if len(ends) > MAX_OUTPUTS or any(b <= a for a, b in zip([0] + ends, ends)):
+        raise ValueError(f"qmv: splits {splits} must increase strictly inside (0, {out_features}), at most "
+                         f"{MAX_OUTPUTS - 1} of them")
+    lead = tuple(x_shape[:-1])
     return {
-        "template": [("T", dtype), ("BT", dtype if bias_dtype is None else bias_dtype), ("BITS", int(bits)),
-                     ("MT", _pow2_ceil(m))],
+        "template": [("T", dtype), ("BT", dtype if bias_dtype is None else bias_dtype), ("ST", scales_dtype),
+                     ("BITS", int(bits)), ("MT", _pow2_ceil(m)), ("GS", int(group_size or 0)), ("XCAP", int(xcap))],
         "grid": (32 * blocks, ks, rw),
         "threadgroup": (32, ks, rw),
-        "output_shapes": [(m, out_features)],
-        "output_dtypes": [dtype],
+        "output_shapes": [lead + (b - a,) for a, b in zip([0] + ends, ends)],
+        "output_dtypes": [dtype] * len(ends),
         "m": m,
         "padded_in": padded,
     }
@@ -476,61 +655,132 @@ def _placeholder(dtype):
     return _placeholders[dtype]
 
 
-def reference(xr, packed, scales, codebook, bits, bias=None):
+def reference(xr, packed, scales, codebook, bits, bias=None, group_size=None):
     """The dense path, exactly as ``QuantizedLinear.__call__`` computes it from the rotated input:
     rebuild C[q] in x's dtype, one matmul, then scales and bias in x's dtype."""
-    dt = xr.dtype
-    y = xr @ codebook.astype(dt)[unpack(packed, bits, xr.shape[-1])].T
-    y = y * scales.astype(dt)
-    if bias is not None:
-        y = y + bias.astype(dt)
-    return y
+    from .qlinear import dense_forward
+
+    return dense_forward(xr, packed, scales, codebook, bits, bias, group_size)
 
 
-def quantized_matvec(xr, packed, scales, codebook, bits, bias=None, use_kernels=None):
+def quantized_matvec(xr, packed, scales, codebook, bits, bias=None, use_kernels=None, group_size=None):
     """``scales * (codebook[unpack(packed)] @ xr) + bias`` along the last axis of ``xr`` (the
-    already rotated activation), in ``xr``'s dtype.
+    already rotated activation), in ``xr``'s dtype; with ``group_size``, scales [out, in // group_size]
+    weight each group of rotated inputs.
 
     With the kernel active (``use_kernels``: None = switch and backend, True = insist, False = never)
     and M = prod(xr.shape[:-1]) <= MAX_M this is one fused launch; otherwise :func:`reference`.
     ``use_kernels=True`` raises on arguments the kernel cannot take (the message names the problem).
     """
     if not kernels_active(use_kernels):
-        return reference(xr, packed, scales, codebook, bits, bias)
+        return reference(xr, packed, scales, codebook, bits, bias, group_size)
     if use_kernels is None and not (0 < rows_of(xr) <= MAX_M and xr.dtype in DTYPES):
-        return reference(xr, packed, scales, codebook, bits, bias)
-    return launch(backend(), xr, packed, scales, codebook, bits, bias)
+        return reference(xr, packed, scales, codebook, bits, bias, group_size)
+    return launch(backend(), xr, packed, scales, codebook, bits, bias, group_size)
 
 
-_prepared = {}  # argument signature -> (launch spec, whether scales / codebook need a float32 cast)
+XCAP_BUCKETS = (1024, 2048, 4096, 8192, 11264)  # floats of shared memory for the staged activation
+MAX_XCAP = {"cuda": 11264, "metal": 7168}  # 44 KiB (under CUDA's 48 KiB static limit); Metal has 32 KiB
+MAX_ROT_A = 64  # the prologue's dense factor L is at most this many rows (A MACs per element)
+# Off by default: on the H200 every threadgroup redoing the rotation cost more than the MLX ops it
+# saves (docs/qmv.md, "Prologue rotation"), e.g. 174 us against 52 us for the kernel alone at 4096 -> 6144.
+_rotate_in_kernel = os.environ.get("VQPIPE_QMV_ROTATE", "0") == "1"
 
 
-def _prepare(key, dialect, bits):
-    (x_shape, x_dtype, p_shape, p_dtype, s_shape, s_dtype, c_shape, c_dtype, b_sig, _, _) = key
+def set_rotate_in_kernel(flag):
+    """Whether the kernel rotates the activation in its prologue where it can (also
+    ``VQPIPE_QMV_ROTATE=1`` at import; off by default); off, the rotation runs as MLX ops first.
+    Returns the previous setting."""
+    global _rotate_in_kernel
+    previous, _rotate_in_kernel = _rotate_in_kernel, bool(flag)
+    return previous
+
+
+def rotation_operands(rotation):
+    """(sd, L) for the kernel's prologue, R = (L (x) S_B / sqrt(B)) diag(sd) with B = dim / L's size
+    a power of two, or None where a rotation has no such form (qr, none) or L is too large."""
+    from . import rotation as rot
+
+    key = ("qmv-prologue",)
+    if key in rotation._cast:
+        return rotation._cast[key]
+    out = None
+    if rotation.kind == "hadamard":
+        d = rotation.dim
+        base = next((b for b in rot.HADAMARD_BASES[1:] if d % b == 0 and rot._is_pow2(d // b)), 1)
+        lmat = rot._hadamard_base(base) if base > 1 else mx.ones((1, 1))
+        out = (rotation.signs.astype(mx.float32), lmat.astype(mx.float32))
+    elif rotation.kind == "kron":
+        base = next((b for b in rot.HADAMARD_BASES[1:] if rotation.p % b == 0 and rot._is_pow2(rotation.p // b)), 1)
+        q = rotation.q.astype(mx.float32)
+        lmat = q if base == 1 else mx.array(np.kron(np.array(q), np.array(rot._hadamard_base(base))))
+        out = (mx.tile(rotation.signs.astype(mx.float32), (rotation.m,)), lmat)
+    if out is not None and out[1].shape[0] > MAX_ROT_A:
+        out = None
+    if out is not None:
+        mx.eval(*out)
+    rotation._cast[key] = out
+    return out
+
+
+def prologue_floats(bits, in_features, m, a):
+    """Shared floats the prologue needs: padded rows (4 pad floats per 32), twice when L is not [1]."""
+    vpc = chunk_values(bits)
+    padded = -(-in_features // vpc) * vpc
+    return (2 if a > 1 else 1) * m * (padded // 32 * 36)
+
+
+_prepared = {}  # argument signature -> (spec, cast scales, cast codebook, rotate in kernel, seg array)
+
+
+def _prepare(key, dialect, bits, rotation):
+    (x_shape, x_dtype, p_shape, p_dtype, s_shape, s_dtype, c_shape, c_dtype, b_sig, _, _, group_size, _, splits) = key
+    cast_scales = s_dtype not in SCALE_DTYPES  # e.g. bfloat16 scales: one cast to float32 per call
+    ops = rotation_operands(rotation) if rotation is not None and _rotate_in_kernel else None
+    xcap = 0
+    if ops is not None:
+        need = prologue_floats(bits, x_shape[-1], math.prod(x_shape[:-1]), ops[1].shape[0])
+        xcap = next((c for c in XCAP_BUCKETS if c >= need and c <= MAX_XCAP[dialect]), 0)
     spec = launch_spec(x_shape, p_shape, s_shape, math.prod(c_shape), None if b_sig is None else b_sig[0], bits,
-                       x_dtype, None if b_sig is None else b_sig[1], p_dtype)
-    _instances.add((dialect, *(str(v) for _, v in spec["template"])))
-    _prepared[key] = entry = (spec, s_dtype != mx.float32, c_dtype != mx.float32)
+                       x_dtype, None if b_sig is None else b_sig[1], p_dtype, group_size,
+                       mx.float32 if cast_scales else s_dtype, xcap, splits)
+    _instances.add((dialect, len(spec["output_shapes"]), *(str(v) for _, v in spec["template"])))
+    seg = mx.array(list(splits) if splits else [0], mx.int32)
+    _prepared[key] = entry = (spec, cast_scales, c_dtype != mx.float32, xcap > 0, seg)
     return entry
 
 
-def launch(dialect, xr, packed, scales, codebook, bits, bias=None):
+def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=None, rotation=None, splits=None):
     """One fused launch in ``dialect`` (no switch or backend check: see :func:`quantized_matvec`).
-    Arguments are validated once per signature (shapes, dtypes, bits), then looked up."""
-    key = (xr.shape, xr.dtype, packed.shape, packed.dtype, scales.shape, scales.dtype, codebook.shape,
-           codebook.dtype, None if bias is None else (bias.shape, bias.dtype), bits, dialect)
-    spec, cast_scales, cast_codebook = _prepared.get(key) or _prepare(key, dialect, int(bits))
-    m, in_features = spec["m"], xr.shape[-1]
-    x2 = xr.reshape(m, in_features)
-    if spec["padded_in"] != in_features:  # zeros past in_features: the padded indices then add nothing
-        x2 = mx.pad(x2, [(0, 0), (0, spec["padded_in"] - in_features)])
-    (y,) = _kernel(dialect)(
+
+    ``x`` is the activation, rotated already unless ``rotation`` is given: then the kernel rotates
+    it in its prologue where :func:`rotation_operands` and the shared memory allow, else it is
+    rotated first by MLX ops. ``splits`` (row indices) cut the output rows into up to 3 outputs,
+    returned as a list. Arguments are validated once per signature, then looked up."""
+    rkey = None if rotation is None else (rotation.kind, rotation.dim, rotation.seed, _rotate_in_kernel)
+    key = (x.shape, x.dtype, packed.shape, packed.dtype, scales.shape, scales.dtype, codebook.shape,
+           codebook.dtype, None if bias is None else (bias.shape, bias.dtype), bits, dialect, group_size, rkey,
+           None if splits is None else tuple(splits))
+    entry = _prepared.get(key) or _prepare(key, dialect, int(bits), rotation)
+    spec, cast_scales, cast_codebook, in_kernel, seg = entry
+    if in_kernel:
+        rot_s, rot_l = rotation_operands(rotation)
+    else:
+        if rotation is not None:
+            x = rotation.apply(x)
+        if spec["padded_in"] != x.shape[-1]:  # zeros past in_features: the padded indices then add nothing
+            x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, spec["padded_in"] - x.shape[-1])])
+        rot_s = rot_l = _placeholder(mx.float32)
+    outs = _kernel(dialect, len(spec["output_shapes"]))(
         inputs=[
-            x2,
+            x,
             packed,
             scales.astype(mx.float32) if cast_scales else scales,
             codebook.astype(mx.float32) if cast_codebook else codebook,
-            _placeholder(xr.dtype) if bias is None else bias,
+            _placeholder(x.dtype) if bias is None else bias,
+            rot_s,
+            rot_l,
+            seg,
         ],
         template=spec["template"],
         grid=spec["grid"],
@@ -538,4 +788,4 @@ def launch(dialect, xr, packed, scales, codebook, bits, bias=None):
         output_shapes=spec["output_shapes"],
         output_dtypes=spec["output_dtypes"],
     )
-    return y.reshape(*xr.shape[:-1], spec["output_shapes"][0][1])
+    return outs if splits is not None else outs[0]

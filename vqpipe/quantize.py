@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from . import __version__
 from .codebook import BITS, check_bits
 from .fsutil import atomic_dir
+from .fused import fuse_model, rotation_owner
 from .qlinear import QuantizedEmbedding, QuantizedLinear
 from .rotation import KINDS, resolve_kind
 
@@ -35,7 +36,7 @@ REFERENCE_PROMPTS = (
     "In 1969 the first people walked on the Moon; the mission lasted eight days.",
     "Quantized weights keep their row norms; the rotation spreads outliers evenly.",
 )
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+DTYPES = {"source": None, "float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 _CONFIG_DROP = ("quantization", "quantization_config")
 
 
@@ -43,6 +44,22 @@ def layer_seed(seed, name):
     """A per-layer seed: stable across processes and Python versions (no hash())."""
     digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def _source_dtype(module):
+    """The dtype a Linear/Embedding's weight has in the source (an affine layer's: its scales')."""
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return module.scales.dtype
+    return module.weight.dtype
+
+
+def _sum_squares(weight, rows=8192):
+    """sum(w^2) in float32, a chunk of rows at a time (no full-size temporaries)."""
+    total = 0.0
+    for start in range(0, weight.shape[0], rows):
+        w = weight[start:start + rows].astype(mx.float32)
+        total += mx.sum(w * w).item()
+    return total
 
 
 def _dense_weight(module, dtype):
@@ -69,7 +86,8 @@ def _targets(model, embeddings, lm_head):
 
 
 def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_head=True,
-                   dtype=mx.float32, progress=None, group_size=None, calibration=None, damp=None):
+                   dtype=mx.float32, progress=None, group_size=None, calibration=None, damp=None,
+                   fuse=True):
     """Quantize ``model`` in place, one layer at a time; returns per-layer records.
 
     Every nn.Linear (and affine nn.QuantizedLinear, dequantized first) becomes a QuantizedLinear.
@@ -77,6 +95,10 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     in ``dtype``, like every other tensor that is not quantized. ``group_size`` gives each group of
     that many rotated entries of a row its own scale. ``calibration`` (int tokens [n, length])
     turns on GPTQ with input second moments collected block by block (vqpipe/calibrate.py).
+    ``dtype=None`` keeps each tensor that is not quantized in its source dtype. Linears that read
+    the same activation (q/k/v, gate/up) share one rotation (the seed of the first:
+    vqpipe/fused.py), and with ``fuse`` they are computed as one (rows concatenated), as the
+    loaders do, so the reference logits come from the same code path.
     """
     check_bits(bits)
     if rotation not in KINDS:
@@ -92,23 +114,29 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     def quantize_one(name, kind, hessian):
         t0 = time.perf_counter()
         module = modules.pop(name)
-        weight = _dense_weight(module, mx.float32)
+        keep = dtype or _source_dtype(module)
+        # In the source dtype: quantize_weight casts row chunks to float32, so a 150k-row embedding
+        # never has a whole float32 copy (nor a squared one) alive at once.
+        weight = _dense_weight(module, keep)
         record = None
         if kind == "dense-embedding":
             new = nn.Embedding(*weight.shape)
-            new.weight = weight.astype(dtype)
+            new.weight = weight.astype(keep)
             mx.eval(new.weight)
         else:
             in_dim = weight.shape[1]
             r = resolve_kind(rotation, in_dim)
             cls = QuantizedEmbedding if kind == "embedding" else QuantizedLinear
             gs = group_size if kind == "linear" else None
-            new = cls.from_linear(module, bits, r, layer_seed(seed, name), weight=weight, group_size=gs,
-                                  hessian=hessian, damp=damp)
+            # one seed for the linears reading one activation: they can share its rotation
+            new = cls.from_linear(module, bits, r, layer_seed(seed, rotation_owner(name)), weight=weight,
+                                  group_size=gs, hessian=hessian, damp=damp)
+            if kind == "embedding":
+                new.out_dtype = keep
             if "bias" in module:
-                new.bias = module.bias.astype(dtype)
+                new.bias = module.bias.astype(dtype or module.bias.dtype)
             mx.eval(new.parameters())
-            total = mx.sum(weight * weight).item()
+            total = _sum_squares(weight)
             record = {
                 "name": name, "kind": kind, "shape": list(weight.shape), "rotation": new.rotation.kind,
                 "group_size": gs, "calibrated": hessian is not None,
@@ -131,9 +159,13 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     # Remaining tensors (norms, biases of other layers) in the compute dtype.
     quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     rest = [(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())
-            if not any(k.startswith(q + ".") for q in quantized) and mx.issubdtype(v.dtype, mx.floating)]
-    model.load_weights(rest, strict=False)
+            if not any(k.startswith(q + ".") for q in quantized) and mx.issubdtype(v.dtype, mx.floating)
+            and dtype is not None and v.dtype != dtype]
+    if rest:
+        model.load_weights(rest, strict=False)
     mx.eval(model.parameters())
+    if fuse:
+        fuse_model(model)
     return records
 
 
@@ -252,6 +284,7 @@ def load_quantized(path):
     params = {k[len("params."):]: v for k, v in tensors.items() if k.startswith("params.")}
     model = assemble(skeleton(path), build_layers(meta["layers"], arrays), params, str(path))
     mx.eval(model.parameters())
+    fuse_model(model)
     return model, load_tokenizer(path)
 
 
@@ -281,7 +314,7 @@ def calibration_tokens(tokenizer, text="none", windows=16, length=512, seed=0):
                     "provenance": corpus.provenance()}
 
 
-def run(source, out, bits, rotation="auto", seed=0, embeddings=False, lm_head=True, dtype="float32",
+def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=True, dtype="source",
         progress=print, group_size=None, calibration="none", calib_windows=16, calib_length=512,
         calib_seed=0, damp=None):
     from mlx_lm.utils import load
@@ -319,9 +352,13 @@ def main(argv=None):
     p.add_argument("--bits", type=int, default=4, help=f"bits per weight, one of {BITS}")
     p.add_argument("--rotation", default="auto", help=f"one of {', '.join(KINDS)}")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--embeddings", action="store_true", help="also quantize the embedding table")
+    p.add_argument("--embeddings", action=argparse.BooleanOptionalAction, default=True,
+                   help="quantize the embedding table (and so a tied output head), as mlx_lm.convert does "
+                   "(default); --no-embeddings keeps it in --dtype")
     p.add_argument("--no-lm-head", dest="lm_head", action="store_false", help="keep an untied lm_head dense")
-    p.add_argument("--dtype", default="float32", help="dtype of tensors that stay unquantized")
+    p.add_argument("--dtype", default="source",
+                   help=f"dtype of tensors that stay unquantized: one of {', '.join(DTYPES)} (default: source, "
+                   "each tensor as the source stores it)")
     p.add_argument("--group-size", type=int, default=None,
                    help="a float16 scale per this many rotated entries of a row (default: one per row)")
     p.add_argument("--calibration", default="none", choices=CALIBRATION_TEXTS,

@@ -608,6 +608,9 @@ def load_reservoir(path, model_dir=None):
     model.update_modules(tree_unflatten(list(layers.items())))
     model.load_weights(list(params.items()), strict=False)
     mx.eval(model.parameters())
+    from .fused import fuse_model
+
+    fuse_model(model)  # q/k/v and gate/up as one computation where they share a rotation
     return model
 
 
@@ -628,6 +631,9 @@ def graft_reservoir(model, path):
         finally:
             close()
     model.update_modules(tree_unflatten(list(layers.items())))
+    from .fused import fuse_model
+
+    fuse_model(model)
     return model
 
 

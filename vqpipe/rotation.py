@@ -131,8 +131,11 @@ class Rotation:
 
 @lru_cache(maxsize=None)
 def _hadamard_base(m):
-    """The m x m matrix A that ``mx.hadamard_transform`` uses for sizes m * 2^k."""
-    return mx.hadamard_transform(mx.eye(m)).T
+    """The m x m matrix A that ``mx.hadamard_transform`` uses for sizes m * 2^k (normalised)."""
+    # On the CPU stream: MLX 0.32.4's CUDA backend fails to compile a transform of size m * 2^0.
+    a = mx.hadamard_transform(mx.eye(m, stream=mx.cpu), stream=mx.cpu).T
+    mx.eval(a)
+    return a
 
 
 def hadamard_transpose(y):

@@ -78,6 +78,22 @@ PRESETS = {
         "rms_norm_eps": 1e-5,
         "max_position_embeddings": 8192,
     },
+    # The shapes of Meta-Llama-3-8B: where decode is bound by memory bandwidth, not launches. 8 B
+    # parameters (16 GB in bf16): built on a GPU host for benchmarks only, never in tests or CI
+    # (vqpipe/bench/decode_shapes.py builds it in device memory without files).
+    "llama3-8b": {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192,
+    },
 }
 
 QUANT_SUFFIX = "-4bit"

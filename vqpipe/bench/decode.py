@@ -400,10 +400,10 @@ def plan_arms(weights, caches):
 
 def _pairs(arms, baseline):
     """Comparisons: the baseline against every arm; per KIVI weights, fp vs kivi-ref and kivi-ref vs
-    kivi-kernel; full/fp vs vqpipe/fp."""
+    kivi-kernel; full/fp vs vqpipe/fp; affine4/fp vs vqpipe/fp (the issue-12 target, side by side)."""
     names = [a[0] for a in arms]
     pairs = [(baseline, n) for n in names if n != baseline]
-    extra = [("full/fp", "vqpipe/fp")]
+    extra = [("full/fp", "vqpipe/fp"), ("affine4/fp", "vqpipe/fp")]
     for w in KIVI_WEIGHTS:
         extra += [(arm_name(w, "fp"), arm_name(w, "kivi-ref")), (arm_name(w, "kivi-ref"), arm_name(w, "kivi-kernel"))]
     pairs += [(a, b) for a, b in extra if a in names and b in names and (a, b) not in pairs]
@@ -645,6 +645,9 @@ def run(args, progress=None):
             if e["round"] != "warmup":  # warm-up generations may be shorter
                 by_arm.setdefault(e["arm"], {}).setdefault(e["prompt"], []).append(e["ids"])
         check_pairs = [(baseline, aa_name, True, "A/A: the baseline run twice (determinism)")]
+        # text of the weight arms against the full-precision one (lossy: recorded, not required)
+        check_pairs += [(arm_name("full", "fp"), arm_name(w, "fp"), False, "full vs quantized weights (lossy)")
+                        for w in WEIGHTS if w != "full"]
         for w in KIVI_WEIGHTS:
             check_pairs += [(arm_name(w, "kivi-ref"), arm_name(w, "kivi-kernel"), True, "kernels on vs off (lossless)"),
                             (arm_name(w, "fp"), arm_name(w, "kivi-ref"), False, "fp cache vs KIVI (lossy)")]

@@ -51,21 +51,30 @@ SHAPES = {
     "llama4k-attn": (4096, 4096),
     "llama4k-up": (4096, 11008),
     "llama4k-down": (11008, 4096),
+    # fused projections (rows concatenated, vqpipe/fused.py) and Llama-3-8B's layers
+    "qwen-qkv": (896, 1152),
+    "qwen-gateup": (896, 9728),
+    "l3-qkv": (4096, 6144),
+    "l3-o": (4096, 4096),
+    "l3-gateup": (4096, 28672),
+    "l3-down": (14336, 4096),
+    "l3-lm_head": (4096, 128256),
 }
+DEFAULT_SHAPES = [s for s in SHAPES if not s.startswith("llama")]
 QUICK_SHAPES = ("qwen-q/o", "qwen-k/v")
 AFFINE_GROUP = 64
 MODES = ("isolated", "chained", "independent")
 SUBJECT = "vq-kernel"
 
 
-def arm_bytes(in_features, out_features, bits, itemsize):
+def arm_bytes(in_features, out_features, bits, itemsize, m=1):
     """Fewest bytes one call must move, per arm: weights as stored + activation in + output out."""
-    io = (in_features + out_features) * itemsize
+    io = m * (in_features + out_features) * itemsize
     packed = out_features * words_per_row(in_features, bits) * 4 + out_features * 4 + (4 << bits)
     affine = out_features * in_features // 2 + 2 * out_features * -(-in_features // AFFINE_GROUP) * itemsize
     return {
-        "dense-fp16": out_features * in_features * 2 + (in_features + out_features) * 2,
-        "dense-bf16": out_features * in_features * 2 + (in_features + out_features) * 2,
+        "dense-fp16": out_features * in_features * 2 + m * (in_features + out_features) * 2,
+        "dense-bf16": out_features * in_features * 2 + m * (in_features + out_features) * 2,
         "affine4": affine + io,
         "vq-ref": packed + io,
         "vq-kernel": packed + io,
@@ -97,7 +106,7 @@ def build(in_features, out_features, args):
         scales = mx.random.uniform(0.5, 1.5, (out_features,), key=keys[3 * j + 2])
         pool["vq"].append(QuantizedLinear(in_features, out_features, bits, rot, packed, scales, levels))
         mx.eval(pool["dense-fp16"][-1], pool["dense-bf16"][-1], pool["affine4"][-1], pool["vq"][-1].parameters())
-    xs = mx.random.normal((args.inputs, 1, 1, in_features), key=keys[-1])
+    xs = mx.random.normal((args.inputs, 1, args.m, in_features), key=keys[-1])
     xin = {"fp16": [xs[i].astype(mx.float16) for i in range(args.inputs)],
            "x": [xs[i].astype(dtype) for i in range(args.inputs)]}
     xin["xr"] = [rot.apply(x) for x in xin["x"]]
@@ -163,7 +172,7 @@ def measure(name, in_features, out_features, args, copy_bps, with_kernel):
     arms = make_arms(pool, xin, args, with_kernel)
     subject = SUBJECT if with_kernel else "vq-ref"
     dtype = getattr(mx, args.dtype)
-    nbytes = arm_bytes(in_features, out_features, args.bits, dtype.size)
+    nbytes = arm_bytes(in_features, out_features, args.bits, dtype.size, args.m)
     check = None
     if with_kernel:  # kernel and dense path on the same input before anything is timed
         try:
@@ -186,7 +195,7 @@ def measure(name, in_features, out_features, args, copy_bps, with_kernel):
         summ = {arm: harness.summarize(ts) for arm, ts in per_call.items()}
         gbps = {arm: nbytes[arm] / summ[arm]["median"] for arm in arms}
         row = {
-            "shape": name, "in_features": in_features, "out_features": out_features, "M": 1, "bits": args.bits,
+            "shape": name, "in_features": in_features, "out_features": out_features, "M": args.m, "bits": args.bits,
             "dtype": args.dtype, "mode": mode, "calls_per_step": calls, "weight_copies": n_pool,
             "weight_pool_bytes": {arm: nbytes[arm] * n_pool for arm in arms},
             "bytes_per_call": {arm: nbytes[arm] for arm in arms},
@@ -219,8 +228,10 @@ def _line(row):
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m vqpipe bench-qmv", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), metavar="SHAPE",
-                   help=f"layer shapes (default all: {', '.join(SHAPES)})")
+    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=list(SHAPES), metavar="SHAPE",
+                   help=f"layer shapes, of {', '.join(SHAPES)} (default: all but llama*)")
+    p.add_argument("--m", type=int, default=1, choices=range(1, 9), metavar="M",
+                   help="activation rows per call, 1..8 (default 1: decode)")
     p.add_argument("--bits", type=int, default=4, choices=(2, 3, 4), help="vqpipe bits (default 4)")
     p.add_argument("--dtype", default="bfloat16", choices=("float16", "bfloat16", "float32"),
                    help="activation dtype of the vq and affine arms (default bfloat16)")

@@ -10,7 +10,7 @@ def quantize_option(model, key):
 def quantize_flags(model):
     """Command-line flags of the options that change the codes (all of them are rule params)."""
     q = config["quantize"]
-    flags = (" --embeddings" if q["embeddings"] else "") + ("" if q["lm_head"] else " --no-lm-head")
+    flags = (" --embeddings" if q["embeddings"] else " --no-embeddings") + ("" if q["lm_head"] else " --no-lm-head")
     group = quantize_option(model, "group_size")
     if group is not None:
         flags += f" --group-size {group}"

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The decode GPU job (issue 12): the qmv/fused GPU tests, bench-qmv (fused and Llama-3-8B shapes,
+# 2/3/4 bits, M = 1 and 4), the qwen2.5-0.5b pipeline (quantize -> pack -> validate in both
+# persist_rotation modes, quantized embedding and source dtypes by default), bench-decode
+# (vqpipe 4-bit vs bf16 vs MLX affine 4-bit), and the 8B-shaped decode benchmark.
+#
+#   bash scripts/gpu_decode.sh                      # after staging the MLX CUDA runtime (docs/kivi.md)
+#   STEPS="tests qmv" bash scripts/gpu_decode.sh
+#
+# STEPS (default "tests qmv pipeline decode"): tests, qmv, qmv_bits, pipeline, decode, load, big.
+# TEST_K selects GPU tests (pytest -k), QMV_MODES/QMV_REPEATS/QMV_SHAPES bench-qmv, BIG_BITS the 8B arms. WORK holds the artifacts (default /root/vqwork, kept between calls on one machine);
+# results go to $OUT (default results/gpu_decode).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results/gpu_decode}
+WORK=${WORK:-/root/vqwork}
+MODEL=${MODEL:-qwen2.5-0.5b}
+mkdir -p "$OUT" "$WORK"
+PY=${PYTHON:-python3}
+
+source scripts/gpu_env.sh
+gpu_record_env "$OUT/env.txt"
+
+t0=$(date +%s)
+since() { echo "[$(( $(date +%s) - t0 )) s]"; }
+STEPS=${STEPS:-tests qmv pipeline decode}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+run() {  # name limit cmd...: one step, its output in $OUT/NAME.log, never stops the job
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name $(since)"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n ${TAIL:-6} "$OUT/$name.log"
+  echo "   $name: exit $rc $(since)"
+}
+
+SRC=$WORK/models/$MODEL/source
+Q=$WORK/quantized/$MODEL/b4-auto
+RES=$WORK/reservoir/$MODEL/b4-auto
+
+if want tests; then
+  # TEST_K: a pytest -k expression (one argument, spaces allowed), e.g. "not matches_float64_reference or 4864"
+  TAIL=15 run gpu_tests "${TEST_LIMIT:-200}" $PY -m pytest -q -ra -p no:cacheprovider --maxfail=5 -m gpu \
+    tests/test_qmv.py tests/test_fused.py -k "${TEST_K:-gpu or not gpu}"
+fi
+if want qmv; then
+  run bench_qmv "${QMV_LIMIT:-150}" $PY -m vqpipe bench-qmv --modes ${QMV_MODES:-independent chained} \
+    --repeats ${QMV_REPEATS:-20} --shapes ${QMV_SHAPES:-qwen-qkv qwen-q/o qwen-gateup qwen-down qwen-lm_head l3-qkv l3-o l3-gateup l3-down l3-lm_head} \
+    --out "$OUT/bench-qmv.json"
+fi
+if want qmv_bits; then
+  for b in 2 3; do
+    run bench_qmv_b$b 60 $PY -m vqpipe bench-qmv --bits $b --modes independent --repeats 20 \
+      --shapes l3-gateup l3-down l3-lm_head qwen-lm_head --out "$OUT/bench-qmv-b$b.json"
+  done
+  run bench_qmv_m4 60 $PY -m vqpipe bench-qmv --m 4 --modes independent --repeats 20 \
+    --shapes l3-gateup l3-down l3-lm_head --out "$OUT/bench-qmv-m4.json"
+fi
+if want pipeline; then
+  [ -f "$SRC/config.json" ] || run download 120 $PY -m vqpipe download --source "synth:$MODEL" --out "$SRC"
+  run quantize 240 $PY -m vqpipe quantize --source "$SRC" --out "$Q" --bits 4 --rotation auto
+  for p in on off; do
+    run pack_$p 120 $PY -m vqpipe pack --quantized "$Q" --out "$RES/persist-$p" --persist-rotation $p
+    run validate_$p 120 $PY -m vqpipe validate --reservoir "$RES/persist-$p" --reference "$Q" \
+      --out "$OUT/validate-$MODEL-b4-auto-persist-$p.json" --model "$MODEL" --variant b4-auto --persist-rotation $p
+  done
+  du -sh "$Q" "$RES"/persist-* | tee "$OUT/sizes.txt"
+fi
+if want decode; then
+  TAIL=40 run bench_decode "${DECODE_LIMIT:-300}" $PY -m vqpipe bench-decode --source "$SRC" --reservoir "$RES/persist-off" \
+    --model "$MODEL" --weights full vqpipe affine4 --caches fp --prompt-lengths 512 4096 --gen-tokens 128 \
+    --repeats ${DECODE_REPEATS:-5} --out "$OUT/bench-decode-$MODEL.json"
+fi
+if want load; then
+  run bench_load 200 $PY -m vqpipe bench-load --source "$SRC" --model "$MODEL" --bits 4 --rotations auto \
+    --repeats 3 --arm-budget 40 --procs 2 --out "$OUT/bench-load-$MODEL.json"
+fi
+if want big; then
+  TAIL=40 run bench_decode_8b "${BIG_LIMIT:-300}" $PY -m vqpipe.bench.decode_shapes --preset llama3-8b \
+    --prompt-lengths 512 4096 --gen-tokens 128 --repeats ${BIG_REPEATS:-5} --bits ${BIG_BITS:-4 3 2} \
+    --out "$OUT/bench-decode-llama3-8b.json"
+fi
+echo "== done $(since)"
+ls -la "$OUT"

@@ -1,0 +1,34 @@
+"""bench.decode_shapes on a small preset (the 8B preset it exists for is never built here)."""
+
+import json
+
+import mlx.core as mx
+
+from vqpipe.bench import decode_shapes
+from vqpipe.fused import fused_groups
+from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
+
+
+def test_random_vqpipe_model_is_complete():
+    model = decode_shapes.random_vqpipe("tiny-llama", 3)
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    assert isinstance(model.lm_head, QuantizedLinear)
+    assert not [n for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Embedding")]
+    assert len(fused_groups(model)) == 2 * len(model.model.layers)
+    out = model(mx.array([[1, 2, 3]]))
+    assert out.shape == (1, 3, 8192) and mx.isfinite(out).all().item()
+
+
+def test_runs_on_cpu(tmp_path):
+    out = tmp_path / "s.json"
+    with mx.stream(mx.cpu):
+        assert decode_shapes.main(["--preset", "tiny-llama", "--out", str(out), "--bits", "4", "2",
+                                   "--prompt-lengths", "16", "--gen-tokens", "3", "--repeats", "2", "--copy-mib", "16"]) == 0
+    doc = json.loads(out.read_text())
+    arms = {r["arm"] for r in doc["records"]}
+    assert arms == {"bf16", "affine4", "vqpipe-b4", "vqpipe-b2"}
+    dec = [r for r in doc["records"] if r["phase"] == "decode"]
+    assert all(r["n"] == 2 and r["median"] > 0 and r["bytes_per_token"] > 0 for r in dec)
+    w = doc["weights"]
+    assert w["vqpipe-b2"]["weight_bytes"] < w["vqpipe-b4"]["weight_bytes"] < w["affine4"]["weight_bytes"] < w["bf16"]["weight_bytes"]
+    assert any(c["other_arm"] == "vqpipe-b4" and c["baseline_arm"] == "affine4" for c in doc["comparisons"])

@@ -1,0 +1,228 @@
+"""Decode speed at a synthetic preset's shapes, with weights made on the device (no files, no download).
+
+For presets too large to build and quantize within a GPU session (``llama3-8b``: 8 B parameters),
+this measures what bench-decode measures, prefill and decode tok/s per arm, on models built in
+memory from the preset's config:
+
+- ``bf16``: mlx-lm's model with random bf16 weights (N(0, 0.02), norms 1);
+- ``affine4``: the same weights through MLX's ``nn.quantize`` (affine 4-bit, group 64);
+- ``vqpipe-bN``: vqpipe layers (QuantizedLinear / QuantizedEmbedding, the tied or untied head
+  included) with **random codes** and per-row scales giving rows of the same norm, the rotations
+  vqpipe would use (q/k/v and gate/up sharing one), fused as the loaders fuse them.
+
+The vqpipe arms carry random codes, not a quantization of the bf16 weights (quantizing 8 B weights
+through quantize.py takes longer than a GPU session here): the kernels' speed does not depend on
+the code values, but the generated text does, so the text is compared between arms only as a
+record, never as a check (quality is measured on models quantized for real: bench-quality). Prompts
+are >= 20 distinct random token sequences. Arms run interleaved through ``harness.run_interleaved``
+with an A/A copy of the baseline; bytes per token and the roofline use the copy bandwidth measured
+in the same process.
+
+    python -m vqpipe.bench.decode_shapes --preset llama3-8b --out FILE.json
+"""
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .. import synth
+from ..codebook import codebook
+from ..fsutil import write_json
+from ..fused import fuse_model, rotation_owner
+from ..packing import words_per_row
+from ..qlinear import QuantizedEmbedding, QuantizedLinear
+from ..quantize import layer_seed
+from ..rotation import make_rotation
+from . import harness, roofline
+from .decode import generate_once, make_cache
+from .env import environment
+
+STD = 0.02
+
+
+def skeleton(preset):
+    from ..quantize import skeleton as load_skeleton
+
+    with tempfile.TemporaryDirectory(prefix="vq-shapes-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(synth.make_config(preset)))
+        return load_skeleton(tmp)
+
+
+def random_full(preset, dtype=mx.bfloat16):
+    """mlx-lm's model of ``preset`` with random weights, evaluated tensor by tensor."""
+    model = skeleton(preset)
+    new = []
+    for i, (name, v) in enumerate(tree_flatten(model.parameters())):
+        if name.endswith("norm.weight"):
+            a = mx.ones(v.shape, dtype)
+        else:
+            a = (mx.random.normal(v.shape, key=mx.random.key(i)) * STD).astype(dtype)
+        mx.eval(a)
+        new.append((name, a))
+    model.load_weights(new, strict=False)
+    return model
+
+
+def affine(full, preset):
+    model = skeleton(preset)
+    model.load_weights(tree_flatten(full.parameters()), strict=False)
+    nn.quantize(model, group_size=64, bits=4, class_predicate=lambda p, m: isinstance(m, nn.Linear))
+    mx.eval(model.parameters())
+    return model
+
+
+def _random_layer(cls, n_in, n_out, bits, name, key, bias=None):
+    r = make_rotation("auto", n_in, layer_seed(0, rotation_owner(name)))
+    shape = (n_out, words_per_row(n_in, bits))
+    packed = mx.random.randint(-(2**31), 2**31 - 1, shape, mx.int32, key=key).view(mx.uint32)
+    scales = mx.full((n_out,), STD * math.sqrt(n_in), mx.float32)  # rows of the bf16 arm's norm
+    levels = mx.array(codebook(bits, n_in) / math.sqrt(n_in), mx.float32)
+    layer = cls(n_in, n_out, bits, r, packed, scales, levels, bias)
+    mx.eval(layer.parameters())
+    return layer
+
+
+def random_vqpipe(preset, bits, dtype=mx.bfloat16):
+    """vqpipe layers with random codes in place of every Linear and the embedding; norms 1."""
+    model = skeleton(preset)
+    layers = []
+    for i, (name, m) in enumerate(model.named_modules()):
+        k = mx.random.key(1000 * bits + i)
+        if isinstance(m, nn.Linear):
+            bias = mx.zeros((m.weight.shape[0],), dtype) if "bias" in m else None
+            layers.append((name, _random_layer(QuantizedLinear, m.weight.shape[1], m.weight.shape[0], bits, name, k, bias)))
+        elif isinstance(m, nn.Embedding):
+            emb = _random_layer(QuantizedEmbedding, m.weight.shape[1], m.weight.shape[0], bits, name, k)
+            emb.out_dtype = dtype
+            layers.append((name, emb))
+    from mlx.utils import tree_unflatten
+
+    model.update_modules(tree_unflatten(layers))
+    quantized = {n for n, _ in layers}
+    rest = [(k, mx.ones(v.shape, dtype)) for k, v in tree_flatten(model.parameters())
+            if not any(k.startswith(q + ".") for q in quantized)]
+    model.load_weights(rest, strict=False)
+    mx.eval(model.parameters())
+    fuse_model(model)
+    return model
+
+
+def weight_bytes(model, config):
+    """Weight bytes one decode token reads: every parameter, an untied embedding as one row, and
+    vqpipe rotations (signs, Kronecker factors; not MLX parameters)."""
+    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    if not config.get("tie_word_embeddings", False):
+        emb = model.model.embed_tokens
+        table = sum(v.nbytes for _, v in tree_flatten(emb.parameters()) if v.ndim >= 1 and v.shape[0] == config["vocab_size"])
+        total -= table - table // config["vocab_size"]
+    rot = {id(m.rotation): m.rotation.matrix_bytes() for _, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    return int(total + sum(rot.values()))
+
+
+def run(args, progress=print):
+    t_start = time.perf_counter()
+    config = synth.make_config(args.preset)
+    copy = roofline.measure_copy_bandwidth(args.copy_mib << 20)
+    progress(f"copy bandwidth: {copy['median'] / 1e9:.1f} GB/s [{copy['min'] / 1e9:.1f}-{copy['max'] / 1e9:.1f}], n={copy['n']}")
+    models = {"bf16": random_full(args.preset)}
+    models["affine4"] = affine(models["bf16"], args.preset)
+    for b in args.bits:
+        models[f"vqpipe-b{b}"] = random_vqpipe(args.preset, b)
+    kvpp = roofline.kv_bytes_per_position(config, 2)
+    info = {name: {"weight_bytes": weight_bytes(m, config)} for name, m in models.items()}
+    for name, i in info.items():
+        progress(f"built {name}: {i['weight_bytes'] / 2**30:.2f} GiB read per token (weights)")
+    baseline = "bf16"
+    aa = baseline + harness.AA_SUFFIX
+    records, comparisons, texts = [], [], []
+
+    def result():
+        return {"kind": "bench-decode-shapes", "preset": args.preset, "config": config, "environment": environment(),
+                "settings": {k: v for k, v in vars(args).items() if k != "out"}, "copy_bandwidth": copy,
+                "kv_bytes_per_position": kvpp, "weights": info, "records": records, "comparisons": comparisons,
+                "texts": texts, "wall_s": time.perf_counter() - t_start}
+
+    for P in args.prompt_lengths:
+        prompts = [mx.random.randint(0, config["vocab_size"] - 16, (P,), key=mx.random.key(1000 * P + k))
+                   for k in range(args.prompts)]
+        log = {name: [] for name in [*models, aa]}
+
+        def call(name, k, n_tokens):
+            model = models[name.removesuffix(harness.AA_SUFFIX)]
+            out = generate_once(model, prompts[k], make_cache(model, "fp", 4, 32, 0), n_tokens, args.prefill_step)
+            log[name].append({"prompt": k, **out})
+            return mx.array(out["ids"])
+
+        for name in models:  # warm-up: every kernel compiled before anything is timed
+            call(name, 0, 8)
+        for name in log:
+            log[name].clear()
+        arms = {name: (lambda i, name=name: call(name, 1 + i % (args.prompts - 1), args.gen_tokens)) for name in models}
+        arms[aa] = lambda i: call(aa, 1 + i % (args.prompts - 1), args.gen_tokens)
+        harness.run_interleaved(arms, args.prompts, args.repeats, warmup=0)
+        samples = {n: {ph: [e[f"{ph}_s"] for e in log[n]] for ph in ("prefill", "decode")} for n in log}
+        floor = {ph: harness.noise_floor(samples[baseline][ph], samples[aa][ph]) for ph in ("prefill", "decode")}
+        mean_ctx = P + (args.gen_tokens + 1) / 2
+        for name in models:
+            for phase, toks in (("prefill", P), ("decode", args.gen_tokens)):
+                rate = harness.summarize([toks / s for s in samples[name][phase]])
+                rec = {"arm": name, "phase": phase, "context": P, "unit": "tok/s", **rate, "noise_floor": floor[phase]}
+                if phase == "decode":
+                    bpt = roofline.decode_bytes_per_token(info[name]["weight_bytes"], kvpp, mean_ctx)
+                    rec["bytes_per_token"] = bpt
+                    rec["achieved"] = {k: roofline.achieved(bpt, rate[k], copy["median"]) for k in ("median", "min", "max")}
+                records.append(rec)
+                progress(f"P={P} {phase:>7} {name:>12}: {rate['median']:8.1f} tok/s [{rate['min']:.1f}-{rate['max']:.1f}] n={rate['n']}"
+                         + (f", {rec['bytes_per_token'] / 2**30:.2f} GiB/token = "
+                            f"{rec['achieved']['median']['percent_of_peak']:.1f}% of copy" if phase == "decode" else ""))
+            for phase in ("prefill", "decode"):
+                for base in (baseline, "affine4"):
+                    if name != base:
+                        cmp = harness.compare(samples[base][phase], samples[name][phase], floor[phase])
+                        comparisons.append({"context": P, "phase": phase, "baseline_arm": base, "other_arm": name, **cmp})
+                        progress(f"  P={P} {phase}: {name} vs {base}: {cmp['text']}")
+        for name in models:  # a record only: the vqpipe arms' codes are random (see the docstring)
+            same = [a["ids"] == b["ids"] for a, b in zip(log[baseline], log[name])]
+            texts.append({"context": P, "a": baseline, "b": name, "identical_ids": sum(same), "pairs": len(same)})
+        texts.append({"context": P, "a": baseline, "b": aa, "identical_ids": sum(a["ids"] == b["ids"] for a, b in zip(log[baseline], log[aa])),
+                      "pairs": len(log[aa]), "what": "A/A: the baseline run twice (determinism)"})
+        if args.out:  # after every prompt length: a run cut short keeps what it measured
+            write_json(args.out, result())
+    return result()
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m vqpipe.bench.decode_shapes", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="llama3-8b", choices=list(synth.PRESETS))
+    p.add_argument("--out", required=True)
+    p.add_argument("--bits", type=int, nargs="+", default=[4], choices=(2, 3, 4))
+    p.add_argument("--prompt-lengths", type=int, nargs="+", default=[512, 4096])
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prompts", type=int, default=20)
+    p.add_argument("--prefill-step", type=int, default=2048)
+    p.add_argument("--copy-mib", type=int, default=1024)
+    args = p.parse_args(argv)
+    if args.prompts < 20:
+        p.error("--prompts must be >= 20")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    result = run(args)
+    write_json(args.out, result)
+    print(f"bench-decode-shapes: wrote {args.out} ({result['wall_s']:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
