@@ -17,10 +17,11 @@ import sys
 
 import mlx.core as mx
 
-from . import decode_kernel
+from . import decode_kernel, packing
 from .store import PackedKIVICache
 
-TILE = 4096  # quantized tokens dequantized at a time by the tile path
+TILE = 4096  # at most this many quantized tokens dequantized at a time by the tile path
+SCORES = 1 << 23  # and at most this many float32 scores per tile (32 MiB), so prefill stays small
 
 
 def _tile_mask(mask, lq, offset, a, b):
@@ -30,51 +31,66 @@ def _tile_mask(mask, lq, offset, a, b):
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unknown attention mask {mask!r}")
-        if lq == 1:
+        if offset - lq >= b - 1:  # every query sees the whole tile
             return None
         q_pos = mx.arange(offset - lq, offset)
         return q_pos[:, None] >= mx.arange(a, b)[None]
     return mask[..., a:b]
 
 
-def _blocks(cache, tile):
-    """(first token, keys, values) of each tile: the quantized tokens, then the residual."""
-    g = cache.group_size
-    tile = max(g, tile // g * g)
-    for a in range(0, cache.quantized, tile):
-        k, v = cache.dequantized(a, min(a + tile, cache.quantized))
-        yield a, k, v
-    res = cache.residual()
-    if res is not None and res[0].shape[2]:
-        yield cache.quantized, res[0].astype(mx.float32), res[1].astype(mx.float32)
+def _update(q, k, v, m, l, o, mask):
+    """One tile of the online softmax: q [B, Hk, R*L, D] (scaled), k and v [B, Hk, T, D] float32,
+    the running max m, sum l and accumulator o; mask None or [..., L, T] for the [B, Hq, L, T] scores."""
+    b, hk, rl, _ = q.shape
+    t = k.shape[2]
+    s = q @ k.swapaxes(-1, -2)
+    if mask is not None:
+        lq = mask.shape[-2]
+        s = s.reshape(b, -1, lq, t)
+        if mask.dtype == mx.bool_:
+            s = mx.where(mask, s, mx.finfo(mx.float32).min)
+        else:
+            s = s + mask.astype(mx.float32)
+        s = s.reshape(b, hk, rl, t)
+    mn = mx.maximum(m, mx.max(s, axis=-1, keepdims=True))
+    p, alpha = mx.exp(s - mn), mx.exp(m - mn)
+    return mn, l * alpha + mx.sum(p, axis=-1, keepdims=True), o * alpha + p @ v
+
+
+def _update_codes(q, kc, kp, vc, vp, m, l, o, mask, bits, group_size):
+    k = packing.dequantize_keys(kc, kp, bits, group_size)
+    v = packing.dequantize_values(vc, vp, bits, group_size)
+    return _update(q, k, v, m, l, o, mask)
+
+
+# Compiled: the dequantization and the softmax update fuse into a few kernels per tile (one trace
+# per tile shape, bits and G), which is what keeps a long prefill's launch count down.
+_step = mx.compile(_update)
+_step_codes = mx.compile(_update_codes)
 
 
 def attend_tiles(queries, cache, scale, mask=None, tile=TILE):
     """softmax(q·K̂ᵀ·scale + mask)·V̂ over the cache, tile by tile, in float32; queries
-    [B, Hq, L, D] (Hq a multiple of the cache's KV heads), the result in the queries' dtype."""
+    [B, Hq, L, D] (Hq a multiple of the cache's KV heads), the result in the queries' dtype. A tile
+    holds at most ``tile`` tokens and SCORES scores."""
     b, hq, lq, d = queries.shape
-    q = queries.astype(mx.float32) * scale
-    m = l = o = None
-    for a, k, v in _blocks(cache, tile):
-        hk, t = k.shape[1], k.shape[2]
-        r = hq // hk
-        s = q.reshape(b, hk, r * lq, d) @ k.swapaxes(-1, -2)
-        mt = _tile_mask(mask, lq, cache.offset, a, a + t)
-        if mt is not None:
-            s = s.reshape(b, hq, lq, t)
-            if mt.dtype == mx.bool_:
-                s = mx.where(mt, s, mx.finfo(mx.float32).min)
-            else:
-                s = s + mt.astype(mx.float32)
-            s = s.reshape(b, hk, r * lq, t)
-        mb = mx.max(s, axis=-1, keepdims=True)
-        if m is None:
-            p = mx.exp(s - mb)
-            m, l, o = mb, mx.sum(p, axis=-1, keepdims=True), p @ v
-        else:
-            mn = mx.maximum(m, mb)
-            p, alpha = mx.exp(s - mn), mx.exp(m - mn)
-            m, l, o = mn, l * alpha + mx.sum(p, axis=-1, keepdims=True), o * alpha + p @ v
+    g = cache.group_size
+    tile = max(g, min(tile, SCORES // (hq * lq * b)) // g * g)
+    res = cache.residual()
+    hk = res[0].shape[1]
+    q = (queries.astype(mx.float32) * scale).reshape(b, hk, hq // hk * lq, d)
+    m = mx.full((b, hk, q.shape[2], 1), -mx.inf, mx.float32)
+    l = mx.zeros_like(m)
+    o = mx.zeros((b, hk, q.shape[2], res[1].shape[3]), mx.float32)
+    for a in range(0, cache.quantized, tile):
+        z = min(a + tile, cache.quantized)
+        mt = _tile_mask(mask, lq, cache.offset, a, z)
+        kc, kp = cache.kc[:, :, a // g : z // g], cache.kp[:, :, a // g : z // g]
+        vc, vp = cache.vc[:, :, a:z], cache.vp[:, :, a:z]
+        m, l, o = _step_codes(q, kc, kp, vc, vp, m, l, o, mt, cache.kv_bits, g)
+    if res[0].shape[2]:
+        mt = _tile_mask(mask, lq, cache.offset, cache.quantized, cache.offset)
+        m, l, o = _step(q, res[0].astype(mx.float32), res[1].astype(mx.float32), m, l, o, mt)
     return (o / l).reshape(b, hq, lq, -1).astype(queries.dtype)
 
 

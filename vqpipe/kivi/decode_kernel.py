@@ -133,6 +133,7 @@ _BODY = """
         const bool valid = quant || rt < nr;
         if (quant) {
             const KA_DEV unsigned int* kw = kc + ((bh * NGC + g) * W) * G + (t0 + lane) % G;
+            KA_UNROLL
             for (unsigned int w = 0; w < W; ++w) {
                 const unsigned int word = kw[w * G];
                 KA_UNROLL
@@ -186,6 +187,7 @@ _BODY = """
             m[r] = mn;
         }
         // p·V: lane (vw, vj) takes word vw of tokens vj, vj + P, ...
+        KA_UNROLL
         for (unsigned int i = 0; i < W; ++i) {
             const unsigned int tl = i * P + vj;
             float pt[R];
