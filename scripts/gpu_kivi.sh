@@ -51,7 +51,7 @@ want generation && echo "== generation, kernels on vs off, synthetic presets $(s
 pt generation 240 --maxfail=3 tests/test_kivi_kernels.py -m gpu -k generation
 
 want attn && echo "== packed cache: decode-attention kernel tests $(since)" &&
-pt attn 300 --maxfail=5 tests/test_kivi_attention.py -m gpu
+pt attn ${ATTN_TEST_LIMIT:-300} --maxfail=5 tests/test_kivi_attention.py -m gpu
 
 if want bench_attn; then
   echo "== bench-kivi-attn $(since)"

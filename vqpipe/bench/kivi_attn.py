@@ -222,7 +222,7 @@ def _nearest(rows, s):
     return min(rows, key=lambda r: abs(r["S"] - s)) if rows else None
 
 
-def run_decode(args, op_rows, out):
+def run_decode(args, op_rows, out, save=lambda: None):
     kinds = ["fp16"] + [f"kivi{b}" for b in args.bits]
     for model_name in args.decode_models:
         for weights in args.weights:
@@ -251,6 +251,7 @@ def run_decode(args, op_rows, out):
                                      for k in kinds[1:]}
                     row["amdahl_op_S"] = op["S"]
                 out.append(row)
+                save()
                 print(f"decode {model_name}/{weights} S={s}: " + "; ".join(
                     f"{k} {row['arms'][k]['tok_per_s_median']:.1f} tok/s ({row['arms'][k]['vs_fp16']:.2f}x"
                     + (f", Amdahl {row['amdahl'][k]:.2f}x" if "amdahl" in row and k in row["amdahl"] else "") + ")"
@@ -269,7 +270,7 @@ def _ints(text):
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m vqpipe bench-kivi-attn", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--parts", nargs="+", default=["op", "memory", "decode"], choices=("op", "memory", "decode"))
+    p.add_argument("--parts", nargs="+", default=["op", "decode", "memory"], choices=("op", "memory", "decode"))
     p.add_argument("--op-contexts", type=_ints, default=[4096, 8192, 16384, 32768, 65536])
     p.add_argument("--bits", type=_ints, default=[4, 2])
     p.add_argument("--mlx-bits", type=_ints, default=[8, 4, 2])
@@ -295,6 +296,15 @@ def parse_args(argv):
     return args
 
 
+def _save(result, path):
+    """Write the result so far (temp file + rename): a run cut short keeps its finished rows."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(out)
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     result = {"kind": "bench-kivi-attn", "environment": env.environment_or_error(),
@@ -308,26 +318,24 @@ def main(argv=None):
             for s in args.op_contexts:
                 row = measure_op(s, args)
                 result["op"].append(row)
+                _save(result, args.out)
                 print(f"op S={s} (us per layer, median [min-max], n={args.repeats}, floor {row['noise_floor']:.1%}): " + "; ".join(
                     f"{k} {_fmt(a)} {a['bytes_per_s'] / 1e12:.2f} TB/s {a['vs_fp16']:.2f}x" for k, a in row["arms"].items()), flush=True)
+    if "decode" in args.parts:
+        run_decode(args, result["op"], result["decode"], lambda: _save(result, args.out))
     if "memory" in args.parts:
         kinds = ["fp16"] + [f"kivi{b}" for b in args.bits]
         for name in args.memory_models:
             model = llama3_8b(args.llama_layers) if name == "llama3-8b" else _load_synth(name, args.work)[0]
             rows = measure_memory(model, args, kinds)
             result["memory"][name] = rows
+            _save(result, args.out)
             print(f"memory {name} S={args.memory_context}: " + "; ".join(
                 f"{k} peak {r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_vs_fp16']:.3f}x), cache {r['cache_nbytes'] / 2**20:.1f} MiB ({r['cache_vs_fp16']:.3f}x)"
                 for k, r in rows.items()), flush=True)
             del model
-    if "decode" in args.parts:
-        run_decode(args, result["op"], result["decode"])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(out)
-    print(f"bench-kivi-attn: wrote {out}")
+    _save(result, args.out)
+    print(f"bench-kivi-attn: wrote {args.out}")
     return 0
 
 
