@@ -377,7 +377,7 @@ def test_decode_kernel_source_one_description_two_dialects():
     assert "__shfl_sync" in hc and "__ldcg" in hc and "atomicAdd" in hc
     assert "simd_shuffle" in hm and "atomic_fetch_add_explicit" in hm
     # both dialects give every token of the one body, and the same helpers
-    used = set(re.findall(r"\bKA_[A-Z_]+\b", decode_kernel._BODY))
+    used = set(re.findall(r"\bKA_[A-Z0-9_]+\b", decode_kernel._BODY))
     assert all(set(d["tokens"]) == used for d in decode_kernel.DIALECTS.values())
     helpers = lambda h: sorted(set(re.findall(r"\b(ka_[a-z_]+)\(", h)))  # noqa: E731
     assert helpers(hc) == helpers(hm) == sorted(set(re.findall(r"\b(ka_[a-z_]+)\(", decode_kernel._BODY)))
@@ -396,24 +396,19 @@ def test_kernel_geometry_limits():
 
 
 # (dtype, bits, G, D, KV heads, GQA ratio, tokens, residual length, warps): each distinct
-# (dtype, bits, G, D, ratio, warps) is one JIT compile, so the list spans the factors with few.
+# (dtype, bits, G, D, ratio, warps) is one JIT compile (about 4 s), so the list spans the factors
+# with few; the host run above covers every GQA ratio 1-8 and warp counts 1-8.
 GPU_CASES = [
     ("float16", 4, 32, 128, 8, 4, 4133, 128, 8),  # the benchmark's geometry
     ("float16", 2, 32, 128, 8, 4, 1000, 17, 8),
     ("float16", 8, 32, 128, 8, 4, 300, 0, 8),
-    ("float16", 4, 32, 128, 2, 4, 1000, 128, 1),
-    ("float16", 4, 32, 128, 4, 4, 37, 128, 2),  # the residual alone, ragged
-    ("float16", 4, 32, 128, 1, 4, 4133, 17, 4),
+    ("float16", 4, 32, 128, 4, 4, 37, 128, 4),  # the residual alone, ragged
     ("bfloat16", 4, 32, 128, 1, 1, 300, 17, 8),
-    ("bfloat16", 4, 32, 128, 2, 2, 1000, 0, 8),
     ("bfloat16", 4, 32, 128, 4, 3, 4133, 128, 8),
     ("bfloat16", 4, 32, 128, 8, 5, 300, 128, 8),
-    ("bfloat16", 4, 32, 128, 2, 6, 1000, 17, 8),
-    ("bfloat16", 4, 32, 128, 1, 7, 37, 0, 8),
     ("bfloat16", 4, 32, 128, 4, 8, 4133, 17, 8),
     ("float16", 2, 32, 64, 2, 7, 4133, 128, 8),  # qwen2.5-0.5b's geometry
     ("bfloat16", 8, 32, 64, 8, 2, 1000, 17, 8),
-    ("float32", 4, 64, 64, 1, 1, 300, 0, 8),
     ("float32", 2, 64, 128, 2, 8, 1000, 128, 8),
     ("bfloat16", 4, 32, 64, 2, 2, 4133, 64, 8),  # synth:tiny's geometry
 ]
@@ -436,6 +431,9 @@ def test_kernel_within_float32_bound_for_every_split_count(case):
         assert mx.array_equal(out, again)
         outs.append(np.array(out.astype(mx.float32)))
     assert all(np.all(np.abs(o - outs[0]) <= 2 * tol + 2 * _ulp(want, dt)) for o in outs)
+    # two launches on one cache in one graph (they share its scratch): ordered, the same answer
+    a, b = decode_kernel.decode_attention(q, c, d**-0.5), decode_kernel.decode_attention(q, c, d**-0.5)
+    assert mx.array_equal(a, b)
     # through the dispatch, as mlx-lm's attention reaches it
     assert decode_kernel.applies(q, c)
     assert mx.array_equal(attention.attend(q, c, d**-0.5, None), decode_kernel.decode_attention(q, c, d**-0.5))
@@ -468,10 +466,10 @@ def test_bench_kivi_attn_quick_runs_every_part(tmp_path, monkeypatch):
     monkeypatch.setattr(decode_kernel, "active", lambda use_kernels=None: use_kernels is not False)
     monkeypatch.setattr(decode_kernel, "decode_attention", lambda q, c, scale, **kw: attention.attend_tiles(q, c, scale))
     out = tmp_path / "a.json"
-    assert kivi_attn.main(["--out", str(out), "--quick", "--work", str(tmp_path / "m")]) == 0
+    assert kivi_attn.main(["--out", str(out), "--quick", "--variants", "2x1", "--work", str(tmp_path / "m")]) == 0
     doc = json.loads(out.read_text())
     (op,) = doc["op"]
-    assert set(op["arms"]) == {"fp16-sdpa", "mlx-q4", "kivi4", "kivi2"} and op["noise_floor"] >= 0
+    assert set(op["arms"]) == {"fp16-sdpa", "mlx-q4", "kivi4", "kivi2", "kivi4:w2c1"} and op["noise_floor"] >= 0
     assert op["arms"]["kivi4"]["vs_mlx_q4"] > 0 and all(v < 1e-5 for v in op["kernel_vs_tiles_max_abs"].values())
     mem = doc["memory"]["tiny"]
     assert mem["kivi4"]["cache_nbytes"] < mem["fp16"]["cache_nbytes"] and mem["kivi2"]["packed_nbytes"] > 0

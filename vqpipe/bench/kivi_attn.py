@@ -84,12 +84,18 @@ def measure_op(s, args):
         ]
     for b in args.bits:
         arms[f"kivi{b}"] = lambda i, b=b: [decode_kernel.decode_attention(qs[(i + j) % n], c, scale) for j, c in enumerate(kv[b])]
+    chunks = kv[args.bits[0]][0].quantized // 32 + -(-kv[args.bits[0]][0].nres // 32)
+    for w, per in args.variants:  # other launch shapes of the first bit width's kernel
+        ns = decode_kernel.default_splits(chunks, w, per)
+        arms[f"kivi{args.bits[0]}:w{w}c{per}"] = lambda i, w=w, ns=ns: [
+            decode_kernel.decode_attention(qs[(i + j) % n], c, scale, splits=ns, warps=w) for j, c in enumerate(kv[args.bits[0]])]
     # the kernel against the tile path (the same cache, float32 sums in another order)
     check = {f"kivi{b}": mx.max(mx.abs(decode_kernel.decode_attention(qs[0], kv[b][0], scale).astype(mx.float32)
                                        - attend_tiles(qs[0], kv[b][0], scale).astype(mx.float32))).item() for b in args.bits}
     nbytes = {"fp16-sdpa": fp[0][0].nbytes + fp[0][1].nbytes}
     nbytes.update({f"mlx-q{b}": sum(x.nbytes for t in mq[b][0] for x in t) for b in args.mlx_bits})
     nbytes.update({f"kivi{b}": kv[b][0].nbytes for b in args.bits})
+    nbytes.update({f"kivi{args.bits[0]}:w{w}c{per}": kv[args.bits[0]][0].nbytes for w, per in args.variants})
     times = harness.run_interleaved(harness.with_aa(arms, "fp16-sdpa"), n, args.repeats, args.warmup)
     floor = harness.aa_floor(times, "fp16-sdpa")
     row = {"S": s, "layers": layers, "arms": {}, "noise_floor": floor, "kernel_vs_tiles_max_abs": check, "cache_bytes_per_layer": nbytes}
@@ -267,6 +273,11 @@ def _ints(text):
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _variants(text):
+    """"8x2,4x1" -> [(8, 2), (4, 1)]: warps per block x chunks per warp."""
+    return [tuple(int(y) for y in x.split("x")) for x in text.split(",") if x.strip()]
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m vqpipe bench-kivi-attn", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -274,6 +285,7 @@ def parse_args(argv):
     p.add_argument("--op-contexts", type=_ints, default=[4096, 8192, 16384, 32768, 65536])
     p.add_argument("--bits", type=_ints, default=[4, 2])
     p.add_argument("--mlx-bits", type=_ints, default=[8, 4, 2])
+    p.add_argument("--variants", type=_variants, default=[], help="extra kernel launch shapes timed as arms, e.g. 4x2,8x1 (warps x chunks per warp)")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--inputs", type=int, default=20)
     p.add_argument("--repeats", type=int, default=25)

@@ -29,7 +29,7 @@ import mlx.core as mx
 from .. import gpu
 from . import kernels
 
-NSMAX = 64  # most splits per KV head (the scratch holds one partial per split)
+NSMAX = 128  # most splits per KV head (the scratch holds one partial per split)
 WARPS = 8
 
 _BODY = """
@@ -41,7 +41,9 @@ _BODY = """
     constexpr unsigned int RP = (R + 3) / 4 * 4;  // query heads padded to float4
     constexpr unsigned int NGV = (D + G - 1) / G;
     constexpr unsigned int PS = R * (D + 2);  // one partial: acc[R][D], m[R], l[R]
-    constexpr unsigned int SH = NW * D * RP > NW * PS ? NW * D * RP : NW * PS;
+    constexpr unsigned int SHA = NW * D * RP > NW * PS ? NW * D * RP : NW * PS;
+    constexpr unsigned int SHB = (NSMAX + 1) * R + 3;  // the final merge's weights
+    constexpr unsigned int SH = SHA > SHB ? SHA : SHB;
     KA_SHARED float4 sh4[SH / 4];
     KA_SHARED unsigned int last;
     KA_TG float* sh = (KA_TG float*)sh4;
@@ -287,18 +289,35 @@ _BODY = """
     }
     KA_BARRIER;
     if (last != 0u) {
+        // every split's max per head, in parallel, then their weights exp(m_k - M) in shared memory,
+        // then each output a sum over the splits (independent loads)
         KA_FENCE;
         const KA_DEV float* all = (const KA_DEV float*)scratch + bh * NSMAX * PS;
-        for (unsigned int e = tid; e < R * D; e += NW * 32u) {
-            const unsigned int r = e / D, d = e % D;
+        KA_TG float* wts = sh;  // [nsplit][R]
+        KA_TG float* mxs = sh + NSMAX * R;  // [R]
+        for (unsigned int e = tid; e < nsplit * R; e += NW * 32u) {
+            wts[e] = ka_load(all + (e / R) * PS + (e % R) * (D + 2) + D);
+        }
+        KA_BARRIER;
+        for (unsigned int r = tid; r < R; r += NW * 32u) {
             float mx_ = ninf;
             for (unsigned int k = 0; k < nsplit; ++k) {
-                mx_ = ka_max(mx_, ka_load(all + k * PS + r * (D + 2) + D));
+                mx_ = ka_max(mx_, wts[k * R + r]);
             }
+            mxs[r] = mx_;
+        }
+        KA_BARRIER;
+        for (unsigned int e = tid; e < nsplit * R; e += NW * 32u) {
+            const float mk = wts[e];
+            wts[e] = mk == ninf ? 0.0f : ka_exp(mk - mxs[e % R]);
+        }
+        KA_BARRIER;
+        for (unsigned int e = tid; e < R * D; e += NW * 32u) {
+            const unsigned int r = e / D, d = e % D;
             float num = 0.0f, den = 0.0f;
+            KA_UNROLL_8
             for (unsigned int k = 0; k < nsplit; ++k) {
-                const float mk = ka_load(all + k * PS + r * (D + 2) + D);
-                const float a = mk == ninf ? 0.0f : ka_exp(mk - mx_);
+                const float a = wts[k * R + r];
                 num += a * ka_load(all + k * PS + r * (D + 2) + d);
                 den += a * ka_load(all + k * PS + r * (D + 2) + D + 1);
             }
@@ -363,6 +382,7 @@ DIALECTS = {
             "KA_SYNCWARP": "__syncwarp()",
             "KA_BARRIER": "__syncthreads()",
             "KA_FENCE": "__threadfence()",
+            "KA_UNROLL_8": "#pragma unroll 8",
             "KA_UNROLL": "#pragma unroll",
         },
     },
@@ -379,12 +399,17 @@ DIALECTS = {
             "KA_SYNCWARP": "simdgroup_barrier(mem_flags::mem_threadgroup)",
             "KA_BARRIER": "threadgroup_barrier(mem_flags::mem_threadgroup)",
             "KA_FENCE": "atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device)",
+            "KA_UNROLL_8": "#pragma unroll(8)",
             "KA_UNROLL": "#pragma unroll",
         },
     },
 }
 
-INPUTS = ["q", "kc", "kp", "vc", "vp", "rk", "rv", "meta", "scratch", "counters"]
+# "after": the previous output of the same cache, unused by the body. Two launches on one cache share
+# its scratch and counters, which MLX sees only as inputs: without a data dependency between them, a
+# CUDA graph may run them concurrently (measured on the H200: garbage). Passing the last output
+# orders every launch after the previous one on the same cache.
+INPUTS = ["q", "kc", "kp", "vc", "vp", "rk", "rv", "meta", "scratch", "counters", "after"]
 
 
 def render(dialect):
@@ -442,10 +467,12 @@ def applies(queries, cache, use_kernels=None):
     return why is None and queries.shape[1] % rk.shape[1] == 0
 
 
-def default_splits(chunks, bh, warps=WARPS):
-    """Splits per KV head: about four chunks per warp, at most NSMAX, and enough blocks to give
-    each of ~132 SMs a few when the context is long."""
-    return max(1, min(NSMAX, -(-chunks // (4 * warps))))
+CHUNKS_PER_WARP = 2
+
+
+def default_splits(chunks, warps=WARPS, per_warp=None):
+    """Splits per KV head: about ``per_warp`` chunks (default CHUNKS_PER_WARP) per warp, at most NSMAX."""
+    return max(1, min(NSMAX, -(-chunks // ((per_warp or CHUNKS_PER_WARP) * warps))))
 
 
 def launch_args(queries, cache, scale, splits=None, warps=WARPS):
@@ -461,7 +488,7 @@ def launch_args(queries, cache, scale, splits=None, warps=WARPS):
     else:
         kc, kp, vc, vp = cache.kc, cache.kp, cache.vc, cache.vp
     chunks = cache.quantized // 32 + -(-nres // 32)
-    ns = splits or default_splits(chunks, b * h, warps)
+    ns = splits or default_splits(chunks, warps)
     if not 1 <= ns <= NSMAX:
         raise ValueError(f"splits must be in 1..{NSMAX}, got {ns}")
     shape = (b * h, NSMAX, r * (d + 2))
@@ -469,7 +496,8 @@ def launch_args(queries, cache, scale, splits=None, warps=WARPS):
         cache.scratch = (mx.zeros(shape, mx.float32), mx.zeros((b * h,), mx.uint32))
     meta = mx.array([scale, cache.quantized, nres], mx.float32)
     q = queries if queries.dtype == rk.dtype else queries.astype(rk.dtype)
-    inputs = [q, kc, kp, vc, vp, rk, rv, meta, *cache.scratch]
+    after = cache.last_out if cache.last_out is not None else meta
+    inputs = [q, kc, kp, vc, vp, rk, rv, meta, *cache.scratch, after]
     spec = {
         "template": [("T", rk.dtype), ("BITS", bits), ("G", g), ("D", d), ("R", r), ("NW", warps)],
         "grid": (ns * warps * 32, b * h, 1),
@@ -488,4 +516,5 @@ def decode_attention(queries, cache, scale, splits=None, warps=WARPS):
         raise ValueError("decode attention passes token counts as float32: at most 2**24 tokens")
     inputs, spec = launch_args(queries, cache, scale, splits, warps)
     out = _kernel(gpu.backend())(inputs=inputs, **spec)[0]
+    cache.last_out = out
     return out if out.dtype == queries.dtype else out.astype(queries.dtype)

@@ -34,6 +34,7 @@ class PackedKIVICache(_BaseCache):
     kc = kp = vc = vp = None
     _rk = _rv = None
     scratch = None
+    last_out = None
     nres = 0
     offset = 0
     quantized = 0
@@ -50,6 +51,7 @@ class PackedKIVICache(_BaseCache):
         self._rk = self._rv = None
         self.nres = self.offset = self.quantized = self.flushes = 0
         self.scratch = None  # the decode kernel's per-cache work buffers (decode_kernel.py)
+        self.last_out = None  # its last output, which orders the next launch after it
 
     # --- storage ---------------------------------------------------------------------------
     # The residual lives in a buffer of capacity >= R + G, the newest tokens written in place
@@ -170,7 +172,7 @@ class PackedKIVICache(_BaseCache):
 
     @state.setter
     def state(self, v):
-        self.scratch = None
+        self.scratch = self.last_out = None
         if not v:
             self.kc = self.kp = self.vc = self.vp = self._rk = self._rv = None
             self.nres = self.offset = self.quantized = self.flushes = 0
@@ -251,6 +253,8 @@ class PackedKIVICache(_BaseCache):
             "resident_nbytes": self.nbytes,
             "compressed_nbytes": self.packed_nbytes(),
             "uncompressed_nbytes": full,
+            # the decode kernel's work buffers (one partial per split), not part of the store
+            "scratch_nbytes": 0 if self.scratch is None else sum(a.nbytes for a in self.scratch),
         }
 
 
