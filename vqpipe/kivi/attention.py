@@ -5,7 +5,8 @@
 - Everything else (prefill chunks, mask arrays, the CPU): :func:`attend_tiles`, MLX ops over tiles
   of ``tile`` quantized tokens dequantized one at a time, the residual as one more tile, merged with
   an online softmax (running max and sum, rescaled when the max grows). No full-precision copy of
-  the whole cache is ever made; in float32 throughout.
+  the whole cache is ever made; in float32 throughout. A tile holds at most SCORES scores, so a
+  prefill chunk's transient stays bounded whatever the context.
 
 mlx-lm models call ``scaled_dot_product_attention(queries, keys, values, cache=..., scale=...,
 mask=...)`` from ``mlx_lm.models.base``, imported by name into each model module.
@@ -63,10 +64,12 @@ def _update_codes(q, kc, kp, vc, vp, m, l, o, mask, bits, group_size):
     return _update(q, k, v, m, l, o, mask)
 
 
-# Compiled: the dequantization and the softmax update fuse into a few kernels per tile (one trace
-# per tile shape, bits and G), which is what keeps a long prefill's launch count down.
-_step = mx.compile(_update)
-_step_codes = mx.compile(_update_codes)
+# Not mx.compile'd: on MLX's CUDA backend every compiled trace JIT-compiles its fused kernels with
+# NVRTC (seconds each) for every new tile shape, and a prefill meets many (the last tile's length
+# changes with every chunk). H200 run 2 (docs/results/2026-12-01-h200-kivi) lost its whole
+# benchmark window, likely to this; run 1, uncompiled, ran the same code paths in seconds.
+_step = _update
+_step_codes = _update_codes
 
 
 def attend_tiles(queries, cache, scale, mask=None, tile=TILE):

@@ -22,6 +22,7 @@ scratch buffer and counts itself done; the last block of a KV head merges all sp
 needs no clearing between launches. In float32 throughout; codes become floats exactly.
 """
 
+import functools
 import hashlib
 
 import mlx.core as mx
@@ -423,6 +424,7 @@ def render(dialect):
     return f"kivi_decode_attn_{digest}", spec["header"], body
 
 
+@functools.lru_cache(maxsize=256)  # asked per layer and step; the answer depends on these ints only
 def unsupported(head_dim, value_dim, bits, group_size, ratio, warps=WARPS):
     """Why the kernel cannot serve this geometry (a sentence), or None."""
     w = head_dim * bits // 32
