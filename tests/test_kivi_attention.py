@@ -476,3 +476,19 @@ def test_bench_kivi_attn_quick_runs_every_part(tmp_path, monkeypatch):
     (dec,) = doc["decode"]
     assert {"fp16", "kivi4", "kivi2"} <= set(dec["arms"]) and dec["arms"]["kivi4"]["tok_per_s_median"] > 0
     assert kivi_attn.amdahl(10.0, 32, 0.1, 0.05) == pytest.approx(10 / 8.4)
+
+
+def test_bench_kivi_quality_quick(tiny_source, tmp_path):
+    """bench-kivi-quality on synth:tiny, one short window: the fp cache against itself is exact,
+    and every kind gets perplexity, KL and top-1 agreement."""
+    import json
+
+    from vqpipe.bench import kivi_quality
+
+    out = tmp_path / "q.json"
+    assert kivi_quality.main(["--model", str(tiny_source), "--out", str(out), "--windows", "1", "--length", "300",
+                              "--chunk", "100", "--kinds", "kivi2", "mlx-q4"]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert set(res) == {"fp", "kivi2", "mlx-q4"}
+    assert res["fp"]["kl"]["median"] == pytest.approx(0, abs=1e-6) and res["fp"]["top1"]["median"] == 1
+    assert res["kivi2"]["kl"]["median"] > 0 and res["kivi2"]["ppl"]["n"] == 1

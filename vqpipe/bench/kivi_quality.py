@@ -52,6 +52,7 @@ def window(model, ids, kinds, chunk):
         ref = logp["fp"]
         pref = mx.exp(ref)
         top = mx.argmax(ref, axis=-1)
+        print(f"  tokens {a + n}/{len(ids) - 1}", flush=True)
         for k in kinds:
             nll = -mx.take_along_axis(logp[k], target[:, None], axis=-1).sum()
             kl = (pref * (ref - logp[k])).sum()
