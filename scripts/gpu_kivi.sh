@@ -5,7 +5,9 @@
 # On the team's NVIDIA host (MLX CUDA backend, offline), after staging the runtime bundle
 # (docs/kivi.md, "Running on a GPU"):   bash scripts/gpu_kivi.sh
 # Elsewhere (e.g. a Mac with Metal):      PYTHON=.venv/bin/python bash scripts/gpu_kivi.sh
-# STEPS picks steps (default "kernels bench generation cpu_suite"); BENCH_ARGS goes to bench-kivi.
+# STEPS picks steps (default "kernels bench generation cpu_suite"; the packed cache's steps are
+# "attn", its kernel tests, and "bench_attn", bench-kivi-attn with ATTN_ARGS); BENCH_ARGS goes to
+# bench-kivi.
 # Every kernel layout (kernels.LAYOUTS: "vec", the default, and "warp"; vqpipe/kivi/kernels.py) is
 # tested bit-exact in the kernels step and timed side by side in the bench step (BENCH_LAYOUTS,
 # default "vec warp"; empty: only the current layout). KERNELS_K narrows the kernels step (pytest -k;
@@ -48,11 +50,19 @@ fi
 want generation && echo "== generation, kernels on vs off, synthetic presets $(since)" &&
 pt generation 240 --maxfail=3 tests/test_kivi_kernels.py -m gpu -k generation
 
+want attn && echo "== packed cache: decode-attention kernel tests $(since)" &&
+pt attn ${ATTN_TEST_LIMIT:-300} --maxfail=5 tests/test_kivi_attention.py -m gpu
+
+if want bench_attn; then
+  echo "== bench-kivi-attn $(since)"
+  timeout ${ATTN_LIMIT:-420} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_attn.json" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attn.log"
+fi
+
 want cpu_suite && echo "== quantizer, cache and dispatch tests on this device (kernels on by default) $(since)" &&
 pt cpu_suite 120 tests/test_kivi_quant.py tests/test_kivi_cache.py tests/test_kivi_kernels.py -m "not gpu"
 
 echo "== summary $(since)"
-for f in kernels generation cpu_suite; do
+for f in kernels generation attn cpu_suite; do
   [ -f "$OUT/$f.log" ] || continue
   printf '%-10s ' "$f"
   grep -E "^[0-9]+ (passed|failed)|(passed|failed|skipped|error).* in [0-9.]+s" "$OUT/$f.log" | tail -n 1

@@ -13,6 +13,8 @@ STAGES = {
     "bench-quality": "vqpipe.bench.quality",
     "bench-load": "vqpipe.bench.load",
     "bench-kivi": "vqpipe.bench.kivi_ops",
+    "bench-kivi-attn": "vqpipe.bench.kivi_attn",
+    "bench-kivi-quality": "vqpipe.bench.kivi_quality",
     "bench-decode": "vqpipe.bench.decode",
     "bench-qmv": "vqpipe.bench.qmv",
     "report": "vqpipe.report",

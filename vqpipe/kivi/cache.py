@@ -206,20 +206,29 @@ class KIVICache(_BaseCache):
         }
 
 
-def make_kivi_cache(model, bits=4, group_size=32, residual_length=128, use_kernels=None):
+def make_kivi_cache(model, bits=4, group_size=32, residual_length=128, use_kernels=None, packed=False):
     """One cache per layer, as ``mlx_lm.models.cache.make_prompt_cache`` would build, with every
-    plain ``KVCache`` replaced by a :class:`KIVICache` (sliding-window and state-space caches stay)."""
+    plain ``KVCache`` replaced by a KIVI cache (sliding-window and state-space caches stay).
+
+    ``packed=False``: :class:`KIVICache`, quantize-dequantize, full-precision resident (the
+    definition). ``packed=True``: :class:`vqpipe.kivi.store.PackedKIVICache`, codes resident and
+    attention that reads them; the model's attention is routed to it (:func:`vqpipe.kivi.attention.install`)."""
     caches = make_prompt_cache(model)
-    return [
-        KIVICache(bits, group_size, residual_length, use_kernels) if type(c) is KVCache else c
-        for c in caches
-    ]
+    if packed:
+        from .attention import install
+        from .store import PackedKIVICache
+
+        install(model)
+        make = PackedKIVICache
+    else:
+        make = KIVICache
+    return [make(bits, group_size, residual_length, use_kernels) if type(c) is KVCache else c for c in caches]
 
 
 def cache_stats(caches):
     """Totals over the KIVI caches of a prompt cache: sizes and flushes summed over layers, token
     counts from the first layer (every layer sees the same tokens)."""
-    layers = [c.stats() for c in caches if isinstance(c, KIVICache)]
+    layers = [c.stats() for c in caches if hasattr(c, "kv_bits") and hasattr(c, "stats")]
     if not layers:
         return {}
     total = dict(layers[0])

@@ -1,0 +1,494 @@
+"""Packed KIVI cache and the attention that reads its codes.
+
+CPU: packing, the store against the reference cache (schedule, codes, parameters), the tile path
+against a float64 evaluation over the dequantized cache, masks, state through mlx-lm's prompt-cache
+files, trim, sizes, generation (same tokens as the reference cache), and the CUDA rendering of the
+decode kernel run on the host (tests/kivi_host.py). GPU (``gpu`` marker): the kernel itself.
+"""
+
+import itertools
+import re
+import warnings
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load, stream_generate
+from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
+
+import kivi_host
+from vqpipe.kivi import attention, decode_kernel, kernels, packing, quant
+from vqpipe.kivi.cache import KIVICache, make_kivi_cache
+from vqpipe.kivi.store import PackedKIVICache
+
+CORPUS = Path(__file__).parents[1] / "vqpipe" / "data" / "corpus.txt"
+U = 2.0**-24  # float32 unit roundoff
+needs_gpu = pytest.mark.skipif(kernels.backend() is None, reason="needs MLX's Metal or CUDA backend")
+
+
+def _kv(b, h, s, d, dtype="float32", seed=0):
+    key = mx.random.split(mx.random.key(seed))
+    k = mx.random.normal((b, h, s, d), key=key[0]) * 2 + 0.5
+    v = mx.random.normal((b, h, s, d), key=key[1])
+    return k.astype(getattr(mx, dtype)), v.astype(getattr(mx, dtype))
+
+
+def _filled(bits, g, r, k, v, chunks):
+    c = PackedKIVICache(bits, g, r)
+    a = 0
+    for n in chunks:
+        c.update_and_fetch(k[..., a : a + n, :], v[..., a : a + n, :])
+        a += n
+    mx.eval(c.state[:6])
+    return c
+
+
+# --- float64 evaluation over the dequantized cache and its float32 bound -------------------------
+
+
+def _dequantized64(cache):
+    """(K̂, V̂, key terms, value terms) in float64: the codes times the stored float16 scale plus
+    zero, then the residual; the terms are |scale·code| + |zero| per element (|x| for the residual),
+    the magnitudes a float32 evaluation rounds."""
+    g, bits, nq = cache.group_size, cache.kv_bits, cache.quantized
+    rk, rv = (np.array(a.astype(mx.float32)).astype(np.float64) for a in cache.residual())
+    if nq == 0:
+        return rk, rv, np.abs(rk), np.abs(rv)
+    kc = np.array(packing.unpack_keys(cache.kc, bits)).astype(np.float64)[:, :, :nq]
+    kp = np.repeat(np.array(cache.kp.astype(mx.float32)).astype(np.float64)[:, :, : nq // g], g, axis=2)
+    vc = np.array(packing.unpack_words(cache.vc, bits)).astype(np.float64)[:, :, :nq]
+    vp = np.array(cache.vp.astype(mx.float32)).astype(np.float64)[:, :, :nq]
+    vp = np.repeat(vp, g, axis=-2)[..., : vc.shape[-1], :]
+    k, v = kc * kp[..., 0] + kp[..., 1], vc * vp[..., 0] + vp[..., 1]
+    kt, vt = np.abs(kc * kp[..., 0]) + np.abs(kp[..., 1]), np.abs(vc * vp[..., 0]) + np.abs(vp[..., 1])
+    cat = lambda a, b: np.concatenate([a, b], axis=2)  # noqa: E731
+    return cat(k, rk), cat(v, rv), cat(kt, np.abs(rk)), cat(vt, np.abs(rv))
+
+
+def _mask64(mask, lq, s):
+    if mask is None or (isinstance(mask, str) and lq == 1):
+        return None
+    if isinstance(mask, str):
+        return np.arange(s - lq, s)[:, None] >= np.arange(s)[None]
+    return np.array(mask)
+
+
+def reference(queries, cache, scale, mask=None):
+    """(softmax(q·K̂ᵀ·scale + mask)·V̂ in float64 [B, Hq, L, D], its float32 accumulation bound per
+    element). The bound: scores off by at most δ = (D + 8)·u·Σ_d |q_d|·scale·(key terms), which
+    moves the softmax weights by a factor within exp(±2δ); the exponentials' own error (8u); and the
+    sums over tokens and channels, (S + D + 64)·u times the weighted value terms."""
+    k, v, kt, vt = _dequantized64(cache)
+    b, hq, lq, d = queries.shape
+    h, s = k.shape[1], k.shape[2]
+    r = hq // h
+    q = np.array(queries.astype(mx.float32)).astype(np.float64).reshape(b, h, r * lq, d)
+    sc = np.einsum("bhid,bhtd->bhit", q, k) * scale
+    mag = np.einsum("bhid,bhtd->bhit", np.abs(q), kt) * scale
+    m = _mask64(mask, lq, s)
+    if m is not None:
+        sc = sc.reshape(b, hq, lq, s)
+        sc = np.where(m, sc, -np.inf) if m.dtype == bool else sc + m
+        sc = sc.reshape(b, h, r * lq, s)
+    w = np.exp(sc - sc.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    out = np.einsum("bhit,bhtd->bhid", w, v)
+    delta = (d + 8) * U * np.max(np.where(w > 0, mag, 0), axis=-1, keepdims=True) * 1.1
+    vmax = np.einsum("bhit,bhtd->bhid", w, np.abs(v))
+    tol = (2.01 * delta + 8 * U) * np.max(np.abs(v), axis=2, keepdims=True) + (s + d + 64) * U * (
+        np.einsum("bhit,bhtd->bhid", w, vt) + vmax
+    )
+    return out.reshape(b, hq, lq, d), tol.reshape(b, hq, lq, d)
+
+
+def _ulp(x, dtype):
+    """Half an ulp of x in the output dtype (the final rounding)."""
+    bits = {"float32": 24, "float16": 11, "bfloat16": 8}[dtype]
+    return np.abs(x) * 2.0**-bits + (2.0**-24 if dtype == "float16" else 0)
+
+
+def assert_within(got, queries, cache, scale, mask=None, what=""):
+    want, tol = reference(queries, cache, scale, mask)
+    dt = str(got.dtype).split(".")[-1]
+    err = np.abs(np.array(got.astype(mx.float32)).astype(np.float64) - want)
+    limit = tol + _ulp(want, dt)
+    assert np.all(err <= limit), f"{what}: worst error {err.max():.3g}, at {np.unravel_index(np.argmax(err / limit), err.shape)}, ratio {np.max(err / limit):.3g}"
+    return err, tol
+
+
+# --- packing and the store ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_packing_round_trip(bits):
+    mx.random.seed(bits)
+    codes = mx.random.randint(0, 2**bits, (2, 3, 64, 48)).astype(mx.uint8)
+    w = packing.pack_keys(codes, bits, 32)
+    assert w.shape == (2, 3, 2, 48 * bits // 32, 32) and w.dtype == mx.uint32
+    assert mx.array_equal(packing.unpack_keys(w, bits), codes.astype(mx.uint32))
+    wv = packing.pack_words(codes, bits)
+    assert mx.array_equal(packing.unpack_words(wv, bits), codes.astype(mx.uint32))
+    # lowest bits first: channel 1 of word 0 sits at bit `bits`
+    one = mx.zeros((1, 48), mx.uint8)
+    one[0, 1] = 1
+    assert packing.pack_words(one, bits)[0, 0].item() == 1 << bits
+
+
+def test_geometry_errors_name_the_problem():
+    with pytest.raises(ValueError, match="2, 4 or 8"):
+        PackedKIVICache(bits=3)
+    c = PackedKIVICache(bits=4, group_size=32)
+    k = mx.zeros((1, 1, 4, 20))
+    with pytest.raises(ValueError, match="head dim 20"):
+        c.update_and_fetch(k, k)
+    with pytest.raises(ValueError, match="group_size 12"):
+        PackedKIVICache(bits=2, group_size=12).update_and_fetch(mx.zeros((1, 1, 4, 32)), mx.zeros((1, 1, 4, 32)))
+
+
+@pytest.mark.parametrize("bits,g,d", [(4, 32, 64), (4, 32, 40), (8, 64, 128), (2, 16, 48)])
+def test_store_is_the_reference_quantizer_in_packed_form(bits, g, d):
+    """Schedule, codes and residual as the reference cache; scale and zero are the reference's
+    float32 values rounded to float16."""
+    k, v = _kv(2, 3, 333, d, "bfloat16", seed=bits)
+    chunks = [100, 1, 1, 150, 17, 64]
+    p = _filled(bits, g, 48, k, v, chunks)
+    ref = KIVICache(bits, g, 48)
+    a = 0
+    for n in chunks:
+        ref.update_and_fetch(k[..., a : a + n, :], v[..., a : a + n, :])
+        a += n
+    nq = g * ((333 - 48) // g)
+    assert (p.offset, p.quantized, p.flushes) == (ref.offset, ref.quantized, ref.flushes) == (333, nq, nq // g)
+    qk, ks, kz = quant.quantize_keys(k[..., :nq, :], bits, g)
+    qv, vs, vz = quant.quantize_values(v[..., :nq, :], bits, g)
+    assert mx.array_equal(packing.unpack_keys(p.kc[:, :, : nq // g], bits), qk.astype(mx.uint32))
+    assert mx.array_equal(packing.unpack_words(p.vc[:, :, :nq], bits), qv.astype(mx.uint32))
+    assert mx.array_equal(p.kp[:, :, : nq // g], packing.params(ks, kz))
+    assert mx.array_equal(p.vp[:, :, :nq], packing.params(vs, vz))
+    rk, rv = p.residual()
+    assert mx.array_equal(rk, k[..., nq:, :]) and mx.array_equal(rv, v[..., nq:, :])
+    # dequantized: the reference's x_hat up to the float16 rounding of scale and zero
+    kh, vh = p.dequantized(0, nq)
+    bound = lambda s, z, c: np.abs(np.array(c)) * np.array(s) * 2**-11 + np.abs(np.array(z)) * 2**-11  # noqa: E731
+    assert np.all(np.abs(np.array(kh) - np.array(quant.dequantize_keys(qk, ks, kz, g))) <= bound(mx.repeat(ks, g, 2), mx.repeat(kz, g, 2), qk) + 1e-6)
+
+
+def test_nbytes_is_resident_and_near_the_packed_size():
+    """At 32k tokens (the memory goal's context): resident bytes within 5 % of the packed size, and
+    under 0.35x (KIVI-4) and 0.22x (KIVI-2) of the fp16 cache's."""
+    b, h, d, n = 1, 2, 128, 32768
+    k, v = _kv(b, h, n, d, "float16")
+    for bits in (2, 4):
+        c = _filled(bits, 32, 128, k, v, [8192] * 4)
+        theory = c.packed_nbytes()
+        assert theory == (2 * b * h * c.quantized * d * bits // 8 + 4 * b * h * (c.quantized // 32) * d * 2
+                          + 2 * b * h * c.nres * d * 2)
+        assert c.nbytes == sum(a.nbytes for a in (c.kc, c.kp, c.vc, c.vp, *c.residual_buffers()[:2]))
+        assert theory <= c.nbytes <= 1.05 * theory
+        fp16 = KVCache()
+        fp16.update_and_fetch(k, v)
+        ratio = c.nbytes / fp16.nbytes
+        assert ratio < {2: 0.22, 4: 0.35}[bits], ratio
+
+
+def test_state_round_trips_through_prompt_cache_files(tmp_path):
+    k, v = _kv(1, 2, 300, 64, "float16")
+    caches = [_filled(4, 32, 64, k, v, [250]), _filled(2, 32, 0, k, v, [95, 1]), _filled(8, 64, 256, k, v, [250])]
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, caches)
+    loaded = load_prompt_cache(path)
+    assert [type(c) for c in loaded] == [PackedKIVICache] * 3
+    assert loaded[2].quantized == 0 and loaded[1].nres == 0
+    for a, b in zip(caches, loaded):
+        assert (a.kv_bits, a.group_size, a.residual_length, a.offset, a.quantized, a.flushes, a.nres) == (
+            b.kv_bits, b.group_size, b.residual_length, b.offset, b.quantized, b.flushes, b.nres)
+        for x, y in zip(a.state[:6], b.state[:6]):
+            assert mx.array_equal(x, y)
+        # both continue the same way
+        a.update_and_fetch(k[..., 250:300, :], v[..., 250:300, :])
+        b.update_and_fetch(k[..., 250:300, :], v[..., 250:300, :])
+        for x, y in zip(a.state[:6], b.state[:6]):
+            assert mx.array_equal(x, y)
+
+
+def test_trim():
+    k, v = _kv(1, 2, 200, 32, "float32")
+    c = _filled(4, 16, 32, k, v, [150])
+    assert (c.offset, c.quantized, c.nres) == (150, 112, 38)
+    assert c.trim(10) == 10 and (c.offset, c.quantized, c.nres) == (140, 112, 28)
+    assert mx.array_equal(c.residual()[0], k[..., 112:140, :])  # within the residual: exact
+    kh, _ = c.dequantized(96, 112)
+    assert c.trim(35) == 35 and (c.offset, c.quantized, c.nres) == (105, 96, 9)
+    # into a group: its kept tokens return to the residual as their dequantized values
+    assert mx.array_equal(c.residual()[0], kh[..., :9, :])
+    c.update_and_fetch(k[..., 105:200, :], v[..., 105:200, :])
+    assert c.offset == 200 and c.quantized == 96 + 16 * ((200 - 96 - 32) // 16)
+    assert c.trim(500) == 200 and c.offset == 0 and c.quantized == 0
+
+
+# --- the tile path ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "hk,ratio,d,bits,g,lq,mask",
+    [
+        (1, 1, 64, 4, 32, 1, None),
+        (2, 4, 128, 2, 32, 1, "causal"),
+        (4, 2, 64, 8, 64, 7, "causal"),
+        (8, 8, 64, 4, 32, 3, "causal"),
+        (2, 3, 128, 4, 32, 5, "bool"),
+        (1, 5, 64, 2, 16, 4, "additive"),
+    ],
+)
+def test_tiles_within_float32_bound_for_every_tile_size(hk, ratio, d, bits, g, lq, mask):
+    k, v = _kv(1, hk, 419, d, "float32", seed=hk * ratio)
+    c = _filled(bits, g, 40, k, v, [300, 119])
+    q = mx.random.normal((1, hk * ratio, lq, d), key=mx.random.key(7)) * 1.5
+    m = mask
+    if mask == "bool":
+        m = mx.random.uniform(shape=(lq, 419), key=mx.random.key(3)) > 0.3
+        m[:, 0] = True
+    elif mask == "additive":
+        m = mx.random.normal((1, hk * ratio, lq, 419), key=mx.random.key(4))
+    outs = []
+    for tile in (g, 64, 160, 4096):
+        out = attention.attend_tiles(q, c, d**-0.5, m, tile=tile)
+        assert_within(out, q, c, d**-0.5, m, f"tile {tile}")
+        outs.append(np.array(out))
+    # tile sizes change only the order of float32 sums
+    _, tol = reference(q, c, d**-0.5, m)
+    assert all(np.all(np.abs(o - outs[0]) <= 2 * tol) for o in outs)
+
+
+def test_tiles_equal_sdpa_over_the_dequantized_cache():
+    k, v = _kv(1, 2, 300, 64, "float32")
+    c = _filled(4, 32, 64, k, v, [300])
+    kh, vh = c.dequantized(0, c.quantized)
+    rk, rv = c.residual()
+    q = mx.random.normal((1, 4, 6, 64))
+    want = mx.fast.scaled_dot_product_attention(q, mx.concatenate([kh, rk], 2), mx.concatenate([vh, rv], 2), scale=0.125, mask="causal")
+    got = attention.attend(q, c, 0.125, "causal", use_kernels=False)
+    assert mx.allclose(got, want, atol=2e-5, rtol=1e-4)
+
+
+# --- mlx-lm integration --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_source):
+    return load(str(tiny_source))
+
+
+def _prompt(tokenizer, n):
+    return tokenizer.encode(CORPUS.read_text(encoding="utf-8")[: 8 * n])[:n]
+
+
+def test_install_routes_only_packed_caches(tiny):
+    model, _ = tiny
+    import mlx_lm.models.qwen2 as qwen2
+
+    attention.install(model)
+    assert attention.install(model) == []  # idempotent
+    fn = qwen2.scaled_dot_product_attention
+    assert hasattr(fn, "vqpipe_kivi_original")
+    q, k = mx.random.normal((1, 4, 3, 64)), mx.random.normal((1, 2, 3, 64))
+    plain = fn(q, k, k, cache=KVCache(), scale=0.1, mask="causal")
+    assert mx.allclose(plain, mx.fast.scaled_dot_product_attention(q, k, k, scale=0.1, mask="causal"))
+
+
+def _tokens(model, tokenizer, prompt, cache, n=24, **kw):
+    return [o.token for o in stream_generate(model, tokenizer, prompt, max_tokens=n, prompt_cache=cache, **kw)]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_generation_same_tokens_as_reference_cache(tiny, bits):
+    """Prefill in 64-token chunks (flushes in prefill and decode), GQA: the packed cache's tokens
+    equal the reference cache's."""
+    model, tokenizer = tiny
+    prompt = _prompt(tokenizer, 300)
+    ref = _tokens(model, tokenizer, prompt, make_kivi_cache(model, bits, 32, 64), prefill_step_size=64)
+    c = make_kivi_cache(model, bits, 32, 64, packed=True)
+    assert all(isinstance(x, PackedKIVICache) for x in c)
+    assert _tokens(model, tokenizer, prompt, c, prefill_step_size=64) == ref
+    assert c[0].quantized == 32 * ((c[0].offset - 64) // 32) and c[0].flushes > 0
+
+
+def test_generation_with_vqpipe_weights(tiny_source, tmp_path_factory):
+    from vqpipe import pack, quantize
+    from vqpipe.reservoir import load as load_reservoir
+
+    root = tmp_path_factory.mktemp("kivi_vq")
+    quantize.run(tiny_source, root / "q", bits=4, rotation="auto", progress=lambda *_: None)
+    pack.run(root / "q", root / "res", persist_rotation=False, progress=lambda *_: None)
+    model, _ = load_reservoir(root / "res")
+    _, tokenizer = load(str(tiny_source))
+    prompt = _prompt(tokenizer, 150)
+    ref = _tokens(model, tokenizer, prompt, make_kivi_cache(model, 4, 32, 32), n=8)
+    assert _tokens(model, tokenizer, prompt, make_kivi_cache(model, 4, 32, 32, packed=True), n=8) == ref
+
+
+# --- the decode kernel's CUDA source, run on the host ---------------------------------------------
+
+# (dtype, bits, G, D, KV heads, GQA ratio, tokens, residual length, warps, splits)
+HOST_CASES = [
+    ("float32", 4, 32, 64, 1, 1, 300, 40, 1, [1, 5]),
+    ("float32", 2, 32, 128, 2, 4, 333, 17, 4, [1, 3, 64]),
+    ("float32", 8, 32, 64, 4, 2, 200, 0, 2, [2, 7]),
+    ("float32", 4, 64, 128, 8, 8, 170, 33, 8, [1, 4]),
+    ("float32", 2, 32, 64, 2, 3, 95, 128, 2, [1, 2]),  # nothing quantized: the residual alone, ragged
+    ("float32", 4, 32, 128, 1, 5, 260, 96, 8, [3]),
+    ("float32", 8, 32, 128, 2, 6, 150, 20, 2, [1, 6]),
+    ("float32", 4, 32, 64, 2, 7, 129, 1, 4, [2]),
+    ("float16", 4, 32, 128, 8, 4, 300, 128, 8, [1, 9]),
+    ("bfloat16", 2, 64, 64, 2, 2, 250, 32, 4, [5]),
+]
+
+
+@pytest.fixture(scope="module")
+def host_attn(tmp_path_factory):
+    combos = sorted({(dt, b, g, d, r, w) for dt, b, g, d, _, r, _, _, w, _ in HOST_CASES})
+    exe = kivi_host.build(tmp_path_factory.mktemp("kivi_attn_host"), combos)
+    if exe is None:
+        pytest.skip("no C++ compiler for the host run of the CUDA rendering")
+    return exe
+
+
+@pytest.mark.parametrize("case", HOST_CASES, ids=lambda c: "-".join(map(str, c[:9])))
+def test_cuda_rendering_on_host_within_float32_bound(host_attn, case):
+    dt, bits, g, d, hk, ratio, s, res, warps, splits = case
+    k, v = _kv(1, hk, s, d, dt, seed=s)
+    c = _filled(bits, g, res, k, v, [s - 1, 1])
+    assert c.quantized == max(0, (s - res) // g * g)
+    q = (mx.random.normal((1, hk * ratio, 1, d), key=mx.random.key(s)) * 1.5).astype(getattr(mx, dt))
+    outs = []
+    for ns in splits:
+        out, counters = kivi_host.run(host_attn, q, c, d**-0.5, ns, warps, seed=ns + 1)
+        assert not counters.any(), "the last block resets its counter"
+        assert_within(out, q, c, d**-0.5, None, f"splits {ns}")
+        outs.append(np.array(out.astype(mx.float32)))
+    want, tol = reference(q, c, d**-0.5)
+    assert all(np.all(np.abs(o - outs[0]) <= 2 * tol + 2 * _ulp(want, dt)) for o in outs)
+
+
+def test_decode_kernel_source_one_description_two_dialects():
+    (nc, hc, bc), (nm, hm, bm) = decode_kernel.render("cuda"), decode_kernel.render("metal")
+    assert "KA_" not in bc + bm and nc != nm and nc.startswith("kivi_decode_attn_")
+    assert "__shfl_sync" in hc and "__ldcg" in hc and "atomicAdd" in hc
+    assert "simd_shuffle" in hm and "atomic_fetch_add_explicit" in hm
+    # both dialects give every token of the one body, and the same helpers
+    used = set(re.findall(r"\bKA_[A-Z0-9_]+\b", decode_kernel._BODY))
+    assert all(set(d["tokens"]) == used for d in decode_kernel.DIALECTS.values())
+    helpers = lambda h: sorted(set(re.findall(r"\b(ka_[a-z_]+)\(", h)))  # noqa: E731
+    assert helpers(hc) == helpers(hm) == sorted(set(re.findall(r"\b(ka_[a-z_]+)\(", decode_kernel._BODY)))
+
+
+def test_kernel_geometry_limits():
+    assert decode_kernel.unsupported(128, 128, 4, 32, 4) is None
+    assert decode_kernel.unsupported(128, 128, 2, 32, 8) is None
+    assert "group_size" in decode_kernel.unsupported(128, 128, 4, 16, 4)
+    assert "head dim" in decode_kernel.unsupported(96, 96, 4, 32, 4)
+    assert "query heads" in decode_kernel.unsupported(64, 64, 4, 32, 9)
+    assert "different head dims" in decode_kernel.unsupported(64, 128, 4, 32, 2)
+
+
+# --- GPU: the kernel itself ------------------------------------------------------------------------
+
+
+# (dtype, bits, G, D, KV heads, GQA ratio, tokens, residual length, warps): each distinct
+# (dtype, bits, G, D, ratio, warps) is one JIT compile (about 4 s), so the list spans the factors
+# with few; the host run above covers every GQA ratio 1-8 and warp counts 1-8.
+GPU_CASES = [
+    ("float16", 4, 32, 128, 8, 4, 4133, 128, 8),  # the benchmark's geometry
+    ("float16", 2, 32, 128, 8, 4, 1000, 17, 8),
+    ("float16", 8, 32, 128, 8, 4, 300, 0, 8),
+    ("float16", 4, 32, 128, 4, 4, 37, 128, 4),  # the residual alone, ragged
+    ("bfloat16", 4, 32, 128, 1, 1, 300, 17, 8),
+    ("bfloat16", 4, 32, 128, 4, 3, 4133, 128, 8),
+    ("bfloat16", 4, 32, 128, 8, 5, 300, 128, 8),
+    ("bfloat16", 4, 32, 128, 4, 8, 4133, 17, 8),
+    ("float16", 2, 32, 64, 2, 7, 4133, 128, 8),  # qwen2.5-0.5b's geometry
+    ("bfloat16", 8, 32, 64, 8, 2, 1000, 17, 8),
+    ("float32", 2, 64, 128, 2, 8, 1000, 128, 8),
+    ("bfloat16", 4, 32, 64, 2, 2, 4133, 64, 8),  # synth:tiny's geometry
+]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_kernel_within_float32_bound_for_every_split_count(case):
+    dt, bits, g, d, hk, ratio, s, res, warps = case
+    k, v = _kv(1, hk, s, d, dt, seed=s + d)
+    c = _filled(bits, g, res, k, v, [s - 1, 1])
+    q = (mx.random.normal((1, hk * ratio, 1, d), key=mx.random.key(s)) * 1.5).astype(getattr(mx, dt))
+    want, tol = reference(q, c, d**-0.5)
+    outs = []
+    for ns in (None, 1, 3, 7, decode_kernel.NSMAX):
+        out = decode_kernel.decode_attention(q, c, d**-0.5, splits=ns, warps=warps)
+        again = decode_kernel.decode_attention(q, c, d**-0.5, splits=ns, warps=warps)  # the same scratch, reset
+        assert_within(out, q, c, d**-0.5, None, f"splits {ns} warps {warps}")
+        assert mx.array_equal(out, again)
+        outs.append(np.array(out.astype(mx.float32)))
+    assert all(np.all(np.abs(o - outs[0]) <= 2 * tol + 2 * _ulp(want, dt)) for o in outs)
+    # two launches on one cache in one graph (they share its scratch): ordered, the same answer
+    a, b = decode_kernel.decode_attention(q, c, d**-0.5), decode_kernel.decode_attention(q, c, d**-0.5)
+    assert mx.array_equal(a, b)
+    # through the dispatch, as mlx-lm's attention reaches it
+    assert decode_kernel.applies(q, c)
+    assert mx.array_equal(attention.attend(q, c, d**-0.5, None), decode_kernel.decode_attention(q, c, d**-0.5))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_kernel_dispatch_and_generation(tiny):
+    model, tokenizer = tiny
+    prompt = _prompt(tokenizer, 400)
+    c = make_kivi_cache(model, 4, 32, 64, packed=True)
+    q = mx.random.normal((1, 4, 1, 64)).astype(mx.bfloat16)
+    mx.eval(_tokens(model, tokenizer, prompt, c, n=2))
+    assert decode_kernel.applies(q, c[0])
+    on = _tokens(model, tokenizer, prompt, make_kivi_cache(model, 4, 32, 64, packed=True), n=24)
+    off = _tokens(model, tokenizer, prompt, make_kivi_cache(model, 4, 32, 64, use_kernels=False, packed=True), n=24)
+    same = next((i for i, (a, b) in enumerate(zip(on, off)) if a != b), len(on))
+    if same < len(on):
+        warnings.warn(f"kernel and tile-path decode differ from token {same} (float32 sums in another order)")
+    assert same >= 8, (on, off)
+
+
+def test_bench_kivi_attn_quick_runs_every_part(tmp_path, monkeypatch):
+    """bench-kivi-attn --quick on CPU, the fused kernel stood in for by the tile path, so every
+    part's arms, floors and fields are exercised without a GPU."""
+    import json
+
+    from vqpipe.bench import kivi_attn
+
+    monkeypatch.setattr(decode_kernel, "active", lambda use_kernels=None: use_kernels is not False)
+    monkeypatch.setattr(decode_kernel, "decode_attention", lambda q, c, scale, **kw: attention.attend_tiles(q, c, scale))
+    out = tmp_path / "a.json"
+    assert kivi_attn.main(["--out", str(out), "--quick", "--variants", "2x1", "--work", str(tmp_path / "m")]) == 0
+    doc = json.loads(out.read_text())
+    (op,) = doc["op"]
+    assert set(op["arms"]) == {"fp16-sdpa", "mlx-q4", "kivi4", "kivi2", "kivi4:w2c1"} and op["noise_floor"] >= 0
+    assert op["arms"]["kivi4"]["vs_mlx_q4"] > 0 and all(v < 1e-5 for v in op["kernel_vs_tiles_max_abs"].values())
+    mem = doc["memory"]["tiny"]
+    assert mem["kivi4"]["cache_nbytes"] < mem["fp16"]["cache_nbytes"] and mem["kivi2"]["packed_nbytes"] > 0
+    (dec,) = doc["decode"]
+    assert {"fp16", "kivi4", "kivi2"} <= set(dec["arms"]) and dec["arms"]["kivi4"]["tok_per_s_median"] > 0
+    assert kivi_attn.amdahl(10.0, 32, 0.1, 0.05) == pytest.approx(10 / 8.4)
+
+
+def test_bench_kivi_quality_quick(tiny_source, tmp_path):
+    """bench-kivi-quality on synth:tiny, one short window: the fp cache against itself is exact,
+    and every kind gets perplexity, KL and top-1 agreement."""
+    import json
+
+    from vqpipe.bench import kivi_quality
+
+    out = tmp_path / "q.json"
+    assert kivi_quality.main(["--model", str(tiny_source), "--out", str(out), "--windows", "1", "--length", "300",
+                              "--chunk", "100", "--kinds", "kivi2", "mlx-q4"]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert set(res) == {"fp", "kivi2", "mlx-q4"}
+    assert res["fp"]["kl"]["median"] == pytest.approx(0, abs=1e-6) and res["fp"]["top1"]["median"] == 1
+    assert res["kivi2"]["kl"]["median"] > 0 and res["kivi2"]["ppl"]["n"] == 1

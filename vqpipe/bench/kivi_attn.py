@@ -1,0 +1,355 @@
+"""bench-kivi-attn: decode attention over a packed KIVI cache, its memory, and end-to-end decode.
+
+Three parts (``--parts``), each with arms interleaved in one process (vqpipe.bench.harness), warm-up
+rounds untimed, the fp16 arm run twice for the A/A noise floor:
+
+- ``op``: one decode step's attention (query length 1) at Llama-3-8B geometry (32 query heads,
+  8 KV heads, D = 128, fp16), ``--layers`` distinct caches per step (one per layer, as a decode
+  step of a 32-layer model runs them), a rotating pool of ``--inputs`` queries; per-layer time =
+  step time / layers. Arms: ``mx.fast.scaled_dot_product_attention`` on an fp16 cache, mlx-lm's
+  ``quantized_scaled_dot_product_attention`` on ``mx.quantize``d caches (group 64, as
+  QuantizedKVCache), and the packed KIVI cache's fused kernel (G = 32, R = 128), at each bit width.
+- ``memory``: a generation (mlx-lm's ``generate_step``, prompt of ``--memory-context`` tokens, prefill in
+  ``--prefill-step`` chunks) per cache kind; its own peak = ``mx.get_peak_memory()`` minus what was
+  allocated before it, and the caches' ``nbytes`` against the packed size.
+- ``decode``: tokens per second of the whole model, one token per timed call (forward, argmax,
+  eval), caches filled beforehand with ``--contexts`` tokens of random keys and values (a decode
+  step does not depend on what the keys are). Models: the Llama-3-8B layer geometry with random
+  weights (``llama3-8b``, ``--llama-layers`` layers, vocab 128256) and the synthetic qwen2.5-0.5b;
+  weights fp16 or mlx affine 4-bit. Before measuring, the Amdahl prediction from the op part's
+  per-layer attention times is printed and stored.
+
+    python -m vqpipe bench-kivi-attn --out results/bench/kivi_attn.json
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..kivi import decode_kernel
+from ..kivi.attention import attend_tiles
+from ..kivi.cache import make_kivi_cache
+from ..kivi.store import PackedKIVICache
+from . import env, harness, roofline
+
+HQ, HK, D = 32, 8, 128
+AFFINE_GROUP = 64
+
+
+def _stats(times, per=1):
+    return harness.summarize([t / per for t in times])
+
+
+def _fmt(s, scale=1e6):
+    return f"{s['median'] * scale:.1f} [{s['min'] * scale:.1f}-{s['max'] * scale:.1f}]"
+
+
+# --- op ---------------------------------------------------------------------------------------
+
+
+def _op_caches(s, layers, bits_list, mlx_bits, seed):
+    keys = mx.random.split(mx.random.key(seed), 2 * layers)
+    fp, mq, kv = [], {b: [] for b in mlx_bits}, {b: [] for b in bits_list}
+    for j in range(layers):
+        k = mx.random.normal((1, HK, s, D), key=keys[2 * j]).astype(mx.float16)
+        v = mx.random.normal((1, HK, s, D), key=keys[2 * j + 1]).astype(mx.float16)
+        fp.append((k, v))
+        for b in mlx_bits:
+            mq[b].append((mx.quantize(k, group_size=AFFINE_GROUP, bits=b), mx.quantize(v, group_size=AFFINE_GROUP, bits=b)))
+        for b in bits_list:
+            c = PackedKIVICache(b, 32, 128)
+            c.update_and_fetch(k, v)
+            kv[b].append(c)
+        mx.eval(fp[-1], [x for b in mlx_bits for x in mq[b][-1]], [c.state[:6] for b in bits_list for c in kv[b][-1:]])
+    return fp, mq, kv
+
+
+def measure_op(s, args):
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention as qsdpa
+
+    layers, n = args.layers, args.inputs
+    fp, mq, kv = _op_caches(s, layers, args.bits, args.mlx_bits, seed=s)
+    qs = [mx.random.normal((1, HQ, 1, D), key=mx.random.key(1000 + i)).astype(mx.float16) for i in range(n)]
+    mx.eval(qs)
+    scale = D**-0.5
+    arms = {"fp16-sdpa": lambda i: [mx.fast.scaled_dot_product_attention(qs[(i + j) % n], k, v, scale=scale) for j, (k, v) in enumerate(fp)]}
+    for b in args.mlx_bits:
+        arms[f"mlx-q{b}"] = lambda i, b=b: [
+            qsdpa(qs[(i + j) % n], qk, qv, scale=scale, mask=None, group_size=AFFINE_GROUP, bits=b) for j, (qk, qv) in enumerate(mq[b])
+        ]
+    for b in args.bits:
+        arms[f"kivi{b}"] = lambda i, b=b: [decode_kernel.decode_attention(qs[(i + j) % n], c, scale) for j, c in enumerate(kv[b])]
+    chunks = kv[args.bits[0]][0].quantized // 32 + -(-kv[args.bits[0]][0].nres // 32)
+    for w, per in args.variants:  # other launch shapes of the first bit width's kernel
+        ns = decode_kernel.default_splits(chunks, w, per)
+        arms[f"kivi{args.bits[0]}:w{w}c{per}"] = lambda i, w=w, ns=ns: [
+            decode_kernel.decode_attention(qs[(i + j) % n], c, scale, splits=ns, warps=w) for j, c in enumerate(kv[args.bits[0]])]
+    # the kernel against the tile path (the same cache, float32 sums in another order)
+    check = {f"kivi{b}": mx.max(mx.abs(decode_kernel.decode_attention(qs[0], kv[b][0], scale).astype(mx.float32)
+                                       - attend_tiles(qs[0], kv[b][0], scale).astype(mx.float32))).item() for b in args.bits}
+    nbytes = {"fp16-sdpa": fp[0][0].nbytes + fp[0][1].nbytes}
+    nbytes.update({f"mlx-q{b}": sum(x.nbytes for t in mq[b][0] for x in t) for b in args.mlx_bits})
+    nbytes.update({f"kivi{b}": kv[b][0].nbytes for b in args.bits})
+    nbytes.update({f"kivi{args.bits[0]}:w{w}c{per}": kv[args.bits[0]][0].nbytes for w, per in args.variants})
+    times = harness.run_interleaved(harness.with_aa(arms, "fp16-sdpa"), n, args.repeats, args.warmup)
+    floor = harness.aa_floor(times, "fp16-sdpa")
+    row = {"S": s, "layers": layers, "arms": {}, "noise_floor": floor, "kernel_vs_tiles_max_abs": check, "cache_bytes_per_layer": nbytes}
+    base = times["fp16-sdpa"]
+    for name in arms:
+        st = _stats(times[name], layers)
+        row["arms"][name] = {**st, "bytes_per_s": nbytes[name] / st["median"],
+                             "vs_fp16": harness.compare(base, times[name], floor)["speedup"]}
+    for b in args.bits:
+        if b in args.mlx_bits:
+            row["arms"][f"kivi{b}"][f"vs_mlx_q{b}"] = harness.compare(times[f"mlx-q{b}"], times[f"kivi{b}"], floor)["speedup"]
+    del fp, mq, kv
+    mx.clear_cache()
+    return row
+
+
+# --- memory -----------------------------------------------------------------------------------
+
+
+def _load_synth(name, root):
+    from mlx_lm import load
+
+    from ..download import fetch
+
+    return load(str(fetch(f"synth:{name}", Path(root) / name, seed=0)))
+
+
+def _prompt(vocab, n, seed=0):
+    return mx.random.randint(0, vocab, (n,), key=mx.random.key(seed)).tolist()
+
+
+def _make(model, kind):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if kind == "fp16":
+        return make_prompt_cache(model)
+    return make_kivi_cache(model, int(kind.removeprefix("kivi")), 32, 128, packed=True)
+
+
+def measure_memory(model, args, kinds):
+    from mlx_lm.generate import generate_step
+
+    prompt = _prompt(model.args.vocab_size, args.memory_context)
+    rows = {}
+    for kind in kinds:
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        cache = _make(model, kind)
+        t0 = time.perf_counter()
+        for _ in generate_step(mx.array(prompt), model, max_tokens=4, prompt_cache=cache, prefill_step_size=args.prefill_step):
+            pass
+        peak = mx.get_peak_memory() - before
+        held = sum(c.nbytes for c in cache)
+        packed = sum(c.packed_nbytes() for c in cache if isinstance(c, PackedKIVICache))
+        rows[kind] = {"peak_bytes": peak, "cache_nbytes": held, "packed_nbytes": packed or None,
+                      "seconds": time.perf_counter() - t0}
+        del cache
+    for kind in kinds:
+        rows[kind]["peak_vs_fp16"] = rows[kind]["peak_bytes"] / rows["fp16"]["peak_bytes"]
+        rows[kind]["cache_vs_fp16"] = rows[kind]["cache_nbytes"] / rows["fp16"]["cache_nbytes"]
+    return rows
+
+
+# --- end-to-end decode ------------------------------------------------------------------------
+
+
+def llama3_8b(layers, dtype=mx.float16):
+    """Llama-3-8B's layer geometry (and vocabulary) with random weights; ``layers`` of them."""
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=4096, num_hidden_layers=layers, intermediate_size=14336,
+                           num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, vocab_size=128256,
+                           rope_theta=500000.0, tie_word_embeddings=False)
+    model = llama.Model(args)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def _head_dim(args):
+    return getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+
+
+def _filled(model, kind, s, dtype):
+    caches = _make(model, kind)
+    hk, d = model.args.num_key_value_heads, _head_dim(model.args)
+    for j, c in enumerate(caches):
+        for a in range(0, s, 4096):
+            n = min(4096, s - a)
+            kk, vk = mx.random.split(mx.random.key(j * 1000003 + a))
+            c.update_and_fetch(mx.random.normal((1, hk, n, d), key=kk).astype(dtype),
+                               mx.random.normal((1, hk, n, d), key=vk).astype(dtype))
+        mx.eval(c.state[:6] if isinstance(c, PackedKIVICache) else c.state)
+    return caches
+
+
+def measure_decode(model, s, kinds, args, dtype):
+    caches = {k: _filled(model, k, s, dtype) for k in kinds}
+    tok = {k: mx.array([[1]]) for k in kinds}
+
+    def step(kind):
+        def fn(i):
+            logits = model(tok[kind], cache=caches[kind])
+            tok[kind] = mx.argmax(logits[:, -1:], axis=-1)
+            return tok[kind]
+
+        return fn
+
+    arms = {k: step(k) for k in kinds}
+    times = harness.run_interleaved(harness.with_aa(arms, "fp16"), 1, args.decode_steps, args.warmup)
+    floor = harness.aa_floor(times, "fp16")
+    row = {"S": s, "noise_floor": floor, "arms": {}}
+    for k in kinds:
+        st = _stats(times[k])
+        row["arms"][k] = {**st, "tok_per_s_median": 1 / st["median"], "tok_per_s_mean": len(times[k]) / sum(times[k]),
+                          "vs_fp16": harness.compare(times["fp16"], times[k], floor)["speedup"]}
+    del caches
+    mx.clear_cache()
+    return row
+
+
+def amdahl(step_fp16, layers, attn_fp16, attn_kivi):
+    """Predicted decode speedup of KIVI over fp16 when only attention changes:
+    step / (step - layers * (fp16 attention - KIVI attention))."""
+    return step_fp16 / (step_fp16 - layers * (attn_fp16 - attn_kivi))
+
+
+def _nearest(rows, s):
+    return min(rows, key=lambda r: abs(r["S"] - s)) if rows else None
+
+
+def run_decode(args, op_rows, out, save=lambda: None):
+    kinds = ["fp16"] + [f"kivi{b}" for b in args.bits]
+    for model_name in args.decode_models:
+        for weights in args.weights:
+            if model_name == "llama3-8b":
+                model, dtype = llama3_8b(args.llama_layers), mx.float16
+            else:
+                model, _ = _load_synth(model_name, args.work)
+                dtype = next(p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating))
+            if weights == "affine4":
+                import mlx.nn as nn
+
+                nn.quantize(model, group_size=AFFINE_GROUP, bits=4, class_predicate=lambda p, m: isinstance(m, nn.Linear))
+                mx.eval(model.parameters())
+            for s in args.contexts:
+                try:
+                    row = measure_decode(model, s, kinds, args, dtype)
+                except (RuntimeError, ValueError) as e:  # e.g. out of memory at the longest context
+                    out.append({"model": model_name, "weights": weights, "S": s, "error": str(e)})
+                    print(f"decode {model_name}/{weights} S={s}: {e}", flush=True)
+                    continue
+                row.update({"model": model_name, "weights": weights, "layers": len(model.layers)})
+                op = _nearest(op_rows, s) if model_name == "llama3-8b" else None
+                if op is not None:
+                    step = row["arms"]["fp16"]["median"]
+                    row["amdahl"] = {k: amdahl(step, len(model.layers), op["arms"]["fp16-sdpa"]["median"], op["arms"][k]["median"])
+                                     for k in kinds[1:]}
+                    row["amdahl_op_S"] = op["S"]
+                out.append(row)
+                save()
+                print(f"decode {model_name}/{weights} S={s}: " + "; ".join(
+                    f"{k} {row['arms'][k]['tok_per_s_median']:.1f} tok/s ({row['arms'][k]['vs_fp16']:.2f}x"
+                    + (f", Amdahl {row['amdahl'][k]:.2f}x" if "amdahl" in row and k in row["amdahl"] else "") + ")"
+                    for k in kinds) + f"; floor {row['noise_floor']:.1%}", flush=True)
+            del model
+            mx.clear_cache()
+
+
+# --- main -------------------------------------------------------------------------------------
+
+
+def _ints(text):
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _variants(text):
+    """"8x2,4x1" -> [(8, 2), (4, 1)]: warps per block x chunks per warp."""
+    return [tuple(int(y) for y in x.split("x")) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m vqpipe bench-kivi-attn", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--parts", nargs="+", default=["op", "decode", "memory"], choices=("op", "memory", "decode"))
+    p.add_argument("--op-contexts", type=_ints, default=[4096, 8192, 16384, 32768, 65536])
+    p.add_argument("--bits", type=_ints, default=[4, 2])
+    p.add_argument("--mlx-bits", type=_ints, default=[8, 4, 2])
+    p.add_argument("--variants", type=_variants, default=[], help="extra kernel launch shapes timed as arms, e.g. 4x2,8x1 (warps x chunks per warp)")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--inputs", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=25)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--memory-models", nargs="+", default=["qwen2.5-0.5b", "llama3-8b"])
+    p.add_argument("--memory-context", type=int, default=32768)
+    p.add_argument("--prefill-step", type=int, default=512)
+    p.add_argument("--decode-models", nargs="+", default=["llama3-8b", "qwen2.5-0.5b"])
+    p.add_argument("--llama-layers", type=int, default=32)
+    p.add_argument("--weights", nargs="+", default=["full"], choices=("full", "affine4"))
+    p.add_argument("--contexts", type=_ints, default=[8192, 32768, 65536])
+    p.add_argument("--decode-steps", type=int, default=24)
+    p.add_argument("--work", default="/tmp/vqpipe-kivi-attn", help="where synthetic models are built")
+    p.add_argument("--quick", action="store_true", help="a small CPU run of every part")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.op_contexts, args.layers, args.inputs, args.repeats, args.warmup = [256], 2, 2, 2, 1
+        args.memory_models, args.memory_context, args.prefill_step = ["tiny"], 300, 128
+        args.decode_models, args.contexts, args.decode_steps, args.mlx_bits = ["tiny"], [300], 2, [4]
+    return args
+
+
+def _save(result, path):
+    """Write the result so far (temp file + rename): a run cut short keeps its finished rows."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(out)
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    result = {"kind": "bench-kivi-attn", "environment": env.environment_or_error(),
+              "config": {k: v for k, v in vars(args).items() if k != "out"},
+              "kernel": decode_kernel.active(None), "op": [], "memory": {}, "decode": []}
+    if "op" in args.parts:
+        if not decode_kernel.active(None):
+            print("bench-kivi-attn: op part needs the decode kernel (a GPU); skipped", flush=True)
+        else:
+            result["copy_bandwidth"] = roofline.measure_copy_bandwidth(1 << 30, repeats=5, warmup=2)
+            for s in args.op_contexts:
+                row = measure_op(s, args)
+                result["op"].append(row)
+                _save(result, args.out)
+                print(f"op S={s} (us per layer, median [min-max], n={args.repeats}, floor {row['noise_floor']:.1%}): " + "; ".join(
+                    f"{k} {_fmt(a)} {a['bytes_per_s'] / 1e12:.2f} TB/s {a['vs_fp16']:.2f}x" for k, a in row["arms"].items()), flush=True)
+    if "decode" in args.parts:
+        run_decode(args, result["op"], result["decode"], lambda: _save(result, args.out))
+    if "memory" in args.parts:
+        kinds = ["fp16"] + [f"kivi{b}" for b in args.bits]
+        for name in args.memory_models:
+            model = llama3_8b(args.llama_layers) if name == "llama3-8b" else _load_synth(name, args.work)[0]
+            rows = measure_memory(model, args, kinds)
+            result["memory"][name] = rows
+            _save(result, args.out)
+            print(f"memory {name} S={args.memory_context}: " + "; ".join(
+                f"{k} peak {r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_vs_fp16']:.3f}x), cache {r['cache_nbytes'] / 2**20:.1f} MiB ({r['cache_vs_fp16']:.3f}x)"
+                for k, r in rows.items()), flush=True)
+            del model
+    _save(result, args.out)
+    print(f"bench-kivi-attn: wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

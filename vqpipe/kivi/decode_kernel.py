@@ -1,0 +1,522 @@
+"""Fused decode attention over a packed KIVI cache: one kernel description, CUDA and Metal dialects.
+
+One launch per layer and decode step (query length 1). Grid: (splits, B * H KV heads) blocks of
+NW warps. The tokens are taken in chunks of 32 (the quantized ones, then the full-precision
+residual, ragged at its end); block ``split`` owns a contiguous run of chunks and its warps take
+them in turn. Per chunk, a warp:
+
+1. folds the chunk's per-channel key scales into the query (``q·scale·s_d``, in shared memory,
+   all R query heads of the KV head side by side) and the zeros into one bias per head
+   (``Σ_d q_d·scale·z_d``): the keys are then scored straight from their codes;
+2. scores: lane t owns token t of the chunk and reads its key words, 32 lanes reading 32
+   consecutive words (:mod:`vqpipe.kivi.packing`);
+3. online softmax: the chunk's max per head (a butterfly over the warp), the running max, sum and
+   accumulator rescaled by ``exp(m_old - m_new)`` when the max grows;
+4. p·V: lane (w, j) owns word w of tokens j, j + 32/W, ...; the value's per-token scale is folded
+   into p, its zero into one sum per head, so codes multiply p directly.
+
+Every query head of the GQA group is served by one read of the codes. At the end a block merges
+its warps (shared memory), writes its partial (max, sum, accumulator per head) to the cache's
+scratch buffer and counts itself done; the last block of a KV head merges all splits
+(log-sum-exp weights) and writes the output. The counter is reset by that block, so the scratch
+needs no clearing between launches. In float32 throughout; codes become floats exactly.
+"""
+
+import functools
+import hashlib
+
+import mlx.core as mx
+
+from .. import gpu
+from . import kernels
+
+NSMAX = 128  # most splits per KV head (the scratch holds one partial per split)
+WARPS = 8
+
+_BODY = """
+    constexpr unsigned int W = D * BITS / 32;  // words per token
+    constexpr unsigned int CPW = 32 / BITS;  // codes per word
+    constexpr unsigned int MASK = (1u << BITS) - 1u;
+    constexpr unsigned int P = 32 / W;  // tokens per pass of the values loop
+    constexpr unsigned int DL = D / 32;  // channels per lane in per-channel loops
+    constexpr unsigned int RP = (R + 3) / 4 * 4;  // query heads padded to float4
+    constexpr unsigned int NGV = (D + G - 1) / G;
+    constexpr unsigned int PS = R * (D + 2);  // one partial: acc[R][D], m[R], l[R]
+    constexpr unsigned int SHA = NW * D * RP > NW * PS ? NW * D * RP : NW * PS;
+    constexpr unsigned int SHB = (NSMAX + 1) * R + 3;  // the final merge's weights
+    constexpr unsigned int SH = SHA > SHB ? SHA : SHB;
+    KA_SHARED float4 sh4[SH / 4];
+    KA_SHARED unsigned int last;
+    KA_TG float* sh = (KA_TG float*)sh4;
+
+    const unsigned int tid = KA_THREAD;
+    const unsigned int lane = tid % 32u;
+    const unsigned int warp = tid / 32u;
+    const unsigned int split = KA_BLOCK_X;
+    const unsigned int nsplit = KA_NBLOCKS_X;
+    const unsigned int bh = KA_BLOCK_Y;  // b * H + h
+    const unsigned int NGC = kc_shape[2];
+    const unsigned int SC = vc_shape[2];
+    const unsigned int RC = rk_shape[2];
+    const float sm = meta[0];
+    const unsigned int nq = (unsigned int)meta[1];
+    const unsigned int nr = (unsigned int)meta[2];
+    const unsigned int nqc = nq / 32u;
+    const unsigned int nc = nqc + (nr + 31u) / 32u;
+    const unsigned int per = (nc + nsplit - 1u) / nsplit;
+    const unsigned int c0 = split * per;
+    const unsigned int c1 = ka_umin(c0 + per, nc);
+    const float ninf = ka_neg_inf();
+
+    float qv[R][DL];  // this lane's channels of the query, times the softmax scale
+    KA_UNROLL
+    for (unsigned int r = 0; r < R; ++r) {
+        KA_UNROLL
+        for (unsigned int i = 0; i < DL; ++i) {
+            qv[r][i] = static_cast<float>(q[(bh * R + r) * D + lane + 32u * i]) * sm;
+        }
+    }
+    float m[R], lsum[R], zacc[R], acc[R][CPW];
+    KA_UNROLL
+    for (unsigned int r = 0; r < R; ++r) {
+        m[r] = ninf;
+        lsum[r] = 0.0f;
+        zacc[r] = 0.0f;
+        KA_UNROLL
+        for (unsigned int c = 0; c < CPW; ++c) {
+            acc[r][c] = 0.0f;
+        }
+    }
+    KA_TG float* qs = sh + warp * D * RP;  // [D][RP]
+    const unsigned int vw = lane % W;  // values loop: this lane's word
+    const unsigned int vj = lane / W;  // and its first token
+
+    for (unsigned int c = c0 + warp; c < c1; c += NW) {
+        const bool quant = c < nqc;
+        const unsigned int t0 = c * 32u;
+        const unsigned int g = t0 / G;
+        float bias[R];
+        KA_SYNCWARP;  // the previous chunk's scores have read qs
+        KA_UNROLL
+        for (unsigned int r = 0; r < R; ++r) {
+            bias[r] = 0.0f;
+        }
+        KA_UNROLL
+        for (unsigned int i = 0; i < DL; ++i) {
+            const unsigned int d = lane + 32u * i;
+            float s = 1.0f, z = 0.0f;
+            if (quant) {
+                s = static_cast<float>(kp[((bh * NGC + g) * D + d) * 2u]);
+                z = static_cast<float>(kp[((bh * NGC + g) * D + d) * 2u + 1u]);
+            }
+            KA_UNROLL
+            for (unsigned int r = 0; r < RP; ++r) {
+                qs[d * RP + r] = r < R ? qv[r < R ? r : 0][i] * s : 0.0f;
+            }
+            KA_UNROLL
+            for (unsigned int r = 0; r < R; ++r) {
+                bias[r] += qv[r][i] * z;
+            }
+        }
+        KA_UNROLL
+        for (unsigned int r = 0; r < R; ++r) {
+            KA_UNROLL
+            for (unsigned int o = 16; o > 0; o /= 2) {
+                bias[r] += ka_shfl_xor(bias[r], o);
+            }
+        }
+        KA_SYNCWARP;
+        // scores: lane = token t0 + lane
+        float s[RP];
+        KA_UNROLL
+        for (unsigned int r = 0; r < RP; ++r) {
+            s[r] = r < R ? bias[r < R ? r : 0] : 0.0f;
+        }
+        const unsigned int rt = t0 + lane - nq;  // residual token (residual chunks only)
+        const bool valid = quant || rt < nr;
+        if (quant) {
+            const KA_DEV unsigned int* kw = kc + ((bh * NGC + g) * W) * G + (t0 + lane) % G;
+            KA_UNROLL
+            for (unsigned int w = 0; w < W; ++w) {
+                const unsigned int word = kw[w * G];
+                KA_UNROLL
+                for (unsigned int cc = 0; cc < CPW; ++cc) {
+                    const float x = ka_code((word >> (cc * BITS)) & MASK);
+                    const KA_TG float4* f = (const KA_TG float4*)(qs + (w * CPW + cc) * RP);
+                    KA_UNROLL
+                    for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
+                        const float4 v = f[r4];
+                        s[4 * r4] += v.x * x;
+                        s[4 * r4 + 1] += v.y * x;
+                        s[4 * r4 + 2] += v.z * x;
+                        s[4 * r4 + 3] += v.w * x;
+                    }
+                }
+            }
+        } else if (valid) {
+            const KA_DEV T* kr = rk + (bh * RC + rt) * D;
+            for (unsigned int d = 0; d < D; ++d) {
+                const float x = static_cast<float>(kr[d]);
+                const KA_TG float4* f = (const KA_TG float4*)(qs + d * RP);
+                KA_UNROLL
+                for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
+                    const float4 v = f[r4];
+                    s[4 * r4] += v.x * x;
+                    s[4 * r4 + 1] += v.y * x;
+                    s[4 * r4 + 2] += v.z * x;
+                    s[4 * r4 + 3] += v.w * x;
+                }
+            }
+        }
+        // online softmax over the chunk
+        float p[R];
+        KA_UNROLL
+        for (unsigned int r = 0; r < R; ++r) {
+            const float sr = valid ? s[r] : ninf;
+            float cm = sr;
+            KA_UNROLL
+            for (unsigned int o = 16; o > 0; o /= 2) {
+                cm = ka_max(cm, ka_shfl_xor(cm, o));
+            }
+            const float mn = ka_max(m[r], cm);
+            const float alpha = ka_exp(m[r] - mn);  // 0 on the first chunk (m = -inf)
+            p[r] = valid ? ka_exp(sr - mn) : 0.0f;
+            lsum[r] = lsum[r] * alpha + p[r];
+            zacc[r] *= alpha;
+            KA_UNROLL
+            for (unsigned int cc = 0; cc < CPW; ++cc) {
+                acc[r][cc] *= alpha;
+            }
+            m[r] = mn;
+        }
+        // p·V: lane (vw, vj) takes word vw of tokens vj, vj + P, ...
+        KA_UNROLL
+        for (unsigned int i = 0; i < W; ++i) {
+            const unsigned int tl = i * P + vj;
+            float pt[R];
+            KA_UNROLL
+            for (unsigned int r = 0; r < R; ++r) {
+                pt[r] = ka_shfl(p[r], tl);
+            }
+            if (quant) {
+                const unsigned int t = bh * SC + t0 + tl;
+                const unsigned int word = vc[t * W + vw];
+                const unsigned int jj = (vw * CPW) / G;
+                const float vs = static_cast<float>(vp[(t * NGV + jj) * 2u]);
+                const float vz = static_cast<float>(vp[(t * NGV + jj) * 2u + 1u]);
+                float pv[R];
+                KA_UNROLL
+                for (unsigned int r = 0; r < R; ++r) {
+                    pv[r] = pt[r] * vs;
+                    zacc[r] += pt[r] * vz;
+                }
+                KA_UNROLL
+                for (unsigned int cc = 0; cc < CPW; ++cc) {
+                    const float x = ka_code((word >> (cc * BITS)) & MASK);
+                    KA_UNROLL
+                    for (unsigned int r = 0; r < R; ++r) {
+                        acc[r][cc] += pv[r] * x;
+                    }
+                }
+            } else if (t0 + tl - nq < nr) {
+                const KA_DEV T* vr = rv + (bh * RC + t0 + tl - nq) * D + vw * CPW;
+                KA_UNROLL
+                for (unsigned int cc = 0; cc < CPW; ++cc) {
+                    const float x = static_cast<float>(vr[cc]);
+                    KA_UNROLL
+                    for (unsigned int r = 0; r < R; ++r) {
+                        acc[r][cc] += pt[r] * x;
+                    }
+                }
+            }
+        }
+    }
+    // the warp's totals: sums over the lanes that share a word, the sum over all lanes
+    KA_UNROLL
+    for (unsigned int r = 0; r < R; ++r) {
+        KA_UNROLL
+        for (unsigned int o = 16; o > 0; o /= 2) {
+            lsum[r] += ka_shfl_xor(lsum[r], o);
+        }
+        KA_UNROLL
+        for (unsigned int o = W; o < 32; o *= 2) {
+            zacc[r] += ka_shfl_xor(zacc[r], o);
+            KA_UNROLL
+            for (unsigned int cc = 0; cc < CPW; ++cc) {
+                acc[r][cc] += ka_shfl_xor(acc[r][cc], o);
+            }
+        }
+    }
+    KA_BARRIER;  // every warp is done with its qs
+    KA_TG float* mine = sh + warp * PS;
+    if (vj == 0u) {
+        KA_UNROLL
+        for (unsigned int r = 0; r < R; ++r) {
+            KA_UNROLL
+            for (unsigned int cc = 0; cc < CPW; ++cc) {
+                mine[r * (D + 2) + vw * CPW + cc] = acc[r][cc] + zacc[r];
+            }
+            if (lane == 0u) {
+                mine[r * (D + 2) + D] = m[r];
+                mine[r * (D + 2) + D + 1] = lsum[r];
+            }
+        }
+    }
+    KA_BARRIER;
+    // the block's partial: its warps merged
+    KA_DEV float* part = (KA_DEV float*)scratch + (bh * NSMAX + split) * PS;
+    for (unsigned int e = tid; e < R * (D + 2); e += NW * 32u) {
+        const unsigned int r = e / (D + 2), d = e % (D + 2);
+        float mx_ = ninf;
+        for (unsigned int w = 0; w < NW; ++w) {
+            mx_ = ka_max(mx_, sh[w * PS + r * (D + 2) + D]);
+        }
+        float tot = 0.0f;
+        if (d == D) {
+            tot = mx_;
+        } else if (mx_ != ninf) {
+            for (unsigned int w = 0; w < NW; ++w) {
+                const float mw = sh[w * PS + r * (D + 2) + D];
+                const float a = mw == ninf ? 0.0f : ka_exp(mw - mx_);
+                tot += a * sh[w * PS + r * (D + 2) + d];
+            }
+        }
+        part[e] = tot;
+    }
+    KA_FENCE;
+    KA_BARRIER;
+    if (tid == 0u) {
+        last = ka_atomic_inc(counters, bh) == nsplit - 1u ? 1u : 0u;
+    }
+    KA_BARRIER;
+    if (last != 0u) {
+        // every split's max per head, in parallel, then their weights exp(m_k - M) in shared memory,
+        // then each output a sum over the splits (independent loads)
+        KA_FENCE;
+        const KA_DEV float* all = (const KA_DEV float*)scratch + bh * NSMAX * PS;
+        KA_TG float* wts = sh;  // [nsplit][R]
+        KA_TG float* mxs = sh + NSMAX * R;  // [R]
+        for (unsigned int e = tid; e < nsplit * R; e += NW * 32u) {
+            wts[e] = ka_load(all + (e / R) * PS + (e % R) * (D + 2) + D);
+        }
+        KA_BARRIER;
+        for (unsigned int r = tid; r < R; r += NW * 32u) {
+            float mx_ = ninf;
+            for (unsigned int k = 0; k < nsplit; ++k) {
+                mx_ = ka_max(mx_, wts[k * R + r]);
+            }
+            mxs[r] = mx_;
+        }
+        KA_BARRIER;
+        for (unsigned int e = tid; e < nsplit * R; e += NW * 32u) {
+            const float mk = wts[e];
+            wts[e] = mk == ninf ? 0.0f : ka_exp(mk - mxs[e % R]);
+        }
+        KA_BARRIER;
+        for (unsigned int e = tid; e < R * D; e += NW * 32u) {
+            const unsigned int r = e / D, d = e % D;
+            float num = 0.0f, den = 0.0f;
+            KA_UNROLL_8
+            for (unsigned int k = 0; k < nsplit; ++k) {
+                const float a = wts[k * R + r];
+                num += a * ka_load(all + k * PS + r * (D + 2) + d);
+                den += a * ka_load(all + k * PS + r * (D + 2) + D + 1);
+            }
+            out[(bh * R + r) * D + d] = static_cast<T>(num / den);
+        }
+        if (tid == 0u) {
+            ka_atomic_reset(counters, bh);
+        }
+    }
+"""
+
+# NVRTC may contract a*b+c into FMAs here: unlike the quantizer, attention is only held to the
+# float32 accumulation bound, which contraction keeps.
+_CUDA_HEADER = """
+__device__ __forceinline__ unsigned int ka_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
+__device__ __forceinline__ float ka_max(float a, float b) { return a > b ? a : b; }
+__device__ __forceinline__ float ka_neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float ka_exp(float x) { return expf(x); }
+// a code < 2^23 as the mantissa of 2^23, minus 2^23: exact, and cheaper than an int-to-float
+__device__ __forceinline__ float ka_code(unsigned int c) { return __uint_as_float(0x4B000000u | c) - 8388608.0f; }
+__device__ __forceinline__ float ka_shfl_xor(float v, unsigned int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+__device__ __forceinline__ float ka_shfl(float v, unsigned int src) { return __shfl_sync(0xffffffffu, v, src); }
+// other blocks' partials: through L2, not a stale L1 line
+__device__ __forceinline__ float ka_load(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ unsigned int ka_atomic_inc(const unsigned int* c, unsigned int i) {
+    return atomicAdd(const_cast<unsigned int*>(c) + i, 1u);
+}
+__device__ __forceinline__ void ka_atomic_reset(const unsigned int* c, unsigned int i) {
+    atomicExch(const_cast<unsigned int*>(c) + i, 0u);
+}
+"""
+
+# Untested: no Apple GPU was available.
+_METAL_HEADER = """
+inline unsigned int ka_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
+inline float ka_max(float a, float b) { return a > b ? a : b; }
+inline float ka_neg_inf() { return -INFINITY; }
+inline float ka_exp(float x) { return metal::precise::exp(x); }
+inline float ka_code(unsigned int c) { return as_type<float>(0x4B000000u | c) - 8388608.0f; }
+inline float ka_shfl_xor(float v, unsigned int m) { return metal::simd_shuffle_xor(v, ushort(m)); }
+inline float ka_shfl(float v, unsigned int src) { return metal::simd_shuffle(v, ushort(src)); }
+inline float ka_load(const device float* p) { return *((const volatile device float*)p); }
+inline unsigned int ka_atomic_inc(const device unsigned int* c, unsigned int i) {
+    return atomic_fetch_add_explicit((device atomic_uint*)(c + i), 1u, memory_order_relaxed);
+}
+inline void ka_atomic_reset(const device unsigned int* c, unsigned int i) {
+    atomic_store_explicit((device atomic_uint*)(c + i), 0u, memory_order_relaxed);
+}
+"""
+
+DIALECTS = {
+    "cuda": {
+        "header": _CUDA_HEADER,
+        "tokens": {
+            "KA_THREAD": "threadIdx.x",
+            "KA_BLOCK_X": "blockIdx.x",
+            "KA_BLOCK_Y": "blockIdx.y",
+            "KA_NBLOCKS_X": "gridDim.x",
+            "KA_SHARED": "__shared__",
+            "KA_TG": "",
+            "KA_DEV": "",
+            "KA_SYNCWARP": "__syncwarp()",
+            "KA_BARRIER": "__syncthreads()",
+            "KA_FENCE": "__threadfence()",
+            "KA_UNROLL_8": "#pragma unroll 8",
+            "KA_UNROLL": "#pragma unroll",
+        },
+    },
+    "metal": {
+        "header": _METAL_HEADER,
+        "tokens": {
+            "KA_THREAD": "thread_position_in_threadgroup.x",
+            "KA_BLOCK_X": "threadgroup_position_in_grid.x",
+            "KA_BLOCK_Y": "threadgroup_position_in_grid.y",
+            "KA_NBLOCKS_X": "threadgroups_per_grid.x",
+            "KA_SHARED": "threadgroup",
+            "KA_TG": "threadgroup",
+            "KA_DEV": "device",
+            "KA_SYNCWARP": "simdgroup_barrier(mem_flags::mem_threadgroup)",
+            "KA_BARRIER": "threadgroup_barrier(mem_flags::mem_threadgroup)",
+            "KA_FENCE": "atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device)",
+            "KA_UNROLL_8": "#pragma unroll(8)",
+            "KA_UNROLL": "#pragma unroll",
+        },
+    },
+}
+
+# "after": the previous output of the same cache, unused by the body. Two launches on one cache share
+# its scratch and counters, which MLX sees only as inputs: without a data dependency between them, a
+# CUDA graph may run them concurrently (measured on the H200: garbage). Passing the last output
+# orders every launch after the previous one on the same cache.
+INPUTS = ["q", "kc", "kp", "vc", "vp", "rk", "rv", "meta", "scratch", "counters", "after"]
+
+
+def render(dialect):
+    """(name, header, body) in one dialect; the name carries a digest of the source (MLX caches
+    compiled kernels by name)."""
+    spec = DIALECTS[dialect]
+    body = _BODY.replace("NSMAX", str(NSMAX))
+    for token in sorted(spec["tokens"], key=len, reverse=True):  # KA_TG before KA_T..., longest first
+        body = body.replace(token, spec["tokens"][token])
+    digest = hashlib.sha1((spec["header"] + body).encode()).hexdigest()[:10]
+    return f"kivi_decode_attn_{digest}", spec["header"], body
+
+
+@functools.lru_cache(maxsize=256)  # asked per layer and step; the answer depends on these ints only
+def unsupported(head_dim, value_dim, bits, group_size, ratio, warps=WARPS):
+    """Why the kernel cannot serve this geometry (a sentence), or None."""
+    w = head_dim * bits // 32
+    if value_dim != head_dim:
+        return f"keys and values have different head dims ({head_dim}, {value_dim})"
+    if head_dim % 32 or w > 32 or 32 % w:
+        return f"head dim {head_dim} at {bits} bits: needs D % 32 == 0 and D * bits / 32 dividing 32"
+    if group_size % 32:
+        return f"group_size {group_size} is not a multiple of 32 (the kernel's chunk)"
+    if not 1 <= ratio <= 8:
+        return f"{ratio} query heads per KV head (the kernel serves 1 to 8)"
+    rp = -(-ratio // 4) * 4
+    if 4 * max(warps * head_dim * rp, warps * ratio * (head_dim + 2)) > 48 * 1024:
+        return "shared memory over 48 KiB"
+    return None
+
+
+_kernels = {}
+
+
+def _kernel(dialect):
+    if dialect not in _kernels:
+        name, header, body = render(dialect)
+        make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
+        _kernels[dialect] = make(name=name, input_names=INPUTS, output_names=["out"], source=body, header=header)
+    return _kernels[dialect]
+
+
+def active(use_kernels):
+    return gpu.active(use_kernels, kernels._enabled, gpu.backend(), "KIVI decode attention")
+
+
+def applies(queries, cache, use_kernels=None):
+    """Whether :func:`decode_attention` serves this call; with ``use_kernels=True`` a geometry it
+    cannot serve raises instead."""
+    if not active(use_kernels):
+        return False
+    rk, rv, _ = cache.residual_buffers()
+    why = unsupported(rk.shape[3], rv.shape[3], cache.kv_bits, cache.group_size, queries.shape[1] // rk.shape[1])
+    if why and use_kernels:
+        raise ValueError(f"KIVI decode attention: {why}")
+    return why is None and queries.shape[1] % rk.shape[1] == 0
+
+
+CHUNKS_PER_WARP = 2
+
+
+def default_splits(chunks, warps=WARPS, per_warp=None):
+    """Splits per KV head: about ``per_warp`` chunks (default CHUNKS_PER_WARP) per warp, at most NSMAX."""
+    return max(1, min(NSMAX, -(-chunks // ((per_warp or CHUNKS_PER_WARP) * warps))))
+
+
+def launch_args(queries, cache, scale, splits=None, warps=WARPS):
+    """(inputs, launch keywords) of one call: everything :func:`decode_attention` hands MLX."""
+    rk, rv, nres = cache.residual_buffers()
+    b, h, _, d = rk.shape
+    r = queries.shape[1] // h
+    g, bits = cache.group_size, cache.kv_bits
+    if cache.kc is None:  # nothing quantized yet: one zero group stands in for the buffers
+        w = d * bits // 32
+        kc, kp = mx.zeros((b, h, 1, w, g), mx.uint32), mx.zeros((b, h, 1, d, 2), mx.float16)
+        vc, vp = mx.zeros((b, h, g, w), mx.uint32), mx.zeros((b, h, g, -(-d // g), 2), mx.float16)
+    else:
+        kc, kp, vc, vp = cache.kc, cache.kp, cache.vc, cache.vp
+    chunks = cache.quantized // 32 + -(-nres // 32)
+    ns = splits or default_splits(chunks, warps)
+    if not 1 <= ns <= NSMAX:
+        raise ValueError(f"splits must be in 1..{NSMAX}, got {ns}")
+    shape = (b * h, NSMAX, r * (d + 2))
+    if cache.scratch is None or cache.scratch[0].shape != shape:
+        cache.scratch = (mx.zeros(shape, mx.float32), mx.zeros((b * h,), mx.uint32))
+    meta = mx.array([scale, cache.quantized, nres], mx.float32)
+    q = queries if queries.dtype == rk.dtype else queries.astype(rk.dtype)
+    after = cache.last_out if cache.last_out is not None else meta
+    inputs = [q, kc, kp, vc, vp, rk, rv, meta, *cache.scratch, after]
+    spec = {
+        "template": [("T", rk.dtype), ("BITS", bits), ("G", g), ("D", d), ("R", r), ("NW", warps)],
+        "grid": (ns * warps * 32, b * h, 1),
+        "threadgroup": (warps * 32, 1, 1),
+        "output_shapes": [tuple(queries.shape)],
+        "output_dtypes": [rk.dtype],
+    }
+    return inputs, spec
+
+
+def decode_attention(queries, cache, scale, splits=None, warps=WARPS):
+    """softmax(q·K̂ᵀ·scale)·V̂ for queries [B, Hq, 1, D] over a :class:`PackedKIVICache`, in one
+    launch. ``splits`` (blocks per KV head) and ``warps`` (per block) change only the order of
+    float32 sums."""
+    if cache.offset >= 2**24:
+        raise ValueError("decode attention passes token counts as float32: at most 2**24 tokens")
+    inputs, spec = launch_args(queries, cache, scale, splits, warps)
+    out = _kernel(gpu.backend())(inputs=inputs, **spec)[0]
+    cache.last_out = out
+    return out if out.dtype == queries.dtype else out.astype(queries.dtype)
