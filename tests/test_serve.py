@@ -184,6 +184,11 @@ def test_bad_requests_through_client(client, local_model):
 def test_server_still_serves_after_bad_requests(server, client):
     for raw in (b"{", b'{"prompt": 5}', b'{"model": "x", "prompt": "a"}'):
         assert 400 <= _post(server, "/v1/completions", raw)[0] < 500
+    # A client that leaves in the middle of a stream.
+    with socket.create_connection(("127.0.0.1", server["port"])) as s:
+        body = json.dumps({"prompt": "Hello", "max_tokens": 400, "stream": True}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        assert s.recv(64).startswith(b"HTTP/1.0 200")
     assert server["proc"].poll() is None
     assert client.completions.create(model="tiny-b4", prompt="Hello", max_tokens=3).usage.completion_tokens == 3
 

@@ -118,7 +118,7 @@ def count_prompt(limits, path, body):
                 return len(tok.encode(convert_chat(messages, body.get("role_mapping"))))
             process_message_content(messages)
             kwargs = {**limits.chat_template_args, **(body.get("chat_template_kwargs") or {})}
-            return len(tok.apply_chat_template(messages, add_generation_prompt=True, tools=body.get("tools"),
+            return len(tok.apply_chat_template(messages, add_generation_prompt=True, tools=body.get("tools") or None,
                                                tokenize=True, **kwargs))
     except Exception as e:  # the chat template rejected the messages (roles, order, fields)
         raise RequestError(400, f"messages could not be formatted with the chat template: {e}", "messages")
@@ -177,9 +177,17 @@ def check_request(limits, path, body):
 class ReservoirHandler(APIHandler):
     """mlx_lm.server's APIHandler; requests are checked first, then handed to it unchanged in form."""
 
+    timeout = 120  # seconds per socket read/write: a client that stops sending frees its thread
+
     def __init__(self, *args, limits, **kwargs):
         self.limits = limits  # before super().__init__: it handles the request
         super().__init__(*args, **kwargs)
+
+    def handle(self):
+        try:
+            super().handle()
+        except (BrokenPipeError, ConnectionResetError):  # the client left; its generation is stopped
+            logging.info("client %s disconnected", self.client_address[0])
 
     def send_error_json(self, err):
         data = json.dumps(err.body()).encode()
@@ -199,6 +207,8 @@ class ReservoirHandler(APIHandler):
         if int(length) > MAX_BODY:
             raise RequestError(413, f"the request body is over {MAX_BODY} bytes")
         raw = self.rfile.read(int(length))
+        if len(raw) < int(length):
+            raise RequestError(400, f"the body ended after {len(raw)} of {length} bytes")
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
