@@ -149,7 +149,8 @@ def main(argv=None):
         host, port = "127.0.0.1", free_port()
         proc = start_server(args.model, port)
     doc = {"model": args.model or args.url, "max_tokens": args.max_tokens, "requests": args.requests,
-           "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}", "levels": []}
+           "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}",
+           "loadavg_start": os.getloadavg(), "levels": []}
     try:
         run_level(host, port, 1, prompts(args.warmup, "Warmup"), args.max_tokens, deadline)
         for n in levels:
@@ -170,6 +171,8 @@ def main(argv=None):
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=30)
+    doc["loadavg_end"] = os.getloadavg()
+    print(f"load average (1, 5, 15 min) at start {doc['loadavg_start']}, at end {doc['loadavg_end']}")
     if args.out:
         tmp = Path(args.out).with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=2) + "\n")

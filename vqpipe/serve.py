@@ -131,7 +131,7 @@ def _check_options(limits, body):
     for key in ("adapters", "draft_model"):
         if body.get(key) is not None:
             raise RequestError(400, f"{key} is not supported by vqpipe serve", key)
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise RequestError(400, "n must be 1", "n")
     opts = body.get("stream_options")
     if opts is not None and not (isinstance(opts, dict) and isinstance(opts.get("include_usage", False), bool)):
@@ -206,7 +206,10 @@ class ReservoirHandler(APIHandler):
             raise RequestError(400, f"invalid Content-Length {length!r}")
         if int(length) > MAX_BODY:
             raise RequestError(413, f"the request body is over {MAX_BODY} bytes")
-        raw = self.rfile.read(int(length))
+        try:
+            raw = self.rfile.read(int(length))
+        except TimeoutError:
+            raise RequestError(408, f"the request body did not arrive within {self.timeout} s") from None
         if len(raw) < int(length):
             raise RequestError(400, f"the body ended after {len(raw)} of {length} bytes")
         try:
