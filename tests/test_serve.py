@@ -193,6 +193,33 @@ def test_server_still_serves_after_bad_requests(server, client):
     assert client.completions.create(model="tiny-b4", prompt="Hello", max_tokens=3).usage.completion_tokens == 3
 
 
+def _load_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "load_serve.py"
+    spec = importlib.util.spec_from_file_location("load_serve", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_load_script_against_server(server, tmp_path, capsys):
+    script = _load_script()
+    out = tmp_path / "load.json"
+    assert script.main(["--url", server["url"], "--clients", "1,3", "--requests", "3", "--max-tokens", "2",
+                        "--warmup", "1", "--time-limit", "120", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [lv["clients"] for lv in doc["levels"]] == [1, 3]
+    for lv in doc["levels"]:
+        assert lv["done"] == 3 and lv["failed"] == 0 and lv["tokens_per_s"] > 0
+        assert lv["latency_s"]["n"] == 3 and lv["latency_s"]["min"] <= lv["latency_s"]["median"]
+        assert lv["ttft_s"] is None or lv["ttft_s"]["max"] <= lv["latency_s"]["max"]
+    assert "clients 3: 3 done" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        script.main(["--url", "http://example.com:8080", "--requests", "1"])
+
+
 def test_context_length_from_config(reservoir):
     assert context_length(reservoir) == (32768, 8192)
     assert context_length(reservoir, 256)[0] == 256
