@@ -1,6 +1,7 @@
 """``vqpipe serve`` (through the openai client and raw HTTP), ``vqpipe generate`` and ``vqpipe chat``,
 each as a subprocess on a 4-bit reservoir of ``synth:tiny``."""
 
+import contextlib
 import http.client
 import json
 import os
@@ -44,25 +45,34 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(reservoir, tmp_path_factory):
+@contextlib.contextmanager
+def _running_server(reservoir, log_dir, *extra):
     port = _free_port()
-    log = open(tmp_path_factory.mktemp("serve-log") / "server.log", "w+")
-    proc = subprocess.Popen(PY + ["serve", "--model", str(reservoir), "--port", str(port), "--name", "tiny-b4"],
+    log = open(log_dir / "server.log", "w+")
+    proc = subprocess.Popen(PY + ["serve", "--model", str(reservoir), "--port", str(port), *extra],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
-    while True:
-        assert proc.poll() is None, f"server exited: {open(log.name).read()}"
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2).read()
-            break
-        except OSError:
-            assert time.time() < deadline, "server did not come up in 60 s"
-            time.sleep(0.2)
-    yield {"port": port, "url": url, "proc": proc, "log": log.name}
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0, open(log.name).read()[-2000:]
+    try:
+        while True:
+            assert proc.poll() is None, f"server exited: {open(log.name).read()}"
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2).read()
+                break
+            except OSError:
+                assert time.time() < deadline, "server did not come up in 60 s"
+                time.sleep(0.2)
+        yield {"port": port, "url": url, "proc": proc, "log": log.name}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+    assert code == 0, open(log.name).read()[-2000:]
+
+
+@pytest.fixture(scope="module")
+def server(reservoir, tmp_path_factory):
+    with _running_server(reservoir, tmp_path_factory.mktemp("serve-log"), "--name", "tiny-b4") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +201,42 @@ def test_server_still_serves_after_bad_requests(server, client):
         assert s.recv(64).startswith(b"HTTP/1.0 200")
     assert server["proc"].poll() is None
     assert client.completions.create(model="tiny-b4", prompt="Hello", max_tokens=3).usage.completion_tokens == 3
+
+
+def _local_logprobs(model, tok, prompt, n, cache):
+    from mlx_lm.generate import stream_generate
+
+    return [r.logprobs[r.token].item() for r in stream_generate(model, tok, prompt, max_tokens=n, prompt_cache=cache)]
+
+
+def test_serve_with_kivi_cache(reservoir, local_model, tmp_path):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from vqpipe.kivi import make_kivi_cache
+
+    model, tok = local_model
+    prompts = ["The sea is", "A stone and a river"]
+    with _running_server(reservoir, tmp_path, "--kv-bits", "2", "--kv-group-size", "4", "--kv-residual", "4") as s:
+        out = [None, None]
+
+        def ask(i):
+            body = {"prompt": prompts[i], "max_tokens": 8, "logprobs": True}
+            out[i] = _post(s, "/v1/completions", json.dumps(body).encode())
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    # Served one at a time, each with its own KIVI cache: the library's figures with that cache,
+    # which are not those of the full-precision cache.
+    for p, (status, body) in zip(prompts, out):
+        assert status == 200
+        served = [x["logprob"] for x in body["choices"][0]["logprobs"]["content"]]
+        kivi = _local_logprobs(model, tok, p, 8, make_kivi_cache(model, 2, 4, 4))
+        plain = _local_logprobs(model, tok, p, 8, make_prompt_cache(model))
+        assert len(served) == len(kivi) == 8 and served == pytest.approx(kivi, abs=1e-4)
+        assert max(abs(a - b) for a, b in zip(kivi, plain)) > 1e-3
 
 
 def _load_script():

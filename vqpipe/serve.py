@@ -56,6 +56,9 @@ class ReservoirProvider(ModelProvider):
         gc.collect()
         mx.clear_cache()
         model, tokenizer = load_model(model_path)
+        if self.cli_args.kv_bits_kivi:
+            a = self.cli_args
+            model.make_cache = kivi_cache_factory(model, a.kv_bits_kivi, a.kv_group_size_kivi, a.kv_residual)
         self.model_key = (model_path, None, None)
         self.model, self.tokenizer = model, tokenizer
         # Batched decoding needs caches that mlx-lm can merge across requests.
@@ -65,6 +68,23 @@ class ReservoirProvider(ModelProvider):
         if model_path not in self.cli_args.served_names:
             raise ValueError(f"model {model_path!r} is not served here")
         return super().load("default_model", None, "default_model")
+
+
+def kivi_cache_factory(model, bits, group_size, residual):
+    """A ``model.make_cache`` for mlx-lm: the model's own caches with each plain KVCache made KIVI
+    (as vqpipe.kivi.make_kivi_cache, which cannot be used here: it calls model.make_cache)."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from .kivi import KIVICache
+
+    n_layers = len(make_prompt_cache(model))
+    own = getattr(model, "make_cache", None)
+
+    def make_cache():
+        caches = own() if own else [KVCache() for _ in range(n_layers)]
+        return [KIVICache(bits, group_size, residual) if type(c) is KVCache else c for c in caches]
+
+    return make_cache
 
 
 class Limits:
@@ -280,10 +300,19 @@ def parse_args(argv):
     p.add_argument("--decode-concurrency", type=int, default=32, help="requests decoded in one batch (default 32)")
     p.add_argument("--prompt-concurrency", type=int, default=8, help="prompts prefilled in one batch (default 8)")
     p.add_argument("--prompt-cache-size", type=int, default=10, help="KV caches kept for reuse (default 10)")
+    k = p.add_argument_group("KIVI KV cache (default: mlx-lm's full-precision cache, batched)")
+    k.add_argument("--kv-bits", dest="kv_bits_kivi", type=int, choices=(2, 4),
+                   help="KIVI at this many bits; requests are then served one at a time (KIVI caches "
+                   "cannot be merged into mlx-lm's batches)")
+    k.add_argument("--kv-group-size", dest="kv_group_size_kivi", type=int, default=32,
+                   help="KIVI group size (default 32)")
+    k.add_argument("--kv-residual", type=int, default=128, help="KIVI residual window (default 128)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     if args.max_tokens < 1 or args.max_pending < 1 or args.decode_concurrency < 1 or args.prompt_concurrency < 1:
         p.error("--max-tokens, --max-pending and the concurrencies must be at least 1")
+    if args.kv_group_size_kivi < 1 or args.kv_residual < 0:
+        p.error("--kv-group-size must be >= 1 and --kv-residual >= 0")
     # The rest of what mlx_lm.server reads from its arguments, at its defaults (no adapters, no
     # draft model, mlx-lm's KV quantization off so requests can be batched).
     fixed = dict(adapter_path=None, draft_model=None, num_draft_tokens=3, trust_remote_code=False,
