@@ -203,33 +203,53 @@ def test_server_still_serves_after_bad_requests(server, client):
     assert client.completions.create(model="tiny-b4", prompt="Hello", max_tokens=3).usage.completion_tokens == 3
 
 
+def _post_until_admitted(server, body, seconds=60):
+    """POST /v1/completions, retrying while the server answers 429: a request's slot is released
+    just after its response is sent, so the next request can arrive before that."""
+    deadline = time.time() + seconds
+    while (got := _post(server, "/v1/completions", json.dumps(body).encode()))[0] == 429:
+        assert time.time() < deadline, "still 429 after 60 s"
+        time.sleep(0.1)
+    return got
+
+
 def _local_logprobs(model, tok, prompt, n, cache):
     from mlx_lm.generate import stream_generate
 
     return [r.logprobs[r.token].item() for r in stream_generate(model, tok, prompt, max_tokens=n, prompt_cache=cache)]
 
 
-def test_serve_with_kivi_cache(reservoir, local_model, tmp_path):
+def test_serve_with_kivi_cache_and_max_pending(reservoir, local_model, tmp_path):
     from mlx_lm.models.cache import make_prompt_cache
 
     from vqpipe.kivi import make_kivi_cache
 
     model, tok = local_model
     prompts = ["The sea is", "A stone and a river"]
-    with _running_server(reservoir, tmp_path, "--kv-bits", "2", "--kv-group-size", "4", "--kv-residual", "4") as s:
-        out = [None, None]
-
-        def ask(i):
-            body = {"prompt": prompts[i], "max_tokens": 8, "logprobs": True}
-            out[i] = _post(s, "/v1/completions", json.dumps(body).encode())
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-    # Served one at a time, each with its own KIVI cache: the library's figures with that cache,
-    # which are not those of the full-precision cache.
+    args = ("--kv-bits", "2", "--kv-group-size", "4", "--kv-residual", "4", "--max-pending", "1")
+    with _running_server(reservoir, tmp_path, *args) as s:
+        out = [_post_until_admitted(s, {"prompt": p, "max_tokens": 8, "logprobs": True}) for p in prompts]
+        # One request in flight (a stream that has sent its first token) fills --max-pending 1.
+        deadline = time.time() + 60
+        while True:
+            held = socket.create_connection(("127.0.0.1", s["port"]), timeout=60)
+            body = json.dumps({"prompt": "Hello", "max_tokens": 200, "stream": True}).encode()
+            held.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            got = b""
+            while b"data: " not in got and (part := held.recv(4096)):
+                got += part
+            if b"data: " in got:
+                break
+            held.close()
+            assert b" 429 " in got.split(b"\r\n")[0] and time.time() < deadline, got[:200]
+            time.sleep(0.2)
+        with held:
+            status, err = _post(s, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')
+            assert status == 429 and "too many requests" in err["error"]["message"]
+        # The held stream's slot is freed at its next write, which fails.
+        assert _post_until_admitted(s, {"prompt": "x", "max_tokens": 2})[0] == 200
+    # Each request with its own KIVI cache: the library's figures with that cache, which are not
+    # those of the full-precision cache.
     for p, (status, body) in zip(prompts, out):
         assert status == 200
         served = [x["logprob"] for x in body["choices"][0]["logprobs"]["content"]]
