@@ -312,13 +312,19 @@ def test_generate_cli_kivi_matches_library(reservoir, local_model):
     assert "Peak memory:" in r.stdout and "KV cache (KIVI):" in r.stdout
 
 
-def test_generate_cli_errors(reservoir, tmp_path):
-    r = _run(["generate", "--model", str(tmp_path), "--prompt", "x"])
-    assert r.returncode == 2 and "not a reservoir directory" in r.stderr
-    r = _run(["generate", "--model", str(reservoir), "--prompt", "x", "--max-tokens", "0"])
-    assert r.returncode == 2 and "--max-tokens" in r.stderr
-    r = _run(["generate", "--model", str(reservoir), "--prompt", "-", "--no-chat-template", "-m", "3"], "from stdin")
-    assert r.returncode == 0 and "Generation: 3 tokens" in r.stdout
+def test_generate_errors_and_stdin(reservoir, tmp_path, capsys, monkeypatch):
+    import io
+
+    from vqpipe import generate
+
+    assert generate.main(["--model", str(tmp_path), "--prompt", "x"]) == 2
+    assert "not a reservoir directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        generate.main(["--model", str(reservoir), "--prompt", "x", "--max-tokens", "0"])
+    assert e.value.code == 2 and "--max-tokens" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", io.StringIO("from stdin"))
+    assert generate.main(["--model", str(reservoir), "--prompt", "-", "--no-chat-template", "-m", "3"]) == 0
+    assert "Generation: 3 tokens" in capsys.readouterr().out
 
 
 def test_chat_cli_piped_keeps_cache(reservoir, local_model):
