@@ -286,6 +286,15 @@ def test_load_script_against_server(server, tmp_path, capsys):
         script.main(["--url", "http://example.com:8080", "--requests", "1"])
 
 
+def test_serve_refuses_what_it_cannot_serve(reservoir, tmp_path, capsys, server):
+    from vqpipe import serve
+
+    assert serve.main(["--model", str(tmp_path)]) == 2
+    assert "not a reservoir directory" in capsys.readouterr().err
+    assert serve.main(["--model", str(reservoir), "--port", str(server["port"])]) == 2
+    assert f"cannot listen on 127.0.0.1:{server['port']}" in capsys.readouterr().err
+
+
 def test_context_length_from_config(reservoir):
     assert context_length(reservoir) == (32768, 8192)
     assert context_length(reservoir, 256)[0] == 256

@@ -304,7 +304,7 @@ def parse_args(argv):
     k.add_argument("--kv-bits", dest="kv_bits_kivi", type=int, choices=(2, 4),
                    help="KIVI at this many bits; requests are then served one at a time (KIVI caches "
                    "cannot be merged into mlx-lm's batches)")
-    k.add_argument("--kv-group-size", dest="kv_group_size_kivi", type=int, default=32,
+    k.add_argument("--kv-group-size", dest="kv_group_size_kivi", type=int, default=32, metavar="N",
                    help="KIVI group size (default 32)")
     k.add_argument("--kv-residual", type=int, default=128, help="KIVI residual window (default 128)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -326,6 +326,18 @@ def parse_args(argv):
     return args
 
 
+def _check_port(host, port):
+    import socket
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server binds
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -343,6 +355,7 @@ def serve(args):
     context, vocab = context_length(directory, args.context_length)
     tokenizer = load_tokenizer(directory, eos_token_ids=load_config(directory).get("eos_token_id"))
     handler = functools.partial(ReservoirHandler, limits=Limits(args, tokenizer, context, vocab))
+    _check_port(args.host, args.port)  # before the generation thread starts loading the model
     generator = ResponseGenerator(ReservoirProvider(args), LRUPromptCache(args.prompt_cache_size))
     if args.host not in LOCAL_HOSTS:
         print(f"vqpipe serve: warning: listening on {args.host}, reachable from other machines; "
@@ -351,7 +364,11 @@ def serve(args):
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     # mlx-lm stops cleanly on KeyboardInterrupt; make SIGTERM do the same.
     signal.signal(signal.SIGTERM, _interrupt)
-    _run_http_server(args.host, args.port, generator, handler_class=handler)  # returns once stopped
+    try:
+        _run_http_server(args.host, args.port, generator, handler_class=handler)  # returns once stopped
+    except OSError:
+        generator.stop_and_join()
+        raise
     # The generation thread is joined by now. Exit without running MLX's static destructors: after a
     # stream was used from a second thread they abort ("terminate called without an active
     # exception", status 134), mlx_lm.server alike.
