@@ -7,7 +7,8 @@ these open (docs/serving.md has what it does with each): an unknown model name i
 Hugging Face hub and unloads the served model, ``max_tokens`` has no upper bound and a prompt no
 length limit, a negative Content-Length blocks a handler thread, http(s) image URLs are fetched by
 the server, and an out-of-range ``logit_bias`` token or a ``stream_options`` without
-``include_usage`` breaks the request (the first one kills the whole process). Errors are OpenAI
+``include_usage`` breaks the request (the first one kills the whole process), and an empty
+prompt kills the generation thread (the server then fails every request). Errors are OpenAI
 shaped: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
 """
 
@@ -183,6 +184,8 @@ def check_request(limits, path, body):
         raise RequestError(400, f"{key} must be an integer from 1 to {limits.context} (the context length), "
                            f"got {max_tokens!r}", key)
     n = count_prompt(limits, path, body)
+    if n == 0:  # mlx-lm's BatchGenerator raises on it, in the generation thread, which then dies
+        raise RequestError(400, "the prompt is empty (no tokens)", "prompt")
     if n >= limits.context:
         raise RequestError(400, f"the prompt has {n} tokens; this model's context is {limits.context} tokens",
                            "messages" if "messages" in body else "prompt", "context_length_exceeded")
