@@ -157,6 +157,7 @@ def test_concurrent_requests_match_sequential(client):
      400, "only text"),
     (b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999": 5}}', 400, "logit_bias"),
     (b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', 400, "temperature"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "seed": -1}', 400, "seed"),
 ])
 def test_bad_request_bodies(server, raw, status, needle):
     got, body = _post(server, "/v1/chat/completions", raw)

@@ -154,6 +154,9 @@ def _check_options(limits, body):
             raise RequestError(400, f"{key} is not supported by vqpipe serve", key)
     if body.get("n") not in (None, 1):
         raise RequestError(400, "n must be 1", "n")
+    seed = body.get("seed")
+    if seed is not None and not (_is_int(seed) and 0 <= seed < 2**64):  # what mx.random.seed takes
+        raise RequestError(400, f"seed must be an integer from 0 to 2**64 - 1, got {seed!r}", "seed")
     opts = body.get("stream_options")
     if opts is not None and not (isinstance(opts, dict) and isinstance(opts.get("include_usage", False), bool)):
         raise RequestError(400, "stream_options must be an object with a boolean include_usage", "stream_options")
