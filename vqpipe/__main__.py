@@ -18,6 +18,10 @@ STAGES = {
     "bench-decode": "vqpipe.bench.decode",
     "bench-qmv": "vqpipe.bench.qmv",
     "report": "vqpipe.report",
+    # Using a reservoir: mlx-lm's generate/chat/server loops with the reservoir loader.
+    "generate": "vqpipe.generate",
+    "chat": "vqpipe.chat",
+    "serve": "vqpipe.serve",
 }
 
 

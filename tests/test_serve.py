@@ -1,0 +1,362 @@
+"""``vqpipe serve`` (through the openai client and raw HTTP), ``vqpipe generate`` and ``vqpipe chat``,
+each as a subprocess on a 4-bit reservoir of ``synth:tiny``."""
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import openai  # the test extra pins it
+import pytest
+
+from vqpipe import pack, quantize
+from vqpipe.serve import context_length
+
+PY = [sys.executable, "-m", "vqpipe"]
+USER = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def reservoir(tiny_source, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    quantize.run(tiny_source, root / "q", bits=4, rotation="auto", progress=lambda *_: None)
+    pack.run(root / "q", root / "persist-off", False, progress=lambda *_: None)
+    return root / "persist-off"
+
+
+@pytest.fixture(scope="module")
+def local_model(reservoir):
+    from vqpipe.generate import load_model
+
+    return load_model(reservoir)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _running_server(reservoir, log_dir, *extra):
+    port = _free_port()
+    log = open(log_dir / "server.log", "w+")
+    proc = subprocess.Popen(PY + ["serve", "--model", str(reservoir), "--port", str(port), *extra],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    try:
+        while True:
+            assert proc.poll() is None, f"server exited: {open(log.name).read()}"
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2).read()
+                break
+            except OSError:
+                assert time.time() < deadline, "server did not come up in 60 s"
+                time.sleep(0.2)
+        yield {"port": port, "url": url, "proc": proc, "log": log.name}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+    assert code == 0, open(log.name).read()[-2000:]
+
+
+@pytest.fixture(scope="module")
+def server(reservoir, tmp_path_factory):
+    with _running_server(reservoir, tmp_path_factory.mktemp("serve-log"), "--name", "tiny-b4") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _post(server, path, raw, headers=None):
+    c = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=30)
+    h = {"Content-Type": "application/json", "Content-Length": str(len(raw))}
+    h.update(headers or {})
+    c.putrequest("POST", path)
+    for k, v in h.items():
+        c.putheader(k, v)
+    c.endheaders()
+    c.send(raw)
+    r = c.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == ["tiny-b4"]
+    assert client.models.retrieve("tiny-b4").id == "tiny-b4"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_chat_completion_usage_and_length(client, local_model):
+    _, tok = local_model
+    r = client.chat.completions.create(model="tiny-b4", messages=USER, max_tokens=6)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 6
+    assert r.usage.prompt_tokens == len(tok.apply_chat_template(USER, add_generation_prompt=True))
+    assert r.choices[0].message.content
+
+
+def test_completion_matches_local_generate(client, local_model):
+    from mlx_lm import generate
+
+    model, tok = local_model
+    prompt = "The quick brown fox"
+    r = client.completions.create(model="tiny-b4", prompt=prompt, max_tokens=12, temperature=0)
+    assert r.choices[0].text == generate(model, tok, prompt, max_tokens=12)
+
+
+def test_streaming_matches_non_streaming(client):
+    full = client.chat.completions.create(model="tiny-b4", messages=USER, max_tokens=10)
+    chunks = list(client.chat.completions.create(model="tiny-b4", messages=USER, max_tokens=10, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # came in pieces
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_concurrent_requests_match_sequential(client):
+    prompts = [f"Item {i}: a story about" for i in range(4)]
+
+    def one(i):
+        if i % 2:
+            parts = client.completions.create(model="tiny-b4", prompt=prompts[i], max_tokens=6, stream=True)
+            return "".join(p.choices[0].text for p in parts)
+        return client.completions.create(model="tiny-b4", prompt=prompts[i], max_tokens=6).choices[0].text
+
+    out = [None] * len(prompts)
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, one(i))) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(isinstance(o, str) and o for o in out)
+    assert out == [one(i) for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("raw, status, needle", [
+    (b'{"messages": [', 400, "invalid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (b'{"messages": "hi"}', 400, "non-empty list"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": true}', 400, "max_tokens"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', 400, "n must be 1"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}',
+     400, "only text"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999": 5}}', 400, "logit_bias"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', 400, "temperature"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "seed": -1}', 400, "seed"),
+])
+def test_bad_request_bodies(server, raw, status, needle):
+    got, body = _post(server, "/v1/chat/completions", raw)
+    assert got == status and needle in json.dumps(body)
+
+
+def test_bad_content_length_and_path(server):
+    c = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=10)
+    c.request("POST", "/v1/chat/completions", body=b"{}", headers={"Content-Length": "-1"})
+    r = c.getresponse()
+    assert r.status == 400 and "Content-Length" in json.loads(r.read())["error"]["message"]
+    assert _post(server, "/v1/nothing", b"{}")[0] == 404
+
+
+def test_bad_requests_through_client(client, local_model):
+    _, tok = local_model
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4", messages=USER, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model="tiny-b4", messages=USER, max_tokens=10**12)
+    with pytest.raises(openai.BadRequestError, match="exceeds"):
+        client.chat.completions.create(model="tiny-b4", messages=USER, max_tokens=32768)
+    long = "sea and sky " * 12000
+    assert len(tok.encode(long)) > 32768
+    with pytest.raises(openai.BadRequestError, match="context") as e:
+        client.completions.create(model="tiny-b4", prompt=long, max_tokens=4)
+    assert e.value.code == "context_length_exceeded"
+    # A stream_options without include_usage broke mlx-lm's stream; it is completed here.
+    chunks = list(client.chat.completions.create(model="tiny-b4", messages=USER, max_tokens=3, stream=True,
+                                                 stream_options={}))
+    assert chunks and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_server_still_serves_after_bad_requests(server, client):
+    # An empty prompt killed mlx-lm's generation thread (every later request failed).
+    for raw in (b"{", b'{"prompt": 5}', b'{"model": "x", "prompt": "a"}', b'{"prompt": ""}'):
+        assert 400 <= _post(server, "/v1/completions", raw)[0] < 500
+    # A client that leaves in the middle of a stream.
+    with socket.create_connection(("127.0.0.1", server["port"])) as s:
+        body = json.dumps({"prompt": "Hello", "max_tokens": 400, "stream": True}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        assert s.recv(64).startswith(b"HTTP/1.0 200")
+    assert server["proc"].poll() is None
+    assert client.completions.create(model="tiny-b4", prompt="Hello", max_tokens=3).usage.completion_tokens == 3
+
+
+def _post_until_admitted(server, body, seconds=60):
+    """POST /v1/completions, retrying while the server answers 429: a request's slot is released
+    just after its response is sent, so the next request can arrive before that."""
+    deadline = time.time() + seconds
+    while (got := _post(server, "/v1/completions", json.dumps(body).encode()))[0] == 429:
+        assert time.time() < deadline, "still 429 after 60 s"
+        time.sleep(0.1)
+    return got
+
+
+def _local_logprobs(model, tok, prompt, n, cache):
+    from mlx_lm.generate import stream_generate
+
+    return [r.logprobs[r.token].item() for r in stream_generate(model, tok, prompt, max_tokens=n, prompt_cache=cache)]
+
+
+def test_serve_with_kivi_cache_and_max_pending(reservoir, local_model, tmp_path):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from vqpipe.kivi import make_kivi_cache
+
+    model, tok = local_model
+    prompts = ["The sea is", "A stone and a river"]
+    args = ("--kv-bits", "2", "--kv-group-size", "4", "--kv-residual", "4", "--max-pending", "1")
+    with _running_server(reservoir, tmp_path, *args) as s:
+        out = [_post_until_admitted(s, {"prompt": p, "max_tokens": 8, "logprobs": True}) for p in prompts]
+        # One request in flight (a stream that has sent its first token) fills --max-pending 1.
+        deadline = time.time() + 60
+        while True:
+            held = socket.create_connection(("127.0.0.1", s["port"]), timeout=60)
+            body = json.dumps({"prompt": "Hello", "max_tokens": 200, "stream": True}).encode()
+            held.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            got = b""
+            while b"data: " not in got and (part := held.recv(4096)):
+                got += part
+            if b"data: " in got:
+                break
+            held.close()
+            assert b" 429 " in got.split(b"\r\n")[0] and time.time() < deadline, got[:200]
+            time.sleep(0.2)
+        with held:
+            status, err = _post(s, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')
+            assert status == 429 and "too many requests" in err["error"]["message"]
+        # The held stream's slot is freed at its next write, which fails.
+        assert _post_until_admitted(s, {"prompt": "x", "max_tokens": 2})[0] == 200
+    # Each request with its own KIVI cache: the library's figures with that cache, which are not
+    # those of the full-precision cache.
+    for p, (status, body) in zip(prompts, out):
+        assert status == 200
+        served = [x["logprob"] for x in body["choices"][0]["logprobs"]["content"]]
+        kivi = _local_logprobs(model, tok, p, 8, make_kivi_cache(model, 2, 4, 4))
+        plain = _local_logprobs(model, tok, p, 8, make_prompt_cache(model))
+        assert len(served) == len(kivi) == 8 and served == pytest.approx(kivi, abs=1e-4)
+        assert max(abs(a - b) for a, b in zip(kivi, plain)) > 1e-3
+
+
+def _load_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "load_serve.py"
+    spec = importlib.util.spec_from_file_location("load_serve", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_load_script_against_server(server, tmp_path, capsys):
+    script = _load_script()
+    out = tmp_path / "load.json"
+    assert script.main(["--url", server["url"], "--clients", "1,3", "--requests", "3", "--max-tokens", "2",
+                        "--warmup", "1", "--time-limit", "120", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [lv["clients"] for lv in doc["levels"]] == [1, 3]
+    for lv in doc["levels"]:
+        assert lv["done"] == 3 and lv["failed"] == 0 and lv["tokens_per_s"] > 0
+        assert lv["latency_s"]["n"] == 3 and lv["latency_s"]["min"] <= lv["latency_s"]["median"]
+        assert lv["ttft_s"] is None or lv["ttft_s"]["max"] <= lv["latency_s"]["max"]
+    assert "clients 3: 3 done" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        script.main(["--url", "http://example.com:8080", "--requests", "1"])
+
+
+def test_serve_refuses_what_it_cannot_serve(reservoir, tmp_path, capsys, server):
+    from vqpipe import serve
+
+    assert serve.main(["--model", str(tmp_path)]) == 2
+    assert "not a reservoir directory" in capsys.readouterr().err
+    assert serve.main(["--model", str(reservoir), "--port", str(server["port"])]) == 2
+    assert f"cannot listen on 127.0.0.1:{server['port']}" in capsys.readouterr().err
+
+
+def test_context_length_from_config(reservoir):
+    assert context_length(reservoir) == (32768, 8192)
+    assert context_length(reservoir, 256)[0] == 256
+
+
+def _run(args, stdin=None):
+    return subprocess.run(PY + args, input=stdin, capture_output=True, text=True, timeout=120)
+
+
+def test_generate_cli_kivi_matches_library(reservoir, local_model):
+    from mlx_lm import generate
+
+    from vqpipe.generate import encode_prompt
+    from vqpipe.kivi import make_kivi_cache
+
+    r = _run(["generate", "--model", str(reservoir), "--prompt", "Hello sea", "--max-tokens", "8",
+              "--kv-bits", "4", "--kv-group-size", "4", "--kv-residual", "4"])
+    assert r.returncode == 0, r.stderr
+    text = r.stdout.split("==========\n")[1].rstrip("\n")
+    model, tok = local_model
+    prompt = encode_prompt(tok, "Hello sea", True)
+    assert text == generate(model, tok, prompt, max_tokens=8, prompt_cache=make_kivi_cache(model, 4, 4, 4))
+    assert f"Prompt: {len(prompt)} tokens" in r.stdout and "Generation: 8 tokens" in r.stdout
+    assert "Peak memory:" in r.stdout and "KV cache (KIVI):" in r.stdout
+
+
+def test_generate_errors_and_stdin(reservoir, tmp_path, capsys, monkeypatch):
+    import io
+
+    from vqpipe import generate
+
+    assert generate.main(["--model", str(tmp_path), "--prompt", "x"]) == 2
+    assert "not a reservoir directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        generate.main(["--model", str(reservoir), "--prompt", "x", "--max-tokens", "0"])
+    assert e.value.code == 2 and "--max-tokens" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", io.StringIO("from stdin"))
+    assert generate.main(["--model", str(reservoir), "--prompt", "-", "--no-chat-template", "-m", "3"]) == 0
+    assert "Generation: 3 tokens" in capsys.readouterr().out
+
+
+def test_chat_cli_piped_keeps_cache(reservoir, local_model):
+    _, tok = local_model
+    r = _run(["chat", "--model", str(reservoir), "--max-tokens", "6", "--kv-bits", "2"],
+             "Hello sea\nAnd the sky?\nr\nHello sea\nq\nnever read\n")
+    assert r.returncode == 0, r.stderr
+    replies = r.stdout.splitlines()
+    assert len(replies) == 3 and replies[0] and replies[2] == replies[0]  # r starts over
+    turns = [int(line.split("prompt ")[1].split(" tokens")[0])
+             for line in r.stderr.splitlines() if line.startswith("[6 tokens")]
+    first = tok.apply_chat_template([{"role": "user", "content": "Hello sea"}], add_generation_prompt=True)
+    assert turns[0] == turns[2] == len(first)
+    # The second turn feeds less than the whole conversation: the first turn's prompt was cached.
+    convo = [{"role": "user", "content": "Hello sea"}, {"role": "assistant", "content": replies[0]},
+             {"role": "user", "content": "And the sky?"}]
+    assert turns[1] <= len(tok.apply_chat_template(convo, add_generation_prompt=True)) - len(first)
+    assert "reset" in r.stderr
+    # The first reply is what generate gives for the same templated message (greedy, same KIVI cache).
+    from mlx_lm import generate
+
+    from vqpipe.kivi import make_kivi_cache
+
+    model, _ = local_model
+    assert replies[0] == generate(model, tok, first, max_tokens=6, prompt_cache=make_kivi_cache(model, 2))

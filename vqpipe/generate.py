@@ -1,0 +1,131 @@
+"""Generate text from a reservoir: ``python -m vqpipe generate --model DIR --prompt TEXT``.
+
+The generation loop is mlx-lm's (``mlx_lm.generate``: ``stream_generate`` with its streaming print
+and its prompt/generation tokens-per-second and peak-memory lines); vqpipe adds the reservoir loader
+and the KIVI KV cache. ``--kv-bits`` selects KIVI (vqpipe.kivi), not mlx-lm's own quantized cache.
+The argument helpers here are shared with ``vqpipe chat``.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_MAX_TOKENS = 100
+
+
+def add_model_args(p):
+    """--model, the sampling options and the KIVI options (shared by generate and chat)."""
+    p.add_argument("--model", required=True, help="reservoir directory (pack stage output)")
+    p.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"most tokens to generate (default {DEFAULT_MAX_TOKENS})")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top-p (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed (default 0)")
+    p.add_argument("--system-prompt", help="system message for the chat template")
+    k = p.add_argument_group("KIVI KV cache (default: mlx-lm's full-precision cache)")
+    k.add_argument("--kv-bits", type=int, choices=(2, 4),
+                   help="quantize the KV cache with KIVI at this many bits")
+    k.add_argument("--kv-group-size", type=int, default=32, help="KIVI group size (default 32)")
+    k.add_argument("--kv-residual", type=int, default=128,
+                   help="KIVI full-precision residual window in tokens (default 128)")
+    k.add_argument("--kv-kernels", choices=("auto", "on", "off"), default="auto",
+                   help="KIVI fused kernels: auto (where the backend has them), on, off (MLX ops)")
+
+
+def check_args(p, args):
+    if args.max_tokens < 1:
+        p.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.kv_group_size < 1 or args.kv_residual < 0:
+        p.error("--kv-group-size must be >= 1 and --kv-residual >= 0")
+    if not (0.0 <= args.top_p <= 1.0) or args.temp < 0:
+        p.error("--temp must be >= 0 and --top-p in [0, 1]")
+
+
+def load_model(path):
+    """``vqpipe.load`` with a one-line error for a path that is not a reservoir directory."""
+    import vqpipe
+    from .reservoir import FILE_NAME
+
+    path = Path(path)
+    if not (path / FILE_NAME).is_file():
+        raise ValueError(f"{path} is not a reservoir directory (no {FILE_NAME}); "
+                         "give a pack stage output such as results/reservoir/MODEL/VARIANT/persist-off")
+    return vqpipe.load(path)
+
+
+def make_cache(model, args):
+    """A KIVI prompt cache when --kv-bits is given, else mlx-lm's default one."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if args.kv_bits is None:
+        return make_prompt_cache(model)
+    from .kivi import make_kivi_cache
+
+    kernels = {"auto": None, "on": True, "off": False}[args.kv_kernels]
+    return make_kivi_cache(model, args.kv_bits, args.kv_group_size, args.kv_residual, kernels)
+
+
+def make_sampler(args):
+    from mlx_lm.sample_utils import make_sampler as mlx_sampler
+
+    return mlx_sampler(args.temp, args.top_p)
+
+
+def kv_summary(cache):
+    """One line on a KIVI cache's tokens and sizes, or None for a plain cache."""
+    from .kivi import cache_stats
+
+    s = cache_stats(cache)
+    if not s:
+        return None
+    mib = 2**20
+    return (f"KV cache (KIVI): {s['offset']} tokens, {s['quantized_tokens']} quantized; "
+            f"{s['compressed_nbytes'] / mib:.2f} MiB packed vs {s['uncompressed_nbytes'] / mib:.2f} MiB "
+            f"unquantized ({s['resident_nbytes'] / mib:.2f} MiB resident)")
+
+
+def encode_prompt(tokenizer, text, use_template, system_prompt=None):
+    """Token ids for one user turn, templated as mlx_lm.generate does."""
+    if not use_template:
+        return tokenizer.encode(text)
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    messages.append({"role": "user", "content": text})
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m vqpipe generate", description=__doc__.split("\n")[0])
+    add_model_args(p)
+    p.add_argument("--prompt", "-p", required=True, help="the prompt ('-' reads it from stdin)")
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the tokenizer's chat template (default: when the tokenizer has one)")
+    args = p.parse_args(argv)
+    check_args(p, args)
+    import mlx.core as mx
+    from mlx_lm import generate
+
+    try:
+        model, tokenizer = load_model(args.model)
+    except ValueError as e:
+        print(f"vqpipe generate: error: {e}", file=sys.stderr)
+        return 2
+    use_template = tokenizer.has_chat_template if args.chat_template is None else args.chat_template
+    if use_template and not tokenizer.has_chat_template:
+        print(f"vqpipe generate: error: {args.model} has no chat template; use --no-chat-template",
+              file=sys.stderr)
+        return 2
+    mx.random.seed(args.seed)
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n")
+    prompt = encode_prompt(tokenizer, text, use_template, args.system_prompt)
+    cache = make_cache(model, args)
+    generate(model, tokenizer, prompt, verbose=True, max_tokens=args.max_tokens,
+             sampler=make_sampler(args), prompt_cache=cache)
+    line = kv_summary(cache)
+    if line:
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
