@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from . import fsutil, manifest
+
 SCHEMES = ("synth", "hf", "path")
 SOURCE_FILE = "vqpipe-source.json"
 
@@ -71,7 +73,8 @@ def fetch(source, out_dir, seed=0):
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    fsutil.clean_stale_temps(out_dir)  # leftovers of killed fetches of out_dir
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=fsutil.temp_prefix(out_dir), suffix=".tmp"))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the model dir should be readable
         if scheme == "synth":
@@ -82,6 +85,7 @@ def fetch(source, out_dir, seed=0):
         else:
             info = fetch_path(value, tmp)
         write_source_json(tmp, {"source": source, "scheme": scheme, **info})
+        manifest.write(tmp)
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -91,12 +95,13 @@ def fetch(source, out_dir, seed=0):
 
 
 def replace_dir(src, dst):
-    """Rename ``src`` to ``dst``; an existing ``dst`` is moved aside first, then deleted."""
-    old = None
-    if dst.exists():
-        old = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.old-"))
-        os.replace(dst, old / dst.name)
-    os.replace(src, dst)
+    """Put ``src`` at ``dst`` (an exchange where the file system can: never a partial ``dst``)."""
+    for f in Path(src).rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    old = fsutil.replace_dir(src, dst)
+    fsutil.fsync_dir(dst.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -119,7 +124,7 @@ def check_model_dir(path):
 def copy_model_dir(src, dst):
     """Copy every file of ``src`` (following links, e.g. into a HF cache) except hidden ones."""
     for entry in sorted(Path(src).iterdir()):
-        if entry.name.startswith(".") or entry.name == SOURCE_FILE:
+        if entry.name.startswith(".") or entry.name in (SOURCE_FILE, manifest.NAME):
             continue
         if entry.is_dir():
             shutil.copytree(entry, dst / entry.name, ignore=shutil.ignore_patterns(".*"))
@@ -275,7 +280,7 @@ def main(argv=None):
         return e.code if isinstance(e.code, int) else 2
     try:
         fetch(args.source, args.out, args.seed)
-    except (ValueError, FileNotFoundError, ConnectionError) as e:
+    except (ValueError, OSError) as e:  # OSError: a missing path, disk full, no network, named
         print(f"vqpipe download: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -98,6 +98,8 @@ def campaign(target, seed, n, workdir, batch=5000, timeout=60.0, mem_limit=8 << 
         counts[outcome] += 1
         if outcome in FAILURES and len(failures) < 200:
             failures.append({"case": i, "outcome": outcome, "detail": detail})
+            if progress:
+                progress(f"FAILURE case {i}: {outcome}: {detail[-300:]}")
 
     i, end, last = start, start + n, time.perf_counter()
     while i < end:

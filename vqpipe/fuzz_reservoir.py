@@ -372,6 +372,8 @@ def mutate(rng, bases):
     data = bytearray(base.data)
     steps, forged = [], False
     for _ in range(1 if rng.random() < 0.85 else 2):
+        if len(data) < 64:  # a cut left no prefix to edit further
+            break
         r = rng.random()
         if r < 0.04:
             data, what = m_splice(rng, base, data, rng.choice([b for b in bases if b is not base]))

@@ -25,7 +25,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from . import __version__
 from .codebook import BITS, check_bits
-from .fsutil import atomic_dir
+from . import manifest
+from .fsutil import atomic_dir, save_safetensors
 from .qlinear import QuantizedEmbedding, QuantizedLinear
 from .rotation import KINDS, resolve_kind
 
@@ -215,12 +216,12 @@ def save_quantized(model, tokenizer, source_dir, out_dir, info):
     metas, arrays, params = split_state(model)
     tensors = {f"layers.{k}": v for k, v in arrays.items()}
     tensors.update({f"params.{k}": v for k, v in params.items()})
-    with atomic_dir(out_dir) as tmp:
-        mx.save_safetensors(str(tmp / "quantized.safetensors"), tensors)
+    with atomic_dir(out_dir, manifest=True) as tmp:
+        save_safetensors(tmp / "quantized.safetensors", tensors)
         copy_model_files(source_dir, tmp, {"vqpipe": {k: info[k] for k in ("bits", "rotation", "seed")}})
         (tmp / "quantized.json").write_text(json.dumps({**info, "layers": metas}, indent=2) + "\n")
         ref = reference_logits(model, tokenizer)
-        mx.save_safetensors(str(tmp / "reference.safetensors"), ref)
+        save_safetensors(tmp / "reference.safetensors", ref)
         (tmp / "reference.json").write_text(json.dumps(
             {"prompts": list(REFERENCE_PROMPTS), "environment": environment()}, indent=2) + "\n")
 
@@ -252,6 +253,7 @@ def run(source, out, bits, rotation="auto", seed=0, embeddings=False, lm_head=Tr
     source = Path(source)
     if not (source / "config.json").is_file():
         raise ValueError(f"source model directory {source} has no config.json")
+    manifest.verify(source)  # a download-stage artifact: checked before anything is read
     model, tokenizer = load(str(source), lazy=True)
     t0 = time.perf_counter()
     records = quantize_model(model, bits, rotation, seed, embeddings, lm_head, DTYPES[dtype], progress)
@@ -279,7 +281,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         run(args.source, args.out, args.bits, args.rotation, args.seed, args.embeddings, args.lm_head, args.dtype)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: e.g. disk full, named with its path
         print(f"vqpipe quantize: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -378,7 +378,8 @@ def read_header(path):
     except OSError as e:
         raise ReservoirError(f"{path}: cannot open: {e.strerror}") from e
     with f:
-        size = os.fstat(f.fileno()).st_size
+        st = os.fstat(f.fileno())
+        size = st.st_size
         header_len, header_hash, data_offset = _read_prefix(path, f, size)
         text = f.read(header_len)
     if len(text) != header_len:
@@ -391,7 +392,27 @@ def read_header(path):
         _fail(path, f"malformed header: {e}")
     _check_header(path, header, size, data_offset)
     header["_data_offset"], header["_file_size"] = data_offset, size
+    header["_identity"] = _identity(st)
     return header
+
+
+def _identity(st):
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+class _Replaced(Exception):
+    """The file at the path is not the one whose header was read (a writer replaced it since)."""
+
+
+def _retry_replaced(path, fn, *args):
+    """``fn(*args)``, again if a writer replaced the file between reading the header and the blobs:
+    a reader gets the old model or the new one, never a mix (and no spurious checksum error)."""
+    for _ in range(5):
+        try:
+            return fn(*args)
+        except _Replaced:
+            continue
+    _fail(path, "the file was replaced by a writer during each of 5 load attempts")
 
 
 def _env_off(name):
@@ -592,6 +613,9 @@ def _reader(path, header, prefault=None):
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
         raise ReservoirError(f"{path}: cannot open: {e.strerror}") from e
+    if "_identity" in header and _identity(os.fstat(fd)) != header["_identity"]:
+        os.close(fd)
+        raise _Replaced(path)
     base, blobs, raw, out = header["_data_offset"], header["blobs"], {}, {}
     try:
         mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if _zero_copy_wanted() else None  # private mapping
@@ -784,6 +808,10 @@ def load_reservoir(path, model_dir=None):
     ever evaluated.
     """
     path = _file(path)
+    return _retry_replaced(path, _load_once, path, model_dir)
+
+
+def _load_once(path, model_dir):
     header = read_header(path)
     with _prefault_for(header) as prefault:  # starts now: the skeleton and checks overlap it
         model = _skeleton(path, header, model_dir)
@@ -811,16 +839,19 @@ def graft_reservoir(model, path):
     from mlx.utils import tree_unflatten
 
     path = _file(path)
+    model.update_modules(tree_unflatten(list(_retry_replaced(path, _graft_layers, model, path).items())))
+    return model
+
+
+def _graft_layers(model, path):
     header = read_header(path)
     _check_targets(path, model, header["layers"])
     with _prefault_for(header, params=False) as prefault:
         read, close = _reader(path, header, prefault)
         try:
-            layers = _build_layers(path, header, read)
+            return _build_layers(path, header, read)
         finally:
             close()
-    model.update_modules(tree_unflatten(list(layers.items())))
-    return model
 
 
 def load(path):
