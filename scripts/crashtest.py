@@ -23,13 +23,16 @@ def main():
     p.add_argument("--stages", nargs="+", default=list(crashtest.STAGES), choices=crashtest.STAGES)
     p.add_argument("--trials", type=int, default=200, help="trials per stage")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--recover-every", type=int, default=1,
+                   help="run the stage to completion (and check it) after every k-th kill (default 1)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None, help="write the summaries (JSON) here")
     args = p.parse_args()
     results = []
     for stage in args.stages:
         work = Path(args.workdir or tempfile.mkdtemp(prefix="vqpipe-crash-")) / stage
-        r = crashtest.campaign(stage, args.trials, args.seed, work, progress=lambda m: print(m, flush=True))
+        r = crashtest.campaign(stage, args.trials, args.seed, work, progress=lambda m: print(m, flush=True),
+                               recover_every=args.recover_every)
         print(json.dumps(r), flush=True)
         results.append(r)
         if args.out:

@@ -9,7 +9,9 @@ exchange, unlink, rmtree, copy, chmod or save_safetensors). Then it checks that
    file is byte-identical to the golden artifact (the stages are deterministic, and the golden
    reservoir was validated bit-exact), never partial or wrong;
 2. the next, unkilled run of the same command completes, its output equals the golden artifact,
-   and no temporary file or directory of any writer is left next to it.
+   and no temporary file or directory of any writer is left next to it. (With ``recover_every``
+   k > 1 this run follows every k-th kill only; the other kills are followed by the next trial's
+   killed run, so kills also land on the leftovers of earlier kills.)
 
 Half the trials start with the output already present (the replace path), half without.
 """
@@ -181,8 +183,8 @@ def prepare(work):
     return out
 
 
-def trial(work, stage, golden, rng):
-    """One kill + recovery; returns (Counter of outcomes, failure message or None)."""
+def trial(work, stage, golden, rng, recover=True):
+    """One kill (+ the recovery run); returns (Counter of outcomes, failure message or None)."""
     payload_, seconds, events = golden
     argv, out = commands(work, stage)
     c = Counter()
@@ -201,6 +203,8 @@ def trial(work, stage, golden, rng):
         return c, f"after the kill: {state}"
     c[f"after-kill-{state}"] += 1
     c["temps-left-by-kill"] += bool(temps_next_to(out))
+    if not recover:
+        return c, None
     rc, _ = _run_child(argv)
     state = check_output(out, payload_)
     if rc or state != "complete":
@@ -212,14 +216,16 @@ def trial(work, stage, golden, rng):
     return c, None
 
 
-def campaign(stage, n, seed, work=None, progress=None, golden=None):
-    """``n`` seeded trials of ``stage``; ``golden``: a ``prepare(work)`` result to reuse."""
+def campaign(stage, n, seed, work=None, progress=None, golden=None, recover_every=1):
+    """``n`` seeded trials of ``stage`` (the last one always recovers); ``golden``: a
+    ``prepare(work)`` result to reuse."""
     work = Path(work or tempfile.mkdtemp(prefix="vqpipe-crash-"))
     t0 = time.perf_counter()
     golden = golden or prepare(work)
     counts, failures = Counter(), []
     for i in range(n):
-        c, failure = trial(work, stage, golden[stage], random.Random(f"crash:{stage}:{seed}:{i}"))
+        recover = (i + 1) % recover_every == 0 or i == n - 1
+        c, failure = trial(work, stage, golden[stage], random.Random(f"crash:{stage}:{seed}:{i}"), recover)
         counts.update(c)
         if failure:
             failures.append({"trial": i, "failure": failure})
@@ -227,7 +233,8 @@ def campaign(stage, n, seed, work=None, progress=None, golden=None):
             progress(f"{stage}: {i + 1}/{n} trials, {len(failures)} failures, {time.perf_counter() - t0:.0f} s")
     return {"stage": stage, "seed": seed, "trials": n, "counts": dict(sorted(counts.items())),
             "failures": failures, "golden_seconds": round(golden[stage][1], 2),
-            "golden_events": golden[stage][2], "wall_s": round(time.perf_counter() - t0, 1)}
+            "golden_events": golden[stage][2], "recover_every": recover_every,
+            "wall_s": round(time.perf_counter() - t0, 1)}
 
 
 def main(argv=None):
