@@ -88,6 +88,7 @@ SlurmdParameters=config_overrides
 ReturnToService=2
 MinJobAge=3600
 MpiDefault=none
+AccountingStoreFlags=job_comment
 NodeName=$host CPUs=8 RealMemory=64000 State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 CONF
@@ -102,7 +103,7 @@ CONF
 stop)
   for pid in "$dir/slurmd.pid" "$dir/slurmctld.pid" "$dir/slurmdbd.pid" "$dir/mariadbd.pid" "$dir/munge/munged.pid"; do
     if [ -f "$pid" ]; then kill "$(cat "$pid")" 2>/dev/null || true; fi
-    for _ in $(seq 20); do [ -f "$pid" ] && kill -0 "$(cat "$pid")" 2>/dev/null || break; sleep 0.5; done
+    for _ in $(seq 20); do kill -0 "$(cat "$pid" 2>/dev/null)" 2>/dev/null || break; sleep 0.5; done
   done
   if [ -e "$conf" ] && head -n1 "$conf" | grep -qF "$marker"; then rm -f "$conf"; fi
   ;;
