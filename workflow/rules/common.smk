@@ -13,6 +13,10 @@ from snakemake.exceptions import WorkflowError
 ROOT = Path(workflow.basedir)
 sys.path.insert(0, str(ROOT))
 from vqpipe import blas as vqblas  # noqa: E402  (does not import mlx)
+from vqpipe import snakecache  # noqa: E402
+
+# Race-safe, read-only-tolerant storing into the between-workflow cache (vqpipe/snakecache.py).
+snakecache.install()
 
 # The interpreter running Snakemake (the project's .venv) runs every stage.
 PYTHON = sys.executable
