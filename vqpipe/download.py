@@ -27,11 +27,11 @@ from . import fsutil, manifest
 SCHEMES = ("synth", "hf", "path")
 SOURCE_FILE = "vqpipe-source.json"
 
-# What mlx_lm fetches from a repo: weights, configs, tokenizers, chat templates.
+# What mlx_lm fetches from a repo (weights, configs, tokenizers, chat templates), less code: a
+# source never runs anything of the model's (no *.py, no trust_remote_code, no pickled weights).
 HF_ALLOW_PATTERNS = [
     "*.json",
     "model*.safetensors",
-    "*.py",
     "tokenizer.model",
     "*.tiktoken",
     "tiktoken.model",
@@ -121,15 +121,34 @@ def check_model_dir(path):
         raise FileNotFoundError(f"no *.safetensors weight files in {path}")
 
 
-def copy_model_dir(src, dst):
-    """Copy every file of ``src`` (following links, e.g. into a HF cache) except hidden ones."""
-    for entry in sorted(Path(src).iterdir()):
-        if entry.name.startswith(".") or entry.name in (SOURCE_FILE, manifest.NAME):
+# Never copied from a source: code, and weight formats that unpickle (run code) when loaded.
+UNSAFE_SUFFIXES = (".py", ".pyc", ".pyo", ".so", ".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib")
+
+
+def copy_model_dir(src, dst, root=None):
+    """Copy the files of ``src`` into ``dst``, except hidden ones, code and pickles.
+
+    Links are followed only to files inside ``root`` (default ``src``; a HF snapshot's links
+    point into its repository's blob store): a source cannot make the copy read files elsewhere.
+    Only names listed from ``src`` are written, each inside ``dst``.
+    """
+    src, dst = Path(src), Path(dst)
+    root = Path(root or src).resolve()
+    for entry in sorted(src.iterdir()):
+        name = entry.name
+        if name.startswith(".") or name in (SOURCE_FILE, manifest.NAME) or name.lower().endswith(UNSAFE_SUFFIXES):
             continue
-        if entry.is_dir():
-            shutil.copytree(entry, dst / entry.name, ignore=shutil.ignore_patterns(".*"))
-        else:
-            shutil.copyfile(entry, dst / entry.name)
+        target = entry.resolve()
+        if not target.is_relative_to(root):
+            raise ValueError(f"{entry} links to {target}, outside the source {root}: not copied")
+        out = dst / name
+        if not out.resolve().is_relative_to(dst.resolve()):  # a name like '..' (never from iterdir)
+            raise ValueError(f"{entry}: the name {name!r} would be written outside {dst}")
+        if target.is_dir():
+            out.mkdir()
+            copy_model_dir(entry, out, root)
+        elif target.is_file():
+            shutil.copyfile(target, out)
 
 
 def fetch_path(value, dst):
@@ -199,7 +218,7 @@ def fetch_hf(value, dst):
             f"path:DIR for a model directory on disk."
         ) from None
     check_model_dir(snapshot)
-    copy_model_dir(snapshot, dst)
+    copy_model_dir(snapshot, dst, root=Path(snapshot).resolve().parents[1])  # models--ORG--NAME
     return {"repo": repo, "revision": revision or None, "snapshot": Path(snapshot).name}
 
 
