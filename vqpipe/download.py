@@ -4,6 +4,8 @@ Sources:
   ``synth:PRESET[-4bit]``  deterministic offline synthetic model (``vqpipe.synth``)
   ``hf:REPO[@REVISION]``   Hugging Face Hub snapshot (or the local HF cache when offline)
   ``path:DIR``             a local model directory, copied
+  ``gguf:FILE``            a llama.cpp GGUF file, converted (``gguf:pkg:PACKAGE/PATH``: a file
+                           shipped in an installed Python package; see ``vqpipe.gguf``)
 
 The output directory appears atomically (built next to it, then renamed) and holds
 ``vqpipe-source.json``: the source string, parameter count and sha256 of every file.
@@ -24,7 +26,7 @@ from urllib.parse import urlsplit
 
 from . import fsutil, manifest
 
-SCHEMES = ("synth", "hf", "path")
+SCHEMES = ("synth", "hf", "path", "gguf")
 SOURCE_FILE = "vqpipe-source.json"
 
 # What mlx_lm fetches from a repo (weights, configs, tokenizers, chat templates), less code: a
@@ -51,13 +53,15 @@ def parse_source(source):
     """``'synth:tiny'`` -> ``('synth', 'tiny')``; raises ValueError on a bad scheme or empty value."""
     scheme, sep, value = str(source).partition(":")
     if not sep or scheme not in SCHEMES or not value:
-        forms = "synth:PRESET[-4bit], hf:REPO[@REVISION], path:DIR"
+        forms = "synth:PRESET[-4bit], hf:REPO[@REVISION], path:DIR, gguf:FILE, gguf:pkg:PACKAGE/PATH"
         raise ValueError(f"bad model source {source!r}; expected one of: {forms}")
     return scheme, value
 
 
-def fetch(source, out_dir, seed=0):
+def fetch(source, out_dir, seed=0, dtype="bfloat16"):
     """Write the model named by ``source`` into ``out_dir`` (replacing it) and return its path.
+
+    ``dtype`` is the weight dtype of a converted ``gguf:`` source (the others keep their own).
 
     The model is built in a temporary directory next to ``out_dir`` and renamed into place, so
     an interrupted fetch never leaves a partial ``out_dir``.
@@ -69,6 +73,10 @@ def fetch(source, out_dir, seed=0):
         from . import synth
 
         synth.parse_preset(value)  # fail on a bad preset before touching the disk
+    if scheme == "gguf":
+        from . import gguf
+
+        gguf.open_reader(gguf.resolve(value))  # fail on a missing or bad file before touching the disk
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -82,6 +90,8 @@ def fetch(source, out_dir, seed=0):
             info = {"preset": value, "seed": seed, "synth": synth.build(value, tmp, seed)}
         elif scheme == "hf":
             info = fetch_hf(value, tmp)
+        elif scheme == "gguf":
+            info = gguf.fetch_gguf(value, tmp, dtype)
         else:
             info = fetch_path(value, tmp)
         write_source_json(tmp, {"source": source, "scheme": scheme, **info})
@@ -289,16 +299,19 @@ def main(argv=None):
     parser.add_argument(
         "--source",
         required=True,
-        help="synth:PRESET[-4bit] (presets: " + ", ".join(PRESETS) + "), hf:REPO[@REVISION] or path:DIR",
+        help="synth:PRESET[-4bit] (presets: " + ", ".join(PRESETS) + "), hf:REPO[@REVISION], path:DIR, "
+        "gguf:FILE or gguf:pkg:PACKAGE/PATH",
     )
     parser.add_argument("--out", required=True, type=Path, help="output model directory (replaced)")
     parser.add_argument("--seed", type=int, default=0, help="seed for synth: sources (default 0)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="weight dtype of a converted gguf: source (default bfloat16)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
     try:
-        fetch(args.source, args.out, args.seed)
+        fetch(args.source, args.out, args.seed, args.dtype)
     except (ValueError, OSError) as e:  # OSError: a missing path, disk full, no network, named
         print(f"vqpipe download: error: {e}", file=sys.stderr)
         return 2

@@ -24,7 +24,9 @@ OUTPUTS = ("index.html", "report.md", "summary.json") + tuple(f"plots/{p}.png" f
 _STAT_KEYS = ("n", "median", "min", "max")
 _NOT_COPIED = ("environment", "reference_environment", "layers")
 # bench-quality's methods, as pipeline variants (quality.py: rotated = rotation auto, unrotated = none).
-_QUALITY_VARIANT = {"rotated": "b{bits}-auto", "unrotated": "b{bits}-none", "affine": "mlx-affine-b{bits}"}
+_QUALITY_VARIANT = {"rotated": "b{bits}-auto", "unrotated": "b{bits}-none", "affine": "mlx-affine-b{bits}",
+                    "vqpipe": "b{bits}-{rotation}", "affine-g32": "mlx-affine-b{bits}-g32",
+                    "affine-g64": "mlx-affine-b{bits}-g64", "affine-g128": "mlx-affine-b{bits}-g128"}
 
 
 def write_atomic(path, data):
@@ -154,7 +156,7 @@ def _quality(a):
     for r in _items(doc, "records"):
         ident = _scalars(r)
         if "variant" not in r and "method" in r and "bits" in r:
-            ident["variant"] = _QUALITY_VARIANT.get(r["method"], "{method}-b{bits}").format(**r)
+            ident["variant"] = _QUALITY_VARIANT.get(r["method"], "{method}-b{bits}").format(**{"rotation": "auto", **r})
         if _stats(r):
             recs.append({**ident, **_stats(r)})
         for key, st in r.items():
@@ -735,6 +737,45 @@ def _render_decode_extras(d, x):
 
 
 
+def _st(st, digits=4):
+    """'median [min–max]' of a summary."""
+    return f"{_g(st['median'], digits)} [{_g(st['min'], digits)}–{_g(st['max'], digits)}]" if _is_stats(st) else "—"
+
+
+def _render_user_quality(d, summary):
+    """bench-quality on real text: perplexity, KL, top-1 and bits per weight per arm; generations."""
+    for a in summary["artifacts"]:
+        x = a["data"]
+        if a["kind"] != "bench-quality" or not isinstance(x.get("source"), dict):
+            continue
+        src, t = x["source"], x.get("text") or {}
+        d.h(3, f"{x.get('model')}: quality on real text")
+        d.p(f"{x.get('windows')} windows × {x.get('length')} tokens of {t.get('title')} ({t.get('author')}; "
+            f"{t.get('license')}; {t.get('package')} {t.get('package_version')}), the eval split. "
+            f"Source perplexity {_st(src.get('ppl'), 4)} (median [min–max] over windows). KL(source ‖ arm) and "
+            "top-1 agreement are per token, averaged per window. bpw: stored bits of the quantized layers "
+            "(codes + scales/biases/norms + codebooks + rotations) per weight; \"seed rot.\": with rotations "
+            "stored as seeds (persist_rotation off).")
+        if src.get("full_precision") is False:
+            d.p(f"The source is not a full-precision model: {src.get('note')} (GGUF tensor types: "
+                f"{src.get('gguf_types')}). Every figure is a distance to this dequantized model.", warn=True)
+        rows = []
+        for r in x.get("records") or []:
+            b = r.get("bpw") or {}
+            rows.append([_g(r.get("bits")), r.get("method"), _g(b.get("bpw"), 4), _g(b.get("bpw_seed_rotation"), 4),
+                         _st(r.get("ppl")), _st(r.get("kl")), _st(r.get("top1"), 3), _g(r.get("weight_rel_mse"), 4)])
+        d.table(["bits", "arm", "bpw", "bpw (seed rot.)", "perplexity", "KL", "top-1", "weight rel. MSE"], rows)
+        dense = ((x.get("records") or [{}])[0].get("bpw") or {}).get("unquantized_params")
+        if dense:
+            d.p("Kept unquantized in every arm (parameters): " + ", ".join(f"{k} {v:,}" for k, v in dense.items()) + ".")
+        g = x.get("generations") or {}
+        prompts = g.get("prompts") or []
+        if prompts:
+            d.p(f"Greedy generations ({g.get('max_tokens')} tokens, chat template) of the source and every arm:")
+            d.table(["arm"] + [f"“{p}”" for p in prompts],
+                    [[a.get("arm")] + list(a.get("texts") or []) for a in g.get("arms") or []])
+
+
 def render(summary, plots):
     d = _Doc()
     models = summary["models"]
@@ -815,6 +856,7 @@ def render(summary, plots):
             d.table(["model", "processes at once", "procs", "figure", "n", "median", "min–max"], rows)
 
     d.h(2, "Quality")
+    _render_user_quality(d, summary)
     d.table(["model", "variant", "method", "bits", "metric", "n", "median", "min–max", "mean", "weight rel. MSE", "tokens"],
             [[m, v, r.get("method") or "—", _g(r.get("bits")), r.get("metric") or "—", *_cells(r, digits=5),
               _g(r.get("mean"), 5), _g(r.get("weight_rel_mse"), 5), _g(r.get("tokens"))]

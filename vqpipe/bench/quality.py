@@ -1,12 +1,17 @@
-"""Quality benchmark: vqpipe (rotated / unrotated codebook) vs MLX affine quantization.
+"""Quality benchmark: vqpipe vs MLX affine quantization, measured as a user would (docs/quality.md).
 
-For each bit width, three methods quantize the same source model:
-    rotated    vqpipe, rotation "auto" (Hadamard where MLX supports the size, else Kronecker)
-    unrotated  vqpipe, rotation "none" (the same Lloyd-Max codebook on raw normalised rows)
-    affine     MLX's own ``nn.quantize`` (affine, group 64, fp32 scales) on every nn.Linear
-and we report the weight error (sum ||W - W_hat||^2 / sum ||W||^2 over the quantized layers) and
-logit agreement with the full-precision source (KL(source || quantized) per token and top-1
-agreement) on windows of the shipped corpus that no method saw.
+Arms at each bit width, all against the same source model:
+    vqpipe       the quantize stage's artifact (--quantized DIR, the pipeline's rotation), or
+                 quantize_model in-process with --rotation when no artifact is given
+    unrotated    the same with rotation "none"
+    affine-gG    MLX's own nn.quantize (affine, group G in --affine-groups, default 32 64 128) on
+                 every nn.Linear, from the source's stored dtype: scales and biases in that dtype,
+                 as mlx_lm.convert stores them
+On windows of real English text no method saw (vqpipe.text, eval split): perplexity, KL(source ||
+arm) per token and top-1 agreement with the source, per window, median [min-max]; bits per weight
+counted from what each arm stores; and greedy generations on fixed chat prompts, side by side.
+Every arm runs as dense float32 layers holding its dequantized weights (``dense_copy``: the
+same weights, and MLX's CPU quantized matmul is far too slow for 512-token windows).
 
 ``--timing`` also times quantization itself (``quantize_model``) per rotation in fresh
 subprocesses, with each child's peak RSS against the source model's size on disk.
@@ -14,26 +19,260 @@ subprocesses, with each child's peak RSS against the source model's size on disk
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
+from .. import text
 from ..fsutil import write_json
-from ..quantize import quantize_model
+from ..quantize import load_quantized, quantize_model
 from .env import environment
 from .harness import summarize
 
+AFFINE_GROUPS = (32, 64, 128)
+PROMPTS = (
+    "What is the capital of France?",
+    "Explain in one sentence why the sky is blue.",
+    "Write a short poem about the sea.",
+)
+
+
+def _fp32(model):
+    model.update(tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
+                          model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def load_source(path, dtype_cast=True):
+    """The source model (float32 unless told otherwise); an affine-quantized source is dequantized."""
+    from mlx_lm.utils import dequantize_model, load
+
+    model, tok = load(str(path))
+    model = dequantize_model(model)
+    return (_fp32(model) if dtype_cast else model), tok
+
+
+def source_info(path):
+    """What vqpipe-source.json says about the source's own precision (a GGUF may be quantized)."""
+    p = Path(path) / "vqpipe-source.json"
+    info = json.loads(p.read_text()) if p.is_file() else {}
+    q = (info.get("gguf") or {}).get("quantization") or {}
+    quant = (info.get("synth") or {}).get("quantization")
+    full = q.get("full_precision", quant is None)
+    note = q.get("note") or (None if quant is None else "the source is an MLX affine 4-bit checkpoint, dequantized")
+    return {"source": info.get("source"), "full_precision": full, "note": note,
+            "gguf_types": q.get("types"), "license": (info.get("gguf") or {}).get("license")}
+
+
+# --- the arms -----------------------------------------------------------------------------------
+
+
+def affine_arm(path, bits, group_size):
+    """(model, weight rel. MSE): MLX affine quantization of every nn.Linear, computed in float32."""
+    model, _ = load_source(path, dtype_cast=False)
+    weights = {n: m.weight.astype(mx.float32) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=lambda p, m: isinstance(m, nn.Linear))
+    mx.eval(model.parameters())
+    bpw = bits_per_weight(model)  # before the cast: scales/biases as stored
+    _fp32(model)
+    err = tot = 0.0
+    for name, m in model.named_modules():
+        if isinstance(m, nn.QuantizedLinear):
+            w = weights.pop(name)
+            w_hat = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
+            err += mx.sum((w_hat - w) ** 2).item()
+            tot += mx.sum(w * w).item()
+    return model, err / tot, bpw
+
+
+def vqpipe_arm(path, bits, rotation, seed, quantized=None):
+    """(model, weight rel. MSE, bpw): the quantize artifact ``quantized`` if given, else quantized here.
+
+    The one place bench-quality makes a vqpipe model: from the pipeline's artifact, its options
+    are whatever the quantize rule used.
+    """
+    if quantized is not None:
+        model, _ = load_quantized(quantized)
+        records = json.loads((Path(quantized) / "quantized.json").read_text())["records"]
+    else:
+        model, _ = load_source(path)
+        records = quantize_model(model, bits, rotation, seed)
+    err = sum(r["squared_error"] for r in records) / sum(r["weight_sq"] for r in records)
+    return _fp32(model), err, bits_per_weight(model)
+
+
+# --- bits per weight ----------------------------------------------------------------------------
+
+
+def bits_per_weight(model):
+    """Stored bits of every quantized layer over its weight count, by part, and what stays dense.
+
+    vqpipe layers: every array of ``to_state()`` but the bias (codes, row scales, codebook,
+    rotation state; ``bpw_seed_rotation`` leaves out rotation arrays, as persist_rotation=False
+    stores only seeds). Affine layers: packed codes, scales and biases as stored.
+    """
+    parts, weights, quantized = Counter(), 0, set()
+    for name, m in model.named_modules():
+        if hasattr(m, "to_state"):
+            meta, arrays = m.to_state()
+            weights += meta["in_features"] * meta["out_features"]
+            for k, v in arrays.items():
+                if k != "bias":
+                    parts["rotation" if k.startswith("rotation.") else k] += v.nbytes * 8
+        elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            weights += m.weight.size * 32 // m.bits
+            parts["codes"] += m.weight.nbytes * 8
+            parts["scales"] += m.scales.nbytes * 8
+            if m.get("biases") is not None:
+                parts["biases"] += m.biases.nbytes * 8
+        else:
+            continue
+        quantized.add(name)
+    dense = Counter()
+    for k, v in tree_flatten(model.parameters()):
+        module, _, leaf = k.rpartition(".")
+        if module not in quantized or leaf == "bias":
+            kind = "bias" if leaf == "bias" else "norm" if "norm" in module else module.split(".")[-1]
+            dense[kind] += v.size
+    if not weights:
+        return None
+    total = sum(parts.values())
+    return {"bpw": total / weights, "bpw_seed_rotation": (total - parts["rotation"]) / weights,
+            "parts_bpw": {k: v / weights for k, v in sorted(parts.items())},
+            "quantized_weights": weights, "quantized_layers": len(quantized),
+            "unquantized_params": dict(sorted(dense.items())), "unquantized_total": sum(dense.values())}
+
+
+# --- metrics ------------------------------------------------------------------------------------
+
+
+def logprobs(model, tokens):
+    logits = model(tokens[None])[0].astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def window_metrics(ref_lp, lp, tokens):
+    """(KL(ref || arm) per token, top-1 agreement, NLL of the next token) for one window."""
+    ref_lp = ref_lp.astype(mx.float32)
+    kl = mx.mean(mx.sum(mx.exp(ref_lp) * (ref_lp - lp), axis=-1))
+    top1 = mx.mean(mx.argmax(ref_lp, axis=-1) == mx.argmax(lp, axis=-1))
+    nll = -mx.mean(mx.take_along_axis(lp[:-1], tokens[1:, None], axis=-1))
+    mx.eval(kl, top1, nll)
+    return kl.item(), top1.item(), nll.item()
+
+
+def nll(lp, tokens):
+    out = -mx.mean(mx.take_along_axis(lp[:-1], tokens[1:, None], axis=-1))
+    return out.item()
+
+
+def ppl_record(nlls):
+    return {"ppl": summarize([math.exp(x) for x in nlls]), "ppl_mean": math.exp(sum(nlls) / len(nlls)),
+            "nll_mean": sum(nlls) / len(nlls)}
+
+
+def dense_copy(model):
+    """Quantized layers (vqpipe and affine) replaced by nn.Linear holding their dequantized weights.
+
+    The same weights; only the rounding order of the matmul differs. MLX's CPU quantized matmul
+    is ~25x slower than a float32 GEMM at 512 tokens (202 s vs 7 s a window for SmolLM2), and
+    vqpipe's CPU forward rebuilds its weight on every call, so every arm is evaluated this way.
+    """
+    from mlx.utils import tree_unflatten
+
+    swaps = []
+    for name, m in model.named_modules():
+        if hasattr(m, "dequantized_weight") and not hasattr(m, "as_linear"):
+            w = m.dequantized_weight(mx.float32)
+        elif isinstance(m, nn.QuantizedLinear):
+            w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits).astype(mx.float32)
+        else:
+            continue
+        lin = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+        lin.weight = w
+        if "bias" in m:
+            lin.bias = m.bias.astype(mx.float32)
+        swaps.append((name, lin))
+    model.update_modules(tree_unflatten(swaps))
+    mx.eval(model.parameters())
+    return model
+
+
+def generations(model, tok, prompts, max_tokens):
+    from mlx_lm import generate
+
+    out = []
+    for p in prompts:
+        if getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        else:
+            ids = tok.encode(p)
+        out.append(generate(model, tok, ids, max_tokens=max_tokens, verbose=False))
+    return out
+
+
+def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", quantized=None,
+            affine_groups=AFFINE_GROUPS, prompts=PROMPTS, gen_tokens=32, progress=print):
+    """(records, source record, generations). ``quantized``: {(bits, rotation): artifact dir}."""
+    quantized = quantized or {}
+    source, tok = load_source(path)
+    windows = text.eval_windows(tok, n_windows, length)
+    # float16 reference log-probs: 20 x 512 x 49152 float32 would be 2 GB.
+    refs = [logprobs(source, w).astype(mx.float16) for w in windows]
+    mx.eval(refs)
+    src = {"method": "source", **ppl_record([nll(r.astype(mx.float32), w) for r, w in zip(refs, windows)]),
+           "bpw": bits_per_weight(source), **source_info(path), "tokens": n_windows * length}
+    progress(f"source perplexity {src['ppl']['median']:.2f} (median of {n_windows} windows x {length})")
+    gens = {"prompts": list(prompts), "max_tokens": gen_tokens, "arms": []}
+    if prompts:
+        gens["arms"].append({"arm": "source", "texts": generations(source, tok, prompts, gen_tokens)})
+    del source
+    arms = [("vqpipe", None), ("unrotated", None)] + [(f"affine-g{g}", g) for g in affine_groups]
+    records = []
+    for bits in bits_list:
+        for method, group in arms:
+            t0 = time.perf_counter()
+            if group is None:
+                rot = rotation if method == "vqpipe" else "none"
+                model, werr, bpw = vqpipe_arm(path, bits, rot, seed, quantized.get((bits, rot)))
+            else:
+                model, werr, bpw = affine_arm(path, bits, group)
+            model = dense_copy(model)
+            kls, top1s, nlls = zip(*(window_metrics(r, logprobs(model, w), w) for r, w in zip(refs, windows)))
+            rec = {"bits": bits, "method": method, "weight_rel_mse": werr,
+                   "kl": summarize(kls), "kl_mean": sum(kls) / len(kls),
+                   "top1": summarize(top1s), "top1_mean": sum(top1s) / len(top1s),
+                   **ppl_record(nlls), "bpw": bpw, "tokens": n_windows * length}
+            if group is None:
+                rec["rotation"] = rot
+                rec["artifact"] = str(quantized[(bits, rot)]) if (bits, rot) in quantized else None
+            else:
+                rec["group_size"] = group
+            records.append(rec)
+            if prompts:
+                gens["arms"].append({"arm": f"{bits}-bit {method}", "texts": generations(model, tok, prompts, gen_tokens)})
+            progress(f"{bits}-bit {method:11s} bpw {bpw['bpw']:.3f}  ppl {rec['ppl']['median']:.2f}  "
+                     f"KL {rec['kl']['median']:.4f}  top-1 {rec['top1']['median']:.3f}  "
+                     f"weight rel MSE {werr:.5f}  [{time.perf_counter() - t0:.1f}s]")
+            del model
+    return records, src, gens
+
+
+# --- the synthetic presets' own checks (tests/test_download.py) ---------------------------------
+
 CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus.txt"
-METHODS = ("rotated", "unrotated", "affine")
 
 
 def eval_windows(tokenizer, n_windows, length):
-    """``n_windows`` distinct token windows of ``length`` spread over the corpus."""
+    """Windows of the shipped corpus the synthetic tokenizers were trained on (not real text)."""
     ids = tokenizer.encode(CORPUS.read_text())
     if len(ids) < length + n_windows:
         raise ValueError(f"corpus has {len(ids)} tokens, too few for {n_windows} windows of {length}")
@@ -42,20 +281,7 @@ def eval_windows(tokenizer, n_windows, length):
 
 
 def load_fp32(path):
-    """The source in float32; an affine-quantized source is dequantized (that is its full precision)."""
-    from mlx_lm.utils import dequantize_model, load
-
-    model, tok = load(str(path))
-    model = dequantize_model(model)
-    model.update(tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
-                          model.parameters()))
-    mx.eval(model.parameters())
-    return model, tok
-
-
-def logprobs(model, tokens):
-    logits = model(tokens[None])[0].astype(mx.float32)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return load_source(path)
 
 
 def agreement(ref_lp, lp):
@@ -66,51 +292,11 @@ def agreement(ref_lp, lp):
     return kl.item(), top1.item()
 
 
-def affine_error(model, source_weights):
-    err = tot = 0.0
-    for name, m in model.named_modules():
-        if isinstance(m, nn.QuantizedLinear):
-            w = source_weights[name]
-            w_hat = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
-            err += mx.sum((w_hat - w) ** 2).item()
-            tot += mx.sum(w * w).item()
-    return err / tot
-
-
 def quantize_method(path, method, bits, seed):
-    model, _ = load_fp32(path)
+    """(model, weight rel. MSE) for 'rotated' (vqpipe, auto), 'unrotated' or 'affine' (group 64)."""
     if method == "affine":
-        weights = {n: m.weight for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-        nn.quantize(model, group_size=64, bits=bits, class_predicate=lambda p, m: isinstance(m, nn.Linear))
-        mx.eval(model.parameters())
-        return model, affine_error(model, weights)
-    records = quantize_model(model, bits, "auto" if method == "rotated" else "none", seed)
-    err = sum(r["squared_error"] for r in records) / sum(r["weight_sq"] for r in records)
-    return model, err
-
-
-def quality(path, bits_list, n_windows=20, length=128, seed=0, progress=print):
-    source, tok = load_fp32(path)
-    windows = eval_windows(tok, n_windows, length)
-    refs = [logprobs(source, w) for w in windows]
-    mx.eval(refs)
-    del source
-    records = []
-    for bits in bits_list:
-        for method in METHODS:
-            t0 = time.perf_counter()
-            model, werr = quantize_method(path, method, bits, seed)
-            kls, top1s = zip(*(agreement(r, logprobs(model, w)) for r, w in zip(refs, windows)))
-            rec = {"bits": bits, "method": method, "weight_rel_mse": werr,
-                   "kl": summarize(kls), "kl_mean": sum(kls) / len(kls),
-                   "top1": summarize(top1s), "top1_mean": sum(top1s) / len(top1s),
-                   "tokens": n_windows * length}
-            records.append(rec)
-            progress(f"{bits}-bit {method:9s} weight rel MSE {werr:.5f}  KL {rec['kl_mean']:.4f} "
-                     f"(median {rec['kl']['median']:.4f})  top-1 {rec['top1_mean']:.3f}  "
-                     f"[{time.perf_counter() - t0:.1f}s]")
-            del model
-    return records
+        return affine_arm(path, bits, 64)[:2]
+    return vqpipe_arm(path, bits, "auto" if method == "rotated" else "none", seed)[:2]
 
 
 _CHILD = """
@@ -143,13 +329,28 @@ def timing(path, bits, rotations, repeats, progress=print):
             for r, v in runs.items()]
 
 
+def artifacts(dirs):
+    """{(bits, rotation): dir} from quantize-stage artifact directories."""
+    out = {}
+    for d in dirs or []:
+        info = json.loads((Path(d) / "quantized.json").read_text())
+        out[(int(info["bits"]), info["rotation"])] = Path(d)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m vqpipe bench-quality", description=__doc__.split("\n")[0])
     p.add_argument("--source", required=True, help="source model directory")
     p.add_argument("--model", default=None, help="model name recorded in the output")
     p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--quantized", nargs="*", default=[], metavar="DIR",
+                   help="quantize-stage artifacts to measure (else the vqpipe arms are quantized here)")
+    p.add_argument("--rotation", default="auto", help="rotation of the vqpipe arm (default auto)")
+    p.add_argument("--affine-groups", type=int, nargs="+", default=list(AFFINE_GROUPS))
     p.add_argument("--windows", type=int, default=20, help="distinct evaluation windows (>= 20)")
-    p.add_argument("--length", type=int, default=128, help="tokens per window")
+    p.add_argument("--length", type=int, default=512, help="tokens per window")
+    p.add_argument("--gen-prompts", type=int, default=len(PROMPTS), help=f"fixed chat prompts generated (0-{len(PROMPTS)})")
+    p.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens per generation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timing", nargs="*", default=None, metavar="ROTATION",
                    help="also time quantize_model for these rotations (e.g. auto qr)")
@@ -158,12 +359,16 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="output JSON")
     args = p.parse_args(argv)
     try:
+        records, src, gens = quality(args.source, args.bits, args.windows, args.length, args.seed, args.rotation,
+                                     artifacts(args.quantized), args.affine_groups,
+                                     PROMPTS[: max(0, args.gen_prompts)], args.gen_tokens)
         result = {"kind": "bench-quality", "model": args.model or Path(args.source).name,
-                  "environment": environment(),
-                  "records": quality(args.source, args.bits, args.windows, args.length, args.seed)}
+                  "environment": environment(), "text": text.provenance(),
+                  "windows": args.windows, "length": args.length,
+                  "source": src, "records": records, "generations": gens}
         if args.timing:
             result["timing"] = timing(args.source, args.timing_bits, args.timing, args.timing_repeats)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"vqpipe bench-quality: error: {e}", file=sys.stderr)
         return 2
     write_json(args.out, result)

@@ -5,15 +5,22 @@
 rule bench_quality:
     input:
         source=SOURCE,
-        code=stage_sources("vqpipe.bench.quality", data=["corpus.txt"]),
+        # The vqpipe arms are the quantize stage's artifacts (the pipeline's rotation and none),
+        # so every quantize option reaches them; affine arms are made in the job.
+        quantized=expand(QUANTIZED, model="{model}", bits=BITS, rotation=[QUALITY_ROTATION, "none"]),
+        code=stage_sources("vqpipe.bench.quality"),
     output:
         BENCH_QUALITY,
     params:
         model="{model}",
         bits=BITS,
+        rotation=QUALITY_ROTATION,
         windows=config["benchmarks"]["quality"]["windows"],
         length=config["benchmarks"]["quality"]["length"],
         seed=config["benchmarks"]["quality"]["seed"],
+        groups=config["benchmarks"]["quality"]["affine_groups"],
+        gen_prompts=config["benchmarks"]["quality"]["gen_prompts"],
+        gen_tokens=config["benchmarks"]["quality"]["gen_tokens"],
         blas=BLAS,
     log:
         "logs/bench/{model}/quality.log",
@@ -26,7 +33,9 @@ rule bench_quality:
     shell:
         vqpipe_cmd(
             "bench-quality --source {input.source:q} --model {params.model} --bits {params.bits}"
-            " --windows {params.windows} --length {params.length} --seed {params.seed} --out {output:q}"
+            " --quantized {input.quantized:q} --rotation {params.rotation} --affine-groups {params.groups}"
+            " --windows {params.windows} --length {params.length} --seed {params.seed}"
+            " --gen-prompts {params.gen_prompts} --gen-tokens {params.gen_tokens} --out {output:q}"
         )
 
 

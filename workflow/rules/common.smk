@@ -47,6 +47,9 @@ MODELS = list(config["models"])
 BITS = list(config["bits"])
 ROTATIONS = list(config["rotations"])
 PERSIST = ["on" if p else "off" for p in config["persist_rotation"]]
+# bench-quality's vqpipe arm: this rotation's quantize artifact (its unrotated arm: rotation none).
+QUALITY_ROTATION = config["benchmarks"]["quality"].get("rotation") or next(
+    (r for r in ROTATIONS if r != "none"), "auto")
 
 
 def fan_out(pattern):

@@ -3,13 +3,14 @@
 
 rule download:
     input:
-        code=stage_sources("vqpipe.download", "vqpipe.synth", data=["corpus.txt"]),
+        code=stage_sources("vqpipe.download", "vqpipe.synth", "vqpipe.gguf", "vqpipe.gguf_tokenizer", data=["corpus.txt"]),
     output:
         directory(SOURCE),
     params:
         model="{model}",
         source=lambda wc: config["models"][wc.model]["source"],
         seed=lambda wc: config["models"][wc.model]["seed"],
+        dtype=lambda wc: config["models"][wc.model]["dtype"],
     log:
         "logs/download/{model}.log",
     threads: res("download", "threads")
@@ -18,4 +19,4 @@ rule download:
         runtime=res("download", "runtime"),
     cache: "omit-software"
     shell:
-        vqpipe_cmd("download --source {params.source:q} --out {output:q} --seed {params.seed}")
+        vqpipe_cmd("download --source {params.source:q} --out {output:q} --seed {params.seed} --dtype {params.dtype}")

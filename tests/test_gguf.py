@@ -1,0 +1,218 @@
+"""gguf: source: small GGUF files written here with the gguf package, converted and checked against an
+independent NumPy evaluation of the GGUF weights (vqpipe.gguf_ref), plus the error cases."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from vqpipe import gguf_ref  # noqa: E402
+from vqpipe.download import fetch  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
+            "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
+DIMS = {"hidden": 64, "heads": 4, "kv": 2, "ff": 96, "layers": 2}
+
+
+def tokenizer_tables():
+    from tokenizers import pre_tokenizers
+
+    merges = ["Ġ t", "h e", "Ġt he", "l l", "Ġ w", "o r"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = SPECIAL + alphabet + [m.replace(" ", "") for m in merges]
+    types = [3] * len(SPECIAL) + [1] * (len(tokens) - len(SPECIAL))
+    return tokens, types, merges
+
+
+def permute(w, n_head):
+    """llama.cpp's convert_hf_to_gguf row permutation of Q/K (halves -> interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_weights(arch, vocab, rng):
+    h, ff, d = DIMS["hidden"], DIMS["ff"], DIMS["hidden"] // DIMS["heads"]
+    r = lambda *s: (rng.standard_normal(s) * 0.3).astype(np.float32)  # noqa: E731
+    w = {"token_embd.weight": r(vocab, h), "output_norm.weight": 1 + r(h) * 0.1, "output.weight": r(vocab, h)}
+    for i in range(DIMS["layers"]):
+        b = f"blk.{i}."
+        w |= {b + "attn_norm.weight": 1 + r(h) * 0.1, b + "ffn_norm.weight": 1 + r(h) * 0.1,
+              b + "attn_q.weight": r(DIMS["heads"] * d, h), b + "attn_k.weight": r(DIMS["kv"] * d, h),
+              b + "attn_v.weight": r(DIMS["kv"] * d, h), b + "attn_output.weight": r(h, DIMS["heads"] * d),
+              b + "ffn_gate.weight": r(ff, h), b + "ffn_up.weight": r(ff, h), b + "ffn_down.weight": r(h, ff)}
+        if arch == "qwen2":
+            w |= {b + "attn_q.bias": r(DIMS["heads"] * d), b + "attn_k.bias": r(DIMS["kv"] * d),
+                  b + "attn_v.bias": r(DIMS["kv"] * d)}
+    return w
+
+
+def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0):
+    """A small GGUF like llama.cpp writes: Q/K permuted (llama), q/k/v/gate quantized with ``qtype``."""
+    tokens, types, merges = tokenizer_tables()
+    hf = hf_weights(arch, len(tokens), np.random.default_rng(seed))
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(DIMS["layers"])
+    w.add_context_length(256)
+    w.add_embedding_length(DIMS["hidden"])
+    w.add_feed_forward_length(DIMS["ff"])
+    w.add_head_count(DIMS["heads"])
+    w.add_head_count_kv(DIMS["kv"])
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(DIMS["hidden"] // DIMS["heads"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(TEMPLATE)
+    for name, x in hf.items():
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            x = permute(x, DIMS["heads"] if "attn_q" in name else DIMS["kv"])
+        if name.split(".")[-2] in ("attn_q", "attn_k", "attn_v", "ffn_gate"):
+            w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+        elif name.endswith("ffn_up.weight"):
+            w.add_tensor(name, x.astype(np.float16))
+        else:
+            w.add_tensor(name, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf
+
+
+def fp32_model(out):
+    import mlx_lm
+    from mlx.utils import tree_map
+
+    model, tok = mlx_lm.load(str(out))
+    model.update(tree_map(lambda a: a.astype(mx.float32), model.parameters()))
+    return model, tok
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_logits_match_independent_evaluation(tmp_path, arch):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, arch)
+    out = fetch(f"gguf:{path}", tmp_path / "out", dtype="float32")
+    model, tok = fp32_model(out)
+    tokens = tok.apply_chat_template([{"role": "user", "content": "hello the world"}], add_generation_prompt=True)
+    ours = np.array(model(mx.array(tokens)[None])[0])
+    ref = gguf_ref.logits(path, tokens)
+    assert np.abs(ours - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_wrong_rope_convention_is_detected(tmp_path, monkeypatch):
+    """The logits check can fail: with RoPE in the other convention the permutation no longer matches."""
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama")
+    out = fetch(f"gguf:{path}", tmp_path / "out", dtype="float32")
+    model, tok = fp32_model(out)
+    tokens = tok.encode("the world hello the world")
+    ours = np.array(model(mx.array(tokens)[None])[0])
+    monkeypatch.setattr(gguf_ref, "NEOX_ARCHS", ("qwen2", "llama"))
+    wrong = gguf_ref.logits(path, tokens)
+    assert np.abs(ours - wrong).max() > 1e-2
+
+
+def test_qk_rows_unpermuted_and_source_record(tmp_path):
+    path = tmp_path / "m.gguf"
+    hf = write_gguf(path, "llama")
+    out = fetch(f"gguf:{path}", tmp_path / "out")
+    weights = mx.load(str(out / "model.safetensors"))
+    q = weights["model.layers.0.self_attn.q_proj.weight"]
+    assert q.dtype == mx.bfloat16  # the default dtype
+    want = hf["blk.0.attn_q.weight"]
+    q = np.array(q.astype(mx.float32))
+    # Q4_1 error is a few percent of the weights; a permuted row order would be ~100%.
+    assert np.linalg.norm(q - want) / np.linalg.norm(want) < 0.15
+    assert np.allclose(np.array(weights["model.layers.0.mlp.up_proj.weight"].astype(mx.float32)),
+                       hf["blk.0.ffn_up.weight"], atol=2e-2)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["num_key_value_heads"], config["tie_word_embeddings"]) == ("llama", 2, False)
+    info = json.loads((out / "vqpipe-source.json").read_text())
+    quant = info["gguf"]["quantization"]
+    assert quant["per_tensor"]["blk.0.attn_q.weight"] == "Q4_1"
+    assert quant["per_tensor"]["blk.0.ffn_up.weight"] == "F16"
+    assert quant["full_precision"] is False and "not a full-precision" in quant["note"]
+    assert info["scheme"] == "gguf" and info["dtype"] == "bfloat16"
+
+
+def test_tokenizer(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama")
+    out = fetch(f"gguf:{path}", tmp_path / "out")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(out))
+    text = "hello the world, 123 ünïcode"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.convert_ids_to_tokens(tok.encode(" the")) == ["Ġthe"]
+    assert tok.encode("<|im_start|>user") [0] == 1  # special tokens are single ids
+    assert tok.encode("12") == tok.encode("1") + tok.encode("2")  # smollm splits digits
+    assert (tok.eos_token, tok.bos_token) == ("<|im_end|>", "<|im_start|>")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_q8_0_and_numpy_path(tmp_path):
+    """Q8_0 (MLX path) and Q5_0 (gguf-package path) convert to the same weights the reference sees."""
+    for qtype in (Q.Q8_0, Q.Q5_0):
+        path = tmp_path / f"{qtype.name}.gguf"
+        write_gguf(path, "llama", qtype=qtype)
+        out = fetch(f"gguf:{path}", tmp_path / qtype.name, dtype="float32")
+        _, ref = gguf_ref.read(path)
+        got = mx.load(str(out / "model.safetensors"))
+        assert np.array_equal(np.array(got["model.layers.1.self_attn.v_proj.weight"]), ref["blk.1.attn_v.weight"])
+
+
+def test_errors_leave_nothing(tmp_path):
+    good = tmp_path / "m.gguf"
+    write_gguf(good, "llama")
+    out = tmp_path / "out"
+
+    def fails(source, exc, match):
+        with pytest.raises(exc, match=match):
+            fetch(source, out)
+        assert not out.exists()
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+
+    not_gguf = tmp_path / "x.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04" + b"\0" * 100)
+    fails(f"gguf:{not_gguf}", ValueError, "is not a GGUF file")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    fails(f"gguf:{cut}", ValueError, "truncated")
+    fails(f"gguf:{tmp_path / 'missing.gguf'}", FileNotFoundError, "missing.gguf")
+    fails("gguf:pkg:no_such_package_xyz/m.gguf", FileNotFoundError, "no_such_package_xyz")
+    fails("gguf:pkg:vqpipe/data/corpus.txt", ValueError, "is not a GGUF file")
+
+    arch = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(arch), "mamba")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    fails(f"gguf:{arch}", ValueError, "architecture 'mamba'")
+
+
+def test_unsupported_tensor_type(tmp_path, monkeypatch):
+    import vqpipe.gguf as vg
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", qtype=Q.Q5_0)
+    monkeypatch.setattr(vg, "NUMPY_TYPES", set())  # as if Q5_0 were a type nobody reads
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight.*type Q5_0"):
+        fetch(f"gguf:{path}", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
