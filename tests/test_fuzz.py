@@ -127,3 +127,41 @@ def test_tensor_specs_are_bounded(tmp_path, edit, pattern):
 
 def first(header, key):
     return next(iter(header["layers"].values()))["tensors"][key]
+
+
+def test_gguf_campaign_ci(tmp_path):
+    """1000 mutated GGUF files converted in worker processes: each rejected with an error naming
+    the file, or converted; no crash (a native parser reached with a bad file), hang or other error."""
+    pytest.importorskip("gguf")
+    summary = fuzz.campaign("vqpipe.fuzz_gguf", 7, 1000, tmp_path, batch=1000, timeout=120)
+    assert summary["cases"] == 1000
+    assert summary["failed"] == 0, summary["failures"][:10]
+    assert summary["counts"]["rejected"] > 500 and summary["counts"]["converted"] > 50, summary["counts"]
+
+
+def test_gguf_structure_is_checked_before_native_code(tmp_path, monkeypatch):
+    """A tensor whose data would lie past the end of the file never reaches mx.load."""
+    pytest.importorskip("gguf")
+    import struct
+
+    import mlx.core as mx
+
+    from vqpipe import fuzz_gguf as G
+    from vqpipe.download import fetch
+
+    ctx = G.prepare(tmp_path / "w")
+    version, kvs, tensors, data = ctx["parts"]
+    tensors = [list(t) for t in tensors]
+    tensors[-1][3] += 1 << 40
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(G.serialize(version, kvs, tensors, data))
+    calls = []
+    monkeypatch.setattr(mx, "load", lambda *a, **k: calls.append(a))
+    with pytest.raises(ValueError, match="bad.gguf.*run past the end"):
+        fetch(f"gguf:{bad}", tmp_path / "out")
+    assert calls == []
+    huge = bytearray(ctx["bytes"])
+    struct.pack_into("<Q", huge, 16, 2**60)  # metadata count
+    bad.write_bytes(bytes(huge))
+    with pytest.raises(ValueError, match="cannot fit"):
+        fetch(f"gguf:{bad}", tmp_path / "out")

@@ -31,9 +31,12 @@ def _worker(target, seed, start, end, workdir, mem_limit):
         # A header that makes the reader allocate without bound hits this and shows as a failure
         # (MemoryError or a crash), instead of taking the machine down.
         resource.setrlimit(resource.RLIMIT_AS, (mem_limit, mem_limit))
+    # Results go to the original stdout; anything the target prints (Python or native) to stderr.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     mod = importlib.import_module(target)
     ctx = mod.prepare(workdir)
-    out = sys.stdout
     for i in range(start, end):
         try:
             outcome, detail = mod.run_case(ctx, seed, i)
@@ -48,8 +51,13 @@ def _spawn(target, seed, start, end, workdir, mem_limit):
     cmd = [sys.executable, "-m", "vqpipe.fuzz", "worker", "--target", target, "--seed", str(seed),
            "--start", str(start), "--end", str(end), "--workdir", str(workdir),
            "--mem-limit", str(mem_limit)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    err = open(os.path.join(workdir, "worker.stderr"), "w+")  # a file: a pipe could fill and block
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+
+
+def _tail(workdir, n=600):
+    with open(os.path.join(workdir, "worker.stderr"), errors="replace") as f:
+        return f.read()[-n:].strip()
 
 
 def _kill(proc):
@@ -74,15 +82,13 @@ def _run_batch(target, seed, start, end, workdir, timeout, mem_limit, record, pr
         line = proc.stdout.readline()
         if not line:  # the worker exited
             rc = proc.wait()
-            err = proc.stderr.read()[-2000:]
-            record(nxt, "crash", f"worker exited with {rc} during the case: {err.strip()[-600:]}")
+            record(nxt, "crash", f"worker exited with {rc} during the case: {_tail(workdir)}")
             return nxt + 1
         r = json.loads(line)
         record(r["i"], r["outcome"], r["detail"])
         nxt, limit = r["i"] + 1, timeout
     proc.stdout.close()
     rc = proc.wait()
-    proc.stderr.close()
     if rc:
         record(end - 1, "crash", f"worker exited with {rc} after its last case")
     return end
