@@ -313,7 +313,8 @@ def main(argv=None):
     try:
         fetch(args.source, args.out, args.seed, args.dtype)
     except (ValueError, OSError) as e:  # OSError: a missing path, disk full, no network, named
-        print(f"vqpipe download: error: {e}", file=sys.stderr)
+        where = "" if isinstance(e, ValueError) or e.filename else f"writing {args.out}: "
+        print(f"vqpipe download: error: {where}{e}", file=sys.stderr)
         return 2
     return 0
 

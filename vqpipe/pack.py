@@ -79,6 +79,7 @@ def main(argv=None):
     try:
         run(args.quantized, args.out, parse_persist(args.persist_rotation))
     except (ValueError, OSError) as e:  # OSError: e.g. disk full, named with its path
-        print(f"vqpipe pack: error: {e}", file=sys.stderr)
+        where = "" if isinstance(e, ValueError) or e.filename else f"writing {args.out}: "
+        print(f"vqpipe pack: error: {where}{e}", file=sys.stderr)
         return 2
     return 0

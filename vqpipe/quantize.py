@@ -282,6 +282,7 @@ def main(argv=None):
     try:
         run(args.source, args.out, args.bits, args.rotation, args.seed, args.embeddings, args.lm_head, args.dtype)
     except (ValueError, OSError) as e:  # OSError: e.g. disk full, named with its path
-        print(f"vqpipe quantize: error: {e}", file=sys.stderr)
+        where = "" if isinstance(e, ValueError) or e.filename else f"writing {args.out}: "
+        print(f"vqpipe quantize: error: {where}{e}", file=sys.stderr)
         return 2
     return 0
