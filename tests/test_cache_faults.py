@@ -116,3 +116,21 @@ def test_race_corruption_and_read_only_cache(tmp_path):
         assert sorted(cache.iterdir()) == entries
     finally:
         subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_full_cache_is_not_poisoned(tmp_path):
+    """A cache on a file system too small for the artifacts: the run succeeds, the outputs stay
+    in the working directory, and the cache holds no entry (no partial one)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(cache)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        a = copy_repo(tmp_path / "a")
+        proc = smk(a, VERDICT.format("on"), "--cache", *CI, env={**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache)})
+        assert "is not cached" in proc.stdout
+        assert json.loads((a / VERDICT.format("on")).read_text())["bit_exact"] is True
+        assert not (a / QUANTIZED).is_symlink() and (a / QUANTIZED / "quantized.safetensors").is_file()
+        assert list(cache.iterdir()) == []  # no entry, no temporary
+    finally:
+        subprocess.run(["umount", "-l", str(cache)], check=True)

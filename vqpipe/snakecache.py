@@ -11,7 +11,8 @@ and the entry stayed poisoned for every later run. A cache directory this proces
 This store renames with ``os.rename``, which is atomic and refuses to replace a non-empty
 directory: the loser drops its copy and links the winner's entry (one provenance hash, one
 deterministic artifact; the consumer verifies its manifest anyway). A cache that is not writable
-is used for reading only: the job's output stays in place and a warning says it was not cached.
+is used for reading only, and a cache that fills up (ENOSPC, a quota) gets no entry: either way
+the job's output stays in place and a warning says it was not cached.
 """
 
 import errno
@@ -27,6 +28,30 @@ def install():
     OutputFileCache.store = store
 
 
+def _move_into(outputfile, tmp, logger):
+    """Move the output into the cache's temporary; False (output untouched) if it cannot be copied."""
+    try:
+        os.rename(outputfile, tmp)  # the same file system: no copy
+        return True
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+    try:
+        if os.path.isdir(outputfile):
+            shutil.copytree(outputfile, tmp, copy_function=shutil.copy)
+        else:
+            shutil.copy(outputfile, tmp)
+    except OSError as e:  # ENOSPC, a quota, ...; shutil.Error lists the files (also an OSError)
+        logger.warning(f"could not store {outputfile} in the output cache ({str(e)[:200]}): "
+                       "it stays in the working directory and is not cached")
+        return False
+    if os.path.isdir(outputfile):
+        shutil.rmtree(outputfile)
+    else:
+        os.unlink(outputfile)
+    return True
+
+
 async def store(self, job):
     from snakemake.exceptions import WorkflowError
     from snakemake.logging import logger
@@ -40,7 +65,8 @@ async def store(self, job):
             if not os.path.exists(outputfile):
                 raise WorkflowError(f"Cannot move output file {outputfile} to cache. It does not exist.")
             tmp = Path(tmpdir) / cachefile.name
-            shutil.move(outputfile, tmp, copy_function=shutil.copy)  # may copy across file systems
+            if not _move_into(outputfile, tmp, logger):
+                continue
             self.set_permissions(tmp)
             try:
                 os.rename(tmp, cachefile)  # same file system now: atomic
