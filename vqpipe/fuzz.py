@@ -52,7 +52,8 @@ def _spawn(target, seed, start, end, workdir, mem_limit):
            "--start", str(start), "--end", str(end), "--workdir", str(workdir),
            "--mem-limit", str(mem_limit)]
     err = open(os.path.join(workdir, "worker.stderr"), "w+")  # a file: a pipe could fill and block
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+    # Unbuffered: select() must see every byte not yet parsed (a buffered reader could hold lines).
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, bufsize=0, start_new_session=True)
 
 
 def _tail(workdir, n=600):
@@ -71,19 +72,24 @@ def _kill(proc):
 def _run_batch(target, seed, start, end, workdir, timeout, mem_limit, record, prepare_timeout):
     """Run cases [start, end) in one worker; returns the first index not yet run."""
     proc = _spawn(target, seed, start, end, workdir, mem_limit)
+    fd = proc.stdout.fileno()
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    nxt, limit = start, prepare_timeout
+    sel.register(fd, selectors.EVENT_READ)
+    nxt, limit, buf = start, prepare_timeout, b""
     while nxt < end:
-        if not sel.select(limit):
-            _kill(proc)
-            record(nxt, "hang", f"no result within {limit:.0f} s")
-            return nxt + 1
-        line = proc.stdout.readline()
-        if not line:  # the worker exited
-            rc = proc.wait()
-            record(nxt, "crash", f"worker exited with {rc} during the case: {_tail(workdir)}")
-            return nxt + 1
+        if b"\n" not in buf:
+            if not sel.select(limit):
+                _kill(proc)
+                record(nxt, "hang", f"no result within {limit:.0f} s")
+                return nxt + 1
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:  # the worker exited
+                rc = proc.wait()
+                record(nxt, "crash", f"worker exited with {rc} during the case: {_tail(workdir)}")
+                return nxt + 1
+            buf += chunk
+            continue
+        line, buf = buf.split(b"\n", 1)
         r = json.loads(line)
         record(r["i"], r["outcome"], r["detail"])
         nxt, limit = r["i"] + 1, timeout
