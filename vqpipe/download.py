@@ -24,14 +24,16 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from . import fsutil, manifest
+
 SCHEMES = ("synth", "hf", "path", "gguf")
 SOURCE_FILE = "vqpipe-source.json"
 
-# What mlx_lm fetches from a repo: weights, configs, tokenizers, chat templates.
+# What mlx_lm fetches from a repo (weights, configs, tokenizers, chat templates), less code: a
+# source never runs anything of the model's (no *.py, no trust_remote_code, no pickled weights).
 HF_ALLOW_PATTERNS = [
     "*.json",
     "model*.safetensors",
-    "*.py",
     "tokenizer.model",
     "*.tiktoken",
     "tiktoken.model",
@@ -79,7 +81,8 @@ def fetch(source, out_dir, seed=0, dtype="bfloat16"):
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    fsutil.clean_stale_temps(out_dir)  # leftovers of killed fetches of out_dir
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=fsutil.temp_prefix(out_dir), suffix=".tmp"))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the model dir should be readable
         if scheme == "synth":
@@ -92,6 +95,7 @@ def fetch(source, out_dir, seed=0, dtype="bfloat16"):
         else:
             info = fetch_path(value, tmp)
         write_source_json(tmp, {"source": source, "scheme": scheme, **info})
+        manifest.write(tmp)
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -101,12 +105,13 @@ def fetch(source, out_dir, seed=0, dtype="bfloat16"):
 
 
 def replace_dir(src, dst):
-    """Rename ``src`` to ``dst``; an existing ``dst`` is moved aside first, then deleted."""
-    old = None
-    if dst.exists():
-        old = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.old-"))
-        os.replace(dst, old / dst.name)
-    os.replace(src, dst)
+    """Put ``src`` at ``dst`` (an exchange where the file system can: never a partial ``dst``)."""
+    for f in Path(src).rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    old = fsutil.replace_dir(src, dst)
+    fsutil.fsync_dir(dst.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -126,15 +131,34 @@ def check_model_dir(path):
         raise FileNotFoundError(f"no *.safetensors weight files in {path}")
 
 
-def copy_model_dir(src, dst):
-    """Copy every file of ``src`` (following links, e.g. into a HF cache) except hidden ones."""
-    for entry in sorted(Path(src).iterdir()):
-        if entry.name.startswith(".") or entry.name == SOURCE_FILE:
+# Never copied from a source: code, and weight formats that unpickle (run code) when loaded.
+UNSAFE_SUFFIXES = (".py", ".pyc", ".pyo", ".so", ".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib")
+
+
+def copy_model_dir(src, dst, root=None):
+    """Copy the files of ``src`` into ``dst``, except hidden ones, code and pickles.
+
+    Links are followed only to files inside ``root`` (default ``src``; a HF snapshot's links
+    point into its repository's blob store): a source cannot make the copy read files elsewhere.
+    Only names listed from ``src`` are written, each inside ``dst``.
+    """
+    src, dst = Path(src), Path(dst)
+    root = Path(root or src).resolve()
+    for entry in sorted(src.iterdir()):
+        name = entry.name
+        if name.startswith(".") or name in (SOURCE_FILE, manifest.NAME) or name.lower().endswith(UNSAFE_SUFFIXES):
             continue
-        if entry.is_dir():
-            shutil.copytree(entry, dst / entry.name, ignore=shutil.ignore_patterns(".*"))
-        else:
-            shutil.copyfile(entry, dst / entry.name)
+        target = entry.resolve()
+        if not target.is_relative_to(root):
+            raise ValueError(f"{entry} links to {target}, outside the source {root}: not copied")
+        out = dst / name
+        if not out.resolve().is_relative_to(dst.resolve()):  # a name like '..' (never from iterdir)
+            raise ValueError(f"{entry}: the name {name!r} would be written outside {dst}")
+        if target.is_dir():
+            out.mkdir()
+            copy_model_dir(entry, out, root)
+        elif target.is_file():
+            shutil.copyfile(target, out)
 
 
 def fetch_path(value, dst):
@@ -204,7 +228,7 @@ def fetch_hf(value, dst):
             f"path:DIR for a model directory on disk."
         ) from None
     check_model_dir(snapshot)
-    copy_model_dir(snapshot, dst)
+    copy_model_dir(snapshot, dst, root=Path(snapshot).resolve().parents[1])  # models--ORG--NAME
     return {"repo": repo, "revision": revision or None, "snapshot": Path(snapshot).name}
 
 
@@ -288,8 +312,9 @@ def main(argv=None):
         return e.code if isinstance(e.code, int) else 2
     try:
         fetch(args.source, args.out, args.seed, args.dtype)
-    except (ValueError, FileNotFoundError, ConnectionError) as e:
-        print(f"vqpipe download: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # OSError: a missing path, disk full, no network, named
+        where = "" if isinstance(e, ValueError) or e.filename else f"writing {args.out}: "
+        print(f"vqpipe download: error: {where}{e}", file=sys.stderr)
         return 2
     return 0
 

@@ -7,6 +7,8 @@ shared file system) or an older vqpipe wrote, is left alone.
 """
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import re
@@ -112,30 +114,92 @@ def atomic_path(path):
             os.unlink(tmp)
 
 
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a, b):
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+        return False  # the file system cannot exchange (some network file systems)
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def replace_dir(tmp, path):
+    """Put directory ``tmp`` at ``path``, replacing what is there; returns where the old one went
+    (to delete), or None.
+
+    Where the file system can, the two are exchanged in one step, so a reader (or a kill) sees the
+    old or the new directory whole, never a half-deleted one. Otherwise the old directory is first
+    renamed to a temporary name of this writer (removed as stale if we are killed) and the new one
+    renamed in: a kill between the two leaves no ``path`` at all, never a partial one.
+    """
+    tmp, path = Path(tmp), Path(path)
+    if not (path.exists() or path.is_symlink()):
+        os.replace(tmp, path)
+        return None
+    if _exchange(tmp, path):
+        return tmp
+    aside = Path(tempfile.mkdtemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent))
+    os.replace(path, aside)  # rename(2) may replace an empty directory
+    os.replace(tmp, path)
+    return aside
+
+
 @contextlib.contextmanager
-def atomic_dir(path):
+def atomic_dir(path, manifest=False):
     """Yield a temporary directory next to ``path``; on success it replaces ``path`` whole.
 
-    Stale temporary directories of killed writers of ``path`` are removed first.
+    Stale temporary directories of killed writers of ``path`` are removed first. ``manifest``:
+    write ``manifest.json`` (vqpipe/manifest.py) into it last, for consumers to verify.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temps(path)
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent))
+    old = None
     try:
         yield tmp
+        if manifest:
+            from . import manifest as mf
+
+            mf.write(tmp)
         for f in tmp.rglob("*"):
             if f.is_file():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         _publish_mode(tmp, directory=True)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        old = replace_dir(tmp, path)
         fsync_dir(path.parent)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        for leftover in (tmp, old):
+            if leftover is not None and leftover.exists():
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+def save_safetensors(path, arrays, metadata=None):
+    """``mx.save_safetensors``, with a failed write as an OSError naming the file.
+
+    MLX raises a bare RuntimeError ("[write] Unable to write N bytes to file.") with no errno; a
+    file system with (almost) no space left then is the likely cause, and is said so.
+    """
+    import mlx.core as mx
+
+    try:
+        mx.save_safetensors(str(path), arrays, metadata=metadata)
+    except RuntimeError as e:
+        st = os.statvfs(Path(path).parent)
+        free = st.f_bavail * st.f_frsize
+        code = errno.ENOSPC if free < (1 << 20) else errno.EIO
+        raise OSError(code, f"{os.strerror(code)} ({free} bytes free; MLX: {e})", str(path)) from None
 
 
 def write_bytes(path, data):

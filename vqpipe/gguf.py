@@ -80,6 +80,9 @@ def open_reader(path):
         magic = f.read(4)
     if magic != MAGIC:
         raise ValueError(f"{path} is not a GGUF file (starts with {magic!r}, expected {MAGIC!r})")
+    from .gguf_check import check
+
+    check(path)  # every count, length and offset checked in Python before a native parser runs
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the reader raises bare ValueError/IndexError/struct errors
@@ -248,6 +251,19 @@ def fetch_gguf(value, dst, dtype="bfloat16"):
         raise ValueError(f"dtype {dtype!r} not supported for gguf:; choose one of {', '.join(DTYPES)}")
     path = resolve(value)
     reader = open_reader(path)
+    try:
+        return _convert(path, reader, dtype, dst, sha256_file, write_tokenizer)
+    except ValueError as e:
+        if str(path) in str(e):
+            raise
+        raise ValueError(f"{path}: {e}") from None
+    except (OSError, MemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 - metadata that is well-formed but nonsensical: name the file
+        raise ValueError(f"{path}: cannot convert this GGUF ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _convert(path, reader, dtype, dst, sha256_file, write_tokenizer):
     config = make_config(reader, dtype)
     types = tensor_types(reader)
     log(f"converting {path} ({config['model_type']}, {len(types)} tensors: "

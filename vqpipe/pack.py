@@ -15,6 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import __version__
+from . import manifest
 from .fsutil import atomic_dir
 from .reservoir import FILE_NAME, sizes, write_reservoir
 
@@ -35,6 +36,7 @@ def read_artifact(quantized):
     for name in ("quantized.json", "quantized.safetensors", "config.json"):
         if not (quantized / name).is_file():
             raise ValueError(f"{quantized} is not a quantize artifact: {name} is missing")
+    manifest.verify(quantized)  # before a single tensor is read: a flipped bit must not be packed
     meta = json.loads((quantized / "quantized.json").read_text())
     tensors = mx.load(str(quantized / "quantized.safetensors"))
     arrays = {k[len("layers."):]: v for k, v in tensors.items() if k.startswith("layers.")}
@@ -55,10 +57,10 @@ def run(quantized, out, persist_rotation, progress=print):
     t0 = time.perf_counter()
     quantized, out = Path(quantized), Path(out)
     metas, arrays, params, config = read_artifact(quantized)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, manifest=True) as tmp:
         header = write_reservoir(tmp / FILE_NAME, metas, arrays, params, persist_rotation, config)
         for f in quantized.iterdir():
-            if f.is_file() and f.suffix != ".safetensors" and f.name not in _NOT_COPIED:
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in _NOT_COPIED + (manifest.NAME,):
                 shutil.copy2(f, tmp / f.name)
         info = {
             "kind": "pack",
@@ -86,7 +88,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         run(args.quantized, args.out, parse_persist(args.persist_rotation))
-    except ValueError as e:
-        print(f"vqpipe pack: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # OSError: e.g. disk full, named with its path
+        where = "" if isinstance(e, ValueError) or e.filename else f"writing {args.out}: "
+        print(f"vqpipe pack: error: {where}{e}", file=sys.stderr)
         return 2
     return 0

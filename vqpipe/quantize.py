@@ -25,7 +25,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from . import __version__
 from .codebook import BITS, check_bits
-from .fsutil import atomic_dir
+from . import manifest
+from .fsutil import atomic_dir, save_safetensors
 from .fused import fuse_model, rotation_owner
 from .qlinear import QuantizedEmbedding, QuantizedLinear
 from .rotation import KINDS, resolve_kind
@@ -263,12 +264,12 @@ def save_quantized(model, tokenizer, source_dir, out_dir, info):
     metas, arrays, params = split_state(model)
     tensors = {f"layers.{k}": v for k, v in arrays.items()}
     tensors.update({f"params.{k}": v for k, v in params.items()})
-    with atomic_dir(out_dir) as tmp:
-        mx.save_safetensors(str(tmp / "quantized.safetensors"), tensors)
+    with atomic_dir(out_dir, manifest=True) as tmp:
+        save_safetensors(tmp / "quantized.safetensors", tensors)
         copy_model_files(source_dir, tmp, {"vqpipe": {k: info[k] for k in ("bits", "rotation", "seed")}})
         (tmp / "quantized.json").write_text(json.dumps({**info, "layers": metas}, indent=2) + "\n")
         ref = reference_logits(model, tokenizer)
-        mx.save_safetensors(str(tmp / "reference.safetensors"), ref)
+        save_safetensors(tmp / "reference.safetensors", ref)
         (tmp / "reference.json").write_text(json.dumps(
             {"prompts": list(REFERENCE_PROMPTS), "environment": environment()}, indent=2) + "\n")
 
@@ -328,6 +329,7 @@ def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=Tru
     source = Path(source)
     if not (source / "config.json").is_file():
         raise ValueError(f"source model directory {source} has no config.json")
+    manifest.verify(source)  # a download-stage artifact: checked before anything is read
     model, tokenizer = load(str(source), lazy=True)
     tokens, calib = calibration_tokens(tokenizer, calibration, calib_windows, calib_length, calib_seed)
     t0 = time.perf_counter()
@@ -372,7 +374,8 @@ def main(argv=None):
         run(args.source, args.out, args.bits, args.rotation, args.seed, args.embeddings, args.lm_head, args.dtype,
             group_size=args.group_size, calibration=args.calibration, calib_windows=args.calib_windows,
             calib_length=args.calib_length, calib_seed=args.calib_seed, damp=args.damp)
-    except ValueError as e:
-        print(f"vqpipe quantize: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # OSError: e.g. disk full, named with its path
+        where = "" if isinstance(e, ValueError) or e.filename else f"writing {args.out}: "
+        print(f"vqpipe quantize: error: {where}{e}", file=sys.stderr)
         return 2
     return 0

@@ -963,6 +963,14 @@ def main(argv=None):
     p.add_argument("--inputs", nargs="+", required=True, help="JSON artifacts or directories holding them")
     p.add_argument("--out", default="results/report", help="output directory (default: results/report)")
     args = p.parse_args(argv)
+    from .manifest import ManifestError, verify
+
+    try:  # artifacts (quantized.json, pack.json) of a shared cache are checked before they are read
+        for d in sorted({Path(i).parent for i in args.inputs if Path(i).is_file()}):
+            verify(d)
+    except ManifestError as e:
+        print(f"vqpipe report: error: {e}", file=sys.stderr)
+        return 2
     summary = make_report(args.inputs, args.out)
     print(f"report: {len(summary['inputs'])} artifacts -> {args.out}/index.html"
           + (f"; missing: {', '.join(summary['missing'])}" if summary["missing"] else ""))

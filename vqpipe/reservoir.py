@@ -17,6 +17,7 @@ import json
 import math
 import mmap
 import os
+import re
 import struct
 import tempfile
 from pathlib import Path
@@ -30,6 +31,7 @@ from .codebook import BITS
 from .fsutil import atomic_path
 from .packing import words_per_row
 from .prefault import Prefault
+from .rotation import hadamard_supported
 
 FILE_NAME = "model.vqres"
 MAGIC = b"\x89VQRES\r\n"
@@ -47,6 +49,13 @@ CHECKSUM = "xxh3_64"
 ROTATION_KINDS = ("hadamard", "kron", "qr", "none")
 LAYER_CLASSES = ("QuantizedLinear", "QuantizedEmbedding")
 BLOB_KINDS = ("packed", "scales", "codebook", "rotation", "bias", "param")
+# Bounds on what a header can make the reader allocate or loop over (docs/reliability.md). Blob
+# buffers are bounded by the file size (every blob lies inside the file); these bound the rest.
+MAX_DIM = 2**31 - 1  # MLX shapes are int32
+MAX_NDIM = 8
+MAX_SEED = 2**64
+MAX_REGENERATE_DIM = 16384  # a regenerated QR matrix: dim^2 float32 (1 GiB) and O(dim^3) work
+MAX_CONFIG_COUNT = 4096  # num_hidden_layers and other counts an embedded config loops over
 
 # name -> (MLX dtype, numpy dtype of the same bytes: numpy has no bfloat16, its bytes are uint16)
 _DTYPES = {
@@ -256,10 +265,11 @@ def _check_spec(path, where, spec, blobs):
     if not isinstance(spec, dict) or not _is_int(spec.get("blob")) or spec["blob"] >= len(blobs):
         _fail(path, f"malformed header: {where} has no valid blob index")
     dtype, shape = spec.get("dtype"), spec.get("shape")
-    if dtype not in _DTYPES:
-        _fail(path, f"malformed header: {where} has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(_is_int(s) for s in shape):
-        _fail(path, f"malformed header: {where} has invalid shape {shape!r}")
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        _fail(path, f"malformed header: {where} has unknown dtype {str(dtype)[:40]!r}")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_int(s) and s <= MAX_DIM for s in shape):
+        _fail(path, f"malformed header: {where} has invalid shape {str(shape)[:80]} "
+                    f"(at most {MAX_NDIM} dimensions of at most {MAX_DIM})")
     itemsize = np.dtype(_DTYPES[dtype][1]).itemsize
     blob = blobs[spec["blob"]]
     if math.prod(shape) * itemsize != blob["nbytes"]:
@@ -295,7 +305,7 @@ def _check_layer(path, name, meta, blobs):
     if not isinstance(meta, dict) or meta.get("class") not in LAYER_CLASSES:
         _fail(path, f"malformed header: {where} has no known class")
     for k in ("in_features", "out_features"):
-        if not _is_int(meta.get(k), 1):
+        if not _is_int(meta.get(k), 1) or meta[k] > MAX_DIM:
             _fail(path, f"malformed header: {where} has invalid {k}")
     if meta.get("bits") not in BITS or not isinstance(meta.get("has_bias"), bool):
         _fail(path, f"malformed header: {where} has invalid bits or has_bias")
@@ -305,14 +315,22 @@ def _check_layer(path, name, meta, blobs):
     rot = meta.get("rotation")
     if not isinstance(rot, dict) or rot.get("kind") not in ROTATION_KINDS:
         _fail(path, f"malformed header: {where} has an unknown rotation kind")
-    if rot.get("dim") != meta["in_features"] or not _is_int(rot.get("seed")):
+    if rot.get("dim") != meta["in_features"] or not _is_int(rot.get("seed")) or rot["seed"] >= MAX_SEED:
         _fail(path, f"malformed header: {where} rotation dim/seed invalid")
     factors_ok = _is_int(rot.get("m"), 1) and _is_int(rot.get("p"), 1) and rot["m"] * rot["p"] == rot["dim"]
-    if rot["kind"] == "kron" and not factors_ok:
-        _fail(path, f"malformed header: {where} kron factors do not multiply to {rot['dim']}")
+    if rot["kind"] == "kron" and not (factors_ok and hadamard_supported(rot["p"])):
+        _fail(path, f"malformed header: {where} kron factors do not multiply to {rot['dim']} "
+                    "with a Hadamard size p")
+    if rot["kind"] == "hadamard" and not hadamard_supported(rot["dim"]):
+        _fail(path, f"malformed header: {where} has a hadamard rotation of unsupported size {rot['dim']}")
+    if not isinstance(rot.get("regenerate", False), bool):
+        _fail(path, f"malformed header: {where} rotation 'regenerate' is not a boolean")
     if rot.get("regenerate"):
         if rot["kind"] != "qr" or not isinstance(rot.get("matrix_" + CHECKSUM), str):
             _fail(path, f"malformed header: {where} is marked regenerate without a qr matrix checksum")
+        if rot["dim"] > MAX_REGENERATE_DIM:
+            _fail(path, f"malformed header: {where} asks to regenerate a {rot['dim']}x{rot['dim']} QR rotation; "
+                        f"this reader regenerates at most {MAX_REGENERATE_DIM} (store it: persist_rotation on)")
     tensors = meta.get("tensors")
     expected = _expected_layer_tensors(meta)
     if not isinstance(tensors, dict) or set(tensors) != set(expected):
@@ -367,7 +385,8 @@ def read_header(path):
     except OSError as e:
         raise ReservoirError(f"{path}: cannot open: {e.strerror}") from e
     with f:
-        size = os.fstat(f.fileno()).st_size
+        st = os.fstat(f.fileno())
+        size = st.st_size
         header_len, header_hash, data_offset, version = _read_prefix(path, f, size)
         text = f.read(header_len)
     if len(text) != header_len:
@@ -382,7 +401,27 @@ def read_header(path):
     if header["format_version"] != version:
         _fail(path, f"malformed header: format_version {header['format_version']} but the prefix says {version}")
     header["_data_offset"], header["_file_size"] = data_offset, size
+    header["_identity"] = _identity(st)
     return header
+
+
+def _identity(st):
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+class _Replaced(Exception):
+    """The file at the path is not the one whose header was read (a writer replaced it since)."""
+
+
+def _retry_replaced(path, fn, *args):
+    """``fn(*args)``, again if a writer replaced the file between reading the header and the blobs:
+    a reader gets the old model or the new one, never a mix (and no spurious checksum error)."""
+    for _ in range(5):
+        try:
+            return fn(*args)
+        except _Replaced:
+            continue
+    _fail(path, "the file was replaced by a writer during each of 5 load attempts")
 
 
 # --- the reader --------------------------------------------------------------------------------
@@ -440,6 +479,9 @@ def _reader(path, header, prefault=None):
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
         raise ReservoirError(f"{path}: cannot open: {e.strerror}") from e
+    if "_identity" in header and _identity(os.fstat(fd)) != header["_identity"]:
+        os.close(fd)
+        raise _Replaced(path)
     base, blobs, raw, out = header["_data_offset"], header["blobs"], {}, {}
     try:
         mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if zerocopy.wanted() else None  # private mapping
@@ -556,14 +598,17 @@ def _check_params(path, model, header):
         while owner and owner not in layers:
             owner = owner.rsplit(".", 1)[0] if "." in owner else ""
         if not owner:
-            expected[k] = list(v.shape)
+            expected[k] = (list(v.shape), mx.issubdtype(v.dtype, mx.floating))
     stored = header["params"]
     missing, extra = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
     if missing or extra:
         _fail(path, f"does not match the model config: missing {missing[:5]}, unexpected {extra[:5]}")
-    for k, shape in expected.items():
+    for k, (shape, floating) in expected.items():
         if stored[k]["shape"] != shape:
             _fail(path, f"param {k!r} is {stored[k]['shape']} in the reservoir but {shape} in the model")
+        if (stored[k]["dtype"] in _FLOATS) != floating:
+            _fail(path, f"param {k!r} is {stored[k]['dtype']} in the reservoir; the model needs "
+                        f"{'a float' if floating else 'an integer'} dtype")
 
 
 def _file(path):
@@ -579,9 +624,46 @@ def _skeleton(path, header, model_dir):
         return skeleton(model_dir)
     if not isinstance(header.get("config"), dict):
         _fail(path, f"no config.json in {model_dir} and no config embedded in the reservoir")
+    _check_config(path, header)
     with tempfile.TemporaryDirectory(prefix="vqres-config-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(header["config"]))
-        return skeleton(tmp)
+        try:
+            return skeleton(tmp)
+        except MemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - mlx-lm raises anything on a bad config: name the file
+            _fail(path, f"the embedded config does not build an mlx-lm model: {type(e).__name__}: {str(e)[:200]}")
+
+
+_COUNT_KEY = re.compile(r"(num|n)_\w+|\w*layers")
+
+
+def _check_config(path, header):
+    """An embedded config is untrusted input to mlx-lm's model constructors: a known model_type
+    name, no custom code (model_file) or affine quantization, every integer bounded, and counts
+    the constructors loop over (num_hidden_layers, ...) bounded by the header's own size."""
+    config = header["config"]
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not re.fullmatch(r"[a-z][a-z0-9_]{0,63}", model_type):
+        _fail(path, f"embedded config: model_type {str(model_type)[:40]!r} is not a model type name")
+    for key in ("model_file", "quantization", "quantization_config"):
+        if key in config:
+            _fail(path, f"embedded config: {key!r} is not allowed in a reservoir (vqpipe never writes it)")
+    n_tensors = len(header["params"]) + sum(len(m["tensors"]) for m in header["layers"].values())
+    todo = [("", config)]
+    while todo:
+        where, node = todo.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for k, v in items:
+            name = f"{where}.{k}" if where else str(k)
+            if isinstance(v, (dict, list)):
+                todo.append((name, v))
+            elif isinstance(v, int) and not isinstance(v, bool):
+                limit = MAX_CONFIG_COUNT if isinstance(k, str) and _COUNT_KEY.fullmatch(k) else MAX_DIM
+                if k == "num_hidden_layers":
+                    limit = min(limit, n_tensors)
+                if abs(v) > limit:
+                    _fail(path, f"embedded config: {name} = {v} is out of bounds (limit {limit})")
 
 
 def load_reservoir(path, model_dir=None):
@@ -592,6 +674,10 @@ def load_reservoir(path, model_dir=None):
     ever evaluated.
     """
     path = _file(path)
+    return _retry_replaced(path, _load_once, path, model_dir)
+
+
+def _load_once(path, model_dir):
     header = read_header(path)
     with _prefault_for(header) as prefault:  # starts now: the skeleton and checks overlap it
         model = _skeleton(path, header, model_dir)
@@ -621,20 +707,23 @@ def graft_reservoir(model, path):
     """
     from mlx.utils import tree_unflatten
 
+    from .fused import fuse_model
+
     path = _file(path)
+    model.update_modules(tree_unflatten(list(_retry_replaced(path, _graft_layers, model, path).items())))
+    fuse_model(model)
+    return model
+
+
+def _graft_layers(model, path):
     header = read_header(path)
     _check_targets(path, model, header["layers"])
     with _prefault_for(header, params=False) as prefault:
         read, close = _reader(path, header, prefault)
         try:
-            layers = _build_layers(path, header, read)
+            return _build_layers(path, header, read)
         finally:
             close()
-    model.update_modules(tree_unflatten(list(layers.items())))
-    from .fused import fuse_model
-
-    fuse_model(model)
-    return model
 
 
 def load(path):

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .fsutil import save_safetensors
+
 DATA = Path(__file__).parent / "data"
 
 PRESETS = {
@@ -525,7 +527,7 @@ def write_weights(config, seed, out_dir):
     for name, value in model_tensors(config, seed):
         weights[name] = to_bfloat16(value)
         mx.eval(weights[name])
-    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "pt"})
+    save_safetensors(out_dir / "model.safetensors", weights, metadata={"format": "pt"})
 
 
 # ---------------------------------------------------------------------------------------------

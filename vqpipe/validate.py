@@ -166,6 +166,14 @@ def main(argv=None):
         if not (Path(args.reference) / name).is_file():
             print(f"vqpipe validate: error: {args.reference} has no {name}", file=sys.stderr)
             return EXIT_USAGE
+    from .manifest import ManifestError, verify
+
+    try:  # both may come from a shared cache: a corrupted copy is named, not compared
+        verify(args.reservoir)
+        verify(args.reference)
+    except ManifestError as e:
+        print(f"vqpipe validate: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     verdict = run(args.reservoir, args.reference, args.model, args.variant, args.persist_rotation)
     code = verdict.pop("exit_code")
     write_json(args.out, verdict)

@@ -15,6 +15,10 @@ from snakemake.exceptions import WorkflowError
 ROOT = Path(workflow.basedir).parent
 sys.path.insert(0, str(ROOT))
 from vqpipe import blas as vqblas  # noqa: E402  (does not import mlx)
+from vqpipe import snakecache  # noqa: E402
+
+# Race-safe, read-only-tolerant storing into the between-workflow cache (vqpipe/snakecache.py).
+snakecache.install()
 
 # The interpreter running Snakemake (the project's .venv) runs every stage: its bin/ goes first on
 # the PATH the jobs inherit (with --use-conda, the rule's environment goes before it).
