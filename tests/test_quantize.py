@@ -126,7 +126,10 @@ def test_calibrated_artifact_round_trip(tiny_llama_source, tmp_path):
     info = run(tiny_llama_source, tmp_path / "q", 4, "auto", group_size=64, calibration="text",
                calib_windows=2, calib_length=64, progress=lambda s: None)
     assert info["calibration"]["windows"] == 2 and info["calibration"]["provenance"]["split_rule"]
-    assert all(r["calibrated"] and r["group_size"] == 64 for r in info["records"])
+    linears = [r for r in info["records"] if r["kind"] == "linear"]
+    assert linears and all(r["calibrated"] and r["group_size"] == 64 for r in linears)
+    # the (default) quantized embedding stays data-free, with one scale per row
+    assert all(not r["calibrated"] and r["group_size"] is None for r in info["records"] if r["kind"] == "embedding")
     model, _ = load_quantized(tmp_path / "q")
     layer = model.model.layers[0].mlp.down_proj
     assert layer.group_size == 64 and layer.scales.shape == (512, 1472 // 64)
