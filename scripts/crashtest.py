@@ -23,6 +23,7 @@ def main():
     p.add_argument("--stages", nargs="+", default=list(crashtest.STAGES), choices=crashtest.STAGES)
     p.add_argument("--trials", type=int, default=200, help="trials per stage")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start", type=int, default=0, help="first trial index (to split a campaign)")
     p.add_argument("--recover-every", type=int, default=1,
                    help="run the stage to completion (and check it) after every k-th kill (default 1)")
     p.add_argument("--workdir", default=None)
@@ -32,7 +33,7 @@ def main():
     for stage in args.stages:
         work = Path(args.workdir or tempfile.mkdtemp(prefix="vqpipe-crash-")) / stage
         r = crashtest.campaign(stage, args.trials, args.seed, work, progress=lambda m: print(m, flush=True),
-                               recover_every=args.recover_every)
+                               recover_every=args.recover_every, start=args.start)
         print(json.dumps(r), flush=True)
         results.append(r)
         if args.out:

@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 import yaml
 
+from vqpipe import manifest
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -320,11 +322,15 @@ def test_bad_round_trip_stops_downstream(tree):
     """validate exits non-zero on a difference: its verdict is removed and the report not rebuilt."""
     smk(tree, *CI)
     ref = tree / QUANTIZED / "reference.safetensors"
-    original = ref.read_bytes()
+    listing = tree / QUANTIZED / "manifest.json"
+    original, original_listing = ref.read_bytes(), listing.read_bytes()
     arrays = {k: np.array(v) for k, v in mx.load(str(ref)).items()}
     flat = arrays["logits.0"].reshape(-1)
     flat[0] = np.nextafter(flat[0], np.float32(np.inf), dtype=np.float32)  # one ulp
     mx.save_safetensors(str(ref), {k: mx.array(v) for k, v in arrays.items()})
+    # A consistent artifact whose reference differs (not a corrupted copy, which the manifest
+    # check would name before comparing: tests/test_cache_faults.py).
+    manifest.write(tree / QUANTIZED)
     # The report and the decode benchmark (which measures this reservoir) come after validate.
     report_before = mtimes(tree, [f"{REPORT}/index.html", f"results/bench/{MODEL}/decode.json"])
     try:
@@ -337,6 +343,7 @@ def test_bad_round_trip_stops_downstream(tree):
         assert mtimes(tree, report_before) == report_before
     finally:
         ref.write_bytes(original)
+        listing.write_bytes(original_listing)
     smk(tree, *CI, "--forcerun", "validate")
     assert verdict(tree, "on")["bit_exact"] is True
 

@@ -216,22 +216,23 @@ def trial(work, stage, golden, rng, recover=True):
     return c, None
 
 
-def campaign(stage, n, seed, work=None, progress=None, golden=None, recover_every=1):
-    """``n`` seeded trials of ``stage`` (the last one always recovers); ``golden``: a
-    ``prepare(work)`` result to reuse."""
+def campaign(stage, n, seed, work=None, progress=None, golden=None, recover_every=1, start=0):
+    """Seeded trials [start, start + n) of ``stage`` (the last one always recovers); ``golden``: a
+    ``prepare(work)`` result to reuse. Trial i is the same kill on every run: split a campaign over
+    processes with ``start``."""
     work = Path(work or tempfile.mkdtemp(prefix="vqpipe-crash-"))
     t0 = time.perf_counter()
     golden = golden or prepare(work)
     counts, failures = Counter(), []
-    for i in range(n):
-        recover = (i + 1) % recover_every == 0 or i == n - 1
+    for i in range(start, start + n):
+        recover = (i + 1) % recover_every == 0 or i == start + n - 1
         c, failure = trial(work, stage, golden[stage], random.Random(f"crash:{stage}:{seed}:{i}"), recover)
         counts.update(c)
         if failure:
             failures.append({"trial": i, "failure": failure})
-        if progress and (i + 1) % 20 == 0:
-            progress(f"{stage}: {i + 1}/{n} trials, {len(failures)} failures, {time.perf_counter() - t0:.0f} s")
-    return {"stage": stage, "seed": seed, "trials": n, "counts": dict(sorted(counts.items())),
+        if progress and (i + 1 - start) % 20 == 0:
+            progress(f"{stage}: {i + 1 - start}/{n} trials, {len(failures)} failures, {time.perf_counter() - t0:.0f} s")
+    return {"stage": stage, "seed": seed, "start": start, "trials": n, "counts": dict(sorted(counts.items())),
             "failures": failures, "golden_seconds": round(golden[stage][1], 2),
             "golden_events": golden[stage][2], "recover_every": recover_every,
             "wall_s": round(time.perf_counter() - t0, 1)}
