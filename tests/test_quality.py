@@ -49,8 +49,8 @@ def test_quality_artifact(tiny_source, tmp_path):
         quantize_run(tiny_source, arts[-1], 2, rot, progress=lambda *_: None)
     out = tmp_path / "quality.json"
     rc = q.main(["--source", str(tiny_source), "--bits", "2", "--quantized", *map(str, arts),
-                 "--affine-groups", "64", "--windows", "20", "--length", "16", "--gen-prompts", "2",
-                 "--gen-tokens", "3", "--out", str(out)])
+                 "--affine-groups", "64", "--windows", "20", "--length", "16", "--gen-prompts", "1",
+                 "--gen-tokens", "2", "--out", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())
     assert [r["method"] for r in doc["records"]] == ["vqpipe", "unrotated", "affine-g64"]
@@ -68,7 +68,7 @@ def test_quality_artifact(tiny_source, tmp_path):
     assert doc["text"]["package"] == "Debian dict-devil" and doc["length"] == 16
     arms = doc["generations"]["arms"]
     assert [a["arm"] for a in arms] == ["source", "2-bit vqpipe", "2-bit unrotated", "2-bit affine-g64"]
-    assert all(len(a["texts"]) == 2 for a in arms)
+    assert all(len(a["texts"]) == 1 for a in arms)
 
 
 def test_windows_come_from_the_eval_split(tiny_source):

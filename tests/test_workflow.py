@@ -139,7 +139,8 @@ def tree(first_build):
 def test_first_build(first_build):
     tree, output = first_build
     stats = job_stats(output)
-    assert stats["download"] == 1 and stats["quantize"] == 1 and stats["pack"] == 1 and stats["validate"] == 1
+    # quantize: the variant, and its rotation-none twin (bench-quality's unrotated arm).
+    assert stats["download"] == 1 and stats["quantize"] == 2 and stats["pack"] == 1 and stats["validate"] == 1
     assert stats["report"] == 1
     v = verdict(tree, "on")
     assert v["bit_exact"] is True and v["max_abs_diff"] == 0.0 and v["n_prompts"] >= 1
@@ -175,7 +176,7 @@ def test_second_run_does_nothing(tree):
 def test_changing_bits_reruns_quantize_and_what_follows(tree):
     stats = plan(tree, *config_variant(tree, "ci-b3", persist_rotation=[True], bits=[3]))
     assert "download" not in stats
-    assert stats["quantize"] == 1 and stats["pack"] == 1 and stats["validate"] == 1
+    assert stats["quantize"] == 2 and stats["pack"] == 1 and stats["validate"] == 1  # + b3-none
     assert "report" in stats
 
 
@@ -183,7 +184,7 @@ def test_changing_quantize_option_reruns_quantize(tree):
     # An option that is not part of any path is a param: changing it reruns the same job.
     stats = plan(tree, *config_variant(tree, "ci-seed1", persist_rotation=[True], quantize={"seed": 1}))
     assert "download" not in stats
-    assert stats["quantize"] == 1 and stats["pack"] == 1 and stats["validate"] == 1
+    assert stats["quantize"] == 2 and stats["pack"] == 1 and stats["validate"] == 1  # + b4-none
 
 
 def test_changing_persist_rotation_reruns_pack_not_quantize(tree):
@@ -355,8 +356,11 @@ def test_default_config_fans_out(bare):
     persist = len(config.get("persist_rotation", [True, False]))
     assert len(config["models"]) >= 2 and len(config["bits"]) >= 2
     stats = plan(bare)
+    quality = config["benchmarks"]["quality"]
+    # bench-quality's unrotated arm: a rotation-none quantize artifact per measured model and bit width.
+    unrotated = len(quality.get("models", config["models"])) * len(config["bits"]) if quality["enabled"] else 0
     assert stats["download"] == len(config["models"])
-    assert stats["quantize"] == n and stats["pack"] == n * persist and stats["validate"] == n * persist
+    assert stats["quantize"] == n + unrotated and stats["pack"] == n * persist and stats["validate"] == n * persist
     assert stats["report"] == 1
 
 
@@ -378,7 +382,7 @@ def test_slurm_profile_dry_run(bare):
     proc = smk(bare, "-n", "--profile", "workflow/profiles/slurm", *CI,
                env={**os.environ, "SLURM_ACCOUNT": "acct", "SLURM_PARTITION": "cpu"})
     stats = job_stats(proc.stdout)
-    assert stats["quantize"] == 1 and stats["pack"] == 2
+    assert stats["quantize"] == 2 and stats["pack"] == 2  # b4-auto, b4-none
     out = proc.stdout
     assert "slurm_partition=cpu" in out and "slurm_account=acct" in out
     quantize_block = out[out.index("rule quantize:"):].split("\n\n")[0]

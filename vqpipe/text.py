@@ -96,11 +96,16 @@ def text(split):
 
 
 def tokens(tokenizer, split):
-    """Token ids of a split, without special tokens (no bos: windows start mid-text anyway)."""
-    try:
-        return tokenizer.encode(text(split), add_special_tokens=False)
-    except TypeError:  # a tokenizer whose encode takes no such option
-        return tokenizer.encode(text(split))
+    """Token ids of a split, without special tokens (no bos: windows start mid-text anyway).
+
+    ``tokenizer``: a transformers tokenizer or mlx-lm's wrapper of one. Its Rust backend encodes
+    directly (the same ids; transformers would warn that the text exceeds model_max_length).
+    """
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.encode(text(split), add_special_tokens=False).ids
+    return tokenizer.encode(text(split), add_special_tokens=False)
 
 
 def eval_windows(tokenizer, n_windows, length):

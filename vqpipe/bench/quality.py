@@ -22,6 +22,7 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -220,22 +221,35 @@ def generations(model, tok, prompts, max_tokens):
 
 
 def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", quantized=None,
-            affine_groups=AFFINE_GROUPS, prompts=PROMPTS, gen_tokens=32, progress=print):
-    """(records, source record, generations). ``quantized``: {(bits, rotation): artifact dir}."""
+            affine_groups=AFFINE_GROUPS, prompts=PROMPTS, gen_tokens=32, progress=print, arms=None):
+    """(records, source record, generations). ``quantized``: {(bits, rotation): artifact dir}.
+
+    ``arms``: the arm names to run (default all), to split one measurement over processes.
+    """
     quantized = quantized or {}
     source, tok = load_source(path)
     windows = text.eval_windows(tok, n_windows, length)
-    # float16 reference log-probs: 20 x 512 x 49152 float32 would be 2 GB.
-    refs = [logprobs(source, w).astype(mx.float16) for w in windows]
-    mx.eval(refs)
-    src = {"method": "source", **ppl_record([nll(r.astype(mx.float32), w) for r, w in zip(refs, windows)]),
+    # The source's log-probs, float16, one file per window in a temporary directory: in memory,
+    # 20 x 512 x 49152 of them are 1 GB (2 GB in float32), per process.
+    tmp = tempfile.TemporaryDirectory(prefix="vqpipe-quality-")
+    refs, src_nll = [], []
+    for i, w in enumerate(windows):
+        lp = logprobs(source, w)
+        src_nll.append(nll(lp, w))
+        refs.append(f"{tmp.name}/ref{i}.npy")
+        mx.save(refs[-1], lp.astype(mx.float16))
+    src = {"method": "source", **ppl_record(src_nll),
            "bpw": bits_per_weight(source), **source_info(path), "tokens": n_windows * length}
     progress(f"source perplexity {src['ppl']['median']:.2f} (median of {n_windows} windows x {length})")
     gens = {"prompts": list(prompts), "max_tokens": gen_tokens, "arms": []}
     if prompts:
         gens["arms"].append({"arm": "source", "texts": generations(source, tok, prompts, gen_tokens)})
     del source
-    arms = [("vqpipe", None), ("unrotated", None)] + [(f"affine-g{g}", g) for g in affine_groups]
+    every = [("vqpipe", None), ("unrotated", None)] + [(f"affine-g{g}", g) for g in affine_groups]
+    if arms and set(arms) - {m for m, _ in every}:
+        raise ValueError(f"unknown arms {sorted(set(arms) - {m for m, _ in every})}; choose from "
+                         f"{', '.join(m for m, _ in every)}")
+    arms = [(m, g) for m, g in every if not arms or m in arms]
     records = []
     for bits in bits_list:
         for method, group in arms:
@@ -246,7 +260,7 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
             else:
                 model, werr, bpw = affine_arm(path, bits, group)
             model = dense_copy(model)
-            kls, top1s, nlls = zip(*(window_metrics(r, logprobs(model, w), w) for r, w in zip(refs, windows)))
+            kls, top1s, nlls = zip(*(window_metrics(mx.load(r), logprobs(model, w), w) for r, w in zip(refs, windows)))
             rec = {"bits": bits, "method": method, "weight_rel_mse": werr,
                    "kl": summarize(kls), "kl_mean": sum(kls) / len(kls),
                    "top1": summarize(top1s), "top1_mean": sum(top1s) / len(top1s),
@@ -263,6 +277,7 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
                      f"KL {rec['kl']['median']:.4f}  top-1 {rec['top1']['median']:.3f}  "
                      f"weight rel MSE {werr:.5f}  [{time.perf_counter() - t0:.1f}s]")
             del model
+    tmp.cleanup()
     return records, src, gens
 
 
@@ -347,6 +362,7 @@ def main(argv=None):
                    help="quantize-stage artifacts to measure (else the vqpipe arms are quantized here)")
     p.add_argument("--rotation", default="auto", help="rotation of the vqpipe arm (default auto)")
     p.add_argument("--affine-groups", type=int, nargs="+", default=list(AFFINE_GROUPS))
+    p.add_argument("--arms", nargs="+", default=None, help="run only these arms (default: all)")
     p.add_argument("--windows", type=int, default=20, help="distinct evaluation windows (>= 20)")
     p.add_argument("--length", type=int, default=512, help="tokens per window")
     p.add_argument("--gen-prompts", type=int, default=len(PROMPTS), help=f"fixed chat prompts generated (0-{len(PROMPTS)})")
@@ -361,7 +377,7 @@ def main(argv=None):
     try:
         records, src, gens = quality(args.source, args.bits, args.windows, args.length, args.seed, args.rotation,
                                      artifacts(args.quantized), args.affine_groups,
-                                     PROMPTS[: max(0, args.gen_prompts)], args.gen_tokens)
+                                     PROMPTS[: max(0, args.gen_prompts)], args.gen_tokens, arms=args.arms)
         result = {"kind": "bench-quality", "model": args.model or Path(args.source).name,
                   "environment": environment(), "text": text.provenance(),
                   "windows": args.windows, "length": args.length,
