@@ -106,6 +106,9 @@ def evaluate(source_model, arms, windows):
             stats[name]["nll"].append(nll.item())
             stats[name]["kl"].append(kl.item())
             stats[name]["top1"].append(top1.item())
+        if PROGRESS:
+            PROGRESS(f"window {w + 1}/{windows.shape[0]}: " + "  ".join(
+                f"{n} KL {s['kl'][-1]:.3f}" for n, s in stats.items() if n != "source"))
     return stats
 
 

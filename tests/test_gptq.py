@@ -164,3 +164,24 @@ def test_bad_group_size():
     model, _ = make_model(ARCH)
     with pytest.raises(ValueError, match="group size 48"):
         quantize_model(model, 4, "auto", 1, group_size=48)
+
+
+def test_shared_rotation_factorises_once(monkeypatch):
+    """q/k/v with one rotation and one H: one Cholesky, and the same codes as factorising apiece."""
+    calls = []
+    real = gptq.inverse_cholesky
+    monkeypatch.setattr(gptq, "inverse_cholesky", lambda h, d: calls.append(1) or real(h, d))
+    w, x = anisotropic()
+    h = mx.array(x.T @ x)
+    r = make_rotation("auto", w.shape[1], 4)
+    layers = []
+    for i in range(3):
+        lin = nn.Linear(w.shape[1], 32, bias=False)
+        lin.weight = mx.array(w[i * 32 : (i + 1) * 32])
+        layers.append(QuantizedLinear.from_linear(lin, 3, r, group_size=32, hessian=h))
+    assert len(calls) == 1
+    alone = nn.Linear(w.shape[1], 32, bias=False)
+    alone.weight = mx.array(w[32:64])
+    again = QuantizedLinear.from_linear(alone, 3, r, group_size=32, hessian=mx.array(x.T @ x))
+    assert len(calls) == 2
+    assert np.array_equal(np.array(again.packed), np.array(layers[1].packed))

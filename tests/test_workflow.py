@@ -399,7 +399,7 @@ def test_calibration_options_reach_the_command(bare):
         "models:\n  tiny: {source: 'synth:tiny', quantize: {group_size: 64, calibration: {text: text, windows: 4}}}\n"
         "  tiny-llama: {source: 'synth:tiny-llama'}\nbits: [4]\npersist_rotation: [true]\n")
     out = smk(bare, "-n", "-p", "--configfile", "config/cal.yaml").stdout
-    commands = [line for line in out.splitlines() if " -m vqpipe quantize " in line]
+    commands = [line for line in out.splitlines() if " -m vqpipe quantize " in line and "/b4-auto " in line]
     tiny = [c for c in commands if "models/tiny/source" in c]
     llama = [c for c in commands if "models/tiny-llama/source" in c]
     assert len(tiny) == 1 and len(llama) == 1

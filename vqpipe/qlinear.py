@@ -88,12 +88,7 @@ def _quantize_grouped(weight, bits, rotation, group_size, hessian, damp):
     if hessian is None:
         u = np.eye(in_features, dtype=np.float32)
     else:
-        h = np.array(gptq.rotate_hessian(hessian, rotation), dtype=np.float32)
-        damp = gptq.DAMP if damp is None else damp
-        u = gptq.inverse_cholesky(h, damp)
-        # The scale refit minimises the same damped objective GPTQ did (a ridge towards plain least
-        # squares, so a few calibration tokens cannot pull a scale far off).
-        h = h + (damp * max(float(np.mean(np.diag(h))), 1e-30)) * np.eye(in_features, dtype=np.float32)
+        h, u = _rotated_factors(hessian, rotation, gptq.DAMP if damp is None else damp)
     idx, _ = gptq.gptq(w, u, levels.astype(np.float32), group_size)
     c = unit[idx]
     s = gptq.refit_steps(w, c, group_size, h)
@@ -107,6 +102,26 @@ def _quantize_grouped(weight, bits, rotation, group_size, hessian, damp):
         w_hat = c * np.repeat(scales.astype(np.float32), group_size, axis=1)
     error = float(np.sum((w - w_hat).astype(np.float64) ** 2))
     return mx.array(pack(idx, bits)), mx.array(scales), mx.array(unit), error
+
+
+_FACTORS = []  # [(hessian, rotation state key, damp, (h, u))]: the last one only
+
+
+def _rotated_factors(hessian, rotation, damp):
+    """(damped H_r, U) for GPTQ. Linears that read one activation with one rotation (q/k/v or
+    gate/up sharing a rotation) pass the same H object: the factorisation is done once."""
+    from . import gptq
+
+    key = (rotation.kind, rotation.dim, rotation.seed, damp)
+    if _FACTORS and _FACTORS[0][0] is hessian and _FACTORS[0][1] == key:
+        return _FACTORS[0][2]
+    h = np.array(gptq.rotate_hessian(hessian, rotation), dtype=np.float32)
+    u = gptq.inverse_cholesky(h, damp)
+    # The scale refit minimises the same damped objective GPTQ did (a ridge towards plain least
+    # squares, so a few calibration tokens cannot pull a scale far off).
+    h = h + (damp * max(float(np.mean(np.diag(h))), 1e-30)) * np.eye(h.shape[0], dtype=np.float32)
+    _FACTORS[:] = [(hessian, key, (h, u))]
+    return h, u
 
 
 def expand_scales(scales, group_size, in_features):

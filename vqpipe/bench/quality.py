@@ -22,6 +22,7 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -228,10 +229,16 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
     quantized = quantized or {}
     source, tok = load_source(path)
     windows = text.eval_windows(tok, n_windows, length)
-    # float16 reference log-probs: 20 x 512 x 49152 float32 would be 2 GB.
-    refs = [logprobs(source, w).astype(mx.float16) for w in windows]
-    mx.eval(refs)
-    src = {"method": "source", **ppl_record([nll(r.astype(mx.float32), w) for r, w in zip(refs, windows)]),
+    # The source's log-probs, float16, one file per window in a temporary directory: in memory,
+    # 20 x 512 x 49152 of them are 1 GB (2 GB in float32), per process.
+    tmp = tempfile.TemporaryDirectory(prefix="vqpipe-quality-")
+    refs, src_nll = [], []
+    for i, w in enumerate(windows):
+        lp = logprobs(source, w)
+        src_nll.append(nll(lp, w))
+        refs.append(f"{tmp.name}/ref{i}.npy")
+        mx.save(refs[-1], lp.astype(mx.float16))
+    src = {"method": "source", **ppl_record(src_nll),
            "bpw": bits_per_weight(source), **source_info(path), "tokens": n_windows * length}
     progress(f"source perplexity {src['ppl']['median']:.2f} (median of {n_windows} windows x {length})")
     gens = {"prompts": list(prompts), "max_tokens": gen_tokens, "arms": []}
@@ -253,7 +260,7 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
             else:
                 model, werr, bpw = affine_arm(path, bits, group)
             model = dense_copy(model)
-            kls, top1s, nlls = zip(*(window_metrics(r, logprobs(model, w), w) for r, w in zip(refs, windows)))
+            kls, top1s, nlls = zip(*(window_metrics(mx.load(r), logprobs(model, w), w) for r, w in zip(refs, windows)))
             rec = {"bits": bits, "method": method, "weight_rel_mse": werr,
                    "kl": summarize(kls), "kl_mean": sum(kls) / len(kls),
                    "top1": summarize(top1s), "top1_mean": sum(top1s) / len(top1s),
@@ -270,6 +277,7 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
                      f"KL {rec['kl']['median']:.4f}  top-1 {rec['top1']['median']:.3f}  "
                      f"weight rel MSE {werr:.5f}  [{time.perf_counter() - t0:.1f}s]")
             del model
+    tmp.cleanup()
     return records, src, gens
 
 
