@@ -83,3 +83,9 @@ def test_too_many_windows_is_a_clean_error(tiny_source, tmp_path, capsys):
                  "--out", str(tmp_path / "x.json")])
     assert rc == 2 and "too few" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_affine_group_that_does_not_divide_is_skipped(tiny_llama_source):
+    # tiny-llama's MLP width 1472 = 23 x 64: MLX affine g128 cannot quantize down_proj.
+    with pytest.raises(q.SkippedArm, match="1472"):
+        q.affine_arm(tiny_llama_source, 4, 128)

@@ -749,6 +749,9 @@ def _render_user_quality(d, summary):
                 f"{src.get('gguf_types')}). Every figure is a distance to this dequantized model.", warn=True)
         rows = []
         for r in x.get("records") or []:
+            if r.get("skipped"):
+                rows.append([_g(r.get("bits")), r.get("method"), f"skipped: {r['skipped']}", "", "", "", "", ""])
+                continue
             b = r.get("bpw") or {}
             rows.append([_g(r.get("bits")), r.get("method"), _g(b.get("bpw"), 4), _g(b.get("bpw_seed_rotation"), 4),
                          _st(r.get("ppl")), _st(r.get("kl")), _st(r.get("top1"), 3), _g(r.get("weight_rel_mse"), 4)])

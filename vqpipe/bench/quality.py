@@ -76,9 +76,18 @@ def source_info(path):
 # --- the arms -----------------------------------------------------------------------------------
 
 
+class SkippedArm(Exception):
+    """An arm that cannot be built for this model (recorded with the reason, not measured)."""
+
+
 def affine_arm(path, bits, group_size):
-    """(model, weight rel. MSE): MLX affine quantization of every nn.Linear, computed in float32."""
+    """(model, weight rel. MSE, bpw): MLX affine quantization of every nn.Linear, computed in float32."""
     model, _ = load_source(path, dtype_cast=False)
+    odd = sorted({m.weight.shape[1] for _, m in model.named_modules()
+                  if isinstance(m, nn.Linear) and m.weight.shape[1] % group_size})
+    if odd:
+        # mlx_lm.convert would leave these layers dense: not a g{group_size} model at all.
+        raise SkippedArm(f"input widths {odd} are not multiples of the group size {group_size}")
     weights = {n: m.weight.astype(mx.float32) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     nn.quantize(model, group_size=group_size, bits=bits, class_predicate=lambda p, m: isinstance(m, nn.Linear))
     mx.eval(model.parameters())
@@ -258,7 +267,12 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
                 rot = rotation if method == "vqpipe" else "none"
                 model, werr, bpw = vqpipe_arm(path, bits, rot, seed, quantized.get((bits, rot)))
             else:
-                model, werr, bpw = affine_arm(path, bits, group)
+                try:
+                    model, werr, bpw = affine_arm(path, bits, group)
+                except SkippedArm as e:
+                    records.append({"bits": bits, "method": method, "group_size": group, "skipped": str(e)})
+                    progress(f"{bits}-bit {method}: skipped ({e})")
+                    continue
             model = dense_copy(model)
             kls, top1s, nlls = zip(*(window_metrics(mx.load(r), logprobs(model, w), w) for r, w in zip(refs, windows)))
             rec = {"bits": bits, "method": method, "weight_rel_mse": werr,
