@@ -1,6 +1,6 @@
 """The reservoir fuzz campaign in small (CI), and the runner's crash and hang detection.
 
-The full campaign (100 000 cases) is scripts/fuzz_reservoir.py; figures in docs/reliability.md.
+The full campaign (100 000 cases) is scripts/fuzz.py reservoir; figures in docs/reliability.md.
 """
 
 import os

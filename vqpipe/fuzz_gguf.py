@@ -1,4 +1,4 @@
-"""Fuzz target for the ``gguf:`` source (``vqpipe.fuzz``; campaign: scripts/fuzz_gguf.py).
+"""Fuzz target for the ``gguf:`` source (``vqpipe.fuzz``; campaign: scripts/fuzz.py gguf).
 
 A tiny llama GGUF (F32, F16, Q8_0, Q4_0 and Q4_1 tensors, so MLX's native reader is the one that
 loads it, plus a byte-level BPE tokenizer in the metadata) is mutated, one seeded mutation per

@@ -1,4 +1,4 @@
-"""Fuzz target for the reservoir reader (``vqpipe.fuzz``; campaign: scripts/fuzz_reservoir.py).
+"""Fuzz target for the reservoir reader (``vqpipe.fuzz``; campaign: scripts/fuzz.py reservoir).
 
 Two tiny base reservoirs (every layer class, rotation kind and blob kind between them, one with
 dense QR rotations stored as seeds) are mutated, one seeded mutation per case, and loaded with
