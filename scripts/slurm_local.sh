@@ -13,6 +13,10 @@
 # SLURM profile's per-rule resources on a small VM; without cgroups nothing is enforced beyond the
 # allocation itself, which sacct reports.
 set -euo pipefail
+# The daemons must not inherit the CPU BLAS preload that `make test` and the Snakefile set
+# (vqpipe/blas.py): under Debian's OpenBLAS preload mariadb-install-db aborts ("Can't initialize
+# timers"). Jobs get the preload back from the Snakefile, which sets it for every job it runs.
+unset LD_PRELOAD
 cmd=$1
 dir=$(realpath -m "$2")
 host=$(hostname -s)
