@@ -141,6 +141,17 @@ def prepare(workdir):
 # --- assembling files -----------------------------------------------------------------------
 
 
+def _prefix_version(header):
+    """The prefix's format version: the header's own (the writer puts the same number in both;
+    a file without group scales is version 1), else the newest."""
+    try:
+        h = header if isinstance(header, dict) else json.loads(header)
+        version = h.get("format_version")
+    except (ValueError, UnicodeDecodeError, AttributeError, RecursionError):
+        version = None
+    return version if version in R.READS else R.VERSION
+
+
 def assemble(header, blobs, data_offset=None, fix_header_hash=True, fix_prefix=True):
     """A reservoir file from a header (dict, or JSON bytes) and blob-area bytes, with its
     prefix fields and checksums made consistent (unless told not to)."""
@@ -149,7 +160,7 @@ def assemble(header, blobs, data_offset=None, fix_header_hash=True, fix_prefix=T
     data_offset = max(need, data_offset or 0)
     size = data_offset + len(blobs)
     hh = xxhash.xxh3_64_intdigest(text) if fix_header_hash else 0
-    head = PREFIX.pack(R.MAGIC, R.VERSION, 0, len(text), hh, data_offset, size, 0)[:48]
+    head = PREFIX.pack(R.MAGIC, _prefix_version(header), 0, len(text), hh, data_offset, size, 0)[:48]
     ph = xxhash.xxh3_64_intdigest(head) if fix_prefix else 0
     return bytearray(head + struct.pack("<Q", ph) + bytes(8) + text + bytes(data_offset - 64 - len(text)) + blobs)
 
