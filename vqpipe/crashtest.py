@@ -92,9 +92,7 @@ def _install(kill_at, counter):
 
 
 def child(kill_at, count_file, argv):
-    from . import blas
-
-    blas.ensure()  # as `python -m vqpipe` does (may re-exec this process)
+    # The BLAS comes from the environment this process started in, as for `python -m vqpipe`.
     counter = [0]
     _install(kill_at, counter)
     from .__main__ import main

@@ -312,6 +312,8 @@ def _check_layer(path, name, meta, blobs):
     gs = meta.get("group_size")
     if gs is not None and not (_is_int(gs, 1) and meta["in_features"] % gs == 0):
         _fail(path, f"malformed header: {where} group_size {gs!r} does not divide in_features {meta['in_features']}")
+    if "dtype" in meta and meta["dtype"] not in _FLOATS:  # a QuantizedEmbedding's lookup dtype
+        _fail(path, f"malformed header: {where} has dtype {meta['dtype']!r}, expected one of {', '.join(_FLOATS)}")
     rot = meta.get("rotation")
     if not isinstance(rot, dict) or rot.get("kind") not in ROTATION_KINDS:
         _fail(path, f"malformed header: {where} has an unknown rotation kind")
