@@ -10,7 +10,8 @@ def quantize_option(model, key):
 def quantize_flags(model):
     """Command-line flags of the options that change the codes (all of them are rule params)."""
     q = config["quantize"]
-    flags = (" --embeddings" if q["embeddings"] else " --no-embeddings") + ("" if q["lm_head"] else " --no-lm-head")
+    emb = quantize_option(model, "embeddings")
+    flags = (" --embeddings" if emb else " --no-embeddings") + ("" if q["lm_head"] else " --no-lm-head")
     group = quantize_option(model, "group_size")
     if group is not None:
         flags += f" --group-size {group}"
@@ -35,7 +36,7 @@ rule quantize:
         bits="{bits}",
         rotation="{rotation}",
         seed=config["quantize"]["seed"],
-        embeddings=config["quantize"]["embeddings"],
+        embeddings=lambda w: quantize_option(w.model, "embeddings"),
         lm_head=config["quantize"]["lm_head"],
         dtype=config["quantize"]["dtype"],
         blas=BLAS,
