@@ -12,7 +12,6 @@ The output directory appears atomically (built next to it, then renamed) and hol
 """
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -25,6 +24,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from . import fsutil, manifest
+from .manifest import sha256_file
 
 SCHEMES = ("synth", "hf", "path", "gguf")
 SOURCE_FILE = "vqpipe-source.json"
@@ -234,14 +234,6 @@ def fetch_hf(value, dst):
 
 # ---------------------------------------------------------------------------------------------
 # vqpipe-source.json
-
-
-def sha256_file(path, chunk=1 << 22):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def safetensors_header(path):

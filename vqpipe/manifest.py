@@ -23,7 +23,7 @@ class ManifestError(ValueError):
     """An artifact directory does not match its manifest; the message names the file."""
 
 
-def _sha256(path, chunk=1 << 22):
+def sha256_file(path, chunk=1 << 22):
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -45,7 +45,7 @@ def _files(directory):
 def write(directory):
     """Write ``directory``/manifest.json covering every file in it (call it last)."""
     directory = Path(directory)
-    files = {f: {"bytes": (directory / f).stat().st_size, "sha256": _sha256(directory / f)} for f in _files(directory)}
+    files = {f: {"bytes": (directory / f).stat().st_size, "sha256": sha256_file(directory / f)} for f in _files(directory)}
     text = json.dumps({"format": FORMAT, "files": files}, indent=1, sort_keys=True) + "\n"
     (directory / NAME).write_text(text)
     return files
@@ -75,7 +75,7 @@ def verify(directory):
             raise ManifestError(f"{f}: listed in the manifest but missing (an incomplete copy)")
         if not isinstance(want, dict) or f.stat().st_size != want.get("bytes"):
             raise ManifestError(f"{f}: {f.stat().st_size} bytes, the manifest says {want.get('bytes') if isinstance(want, dict) else want!r}")
-        got = _sha256(f)
+        got = sha256_file(f)
         if got != want.get("sha256"):
             raise ManifestError(f"{f}: SHA-256 {got[:16]}... differs from the manifest's: the file is corrupted")
     return True
