@@ -3,7 +3,8 @@
 SLURM: scripts/slurm_local.sh starts munged, mariadbd, slurmdbd, slurmctld and slurmd for one
 localhost node; the CI config's pipeline up to the verdicts (plus bench-kivi, a benchmark rule)
 runs through ``snakemake --executor slurm`` with workflow/profiles/slurm; sacct must show every
-job COMPLETED with exactly the CPUs, memory and time limit the profile sets for its rule; the
+job COMPLETED with exactly the CPUs, memory and time limit the workflow profile (workflow/profiles/default)
+sets for its rule; the
 verdicts must be bit-exact; the daemons are stopped afterwards. (docs/reliability.md has the full
 CI config's run, benchmarks and report included.)
 
@@ -94,12 +95,13 @@ def test_ci_config_on_slurm(slurm, tmp_path):
                          capture_output=True, text=True, check=True).stdout
     rows = {r[0]: r for r in (line.split("|") for line in out.strip().splitlines())}
     assert rows.keys() == submitted.keys(), out
-    profile = yaml.safe_load((tree / "workflow/profiles/slurm/config.yaml").read_text())
+    # Resources have one home, the workflow profile, applied on top of the slurm profile.
+    profile = yaml.safe_load((tree / "workflow/profiles/default/config.yaml").read_text())
     for jobid, rule in submitted.items():
         want = profile["set-resources"][rule]
         _, state, req_cpus, alloc_cpus, req_mem, limit, account, partition, nodes = rows[jobid]
         assert state == "COMPLETED", (rule, rows[jobid])
-        assert int(req_cpus) == int(alloc_cpus) == want["cpus_per_task"] == profile["set-threads"][rule], (rule, rows[jobid])
+        assert int(req_cpus) == int(alloc_cpus) == profile["set-threads"][rule], (rule, rows[jobid])
         assert req_mem == f"{want['mem_mb']}M", (rule, rows[jobid])
         assert limit == _time_limit(want["runtime"]), (rule, rows[jobid])
         assert (account, partition, nodes) == ("vqpipe-ci", "debug", "1"), (rule, rows[jobid])

@@ -414,8 +414,11 @@ def test_slurm_profile_dry_run(bare):
     assert stats["quantize"] == 2 and stats["pack"] == 2  # b4-auto, b4-none
     out = proc.stdout
     assert "slurm_partition=cpu" in out and "slurm_account=acct" in out
+    # Resources come from their one place, the workflow profile, on top of the slurm profile.
+    assert "workflow specific profile workflow/profiles/default" in out
+    want = yaml.safe_load((bare / "workflow/profiles/default/config.yaml").read_text())["set-resources"]["quantize"]
     quantize_block = out[out.index("rule quantize:"):].split("\n\n")[0]
-    assert "mem_mb=16000" in quantize_block and "runtime=120" in quantize_block and "cpus_per_task=4" in quantize_block
+    assert f"mem_mb={want['mem_mb']}" in quantize_block and f"runtime={want['runtime']}" in quantize_block
 
 
 # --- sharing artifacts -----------------------------------------------------------------------------

@@ -26,10 +26,6 @@ rule bench_quality:
         "logs/bench/{model}/quality.log",
     benchmark:
         "results/benchmarks/bench_quality/{model}.tsv"
-    threads: res("benchmark", "threads")
-    resources:
-        mem_mb=res("benchmark", "mem_mb"),
-        runtime=res("benchmark", "runtime"),
     conda:
         ENV
     shell:
@@ -60,10 +56,6 @@ rule bench_load:
         "logs/bench/{model}/load.log",
     benchmark:
         "results/benchmarks/bench_load/{model}.tsv"
-    threads: res("benchmark", "threads")
-    resources:
-        mem_mb=res("benchmark", "mem_mb"),
-        runtime=res("benchmark", "runtime"),
     conda:
         ENV
     shell:
@@ -94,10 +86,6 @@ rule bench_decode:
         "logs/bench/{model}/decode.log",
     benchmark:
         "results/benchmarks/bench_decode/{model}.tsv"
-    threads: res("benchmark", "threads")
-    resources:
-        mem_mb=res("benchmark", "mem_mb"),
-        runtime=res("benchmark", "runtime"),
     conda:
         ENV
     shell:
@@ -121,10 +109,6 @@ rule bench_kivi:
         "logs/bench/kivi.log",
     benchmark:
         "results/benchmarks/bench_kivi.tsv"
-    threads: res("benchmark", "threads")
-    resources:
-        mem_mb=res("benchmark", "mem_mb"),
-        runtime=res("benchmark", "runtime"),
     conda:
         ENV
     shell:

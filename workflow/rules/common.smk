@@ -1,5 +1,5 @@
 # Shared definitions: artifact paths, wildcards, the model x bits x rotation x persist fan-out,
-# the vqpipe source files each stage depends on, BLAS and per-rule resources.
+# the vqpipe source files each stage depends on, BLAS and per-model options.
 
 import ast
 import functools
@@ -148,12 +148,41 @@ def vqpipe_cmd(args):
     return f"OPENBLAS_NUM_THREADS={{threads}} PYTHONUNBUFFERED=1 python -m vqpipe {args} > {{log:q}} 2>&1"
 
 
-# --- resources -----------------------------------------------------------------------------------
+# --- per-model options --------------------------------------------------------------------------
+# (Per-rule resources live in workflow/profiles/default, the one place for them.)
 
 
-def res(group, key):
-    """Resource ``key`` (threads, mem_mb, runtime) of rule group ``group`` from config['resources']."""
-    return config["resources"][group][key]
+def source_files(wc):
+    """A gguf: source's file, as an input: a changed file reruns download (and keys its cache)."""
+    source = config["models"][wc.model]["source"]
+    if not source.startswith("gguf:"):
+        return []
+    from vqpipe.gguf import resolve  # no mlx import
+
+    try:
+        return [str(resolve(source[len("gguf:"):]))]
+    except (FileNotFoundError, ValueError) as e:
+        raise WorkflowError(f"config key 'models.{wc.model}.source': {e}")
+
+
+def quantize_option(model, key):
+    """Quantize option ``key`` of ``model``: models.NAME.quantize.KEY, else quantize.KEY."""
+    return config["models"][model].get("quantize", {}).get(key, config["quantize"][key])
+
+
+def quantize_flags(model):
+    """Command-line flags of the options that change the codes (all of them are rule params)."""
+    q = config["quantize"]
+    emb = quantize_option(model, "embeddings")
+    flags = (" --embeddings" if emb else " --no-embeddings") + ("" if q["lm_head"] else " --no-lm-head")
+    group = quantize_option(model, "group_size")
+    if group is not None:
+        flags += f" --group-size {group}"
+    cal = quantize_option(model, "calibration")
+    if cal["text"] != "none":
+        flags += (f" --calibration {cal['text']} --calib-windows {cal['windows']} --calib-length {cal['length']}"
+                  f" --calib-seed {cal['seed']} --damp {cal['damp']}")
+    return flags
 
 
 # --- the vqpipe source files of a stage ----------------------------------------------------------

@@ -17,10 +17,6 @@ rule pack:
         persist_rotation="{persist}",
     log:
         "logs/pack/{model}/b{bits}-{rotation}/persist-{persist}.log",
-    threads: res("pack", "threads")
-    resources:
-        mem_mb=res("pack", "mem_mb"),
-        runtime=res("pack", "runtime"),
     cache: "omit-software"
     conda:
         ENV

@@ -2,26 +2,6 @@
 # (under the configured BLAS) that validate compares against.
 
 
-def quantize_option(model, key):
-    """Quantize option ``key`` of ``model``: models.NAME.quantize.KEY, else quantize.KEY."""
-    return config["models"][model].get("quantize", {}).get(key, config["quantize"][key])
-
-
-def quantize_flags(model):
-    """Command-line flags of the options that change the codes (all of them are rule params)."""
-    q = config["quantize"]
-    emb = quantize_option(model, "embeddings")
-    flags = (" --embeddings" if emb else " --no-embeddings") + ("" if q["lm_head"] else " --no-lm-head")
-    group = quantize_option(model, "group_size")
-    if group is not None:
-        flags += f" --group-size {group}"
-    cal = quantize_option(model, "calibration")
-    if cal["text"] != "none":
-        flags += (f" --calibration {cal['text']} --calib-windows {cal['windows']} --calib-length {cal['length']}"
-                  f" --calib-seed {cal['seed']} --damp {cal['damp']}")
-    return flags
-
-
 rule quantize:
     input:
         source=SOURCE,
@@ -45,10 +25,6 @@ rule quantize:
         flags=lambda w: quantize_flags(w.model),
     log:
         "logs/quantize/{model}/b{bits}-{rotation}.log",
-    threads: res("quantize", "threads")
-    resources:
-        mem_mb=res("quantize", "mem_mb"),
-        runtime=res("quantize", "runtime"),
     cache: "omit-software"
     conda:
         ENV

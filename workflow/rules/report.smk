@@ -37,10 +37,6 @@ rule report:
         out=lambda wc, output: os.path.dirname(output.html),
     log:
         "logs/report.log",
-    threads: res("report", "threads")
-    resources:
-        mem_mb=res("report", "mem_mb"),
-        runtime=res("report", "runtime"),
     conda:
         ENV
     shell:

@@ -24,10 +24,6 @@ rule validate:
         blas=BLAS,
     log:
         "logs/validate/{model}/b{bits}-{rotation}/persist-{persist}.log",
-    threads: res("validate", "threads")
-    resources:
-        mem_mb=res("validate", "mem_mb"),
-        runtime=res("validate", "runtime"),
     conda:
         ENV
     shell:
