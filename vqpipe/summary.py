@@ -135,7 +135,7 @@ def roofline_rows(a):
     roof = a["doc"]["roofline"]
     bw, fl = roof["copy_bandwidth"], roof["matmul_flops"]
     rows = []
-    for rec in a["records"]:
+    for rec in (r for r in a["records"] if "weight_bytes" in r):  # the roofline arms (fp KV cache)
         st, ctx, fpt = stats(rec), rec["context"], rec["flops_per_token"]
         row = {"model": rec.get("model") or a["model"], "arm": rec["arm"], "variant": rec.get("variant") or rec["arm"],
                "precision": rec["precision"], "phase": rec["phase"], "context": ctx,
