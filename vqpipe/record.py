@@ -95,7 +95,11 @@ _VALIDATOR = None
 def _validator():
     global _VALIDATOR
     if _VALIDATOR is None:
-        import jsonschema
+        try:
+            import jsonschema
+        except ImportError:
+            raise RecordError("checking records needs jsonschema (pinned in pyproject.toml), which is not installed "
+                              "here; copy the records to a machine with vqpipe's environment and report there") from None
 
         if not SCHEMA.is_file():
             raise RecordError(f"{SCHEMA}: the record schema is missing (vqpipe runs from its checkout)")

@@ -136,10 +136,15 @@ def _render_decode_extras(d, x):
     run, model = x.get("run") or x["path"], x["model"]
     d.h(3, f"{run}: arms not run, output checks, Amdahl")
     if "skipped_arms" in x:
-        sk = [s for s in x.get("skipped_arms") or [] if isinstance(s, dict)]
-        d.table(["run", "model", "skipped arm", "reason"], [[run, model, s.get("arm"), s.get("reason")] for s in sk],
+        d.table(["run", "model", "skipped arm", "reason"], [[run, model, s["arm"], s["reason"]] for s in x["skipped_arms"]],
                 empty=f"{run}: skipped arms: none (every arm ran).")
     checks = [c for c in x.get("checks") or [] if isinstance(c, dict)]
+    _decode_checks(d, x, run, model, checks)
+    _amdahl(d, run, x.get("amdahl") or [])
+
+
+def _decode_checks(d, x, run, model, checks):
+    """Every output check, then the kernels-on-vs-off lossless verdict."""
     aa = {c.get("context"): c.get("identical") for c in checks if _is_aa(c)}
     rows = []
     for c in checks:
@@ -160,27 +165,32 @@ def _render_decode_extras(d, x):
         d.p(f"{run}: {model}: kernels on vs off lossless: {_lossless_verdict(x)} ({same} of {len(onoff)} "
             f"kivi-ref/kivi-kernel pairs byte-identical"
             + (f"; baseline A/A determinism {', '.join(det)}" if det else "") + ").")
-    am = [a for a in x.get("amdahl") or [] if isinstance(a, dict)]
+
+
+def _amdahl_row(run, a, phase, ph):
+    me = ph.get("measured") if isinstance(ph.get("measured"), dict) else {}
+    sp, bound = me.get("speedup"), me.get("predicted_speedup_max_with_measured_reference")
+    fl = me.get("floor") if isinstance(me.get("floor"), (int, float)) else 0.0
+    within = "—" if not isinstance(sp, (int, float)) or not isinstance(bound, (int, float)) else (
+        "yes" if sp <= bound else "above it, inside the noise floor" if sp <= bound * (1 + fl)
+        else "NO (above it beyond the noise floor)")
+    return [run, a.get("weights") or "—", _g(a.get("context")), phase,
+            f"{_g(ph.get('launches_per_layer'))} × {_g(ph.get('layers'))}",
+            _g((ph.get("saving_s_per_token") or 0) * 1e6), _g(ph.get("predicted_speedup_max")),
+            *_cells(me.get("reference_s_per_token"), 1e3), *_cells(me.get("kernel_s_per_token"), 1e3),
+            _g(sp), _g(bound), _pct(me.get("floor")), f"{me.get('verdict') or '—'}; within bound: {within}"]
+
+
+def _amdahl(d, run, am):
+    """The Amdahl prediction (before timing) against the measured kivi-kernel vs kivi-ref speedup."""
     rows = []
-    for a in am:
+    for a in (a for a in am if isinstance(a, dict)):
         for phase in ("decode", "prefill"):
             ph = a.get(phase) if isinstance(a.get(phase), dict) else None
-            if ph is None:
-                if a.get("reason"):
-                    rows.append([run, a.get("weights") or "—", _g(a.get("context")), phase] + ["—"] * 11 + [a["reason"]])
-                continue
-            me = ph.get("measured") if isinstance(ph.get("measured"), dict) else {}
-            sp, bound = me.get("speedup"), me.get("predicted_speedup_max_with_measured_reference")
-            fl = me.get("floor") if isinstance(me.get("floor"), (int, float)) else 0.0
-            within = "—" if not isinstance(sp, (int, float)) or not isinstance(bound, (int, float)) else (
-                "yes" if sp <= bound else "above it, inside the noise floor" if sp <= bound * (1 + fl)
-                else "NO (above it beyond the noise floor)")
-            rows.append([run, a.get("weights") or "—", _g(a.get("context")), phase,
-                         f"{_g(ph.get('launches_per_layer'))} × {_g(ph.get('layers'))}",
-                         _g((ph.get("saving_s_per_token") or 0) * 1e6), _g(ph.get("predicted_speedup_max")),
-                         *_cells(me.get("reference_s_per_token"), 1e3), *_cells(me.get("kernel_s_per_token"), 1e3),
-                         _g(sp), _g(bound), _pct(me.get("floor")),
-                         f"{me.get('verdict') or '—'}; within bound: {within}"])
+            if ph is not None:
+                rows.append(_amdahl_row(run, a, phase, ph))
+            elif a.get("reason"):
+                rows.append([run, a.get("weights") or "—", _g(a.get("context")), phase] + ["—"] * 11 + [a["reason"]])
     if am:
         d.p(f"{run}: Amdahl. Predicted (before timing, from bench-kivi's per-flush figures and the pilot's kivi-ref "
             "time): the saving per token and the bound on the speedup; measured: kivi-kernel vs kivi-ref per token "
@@ -189,7 +199,6 @@ def _render_decode_extras(d, x):
              "predicted speedup ≤", "reference n", "median (ms/token)", "min–max", "kernel n", "median (ms/token)", "min–max",
              "measured speedup", "bound (measured T_ref)", "noise floor", "verdict"], rows,
             empty=f"{run}: no Amdahl prediction in this artifact.")
-
 
 
 def _st(st, digits=4):
