@@ -89,9 +89,9 @@ def test_json_has_every_field(run):
         assert c["baseline"]["n"] == c["other"]["n"] == REPEATS and c["verdict"]
 
     # The report reads it: decode and prefill records per arm, one roofline row per precision.
-    from vqpipe import report
+    from vqpipe.summary import summary as summarize_records
 
-    summary = report.build_summary(report.load_artifacts([str(path)]))
+    summary = summarize_records([str(path)])  # checks the record against the schema first
     assert "bench-decode" in summary["present"]
     assert len(summary["models"]["tiny"]["vqpipe/fp"]["decode"]) == 1
     precisions = {(r["precision"], r["phase"], r["context"]) for r in summary["roofline"]}

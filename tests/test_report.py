@@ -1,10 +1,15 @@
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from vqpipe import report
+from vqpipe import record, report
 from vqpipe.bench import compare, environment, noise_floor, summarize
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Sample lists shaped like real runs (seconds or tok/s), run through the real harness helpers.
 LOAD_RES = [0.051, 0.049, 0.050, 0.055, 0.050]
@@ -21,32 +26,33 @@ def _rec(samples, **keys):
 
 
 def _artifacts(env):
-    """One artifact of every kind, shaped as the stages write them (quantize.py, pack.py,
-    validate.py, bench/load.py, bench/kivi_ops.py, bench/quality.py; bench-decode as documented)."""
+    """One record of every kind: the payloads the stages write (quantize.py, pack.py, validate.py,
+    bench/load.py, bench/decode.py, bench/kivi_ops.py, bench/quality.py) in record.make's envelope."""
     floor = noise_floor(LOAD_RES, LOAD_RES_AA)
     arts = {}
     q = "quantized/tiny/b4-hadamard"
-    arts[f"{q}/quantized.json"] = {
-        "vqpipe_version": "0.1.0", "source": "results/models/tiny/source", "bits": 4, "rotation": "hadamard",
+    arts[f"{q}/quantized.json"] = record.make("quantize", {
+        "source": "results/models/tiny/source", "bits": 4, "rotation": "hadamard",
         "seed": 0, "dtype": "float32", "quantize_seconds": 0.84, "peak_rss_bytes": 158_000_000,
         "records": [{"name": f"model.layers.{i}.mlp.up_proj", "kind": "linear", "rel_mse": 0.009 + 0.0001 * i,
                      "seconds": 0.25} for i in range(5)],
-        "layers": [{"in_features": 256, "out_features": 1024}],
-    }
+        "layers": {"model.layers.0.mlp.up_proj": {"in_features": 256, "out_features": 1024}},
+    }, model="tiny", variant="b4-hadamard", environment=env)
     arts[f"{q}/reference.json"] = {"prompts": ["a", "b"], "environment": env}
     for persist in ("on", "off"):
-        arts[f"reservoir/tiny/b4-hadamard/persist-{persist}/pack.json"] = {
-            "kind": "pack", "persist_rotation": persist == "on", "n_layers": 5, "seconds": 0.13,
+        arts[f"reservoir/tiny/b4-hadamard/persist-{persist}/pack.json"] = record.make("pack", {
+            "persist_rotation": persist == "on", "n_layers": 5, "seconds": 0.13, "quantized": q,
             "file_bytes": 12_719_104, "file_over_ideal": 1.0244,
-        }
-        arts[f"validate/tiny/b4-hadamard/persist-{persist}.json"] = {
-            "kind": "validate", "model": "tiny", "variant": "b4-hadamard", "persist_rotation": persist,
+        }, model="tiny", variant="b4-hadamard")
+        arts[f"validate/tiny/b4-hadamard/persist-{persist}.json"] = record.make("validate", {
+            "model": "tiny", "variant": "b4-hadamard", "persist_rotation": persist, "reservoir": "r", "reference": q,
             "bit_exact": persist == "on", "max_abs_diff": 0.0 if persist == "on" else 3.1e-7, "n_prompts": 4,
+            "prompts": [{"index": i, "bit_exact": persist == "on"} for i in range(4)],
             "load_seconds": 4.7, "reason": "all 4 prompts bit-exact" if persist == "on" else "logits differ",
             "environment": env, "reference_environment": env,
-        }
-    arts["bench/tiny/load.json"] = {
-        "kind": "bench-load", "model": "tiny", "environment": env, "noise_floor": floor,
+        })
+    arts["bench/tiny/load.json"] = record.make("bench-load", {
+        "model": "tiny", "environment": env, "noise_floor": floor, "settings": {"bits": 4},
         "records": [
             {"arm": "requantize-hadamard", "variant": "b4-hadamard", "persist_rotation": None, **summarize([0.472])},
             {"arm": "reservoir-on-hadamard", "variant": "b4-hadamard", "persist_rotation": True, "file_bytes": 12_719_104,
@@ -59,7 +65,7 @@ def _artifacts(env):
         "checks": {"reservoir-on-hadamard logits byte-identical": True},
         "copy_paths": [{"method": "vqpipe", "bytes": 12_433_352, "copies": 1, **summarize([0.0168, 0.0170, 0.0166]),
                         "bytes_per_s": 12_433_352 / 0.0168}],
-    }
+    })
     decode_records = []
     for arm, precision, wbytes, tok_s in (
         ("full", "fp32", 8_000_000, [210.0, 205.0, 214.0]),
@@ -67,13 +73,18 @@ def _artifacts(env):
         ("affine-4", "mlx affine 4-bit", 1_250_000, [520.0, 515.0, 531.0]),
     ):
         for ctx in (128, 512):
-            decode_records.append(_rec([t * (1 - ctx / 4096) for t in tok_s], model="tiny", arm=arm, precision=precision,
-                                       phase="decode", context=ctx, unit="tok/s", weight_bytes=wbytes,
-                                       kv_bytes_per_position=16_384, peak_memory_bytes=wbytes + 16_384 * ctx))
+            rec = _rec([t * (1 - ctx / 4096) for t in tok_s], model="tiny", arm=arm, precision=precision,
+                       phase="decode", context=ctx, unit="tok/s", weight_bytes=wbytes, flops_per_token=3_800_000,
+                       kv_bytes_per_position=16_384, peak_memory_bytes=wbytes + 16_384 * ctx)
+            bpt = wbytes + 16_384 * ctx  # as bench/decode.py records them (roofline.py's formulas)
+            rec.update(bytes_per_token=bpt, achieved={k: {"bytes_per_s": bpt * rec[k], "percent_of_peak": 100 * bpt * rec[k] / 28.1e9}
+                                                      for k in ("median", "min", "max")})
+            decode_records.append(rec)
         decode_records.append(_rec([t * 9 for t in tok_s], model="tiny", arm=arm, precision=precision, phase="prefill",
-                                   context=256, unit="tok/s", weight_bytes=wbytes, kv_bytes_per_position=16_384))
-    arts["bench/tiny/decode.json"] = {
-        "kind": "bench-decode", "model": "tiny", "environment": env, "noise_floor": 0.021,
+                                   context=256, unit="tok/s", weight_bytes=wbytes, kv_bytes_per_position=16_384,
+                                   flops_per_token=3_800_000))
+    arts["bench/tiny/decode.json"] = record.make("bench-decode", {
+        "model": "tiny", "environment": env, "noise_floor": 0.021, "settings": {"quick": True},
         "roofline": {
             "copy_bandwidth": {**summarize([28.1e9, 27.5e9, 29.2e9]), "unit": "B/s", "method": "numpy"},
             "matmul_flops": {**summarize([201e9, 196e9, 204e9]), "unit": "FLOP/s", "dtype": "float32"},
@@ -85,7 +96,7 @@ def _artifacts(env):
         "checks": [{"context": 128, "a": "full", "b": "full (A/A)", "what": "A/A: the baseline run twice",
                     "verdict": "byte-identical (generation is deterministic here)"}],
         "lossless": {"verdict": None},
-    }
+    })
     rows = []
     for S in (64, 256, 1024):
         base = [1e-5 * S * f for f in (1.0, 1.03, 0.98)]
@@ -96,18 +107,19 @@ def _artifacts(env):
                      "arms": {"reference": summarize(base), "reference (A/A)": summarize(base[::-1]),
                               "kernel": summarize(fast), "kernel (A/A)": summarize(fast)},
                      "noise_floor": floors, "speedup": c["speedup"], "verdict": c["text"]})
-    arts["bench/kivi.json"] = {"stage": "bench-kivi", "environment": env, "backend": "metal",
-                               "copy_bandwidth": {**summarize([24.1e9, 23.9e9, 35.6e9]), "unit": "B/s",
-                                                  "method": "numpy", "bytes": 64 << 20},
-                               "results": rows}
-    arts["bench/tiny/quality.json"] = {
-        "kind": "bench-quality", "model": "tiny", "environment": env,
+    arts["bench/kivi.json"] = record.make("bench-kivi", {
+        "environment": env, "backend": "metal", "config": {"quick": True},
+        "copy_bandwidth": {**summarize([24.1e9, 23.9e9, 35.6e9]), "unit": "B/s", "method": "numpy", "bytes": 64 << 20},
+        "harness_overhead_s": summarize([6.4e-6, 5.9e-6, 7.3e-6]), "results": rows})
+    arts["bench/tiny/quality.json"] = record.make("bench-quality", {
+        "model": "tiny", "environment": env, "windows": 3, "length": 64, "source": {"method": "source"},
+        "generations": {},
         "records": [{"bits": 4, "method": m, "weight_rel_mse": w, "kl": summarize(kl), "kl_mean": sum(kl) / 3,
                      "top1": summarize([0.4, 0.45, 0.43]), "top1_mean": 0.4267, "tokens": 640}
                     for m, w, kl in (("rotated", 0.009, [1.3, 1.2, 1.5]), ("affine", 0.015, [2.1, 2.0, 2.4]))],
         "timing": [{"rotation": "hadamard", "bits": 4, "seconds": summarize([0.8, 0.85, 0.9]),
                     "peak_rss_bytes": summarize([158e6, 160e6, 159e6]), "source_bytes": 30_000_000}],
-    }
+    })
     return arts
 
 
@@ -130,13 +142,13 @@ def test_full_report(tmp_path, env):
         assert (out / "plots" / f"{p}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     s = json.loads((out / "summary.json").read_text())
-    assert s["missing"] == [] and len(s["inputs"]) == len(arts) - 1  # reference.json: read with quantized.json
+    assert s["missing"] == [] and len(s["inputs"]) == len(arts) - 1  # reference.json: not a record, passed over
     assert s["passed_over"] == 1 and s["warnings"] == []
     assert all(i["environment"] == "env1" for i in s["inputs"] if i["kind"] != "pack")
     tiny = s["models"]["tiny"]
     b4 = tiny["b4-hadamard"]
     assert sorted((v["persist_rotation"], v["bit_exact"]) for v in b4["validate"]) == [("off", False), ("on", True)]
-    (q,) = b4["quantize"]  # model and variant from the path, environment from reference.json
+    (q,) = b4["quantize"]  # model, variant and environment from the record's envelope
     assert q["layers"] == 5 and q["environment"] == "env1"
     assert q["layer_rel_mse"] == {"n": 5, "median": pytest.approx(0.0092), "min": 0.009, "max": pytest.approx(0.0094)}
     assert sorted(p["persist"] for p in b4["pack"]) == ["off", "on"]
@@ -182,40 +194,97 @@ def test_full_report(tmp_path, env):
     assert not re.search(r"""(src|href)=["'](?!data:)""", html)  # self-contained
     assert "PASS (bit-exact)" in html and "FAIL" in html and "NOT met" in html
     assert "byte-identical (generation is deterministic here)" in md and "lossless: not established" in md
+    # One page per named table, for Snakemake's report: the same rows as report.md's table.
+    page = (out / "tables" / "validate.html").read_text()
+    assert page.count("<tr>") == 3 and "PASS (bit-exact)" in page and "<th>persist_rotation</th>" in page
+    assert "| tiny | b4-hadamard | on | PASS (bit-exact) | 4 | 0 | 4.7 | env1 | all 4 prompts bit-exact |" in md
 
 
-def test_missing_artifacts_and_paths(tmp_path, env):
+def test_missing_kinds_and_passed_over(tmp_path, env):
     arts = {k: v for k, v in _artifacts(env).items() if "validate" in k}
     _write(tmp_path / "in", arts)
-    (tmp_path / "in" / "junk.json").write_text("{not json")
-    (tmp_path / "in" / "config.json").write_text(json.dumps({"hidden_size": 8}))  # passed over: found in a dir
-    (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))  # named explicitly: listed as skipped
+    (tmp_path / "in" / "junk.json").write_text("{not json")  # in a directory: not a record, passed over
+    (tmp_path / "in" / "config.json").write_text(json.dumps({"hidden_size": 8}))
     out = tmp_path / "r"
-    args = ["--inputs", str(tmp_path / "in"), str(tmp_path / "other.json"), str(tmp_path / "nope.json"), "--out", str(out)]
-    assert report.main(args) == 0
+    assert report.main(["--inputs", str(tmp_path / "in"), "--out", str(out)]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["missing"] == ["quantize", "pack", "bench-load", "bench-decode", "bench-kivi", "bench-quality"]
-    assert s["missing_paths"] == [str(tmp_path / "nope.json")]
-    assert {p["path"].rsplit("/", 1)[-1] for p in s["skipped"]} == {"junk.json", "other.json"}
-    assert s["passed_over"] == 1
+    assert s["passed_over"] == 2 and len(s["inputs"]) == 2
     assert s["roofline"] == [] and s["kernels"]["comparisons"] == []
     md = (out / "report.md").read_text()
     assert "Missing kinds: quantize, pack, bench-load, bench-decode, bench-kivi, bench-quality" in md
     for p in report.PLOTS:  # still written, saying why they are empty
         assert (out / "plots" / f"{p}.png").stat().st_size > 0
+    assert "(no bench-kivi artifact)" in (out / "tables" / "kernels.html").read_text()
 
 
-def test_malformed_parts_are_ignored(tmp_path, env):
-    docs = {
-        "kivi.json": {"kind": "bench-kivi", "environment": env, "records": "oops", "comparisons": [{"S": 1}]},
-        "decode.json": {"kind": "bench-decode", "environment": env, "roofline": {"copy_bandwidth": None},
-                        "records": [{"arm": "full", "phase": "decode", "context": 8}, 3]},
-    }
-    _write(tmp_path / "in", docs)
-    s = report.make_report([tmp_path / "in"], tmp_path / "r")
-    assert s["present"] == ["bench-decode", "bench-kivi"]
-    assert s["kernels"]["records"] == [] and s["kernels"]["comparisons"] == [] and s["roofline"] == []
-    assert s["models"] == {}
+def _refused(capsys, args, out):
+    assert report.main([*args, "--out", str(out)]) == 2
+    assert not out.exists()  # nothing written, not even a partial report
+    return capsys.readouterr().err
+
+
+def test_malformed_record_is_refused(tmp_path, env, capsys):
+    """A record that does not fit the schema stops the report; the message names the file and the field."""
+    arts = {k: v for k, v in _artifacts(env).items() if k.startswith("bench/")}
+    arts["bench/tiny/load.json"]["records"][1]["median"] = "fast"
+    _write(tmp_path / "in", arts)
+    err = _refused(capsys, ["--inputs", str(tmp_path / "in")], tmp_path / "r")
+    assert f"{tmp_path / 'in' / 'bench/tiny/load.json'}: field 'records/1/median': 'fast' is not of type 'number'" in err
+
+    del arts["bench/tiny/load.json"]
+    del arts["bench/tiny/decode.json"]["roofline"]["copy_bandwidth"]
+    _write(tmp_path / "in2", arts)
+    err = _refused(capsys, ["--inputs", str(tmp_path / "in2" / "bench/tiny/decode.json")], tmp_path / "r")
+    assert "decode.json: field 'roofline': 'copy_bandwidth' is a required property" in err
+
+    bad_env = {**arts["bench/kivi.json"], "environment": {"backend": "cpu"}}
+    _write(tmp_path / "in3", {"kivi.json": bad_env})
+    err = _refused(capsys, ["--inputs", str(tmp_path / "in3")], tmp_path / "r")
+    assert "kivi.json: field 'environment'" in err
+
+
+def test_inputs_that_are_not_records_are_refused(tmp_path, env, capsys):
+    (tmp_path / "other.json").write_text(json.dumps({"kind": "bench-load", "records": []}))  # an old artifact
+    err = _refused(capsys, ["--inputs", str(tmp_path / "other.json")], tmp_path / "r")
+    assert f"{tmp_path / 'other.json'}: not a vqpipe record (no 'record' field)" in err
+    (tmp_path / "junk.json").write_text("{not json")
+    assert "junk.json: cannot read a record" in _refused(capsys, ["--inputs", str(tmp_path / "junk.json")], tmp_path / "r")
+    err = _refused(capsys, ["--inputs", str(tmp_path / "nope.json")], tmp_path / "r")
+    assert f"{tmp_path / 'nope.json'}: no such input file or directory" in err
+
+
+def test_record_envelope_and_write(tmp_path, env):
+    doc = record.make("pack", {"kind": "pack", "persist_rotation": True, "n_layers": 1, "seconds": 0.1, "quantized": "q",
+                               "file_bytes": 10, "file_over_ideal": 1.0}, model="tiny", variant="b4-auto",
+                      inputs={"quantized": Path("q")})
+    assert {k: doc[k] for k in ("record", "stage", "kind", "model", "variant", "environment", "inputs")} == {
+        "record": 1, "stage": "pack", "kind": "pack", "model": "tiny", "variant": "b4-auto", "environment": None,
+        "inputs": {"quantized": "q"}}
+    assert set(doc["software"]) == {"python", "mlx", "mlx-lm", "numpy"}
+    with pytest.raises(ValueError, match="payload key 'model' = 'other' differs"):
+        record.make("pack", {"model": "other"}, model="tiny")
+    with pytest.raises(ValueError, match="unknown stage"):
+        record.make("bench-nothing", {})
+    path = tmp_path / "pack.json"
+    record.write(path, "pack", {k: v for k, v in doc.items() if k not in record.ENVELOPE})
+    assert record.read(path)["n_layers"] == 1
+    with pytest.raises(record.RecordError, match="field 'n_layers': 'one' is not of type 'integer'"):
+        record.write(tmp_path / "bad.json", "pack", {**doc, "n_layers": "one", "software": None})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pack.json"]  # the bad record was never written
+
+
+def test_report_renders_without_mlx(tmp_path, env):
+    """summary, plots and pages need no MLX: a report can be built from copied records anywhere."""
+    _write(tmp_path / "in", _artifacts(env))
+    code = ("import sys; from vqpipe import report; "
+            f"rc = report.main(['--inputs', {str(tmp_path / 'in')!r}, '--out', {str(tmp_path / 'r')!r}]); "
+            "assert rc == 0, rc; assert 'mlx' not in sys.modules, sorted(m for m in sys.modules if 'mlx' in m)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    for name in report.OUTPUTS:
+        assert (tmp_path / "r" / name).is_file(), name
 
 
 def test_mixed_blas_is_flagged(tmp_path, env):
@@ -242,7 +311,7 @@ def test_write_bytes_replaces(tmp_path):
 
 def test_decode_extras_and_kivi_kind(tmp_path, env):
     """bench-decode's amdahl, checks/lossless and skipped_arms are rendered; the generation's own peak is
-    used where recorded; bench-kivi with ``"kind"`` (and ``"stage"``) renders ratio, GB/s and outputs."""
+    used where recorded; bench-kivi renders ratio, GB/s and outputs."""
     arts = {k: v for k, v in _artifacts(env).items() if k in ("bench/tiny/decode.json", "bench/kivi.json")}
     dec = arts["bench/tiny/decode.json"]
     for r in dec["records"]:
@@ -285,12 +354,3 @@ def test_decode_extras_and_kivi_kind(tmp_path, env):
     assert kc[("keys", 1024)]["ratio"] == pytest.approx(1 / 3.0) and kc[("keys", 64)]["kernel_bytes_per_s"] == 2.5e9
     row = next(line for line in md.splitlines() if line.startswith("| keys | isolated | 1024 |"))
     assert "| 0.3333 | 3 |" in row and "| 2.5 | 10.0% | yes |" in row
-
-
-def test_kivi_ops_writes_kind():
-    import inspect
-
-    from vqpipe.bench import kivi_ops
-
-    src = inspect.getsource(kivi_ops.main)
-    assert '"kind": "bench-kivi"' in src and '"stage": "bench-kivi"' in src and '"results": rows' in src

@@ -211,6 +211,9 @@ def test_changing_persist_rotation_reruns_pack_not_quantize(tree):
         ("vqpipe/pack.py", "pack"),
         ("vqpipe/validate.py", "validate"),
         ("vqpipe/report.py", "report"),
+        ("vqpipe/summary.py", "report"),
+        ("vqpipe/templates/report.md.j2", "report"),
+        ("workflow/schemas/record.schema.json", "report"),
     ],
 )
 def test_editing_a_stage_reruns_it_and_what_follows(tree, source, first):
@@ -305,10 +308,11 @@ def test_snakemake_report_includes_report_outputs(tree):
     out = tree / "report.html"
     smk(tree, *CI, "--report", str(out))
     html = out.read_text(errors="replace")
-    for name in ("report.md", "summary.json", "plots/load_time.png"):
+    for name in ("report.md", "summary.json", "plots/load_time.png", "tables/validate.html", "tables/kernels.html"):
         assert f"{REPORT}/{name}" in html
     assert VERDICT.format("on") in html
     assert "reproduce the quantize stage" in html and "re-quantizing from the source" in html  # captions
+    assert "checked against workflow/schemas/record.schema.json" in html  # a table's caption
     # The zip form holds the embedded results as files: vqpipe's own HTML page is not among them.
     smk(tree, *CI, "--report", str(tree / "report.zip"))
     import zipfile

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from . import fsutil, manifest
+from . import fsutil, manifest, record
 from .manifest import sha256_file
 
 SCHEMES = ("synth", "hf", "path", "gguf")
@@ -94,7 +94,7 @@ def fetch(source, out_dir, seed=0, dtype="bfloat16"):
             info = gguf.fetch_gguf(value, tmp, dtype)
         else:
             info = fetch_path(value, tmp)
-        write_source_json(tmp, {"source": source, "scheme": scheme, **info})
+        write_source_json(tmp, {"source": source, "scheme": scheme, **info}, out_dir)
         manifest.write(tmp)
         replace_dir(tmp, out_dir)
     except BaseException:
@@ -266,15 +266,14 @@ def count_parameters(model_dir):
     return total
 
 
-def write_source_json(model_dir, info):
+def write_source_json(model_dir, info, out_dir=None):
     files = {
         str(p.relative_to(model_dir)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(model_dir.rglob("*"))
         if p.is_file()
     }
     info = {**info, "parameters": count_parameters(model_dir), "files": files}
-    text = json.dumps(info, indent=2, ensure_ascii=False) + "\n"
-    (model_dir / SOURCE_FILE).write_text(text, encoding="utf-8")
+    record.write(model_dir / SOURCE_FILE, "download", info, model=record.model_name(out_dir or model_dir))
 
 
 # ---------------------------------------------------------------------------------------------

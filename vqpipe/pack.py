@@ -14,8 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import __version__
-from . import manifest
+from . import manifest, record
 from .fsutil import atomic_dir
 from .reservoir import FILE_NAME, sizes, write_reservoir
 
@@ -63,8 +62,6 @@ def run(quantized, out, persist_rotation, progress=print):
             if f.is_file() and f.suffix != ".safetensors" and f.name not in _NOT_COPIED + (manifest.NAME,):
                 shutil.copy2(f, tmp / f.name)
         info = {
-            "kind": "pack",
-            "vqpipe_version": __version__,
             "quantized": str(quantized),
             "persist_rotation": bool(persist_rotation),
             "n_layers": len(metas),
@@ -73,7 +70,9 @@ def run(quantized, out, persist_rotation, progress=print):
             "seconds": time.perf_counter() - t0,
             **sizes(header),
         }
-        (tmp / "pack.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        q = json.loads((quantized / "quantized.json").read_text())
+        info = record.write(tmp / "pack.json", "pack", info, model=q.get("model"), variant=q.get("variant"),
+                            inputs={"quantized": quantized})
     progress(f"packed {len(metas)} layers, persist_rotation={'on' if persist_rotation else 'off'}: "
              f"{info['file_bytes'] / 2**20:.1f} MiB, {info['file_over_ideal']:.3f}x the ideal payload -> {out}")
     return info

@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from . import __version__
 from .codebook import BITS, check_bits
-from . import manifest
+from . import manifest, record
 from .fsutil import atomic_dir, save_safetensors
 from .fused import fuse_model, rotation_owner
 from .qlinear import QuantizedEmbedding, QuantizedLinear
@@ -267,11 +267,14 @@ def save_quantized(model, tokenizer, source_dir, out_dir, info):
     with atomic_dir(out_dir, manifest=True) as tmp:
         save_safetensors(tmp / "quantized.safetensors", tensors)
         copy_model_files(source_dir, tmp, {"vqpipe": {k: info[k] for k in ("bits", "rotation", "seed")}})
-        (tmp / "quantized.json").write_text(json.dumps({**info, "layers": metas}, indent=2) + "\n")
         ref = reference_logits(model, tokenizer)
         save_safetensors(tmp / "reference.safetensors", ref)
+        env = environment()  # the reference logits' setup: validate compares against it
         (tmp / "reference.json").write_text(json.dumps(
-            {"prompts": list(REFERENCE_PROMPTS), "environment": environment()}, indent=2) + "\n")
+            {"prompts": list(REFERENCE_PROMPTS), "environment": env}, indent=2) + "\n")
+        record.write(tmp / "quantized.json", "quantize", {**info, "layers": metas},
+                     model=record.model_name(source_dir), variant=f"b{info['bits']}-{info['rotation']}",
+                     environment=env, inputs={"source": source_dir})
 
 
 def load_quantized(path):

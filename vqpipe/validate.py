@@ -145,7 +145,7 @@ def run(reservoir, reference, model_name=None, variant=None, persist_rotation=No
 
 
 def main(argv=None):
-    from .fsutil import write_json
+    from . import record
 
     p = argparse.ArgumentParser(
         prog="python -m vqpipe validate", description=__doc__.split("\n")[0],
@@ -176,7 +176,7 @@ def main(argv=None):
         return EXIT_USAGE
     verdict = run(args.reservoir, args.reference, args.model, args.variant, args.persist_rotation)
     code = verdict.pop("exit_code")
-    write_json(args.out, verdict)
+    record.write(args.out, "validate", verdict, inputs={"reservoir": args.reservoir, "reference": args.reference})
     print(f"verdict: bit_exact={verdict['bit_exact']} max_abs_diff={verdict['max_abs_diff']} -> {args.out}")
     print(verdict["reason"], file=sys.stdout if code == EXIT_OK else sys.stderr)
     return code

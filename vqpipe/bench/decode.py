@@ -36,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kivi
-from ..fsutil import write_json
+from .. import record
 from ..qlinear import QuantizedLinear
 from . import harness, roofline
 from .env import environment
@@ -782,7 +782,7 @@ def main(argv=None):
     except ValueError as e:
         print(f"vqpipe bench-decode: error: {e}", file=sys.stderr)
         return 2
-    write_json(args.out, result)
+    record.write(args.out, "bench-decode", result, inputs={"source": args.source, "reservoir": args.reservoir, "kivi_ops": args.kivi_ops})
     v = result["lossless"]["verdict"]
     print(f"bench-decode: wrote {args.out} ({result['wall_s']:.0f}s); kernels on vs off: "
           + {True: "byte-identical", False: "DIFFERENT", None: "not run or inconclusive (see checks)"}[v])

@@ -25,14 +25,13 @@ current layout (``VQPIPE_KIVI_LAYOUT``, default "vec") is timed.
 """
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from .. import record
 from ..kivi import kernels, quant
 from . import env, harness, roofline
 
@@ -244,8 +243,6 @@ def main(argv=None):
         for mode in dict.fromkeys(r["mode"] for r in new):
             print(_line([r for r in new if r["mode"] == mode]), flush=True)
     result = {
-        "kind": "bench-kivi",  # what the report keys on; "stage" and "results" stay for older readers
-        "stage": "bench-kivi",
         "environment": env.environment_or_error(),
         "backend": kernels.backend() if kernels.kernels_active(None) else None,
         "config": {k: v for k, v in vars(args).items() if k != "out"},
@@ -254,10 +251,8 @@ def main(argv=None):
         "m4_speedups": {str(k): v for k, v in M4_RATIOS.items()},
         "results": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"bench-kivi: wrote {out}")
+    record.write(args.out, "bench-kivi", result)  # stage, kind and the envelope: vqpipe/record.py
+    print(f"bench-kivi: wrote {args.out}")
     return 0
 
 

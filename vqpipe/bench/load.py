@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..fsutil import write_json
+from .. import record
 from .env import environment
 from .harness import compare, noise_floor, summarize
 
@@ -288,14 +288,39 @@ def _mem_summary(recs):
 
 def run(source, bits=4, rotations=("auto", "qr"), repeats=5, budget=600.0, procs=4, workdir=None,
         model_name=None, progress=print, thp_gaps=()):
-    from .. import reservoir as R
-    from ..quantize import copy_model_files, split_state
-
+    """The bench-load payload: build the arms, time them interleaved, then the side experiments."""
     source = Path(source)
     config = json.loads((source / "config.json").read_text())
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="vqpipe-bench-load-"))
     work.mkdir(parents=True, exist_ok=True)
-    result = {
+    result = _header(source, model_name, bits, rotations, repeats, budget, procs, thp_gaps)
+    arms, want_hash, requant = _build_arms(result, source, config, bits, rotations, work, progress)
+    first = rotations[0]
+    samples = _timed_loads(arms, rotations, first, repeats, budget, progress)
+    result["loadavg_sections"] = {"loads": os.getloadavg()}
+    floor = noise_floor([x["seconds"] for x in samples[f"reservoir-on-{first}"]],
+                        [x["seconds"] for x in samples[f"reservoir-on-{first} (A/A)"]])
+    result["noise_floor"] = floor
+    _load_records(result, samples, requant, want_hash, rotations, bits, floor)
+    _noprefault_record(result, samples, want_hash, bits, first, floor)
+    _throughput(result, samples, rotations, bits)
+    path = arms[f"reservoir-on-{first}"][1]
+    _copy_paths(result, path, work, requant[first], bits, first, repeats, budget, progress)
+    if thp_gaps:  # before the multi-process experiment, which leaves the machine busy for a while
+        result["thp_malloc"] = thp_experiment(path, config["model_type"], repeats, thp_gaps, progress)
+        result["loadavg_sections"]["thp_malloc"] = os.getloadavg()
+    _multiprocess(result, arms[f"reservoir-on-{first}"], samples[f"reservoir-on-{first}"], source, bits, first,
+                  procs, want_hash[first], progress)
+    result["targets"] = targets(result, rotations, bits)
+    result["loadavg_end"] = os.getloadavg()
+    if not workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _header(source, model_name, bits, rotations, repeats, budget, procs, thp_gaps):
+    """The payload before anything is measured: what runs, where, with which settings."""
+    return {
         "kind": "bench-load",
         "model": model_name or source.name,
         "source": str(source),
@@ -307,6 +332,18 @@ def run(source, bits=4, rotations=("auto", "qr"), repeats=5, budget=600.0, procs
         "memory_setup": memory_setup(),
         "records": [], "comparisons": [], "sizes": {}, "throughput": {}, "checks": {}, "targets": {},
     }
+
+
+def _build_arms(result, source, config, bits, rotations, work, progress):
+    """Quantize in process per rotation (timed: the requantize arm) and save both reservoirs.
+
+    Returns ({arm: child command}, {rotation: logits hash}, {rotation: requantize seconds}); the first
+    rotation's state is also saved as safetensors (the mx.load copy path)."""
+    import mlx.core as mx
+
+    from .. import reservoir as R
+    from ..quantize import copy_model_files, split_state
+
     arms, want_hash, requant = {}, {}, {}
     for rot in rotations:
         variant = f"b{bits}-{rot}"
@@ -324,8 +361,6 @@ def run(source, bits=4, rotations=("auto", "qr"), repeats=5, budget=600.0, procs
             sizes[mode] = R.sizes(header)
             arms[f"reservoir-{mode}-{rot}"] = ["load", d / R.FILE_NAME, config["model_type"]]
         if rot == rotations[0]:
-            import mlx.core as mx
-
             metas, arrays, params = split_state(model)
             mx.save_safetensors(str(work / "state.safetensors"),
                                 {**{f"layers.{k}": v for k, v in arrays.items()},
@@ -336,8 +371,12 @@ def run(source, bits=4, rotations=("auto", "qr"), repeats=5, budget=600.0, procs
         progress(f"[{variant}] reservoir on {sizes['on']['file_bytes'] / 2**20:.1f} MiB "
                  f"({sizes['on']['file_over_ideal']:.3f}x ideal), off {sizes['off']['file_bytes'] / 2**20:.1f} MiB "
                  f"({sizes['off']['file_over_ideal']:.3f}x ideal)")
+    return arms, want_hash, requant
 
-    first = rotations[0]
+
+def _timed_loads(arms, rotations, first, repeats, budget, progress):
+    """Every fresh-process arm interleaved: the loads, the first one's A/A twin and no-prefault run,
+    and ``cat`` of every file (adds those arms to ``arms``). Returns {arm: child records}."""
     aa = f"reservoir-on-{first} (A/A)"
     noprefault = f"reservoir-on-{first} (no prefault)"
     arms[aa] = arms[f"reservoir-on-{first}"]
@@ -346,11 +385,23 @@ def run(source, bits=4, rotations=("auto", "qr"), repeats=5, budget=600.0, procs
         for mode in ("on", "off"):
             arms[f"cat-{mode}-{rot}"] = ["cat", arms[f"reservoir-{mode}-{rot}"][1]]
     progress(f"fresh-process loads and cat: {len(arms)} arms x {repeats} rounds (budget {budget:.0f}s per arm)")
-    samples = interleaved(arms, repeats, budget, progress, envs={noprefault: {"VQPIPE_PREFAULT": "0"}})
-    result["loadavg_sections"] = {"loads": os.getloadavg()}
-    floor = noise_floor([x["seconds"] for x in samples[f"reservoir-on-{first}"]], [x["seconds"] for x in samples[aa]])
-    result["noise_floor"] = floor
+    return interleaved(arms, repeats, budget, progress, envs={noprefault: {"VQPIPE_PREFAULT": "0"}})
 
+
+def _reservoir_record(arm, variant, rot, persist, what, size, recs):
+    """One fresh-process load arm: time, memory and throughput summaries."""
+    return {
+        "arm": arm, "variant": variant, "rotation": rot, "persist_rotation": persist, "what": what, "file_bytes": size,
+        **summarize([x["seconds"] for x in recs]),
+        "rss_bytes": summarize([x["memory"]["Rss"] for x in recs]),
+        "pss_bytes": summarize([x["memory"]["Pss"] for x in recs]),
+        "mlx_peak_bytes": summarize([x["mlx_peak_bytes"] for x in recs]),
+        "throughput_bytes_per_s": size / summarize([x["seconds"] for x in recs])["median"],
+    }
+
+
+def _load_records(result, samples, requant, want_hash, rotations, bits, floor):
+    """Per rotation: the requantize and reservoir records, logits checks and comparisons."""
     for rot in rotations:
         variant = f"b{bits}-{rot}"
         result["records"].append({"arm": f"requantize-{rot}", "variant": variant, "rotation": rot,
@@ -360,42 +411,35 @@ def run(source, bits=4, rotations=("auto", "qr"), repeats=5, budget=600.0, procs
             name = f"reservoir-{mode}-{rot}"
             recs = samples[name]
             size = result["sizes"][variant][mode]["file_bytes"]
-            result["records"].append({
-                "arm": name, "variant": variant, "rotation": rot, "persist_rotation": mode == "on",
-                "what": "load_reservoir in a fresh process, model ready", "file_bytes": size,
-                **summarize([x["seconds"] for x in recs]),
-                "rss_bytes": summarize([x["memory"]["Rss"] for x in recs]),
-                "pss_bytes": summarize([x["memory"]["Pss"] for x in recs]),
-                "mlx_peak_bytes": summarize([x["mlx_peak_bytes"] for x in recs]),
-                "throughput_bytes_per_s": size / summarize([x["seconds"] for x in recs])["median"],
-            })
-            same = all(x["logits_xxh3"] == want_hash[rot] for x in recs)
-            result["checks"][f"{name} logits byte-identical"] = same
-            base = [requant[rot]]
+            result["records"].append(_reservoir_record(name, variant, rot, mode == "on",
+                                                       "load_reservoir in a fresh process, model ready", size, recs))
+            result["checks"][f"{name} logits byte-identical"] = all(x["logits_xxh3"] == want_hash[rot] for x in recs)
             result["comparisons"].append({"baseline_arm": f"requantize-{rot}", "other_arm": name,
-                                          **compare(base, [x["seconds"] for x in recs], floor)})
+                                          **compare([requant[rot]], [x["seconds"] for x in recs], floor)})
         on = [x["seconds"] for x in samples[f"reservoir-on-{rot}"]]
         off = [x["seconds"] for x in samples[f"reservoir-off-{rot}"]]
         result["comparisons"].append({"baseline_arm": f"reservoir-on-{rot}", "other_arm": f"reservoir-off-{rot}",
                                       **compare(on, off, floor)})
 
+
+def _noprefault_record(result, samples, want_hash, bits, first, floor):
+    """The first rotation's on-mode load with prefaulting off, against the same load with it on."""
+    noprefault = f"reservoir-on-{first} (no prefault)"
     recs = samples[noprefault]
-    variant, size = f"b{bits}-{first}", result["sizes"][f"b{bits}-{first}"]["on"]["file_bytes"]
-    result["records"].append({
-        "arm": noprefault, "variant": variant, "rotation": first, "persist_rotation": True,
-        "what": "load_reservoir in a fresh process, model ready, VQPIPE_PREFAULT=0", "file_bytes": size,
-        **summarize([x["seconds"] for x in recs]),
-        "rss_bytes": summarize([x["memory"]["Rss"] for x in recs]),
-        "pss_bytes": summarize([x["memory"]["Pss"] for x in recs]),
-        "mlx_peak_bytes": summarize([x["mlx_peak_bytes"] for x in recs]),
-        "throughput_bytes_per_s": size / summarize([x["seconds"] for x in recs])["median"],
-    })
+    variant = f"b{bits}-{first}"
+    size = result["sizes"][variant]["on"]["file_bytes"]
+    result["records"].append(_reservoir_record(noprefault, variant, first, True,
+                                               "load_reservoir in a fresh process, model ready, VQPIPE_PREFAULT=0",
+                                               size, recs))
     result["checks"][f"{noprefault} logits byte-identical"] = all(x["logits_xxh3"] == want_hash[first] for x in recs)
     result["comparisons"].append({"baseline_arm": noprefault, "other_arm": f"reservoir-on-{first}",
                                   **compare([x["seconds"] for x in recs],
                                             [x["seconds"] for x in samples[f"reservoir-on-{first}"]], floor)})
 
-    for rot in rotations:  # cat ran interleaved with the loads: same rounds, same machine state
+
+def _throughput(result, samples, rotations, bits):
+    """Load throughput against ``cat`` of the same file (cat ran interleaved: same rounds, same machine state)."""
+    for rot in rotations:
         variant = f"b{bits}-{rot}"
         for mode in ("on", "off"):
             cat = summarize([x["seconds"] for x in samples[f"cat-{mode}-{rot}"]])
@@ -406,64 +450,53 @@ def run(source, bits=4, rotations=("auto", "qr"), repeats=5, budget=600.0, procs
                 "load_bytes_per_s": size / load_median, "load_over_cat": cat["median"] / load_median,
             }
 
+
+_COPIES = {"vqpipe": 1, "vqpipe-noprefault": 1, "mmap-nohash": 1, "mmap-xxh3": 1, "read-2copies": 2, "fresh-memory": 0,
+           "fresh-memory-prefault": 0, "mx.load": 1}
+
+
+def _copy_paths(result, path, work, requant_s, bits, first, repeats, budget, progress):
+    """Each way of getting the file's bytes into MLX memory (CPU backend only), and the speedup bounds."""
     import mlx.core as mx
 
-    path = arms[f"reservoir-on-{first}"][1]
+    cat_s = result["throughput"][f"reservoir-on-{first}"]["cat_seconds"]["median"]
+    bounds = {"variant": f"b{bits}-{first}", "requantize_s": requant_s, "load_s_for_1000x": requant_s / 1000}
     if mx.default_device() == mx.gpu:
         # The copy paths dissect the CPU backend's host-memory load (page faults, memcpy, hashing).
         # On the H200 host they did not finish inside 200 s (2026-11-30, cause not found), so a
         # GPU run skips them rather than lose the whole artifact to a time limit.
         result["copy_paths_skipped"] = "copy paths measure the CPU backend's host-memory path; GPU default device"
-        cat_s = result["throughput"][f"reservoir-on-{first}"]["cat_seconds"]["median"]
-        result["bounds"] = {"variant": f"b{bits}-{first}", "requantize_s": requant[first],
-                            "load_s_for_1000x": requant[first] / 1000, "cat_s": cat_s,
-                            "max_speedup_at_cat_speed": requant[first] / cat_s}
-    else:
-        progress("copy paths: file bytes -> MLX memory, fresh processes")
-        methods = ["fresh-memory", "fresh-memory-prefault", "mmap-nohash", "mmap-xxh3", "vqpipe-noprefault", "vqpipe",
-                   "read-2copies", f"mx.load:{work / 'state.safetensors'}"]
-        copy = interleaved({m: ["copy", path, m] for m in methods}, repeats, budget, progress)
-        result["copy_paths"] = [{"method": m.split(":")[0], "bytes": copy[m][0]["bytes"],
-                                 "copies": {"vqpipe": 1, "vqpipe-noprefault": 1, "mmap-nohash": 1, "mmap-xxh3": 1,
-                                            "read-2copies": 2, "fresh-memory": 0, "fresh-memory-prefault": 0,
-                                            "mx.load": 1}[m.split(":")[0]],
-                                 **summarize([x["seconds"] for x in copy[m]]),
-                                 "bytes_per_s": copy[m][0]["bytes"] / summarize([x["seconds"] for x in copy[m]])["median"]}
-                                for m in methods]
-        result["loadavg_sections"]["copy_paths"] = os.getloadavg()
+        result["bounds"] = {**bounds, "cat_s": cat_s, "max_speedup_at_cat_speed": requant_s / cat_s}
+        return
+    progress("copy paths: file bytes -> MLX memory, fresh processes")
+    methods = ["fresh-memory", "fresh-memory-prefault", "mmap-nohash", "mmap-xxh3", "vqpipe-noprefault", "vqpipe",
+               "read-2copies", f"mx.load:{work / 'state.safetensors'}"]
+    copy = interleaved({m: ["copy", path, m] for m in methods}, repeats, budget, progress)
+    result["copy_paths"] = [{"method": m.split(":")[0], "bytes": copy[m][0]["bytes"], "copies": _COPIES[m.split(":")[0]],
+                             **summarize([x["seconds"] for x in copy[m]]),
+                             "bytes_per_s": copy[m][0]["bytes"] / summarize([x["seconds"] for x in copy[m]])["median"]}
+                            for m in methods]
+    result["loadavg_sections"]["copy_paths"] = os.getloadavg()
+    floor_s = next(c["median"] for c in result["copy_paths"] if c["method"] == "fresh-memory-prefault")
+    result["bounds"] = {  # what the speedup could be at best, from floors measured in this run
+        **bounds, "fresh_memory_prefault_s": floor_s, "cat_s": cat_s,
+        "max_speedup_at_fresh_memory_floor": requant_s / floor_s, "max_speedup_at_cat_speed": requant_s / cat_s,
+    }
 
-        floor_s = next(c["median"] for c in result["copy_paths"] if c["method"] == "fresh-memory-prefault")
-        cat_s = result["throughput"][f"reservoir-on-{first}"]["cat_seconds"]["median"]
-        result["bounds"] = {  # what the speedup could be at best, from floors measured in this run
-            "variant": f"b{bits}-{first}", "requantize_s": requant[first],
-            "load_s_for_1000x": requant[first] / 1000,
-            "fresh_memory_prefault_s": floor_s, "cat_s": cat_s,
-            "max_speedup_at_fresh_memory_floor": requant[first] / floor_s,
-            "max_speedup_at_cat_speed": requant[first] / cat_s,
-        }
 
-    if thp_gaps:  # before the multi-process experiment, which leaves the machine busy for a while
-        result["thp_malloc"] = thp_experiment(path, config["model_type"], repeats, thp_gaps, progress)
-        result["loadavg_sections"]["thp_malloc"] = os.getloadavg()
-
+def _multiprocess(result, load_arm, single, source, bits, first, procs, want_hash, progress):
+    """Memory of ``procs`` processes loading one reservoir at once against ``procs`` quantizing."""
     progress(f"{procs} processes at once: loading one reservoir vs quantizing from source")
-    loads = concurrent([arms[f"reservoir-on-{first}"]] * procs)
+    loads = concurrent([load_arm] * procs)
     quants = concurrent([["quantize", source, bits, first]] * procs)
-    single = samples[f"reservoir-on-{first}"]
     result["multiprocess"] = {
         "variant": f"b{bits}-{first}", "procs": procs,
         "reservoir_load": _mem_summary(loads),
         "requantize": _mem_summary(quants),
         "single_load_rss_bytes": summarize([x["memory"]["Rss"] for x in single]),
         "single_load_pss_bytes": summarize([x["memory"]["Pss"] for x in single]),
-        "logits_byte_identical": all(r["logits_xxh3"] == want_hash[first] for r in loads + quants),
+        "logits_byte_identical": all(r["logits_xxh3"] == want_hash for r in loads + quants),
     }
-
-    result["targets"] = targets(result, rotations, bits)
-    result["loadavg_end"] = os.getloadavg()
-    if not workdir:
-        shutil.rmtree(work, ignore_errors=True)
-    return result
 
 
 def targets(result, rotations, bits):
@@ -511,7 +544,7 @@ def main(argv=None):
     thp_gaps = () if args.thp is None else (tuple(args.thp) or (0.0, 5.0))
     result = run(args.source, args.bits, args.rotations, args.repeats, args.arm_budget, args.procs,
                  args.workdir, args.model, thp_gaps=thp_gaps)
-    write_json(args.out, result)
+    record.write(args.out, "bench-load", result, inputs={"source": args.source})
     for name, t in result["targets"].items():
         met = {True: "met", False: "NOT met", None: "reported"}[t["met"]]
         print(f"{name}: {t['value']:.3g} ({met})")

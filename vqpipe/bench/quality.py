@@ -32,7 +32,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from .. import text
-from ..fsutil import write_json
+from .. import record
 from ..quantize import load_quantized, quantize_model
 from .env import environment
 from .harness import summarize
@@ -401,5 +401,5 @@ def main(argv=None):
     except (ValueError, FileNotFoundError) as e:
         print(f"vqpipe bench-quality: error: {e}", file=sys.stderr)
         return 2
-    write_json(args.out, result)
+    record.write(args.out, "bench-quality", result, inputs={"source": args.source, "quantized": args.quantized})
     return 0

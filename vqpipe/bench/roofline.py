@@ -2,7 +2,7 @@
 
 Decoding one token reads every weight once plus the KV cache, with ~2 FLOPs per weight: a low
 arithmetic intensity, so it is memory-bound. Prefill of S tokens reuses each weight S times and is
-compute-bound. The report places both on one plot against the two measured roofs.
+compute-bound. The report places both on one plot against the two measured roofs (vqpipe/plots.py).
 """
 
 import os
@@ -139,25 +139,3 @@ def achieved(bytes_per_token, tok_s, peak):
     """Achieved bandwidth (bytes/token x tok/s) in bytes/s and as a percentage of ``peak`` bytes/s."""
     bps = bytes_per_token * tok_s
     return {"bytes_per_s": bps, "percent_of_peak": 100.0 * bps / peak}
-
-
-def plot(ax, peak_bandwidth, peak_flops, points):
-    """Draw a roofline on a matplotlib ``ax``.
-
-    ``points``: dicts with ``label``, ``intensity`` (FLOP/byte), ``flops_per_s`` and ``phase``
-    ("decode" = circles, "prefill" = squares).
-    """
-    xs = [p["intensity"] for p in points] or [1.0]
-    lo, hi = min(xs + [0.05]) / 2, max(xs + [peak_flops / peak_bandwidth]) * 4
-    grid = np.geomspace(lo, hi, 200)
-    ax.plot(grid, np.minimum(grid * peak_bandwidth, peak_flops), color="black", lw=1.5, label="roof")
-    ax.axvline(peak_flops / peak_bandwidth, color="grey", ls=":", lw=1)
-    for p in points:
-        ax.scatter(p["intensity"], p["flops_per_s"], marker="o" if p["phase"] == "decode" else "s", label=p["label"])
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
-    ax.set_ylabel("FLOP/s")
-    ax.set_title(f"roofline: {peak_bandwidth / 1e9:.1f} GB/s copy, {peak_flops / 1e9:.1f} GFLOP/s fp32 GEMM")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))

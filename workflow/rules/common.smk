@@ -16,6 +16,7 @@ ROOT = Path(workflow.basedir).parent
 sys.path.insert(0, str(ROOT))
 from vqpipe import blas as vqblas  # noqa: E402  (does not import mlx)
 from vqpipe import snakecache  # noqa: E402
+from vqpipe import plots as vqplots, render as vqrender  # noqa: E402  (no mlx: matplotlib, jinja2 only)
 
 # Race-safe, read-only-tolerant storing into the between-workflow cache (vqpipe/snakecache.py).
 snakecache.install()
@@ -40,7 +41,10 @@ BENCH_QUALITY = "results/bench/{model}/quality.json"
 BENCH_LOAD = "results/bench/{model}/load.json"
 BENCH_DECODE = "results/bench/{model}/decode.json"
 BENCH_KIVI = "results/bench/kivi.json"
-REPORT_PLOTS = ["load_time", "decode_context", "kernel_speedup", "roofline"]
+# The report's plots and tables (one page each in Snakemake's report), as vqpipe names them.
+REPORT_PLOTS = list(vqplots.PLOTS)
+REPORT_TABLES = list(vqrender.TABLES)
+REPORT_TEMPLATES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "vqpipe" / "templates").glob("*.j2"))
 
 
 wildcard_constraints:

@@ -1,6 +1,7 @@
-# report: every JSON artifact -> results/report/{index.html, report.md, summary.json, plots/*.png};
-# report.md, summary.json and the plots go into `snakemake --report report.html` with the captions
-# of workflow/report/.
+# report: every stage's record -> results/report/{index.html, report.md, summary.json, plots/*.png,
+# tables/*.html}; the plots, the tables (one HTML page each), report.md and summary.json go into
+# `snakemake --report report.html` with the captions of workflow/report/. Every record is checked
+# against workflow/schemas/record.schema.json: a malformed one fails the job, naming file and field.
 
 
 rule report:
@@ -10,6 +11,8 @@ rule report:
         reservoirs=fan_out(RESERVOIR),
         bench=bench_outputs(),
         code=stage_sources("vqpipe.report"),
+        templates=[local(t) for t in REPORT_TEMPLATES],
+        schema=local("workflow/schemas/record.schema.json"),
     output:
         # index.html is the same report as one self-contained page: not nested in Snakemake's own.
         html="results/report/index.html",
@@ -27,6 +30,13 @@ rule report:
                 labels={"plot": p},
             )
             for p in REPORT_PLOTS
+        ],
+        tables=[
+            report(
+                f"results/report/tables/{t}.html", caption=f"../report/table_{t}.rst", category="Tables",
+                labels={"table": t},
+            )
+            for t in REPORT_TABLES
         ],
     params:
         inputs=lambda wc, input: list(input.verdicts)
