@@ -6,9 +6,10 @@
 #   scripts/quantize_4b_memory.sh [RESULTS_DIR]     (default docs/results/DATE-quantize-4b)
 #
 # WORK (default /work/m4b) holds the source and the artifact and is deleted at the end unless
-# KEEP=1; an existing WORK/source is reused. Both stages run under /usr/bin/time -v with the BLAS
-# the pipeline uses (vqpipe.blas --env); a sampler records RSS, load average and MemAvailable
-# every 2 s, and output lines carry a timestamp, so a peak can be placed in the run.
+# KEEP=1; an existing WORK/source is reused, STAGES picks the stages to run. Both stages run
+# under /usr/bin/time -v with the BLAS the pipeline uses (vqpipe.blas --env); a sampler records
+# RSS, load average and MemAvailable every 2 s, and output lines carry a timestamp, so a peak can
+# be placed in the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -67,12 +68,15 @@ measure() {  # name, then the vqpipe CLI arguments
     return "$rc"
 }
 
-if [ -f "$WORK/source/manifest.json" ]; then
+STAGES=${STAGES:-download quantize}  # e.g. STAGES=download KEEP=1: re-measure synthesis only
+if [[ " $STAGES " != *" download "* ]] || [ -f "$WORK/source/manifest.json" ]; then
     echo "reusing $WORK/source"
 else
     measure download download --source "synth:$PRESET" --out "$WORK/source"
 fi
-rm -rf "$WORK/q"
-measure quantize quantize --source "$WORK/source" --out "$WORK/q" --bits 4
+if [[ " $STAGES " == *" quantize "* ]]; then
+    rm -rf "$WORK/q"
+    measure quantize quantize --source "$WORK/source" --out "$WORK/q" --bits 4
+fi
 "$PY" "$ROOT/scripts/quantize_4b_summary.py" "$OUT" "$WORK/source/model.safetensors" "$WORK/q"
 [ "${KEEP:-0}" = 1 ] || rm -rf "$WORK"

@@ -517,8 +517,9 @@ def model_tensors(config, seed):
     # norm weight sets the logit scale (LOGIT_STD), like the large final norms of real models,
     # and mutes the outlier channels so they do not pick the next token on their own.
     emb_std = EMBED_STD
-    embed = embedding(tensor_rng(seed, "embed"), v, h, hidden_outliers, emb_std)
-    yield "model.embed_tokens.weight", embed
+    # No local name for the table: the generator would keep its float32 copy (1.6 GB at 4 B
+    # parameters) alive until the last tensor is written.
+    yield "model.embed_tokens.weight", embedding(tensor_rng(seed, "embed"), v, h, hidden_outliers, emb_std)
     for i in range(config["num_hidden_layers"]):
         yield from layer_tensors(config, seed, i, hidden_outliers).items()
     head_std = emb_std if config["tie_word_embeddings"] else 1.0 / np.sqrt(h)
