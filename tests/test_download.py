@@ -239,12 +239,30 @@ def test_presets():
     counts = {name: synth.param_count(synth.make_config(name)) for name in synth.PRESETS}
     assert counts["qwen2.5-0.5b"] == 494_032_768  # the real Qwen2.5-0.5B
     assert counts["llama3-8b"] == 8_030_261_248  # the real Meta-Llama-3-8B (built on GPU hosts only)
+    # Qwen3-4B's 4,022,468,096 less its 36 x 2 x 128 q/k-norm weights (the preset has no qk-norm)
+    assert counts["qwen3-4b-shapes"] == 4_022_468_096 - 36 * 2 * 128
     assert counts["tiny"] <= 40e6 and counts["tiny-llama"] <= 40e6
     assert not hadamard_ok(synth.PRESETS["tiny"]["intermediate_size"])
     assert not hadamard_ok(synth.PRESETS["tiny-llama"]["intermediate_size"])
     assert synth.PRESETS["llama-1b-ish"]["intermediate_size"] == 11008
     for name in ("tiny-llama", "llama-1b-ish"):
         assert synth.PRESETS[name]["num_key_value_heads"] == 4
+
+
+def test_head_dim_wider_than_hidden_over_heads(tmp_path, monkeypatch):
+    # qwen3-4b-shapes in miniature: 4 heads of 128 on a 256-wide stream (q_proj 256 -> 512)
+    from mlx_lm.utils import load_model
+
+    small = {**synth.PRESETS["qwen3-4b-shapes"], "hidden_size": 256, "num_hidden_layers": 1,
+             "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 8192}
+    monkeypatch.setitem(synth.PRESETS, "small-head-dim", small)
+    info = synth.build("small-head-dim", tmp_path / "m")
+    model, _ = load_model(tmp_path / "m")  # strict: every tensor has the shape mlx-lm expects
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.weight.shape == (512, 256) and attn.k_proj.weight.shape == (256, 256)
+    assert attn.o_proj.weight.shape == (256, 512)
+    raw = mx.load(str(tmp_path / "m" / "model.safetensors"))
+    assert info["parameters"] == sum(v.size for v in raw.values())
 
 
 def test_unknown_preset():

@@ -96,6 +96,25 @@ PRESETS = {
         "rms_norm_eps": 1e-5,
         "max_position_embeddings": 8192,
     },
+    # The matrices of Qwen/Qwen3-4B (head_dim 128 > hidden / heads: q_proj 2560 -> 4096, k/v
+    # 2560 -> 1024, o_proj 4096 -> 2560), not its per-head q/k RMSNorm (36 x 256 weights, 0.0002 %
+    # of the parameters): mlx-lm's llama model takes head_dim and has no qk-norm, and the llama
+    # tokenizer style stands in for Qwen's. 4.0 B parameters (8 GB in bf16): for the quantize
+    # memory benchmark (scripts/quantize_4b_memory.sh), never built in tests or CI.
+    "qwen3-4b-shapes": {
+        "model_type": "llama",
+        "hidden_size": 2560,
+        "num_hidden_layers": 36,
+        "intermediate_size": 9728,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 40960,
+    },
 }
 
 QUANT_SUFFIX = "-4bit"
@@ -205,9 +224,14 @@ def make_config(preset):
     return dict(sorted({**common, **extra, **p}.items()))
 
 
+def attention_head_dim(config):
+    """Per-head width: ``head_dim`` where the config gives one (Qwen3), else hidden / heads."""
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
 def param_count(config):
     h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    head_dim = h // config["num_attention_heads"]
+    head_dim = attention_head_dim(config)
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
     attn = h * q + 2 * h * kv + q * h
     if config["model_type"] == "qwen2":
@@ -421,7 +445,7 @@ def layer_tensors(config, seed, i, hidden_outliers):
     """All tensors of decoder layer ``i`` as float32 numpy arrays."""
     h, inter = config["hidden_size"], config["intermediate_size"]
     n_layers = config["num_hidden_layers"]
-    head_dim = h // config["num_attention_heads"]
+    head_dim = attention_head_dim(config)
     q_dim = config["num_attention_heads"] * head_dim
     kv_dim = config["num_key_value_heads"] * head_dim
     prefix = f"model.layers.{i}."
@@ -493,8 +517,9 @@ def model_tensors(config, seed):
     # norm weight sets the logit scale (LOGIT_STD), like the large final norms of real models,
     # and mutes the outlier channels so they do not pick the next token on their own.
     emb_std = EMBED_STD
-    embed = embedding(tensor_rng(seed, "embed"), v, h, hidden_outliers, emb_std)
-    yield "model.embed_tokens.weight", embed
+    # No local name for the table: the generator would keep its float32 copy (1.6 GB at 4 B
+    # parameters) alive until the last tensor is written.
+    yield "model.embed_tokens.weight", embedding(tensor_rng(seed, "embed"), v, h, hidden_outliers, emb_std)
     for i in range(config["num_hidden_layers"]):
         yield from layer_tensors(config, seed, i, hidden_outliers).items()
     head_std = emb_std if config["tie_word_embeddings"] else 1.0 / np.sqrt(h)
