@@ -206,6 +206,61 @@ def measure_memory(model, args, kinds):
     return rows
 
 
+def _kv_cache(kind):
+    from mlx_lm.models.cache import KVCache
+
+    return KVCache() if kind == "fp16" else PackedKIVICache(int(kind.removeprefix("kivi")), 32, 128)
+
+
+def measure_kv_memory(args, kinds):
+    """The KV side of a generation without a model, at the Llama-3-8B KV geometry: ``--kv-layers``
+    caches written ``--prefill-step`` tokens at a time up to ``--memory-context`` (as prefill chunks
+    write them), then ``--kv-steps`` decode steps (one token appended, attention over the cache,
+    layer by layer). Peak = ``mx.get_peak_memory()`` minus what was allocated before. What it leaves
+    out: weights and activations (the same for every kind) and prefill attention's transients."""
+    from ..kivi.attention import attend
+
+    s, chunk, scale = args.memory_context, args.prefill_step, D**-0.5
+    rows = {}
+    for kind in kinds:
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        caches = [_kv_cache(kind) for _ in range(args.kv_layers)]
+        t0 = time.perf_counter()
+        for a in range(0, s, chunk):
+            n = min(chunk, s - a)
+            for j, c in enumerate(caches):
+                kk, vk = mx.random.split(mx.random.key(j * 1000003 + a))
+                c.update_and_fetch(mx.random.normal((1, HK, n, D), key=kk).astype(mx.float16),
+                                   mx.random.normal((1, HK, n, D), key=vk).astype(mx.float16))
+            mx.eval([c.state[:6] if isinstance(c, PackedKIVICache) else c.state for c in caches])
+        for t in range(args.kv_steps):
+            for j, c in enumerate(caches):
+                kq, kk, vk = mx.random.split(mx.random.key(7 + t * 1000 + j), 3)
+                q = mx.random.normal((1, HQ, 1, D), key=kq).astype(mx.float16)
+                k = mx.random.normal((1, HK, 1, D), key=kk).astype(mx.float16)
+                v = mx.random.normal((1, HK, 1, D), key=vk).astype(mx.float16)
+                if kind == "fp16":
+                    keys, values = c.update_and_fetch(k, v)
+                    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
+                else:
+                    c.update_and_fetch(k, v)
+                    out = attend(q, c, scale)
+                mx.eval(out)
+        peak = mx.get_peak_memory() - before
+        packed = sum(c.packed_nbytes() for c in caches if isinstance(c, PackedKIVICache))
+        rows[kind] = {"peak_bytes": peak, "cache_nbytes": sum(c.nbytes for c in caches), "packed_nbytes": packed or None,
+                      "seconds": time.perf_counter() - t0, "layers": args.kv_layers, "device": str(mx.default_device())}
+        del caches
+    for kind in kinds:
+        rows[kind]["peak_vs_fp16"] = rows[kind]["peak_bytes"] / rows["fp16"]["peak_bytes"]
+        rows[kind]["cache_vs_fp16"] = rows[kind]["cache_nbytes"] / rows["fp16"]["cache_nbytes"]
+        if rows[kind]["packed_nbytes"]:
+            rows[kind]["nbytes_vs_packed"] = rows[kind]["cache_nbytes"] / rows[kind]["packed_nbytes"]
+    return rows
+
+
 # --- end-to-end decode ------------------------------------------------------------------------
 
 
@@ -337,7 +392,7 @@ def _variants(text):
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m vqpipe bench-kivi-attn", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--parts", nargs="+", default=["op", "decode", "memory"], choices=("op", "memory", "decode"))
+    p.add_argument("--parts", nargs="+", default=["op", "decode", "memory"], choices=("op", "memory", "kvmemory", "decode"))
     p.add_argument("--op-contexts", type=_ints, default=[4096, 8192, 16384, 32768, 65536])
     p.add_argument("--bits", type=_ints, default=[4, 2])
     p.add_argument("--mlx-bits", type=_ints, default=[8, 4, 2])
@@ -354,6 +409,8 @@ def parse_args(argv):
     p.add_argument("--memory-models", nargs="+", default=["qwen2.5-0.5b", "llama3-8b"])
     p.add_argument("--memory-context", type=int, default=32768)
     p.add_argument("--prefill-step", type=int, default=512)
+    p.add_argument("--kv-layers", type=int, default=32, help="kvmemory: caches (layers) at the 8B KV geometry")
+    p.add_argument("--kv-steps", type=int, default=2, help="kvmemory: decode steps after the fill")
     p.add_argument("--decode-models", nargs="+", default=["llama3-8b", "qwen2.5-0.5b"])
     p.add_argument("--llama-layers", type=int, default=32)
     p.add_argument("--weights", nargs="+", default=["full"], choices=("full", "affine4"))
@@ -364,7 +421,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.quick:
         args.op_contexts, args.layers, args.inputs, args.repeats, args.warmup = [256], 2, 2, 2, 1
-        args.memory_models, args.memory_context, args.prefill_step = ["tiny"], 300, 128
+        args.memory_models, args.memory_context, args.prefill_step, args.kv_layers = ["tiny"], 300, 128, 2
         args.decode_models, args.contexts, args.decode_steps, args.mlx_bits = ["tiny"], [300], 2, [4]
     return args
 
@@ -411,6 +468,13 @@ def main(argv=None):
                 f"{k} peak {r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_vs_fp16']:.3f}x), cache {r['cache_nbytes'] / 2**20:.1f} MiB ({r['cache_vs_fp16']:.3f}x)"
                 for k, r in rows.items()), flush=True)
             del model
+    if "kvmemory" in args.parts:
+        rows = measure_kv_memory(args, ["fp16"] + [f"kivi{b}" for b in args.bits])
+        result["kv_memory"] = rows
+        print(f"kvmemory S={args.memory_context} layers={args.kv_layers}: " + "; ".join(
+            f"{k} peak {r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_vs_fp16']:.3f}x), cache {r['cache_nbytes'] / 2**20:.1f} MiB "
+            f"({r['cache_vs_fp16']:.3f}x)" + (f", nbytes {r['nbytes_vs_packed']:.3f}x packed" if "nbytes_vs_packed" in r else "")
+            for k, r in rows.items()), flush=True)
     _save(result, args.out)
     print(f"bench-kivi-attn: wrote {args.out}")
     return 0

@@ -849,12 +849,20 @@ def applies(queries, cache, use_kernels=None):
 CHUNKS_PER_WARP = 2
 
 
+def default_shape(bits):
+    """(warps per block, chunks per warp) of a launch. From the H200 op benchmark at 32k
+    (docs/results/2026-12-01-h200-kivi2): at 2 bits the kernel needs 159 registers per thread, so
+    only one 8-warp block fits an SM and 4-warp blocks were 1.23x faster (beyond the 9 % floor); at
+    4 bits 8 x 4 was the fastest shape, by less than the floor."""
+    return (4, 2) if bits == 2 else (8, 4)
+
+
 def default_splits(chunks, warps=WARPS, per_warp=None):
     """Splits per KV head: about ``per_warp`` chunks (default CHUNKS_PER_WARP) per warp, at most NSMAX."""
     return max(1, min(NSMAX, -(-chunks // ((per_warp or CHUNKS_PER_WARP) * warps))))
 
 
-def launch_args(queries, cache, scale, splits=None, warps=WARPS):
+def launch_args(queries, cache, scale, splits=None, warps=None):
     """(inputs, launch keywords) of one call: everything :func:`decode_attention` hands MLX."""
     rk, rv, nres = cache.residual_buffers()
     b, h, _, d = rk.shape
@@ -867,7 +875,11 @@ def launch_args(queries, cache, scale, splits=None, warps=WARPS):
     else:
         kc, kp, vc, vp = cache.kc, cache.kp, cache.vc, cache.vp
     chunks = cache.quantized // 32 + -(-nres // 32)
-    ns = splits or default_splits(chunks, warps)
+    if warps is None:
+        warps, per_warp = default_shape(bits)
+        ns = splits or default_splits(chunks, warps, per_warp)
+    else:
+        ns = splits or default_splits(chunks, warps)
     if not 1 <= ns <= NSMAX:
         raise ValueError(f"splits must be in 1..{NSMAX}, got {ns}")
     shape = (b * h, NSMAX, r * (d + 2))
@@ -887,10 +899,11 @@ def launch_args(queries, cache, scale, splits=None, warps=WARPS):
     return inputs, spec
 
 
-def decode_attention(queries, cache, scale, splits=None, warps=WARPS, version="v2"):
+def decode_attention(queries, cache, scale, splits=None, warps=None, version="v2"):
     """softmax(q·K̂ᵀ·scale)·V̂ for queries [B, Hq, 1, D] over a :class:`PackedKIVICache`, in one
-    launch. ``splits`` (blocks per KV head) and ``warps`` (per block) change only the order of
-    float32 sums; ``version`` picks the kernel (:data:`VERSIONS`)."""
+    launch. ``splits`` (blocks per KV head) and ``warps`` (per block; default
+    :func:`default_shape`) change only the order of float32 sums; ``version`` picks the kernel
+    (:data:`VERSIONS`)."""
     if cache.offset >= 2**24:
         raise ValueError("decode attention passes token counts as float32: at most 2**24 tokens")
     inputs, spec = launch_args(queries, cache, scale, splits, warps)
