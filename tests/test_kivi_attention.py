@@ -481,6 +481,11 @@ def test_bench_kivi_attn_quick_runs_every_part(tmp_path, monkeypatch):
     (dec,) = doc["decode"]
     assert {"fp16", "kivi4", "kivi2"} <= set(dec["arms"]) and dec["arms"]["kivi4"]["tok_per_s_median"] > 0
     assert kivi_attn.amdahl(10.0, 32, 0.1, 0.05) == pytest.approx(10 / 8.4)
+    # the KV-side memory part: every kind's peak and sizes, packed caches against their theory
+    assert kivi_attn.main(["--out", str(out), "--quick", "--parts", "kvmemory"]) == 0
+    kv = json.loads(out.read_text())["kv_memory"]
+    assert kv["fp16"]["peak_bytes"] > kv["fp16"]["cache_nbytes"] > kv["kivi4"]["cache_nbytes"] > kv["kivi2"]["cache_nbytes"]
+    assert all(1 <= kv[k]["nbytes_vs_packed"] < 1.5 for k in ("kivi4", "kivi2")) and kv["fp16"]["packed_nbytes"] is None
 
 
 def test_bench_kivi_quality_quick(tiny_source, tmp_path):
