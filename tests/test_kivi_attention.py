@@ -385,6 +385,21 @@ def test_decode_kernel_source_one_description_two_dialects():
     assert decode_kernel.render("cuda", "run2")[0] != nc
 
 
+def test_launch_shape_per_bit_width():
+    """The default launch: 4-warp blocks at 2 bits, 8-warp at 4; splits from the chunks each warp takes."""
+    k, v = _kv(1, 2, 4133, 128, "float16")
+    q = mx.zeros((1, 8, 1, 128), mx.float16)
+    for bits in (2, 4):
+        c = _filled(bits, 32, 128, k, v, [4132, 1])
+        warps, per = decode_kernel.default_shape(bits)
+        _, spec = decode_kernel.launch_args(q, c, 0.1)
+        chunks = c.quantized // 32 + -(-c.nres // 32)
+        assert spec["threadgroup"] == (warps * 32, 1, 1) and warps == {2: 4, 4: 8}[bits]
+        assert spec["grid"] == (decode_kernel.default_splits(chunks, warps, per) * warps * 32, 2, 1)
+        _, fixed = decode_kernel.launch_args(q, c, 0.1, splits=3, warps=2)
+        assert fixed["grid"] == (3 * 64, 2, 1) and fixed["threadgroup"] == (64, 1, 1)
+
+
 def test_kernel_geometry_limits():
     assert decode_kernel.unsupported(128, 128, 4, 32, 4) is None
     assert decode_kernel.unsupported(128, 128, 2, 32, 8) is None
