@@ -6,13 +6,14 @@
 # (docs/kivi.md, "Running on a GPU"):   bash scripts/gpu_kivi.sh
 # Elsewhere (e.g. a Mac with Metal):      PYTHON=.venv/bin/python bash scripts/gpu_kivi.sh
 # STEPS picks steps (default "kernels bench generation cpu_suite"; the packed cache's steps are
-# "attn", its kernel tests, and "bench_attn", bench-kivi-attn with ATTN_ARGS); BENCH_ARGS goes to
-# bench-kivi.
+# "attn", its kernel tests, and "bench_attn", bench-kivi-attn with ATTN_ARGS, or its parts one
+# process each: "attn_op", "attn_memory", "attn_decode"); BENCH_ARGS goes to bench-kivi.
 # Every kernel layout (kernels.LAYOUTS: "vec", the default, and "warp"; vqpipe/kivi/kernels.py) is
 # tested bit-exact in the kernels step and timed side by side in the bench step (BENCH_LAYOUTS,
 # default "vec warp"; empty: only the current layout). KERNELS_K narrows the kernels step (pytest -k;
 # default "not generation"; e.g. "vec and not generation" for one layout alone). The generation step
 # uses the current layout (VQPIPE_KIVI_LAYOUT).
+# ATTN_K narrows the packed cache's kernel tests (pytest -k).
 # Results go to $OUT (default results/gpu_kivi): env.txt, one log per step, kivi_ops.json; a summary
 # prints last.
 set -uo pipefail
@@ -51,11 +52,28 @@ want generation && echo "== generation, kernels on vs off, synthetic presets $(s
 pt generation 240 --maxfail=3 tests/test_kivi_kernels.py -m gpu -k generation
 
 want attn && echo "== packed cache: decode-attention kernel tests $(since)" &&
-pt attn ${ATTN_TEST_LIMIT:-300} --maxfail=5 tests/test_kivi_attention.py -m gpu
+pt attn ${ATTN_TEST_LIMIT:-300} --maxfail=5 tests/test_kivi_attention.py -m gpu ${ATTN_K:+-k "$ATTN_K"}
 
 if want bench_attn; then
   echo "== bench-kivi-attn $(since)"
   timeout ${ATTN_LIMIT:-420} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_attn.json" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attn.log"
+fi
+
+# The packed cache's benchmark in three processes, each under its own limit, so one part that runs
+# long or fails leaves the others' figures: op (OP_ARGS), memory (MEM_ARGS), decode (DEC_ARGS; its
+# Amdahl prediction reads the op part's rows).
+if want attn_op; then
+  echo "== bench-kivi-attn op $(since)"
+  timeout ${OP_LIMIT:-170} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_attn_op.json" --parts op ${OP_ARGS:-} 2>&1
+fi
+if want attn_memory; then
+  echo "== bench-kivi-attn memory $(since)"
+  timeout ${MEM_LIMIT:-110} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_attn_memory.json" --parts memory ${MEM_ARGS:-} 2>&1
+fi
+if want attn_decode; then
+  echo "== bench-kivi-attn decode $(since)"
+  timeout ${DEC_LIMIT:-150} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_attn_decode.json" --parts decode \
+    $([ -f "$OUT/kivi_attn_op.json" ] && echo --op-from "$OUT/kivi_attn_op.json") ${DEC_ARGS:-} 2>&1
 fi
 
 want cpu_suite && echo "== quantizer, cache and dispatch tests on this device (kernels on by default) $(since)" &&

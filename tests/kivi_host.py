@@ -23,6 +23,7 @@ _SHIM = r"""
 #define __global__
 #define __shared__ static
 struct float4 { float x, y, z, w; };
+static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 template <typename U> static inline U __ldcg(const U* p) { return *p; }
 static inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { unsigned int o = *p; *p = o + v; return o; }
@@ -41,6 +42,17 @@ static inline float __shfl_sync(unsigned int, float v, unsigned int src) {
   g_xchg[me] = v;
   ka_yield();
   const float r = g_xchg[(me & ~31) | (int)(src & 31u)];
+  ka_yield();
+  ++g_syncs;
+  return r;
+}
+static int g_vote[256];
+static inline int __any_sync(unsigned int, int p) {
+  const int me = g_cur;
+  g_vote[me] = p;
+  ka_yield();
+  int r = 0;
+  for (int l = me & ~31; l < (me & ~31) + 32; ++l) r |= g_vote[l];
   ka_yield();
   ++g_syncs;
   return r;
@@ -166,14 +178,14 @@ def _types_shim():
     return _HOST_SHIM.split("struct Dim3")[0]  # includes, half/bf16 types, conversions, _rn ops
 
 
-def build(directory, combos):
-    """Compile the kernel for ``combos`` [(dtype, bits, G, D, R, NW)]; the executable's path, or
-    None without a C++ compiler."""
+def build(directory, combos, version="v2"):
+    """Compile the kernel (``version``, decode_kernel.VERSIONS) for ``combos`` [(dtype, bits, G, D,
+    R, NW)]; the executable's path, or None without a C++ compiler."""
     cxx = shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         return None
     d = Path(directory)
-    _, header, body = decode_kernel.render("cuda")
+    _, header, body = decode_kernel.render("cuda", version)
     fn = (
         "template <typename T, int BITS, int G, int D, int R, int NW>\n"
         "static void body(const T* q, const unsigned int* kc, const __half* kp, const unsigned int* vc,\n"

@@ -376,11 +376,28 @@ def test_decode_kernel_source_one_description_two_dialects():
     assert "KA_" not in bc + bm and nc != nm and nc.startswith("kivi_decode_attn_")
     assert "__shfl_sync" in hc and "__ldcg" in hc and "atomicAdd" in hc
     assert "simd_shuffle" in hm and "atomic_fetch_add_explicit" in hm
-    # both dialects give every token of the one body, and the same helpers
-    used = set(re.findall(r"\bKA_[A-Z0-9_]+\b", decode_kernel._BODY))
+    # both dialects give every token of the bodies (the current kernel and run 2's), and the same helpers
+    bodies = decode_kernel._BODY + decode_kernel._BODY_RUN2
+    used = set(re.findall(r"\bKA_[A-Z0-9_]+\b", bodies))
     assert all(set(d["tokens"]) == used for d in decode_kernel.DIALECTS.values())
     helpers = lambda h: sorted(set(re.findall(r"\b(ka_[a-z_]+)\(", h)))  # noqa: E731
-    assert helpers(hc) == helpers(hm) == sorted(set(re.findall(r"\b(ka_[a-z_]+)\(", decode_kernel._BODY)))
+    assert helpers(hc) == helpers(hm) == helpers(bodies)
+    assert decode_kernel.render("cuda", "run2")[0] != nc
+
+
+def test_launch_shape_per_bit_width():
+    """The default launch: 4-warp blocks at 2 bits, 8-warp at 4; splits from the chunks each warp takes."""
+    k, v = _kv(1, 2, 4133, 128, "float16")
+    q = mx.zeros((1, 8, 1, 128), mx.float16)
+    for bits in (2, 4):
+        c = _filled(bits, 32, 128, k, v, [4132, 1])
+        warps, per = decode_kernel.default_shape(bits)
+        _, spec = decode_kernel.launch_args(q, c, 0.1)
+        chunks = c.quantized // 32 + -(-c.nres // 32)
+        assert spec["threadgroup"] == (warps * 32, 1, 1) and warps == {2: 4, 4: 8}[bits]
+        assert spec["grid"] == (decode_kernel.default_splits(chunks, warps, per) * warps * 32, 2, 1)
+        _, fixed = decode_kernel.launch_args(q, c, 0.1, splits=3, warps=2)
+        assert fixed["grid"] == (3 * 64, 2, 1) and fixed["threadgroup"] == (64, 1, 1)
 
 
 def test_kernel_geometry_limits():
@@ -466,16 +483,24 @@ def test_bench_kivi_attn_quick_runs_every_part(tmp_path, monkeypatch):
     monkeypatch.setattr(decode_kernel, "active", lambda use_kernels=None: use_kernels is not False)
     monkeypatch.setattr(decode_kernel, "decode_attention", lambda q, c, scale, **kw: attention.attend_tiles(q, c, scale))
     out = tmp_path / "a.json"
-    assert kivi_attn.main(["--out", str(out), "--quick", "--variants", "2x1", "--work", str(tmp_path / "m")]) == 0
+    assert kivi_attn.main(["--out", str(out), "--quick", "--variants", "2x1,run2:8x2", "--work", str(tmp_path / "m")]) == 0
     doc = json.loads(out.read_text())
     (op,) = doc["op"]
-    assert set(op["arms"]) == {"fp16-sdpa", "mlx-q4", "kivi4", "kivi2", "kivi4:w2c1"} and op["noise_floor"] >= 0
+    variants = {f"kivi{b}:{v}" for b in (4, 2) for v in ("v2:w2c1", "run2:w8c2")}
+    assert set(op["arms"]) == {"fp16-sdpa", "mlx-q4", "kivi4", "kivi2"} | variants and op["noise_floor"] >= 0
+    assert set(op["kernel_vs_tiles_max_abs"]) == {"kivi4", "kivi2"} | variants
+    assert all(v > 0 for v in op["build_seconds_per_layer"].values())
     assert op["arms"]["kivi4"]["vs_mlx_q4"] > 0 and all(v < 1e-5 for v in op["kernel_vs_tiles_max_abs"].values())
     mem = doc["memory"]["tiny"]
     assert mem["kivi4"]["cache_nbytes"] < mem["fp16"]["cache_nbytes"] and mem["kivi2"]["packed_nbytes"] > 0
     (dec,) = doc["decode"]
     assert {"fp16", "kivi4", "kivi2"} <= set(dec["arms"]) and dec["arms"]["kivi4"]["tok_per_s_median"] > 0
     assert kivi_attn.amdahl(10.0, 32, 0.1, 0.05) == pytest.approx(10 / 8.4)
+    # the KV-side memory part: every kind's peak and sizes, packed caches against their theory
+    assert kivi_attn.main(["--out", str(out), "--quick", "--parts", "kvmemory"]) == 0
+    kv = json.loads(out.read_text())["kv_memory"]
+    assert kv["fp16"]["peak_bytes"] > kv["fp16"]["cache_nbytes"] > kv["kivi4"]["cache_nbytes"] > kv["kivi2"]["cache_nbytes"]
+    assert all(1 <= kv[k]["nbytes_vs_packed"] < 1.5 for k in ("kivi4", "kivi2")) and kv["fp16"]["packed_nbytes"] is None
 
 
 def test_bench_kivi_quality_quick(tiny_source, tmp_path):

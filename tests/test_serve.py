@@ -360,3 +360,43 @@ def test_chat_cli_piped_keeps_cache(reservoir, local_model):
 
     model, _ = local_model
     assert replies[0] == generate(model, tok, first, max_tokens=6, prompt_cache=make_kivi_cache(model, 2))
+
+
+def test_packed_kivi_cache_in_generate_chat_and_serve(reservoir, local_model, tmp_path):
+    """--kv-packed: generate, chat and serve run the packed cache (codes resident, attention reading
+    them) and give what the library gives with that cache; past the residual, so codes are read."""
+    from mlx_lm import generate
+
+    from vqpipe.generate import encode_prompt
+    from vqpipe.kivi import make_kivi_cache
+
+    model, tok = local_model
+    kv = ["--kv-bits", "4", "--kv-group-size", "32", "--kv-residual", "4", "--kv-packed"]
+    r = _run(["generate", "--model", str(reservoir), "--prompt", "Hello sea", "--max-tokens", "40", *kv])
+    assert r.returncode == 0, r.stderr
+    text = r.stdout.split("==========\n")[1].rstrip("\n")
+    prompt = encode_prompt(tok, "Hello sea", True)
+    cache = make_kivi_cache(model, 4, 32, 4, packed=True)
+    assert text == generate(model, tok, prompt, max_tokens=40, prompt_cache=cache)
+    assert cache[0].quantized >= 32 and "KV cache (KIVI):" in r.stdout
+    # chat keeps the packed cache between turns (trimmed to the common prefix)
+    r = _run(["chat", "--model", str(reservoir), "--max-tokens", "6", *kv], "Hello sea\nAnd the sky?\nq\n")
+    assert r.returncode == 0, r.stderr
+    replies = r.stdout.splitlines()
+    assert len(replies) == 2 and replies[0] == generate(model, tok, prompt, max_tokens=6,
+                                                        prompt_cache=make_kivi_cache(model, 4, 32, 4, packed=True))
+    with _running_server(reservoir, tmp_path, *kv) as s:
+        status, body = _post_until_admitted(s, {"prompt": "The sea is", "max_tokens": 40, "logprobs": True})
+    assert status == 200
+    served = [x["logprob"] for x in body["choices"][0]["logprobs"]["content"]]
+    want = _local_logprobs(model, tok, "The sea is", 40, make_kivi_cache(model, 4, 32, 4, packed=True))
+    assert len(served) == 40 and served == pytest.approx(want, abs=1e-4)
+
+
+def test_packed_kivi_options_checked(reservoir, capsys):
+    from vqpipe import generate
+
+    for extra, needle in ((["--kv-packed"], "needs --kv-bits"), (["--kv-packed", "--kv-bits", "4", "--kv-group-size", "4"], "multiple of 8")):
+        with pytest.raises(SystemExit) as e:
+            generate.main(["--model", str(reservoir), "--prompt", "x", *extra])
+        assert e.value.code == 2 and needle in capsys.readouterr().err

@@ -2,7 +2,8 @@
 
 The generation loop is mlx-lm's (``mlx_lm.generate``: ``stream_generate`` with its streaming print
 and its prompt/generation tokens-per-second and peak-memory lines); vqpipe adds the reservoir loader
-and the KIVI KV cache. ``--kv-bits`` selects KIVI (vqpipe.kivi), not mlx-lm's own quantized cache.
+and the KIVI KV cache. ``--kv-bits`` selects KIVI (vqpipe.kivi), not mlx-lm's own quantized cache;
+``--kv-packed`` keeps its codes packed (the memory saving, attention reading the codes).
 The argument helpers here are shared with ``vqpipe chat``.
 """
 
@@ -23,8 +24,11 @@ def add_model_args(p):
     p.add_argument("--seed", type=int, default=0, help="PRNG seed (default 0)")
     p.add_argument("--system-prompt", help="system message for the chat template")
     k = p.add_argument_group("KIVI KV cache (default: mlx-lm's full-precision cache)")
-    k.add_argument("--kv-bits", type=int, choices=(2, 4),
+    k.add_argument("--kv-bits", type=int, choices=(2, 4, 8),
                    help="quantize the KV cache with KIVI at this many bits")
+    k.add_argument("--kv-packed", action="store_true",
+                   help="keep the KIVI codes packed, attention reading them (PackedKIVICache: the memory "
+                   "saving); default: the quantize-dequantize reference cache, full precision resident")
     k.add_argument("--kv-group-size", type=int, default=32, help="KIVI group size (default 32)")
     k.add_argument("--kv-residual", type=int, default=128,
                    help="KIVI full-precision residual window in tokens (default 128)")
@@ -37,8 +41,23 @@ def check_args(p, args):
         p.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.kv_group_size < 1 or args.kv_residual < 0:
         p.error("--kv-group-size must be >= 1 and --kv-residual >= 0")
+    why = packed_args_problem(args.kv_bits, args.kv_group_size, args.kv_packed)
+    if why:
+        p.error(why)
     if not (0.0 <= args.top_p <= 1.0) or args.temp < 0:
         p.error("--temp must be >= 0 and --top-p in [0, 1]")
+
+
+def packed_args_problem(bits, group_size, packed):
+    """Why --kv-packed cannot be used with these settings (a sentence), or None."""
+    if not packed:
+        return None
+    if bits is None:
+        return "--kv-packed needs --kv-bits"
+    if group_size % (32 // bits):
+        return (f"--kv-packed: --kv-group-size {group_size} is not a multiple of {32 // bits} "
+                f"({bits}-bit codes are packed {32 // bits} to a 32-bit word)")
+    return None
 
 
 def load_model(path):
@@ -54,7 +73,7 @@ def load_model(path):
 
 
 def make_cache(model, args):
-    """A KIVI prompt cache when --kv-bits is given, else mlx-lm's default one."""
+    """A KIVI prompt cache when --kv-bits is given (packed with --kv-packed), else mlx-lm's default one."""
     from mlx_lm.models.cache import make_prompt_cache
 
     if args.kv_bits is None:
@@ -62,7 +81,7 @@ def make_cache(model, args):
     from .kivi import make_kivi_cache
 
     kernels = {"auto": None, "on": True, "off": False}[args.kv_kernels]
-    return make_kivi_cache(model, args.kv_bits, args.kv_group_size, args.kv_residual, kernels)
+    return make_kivi_cache(model, args.kv_bits, args.kv_group_size, args.kv_residual, kernels, packed=args.kv_packed)
 
 
 def make_sampler(args):

@@ -59,7 +59,8 @@ class ReservoirProvider(ModelProvider):
         model, tokenizer = load_model(model_path)
         if self.cli_args.kv_bits_kivi:
             a = self.cli_args
-            model.make_cache = kivi_cache_factory(model, a.kv_bits_kivi, a.kv_group_size_kivi, a.kv_residual)
+            model.make_cache = kivi_cache_factory(model, a.kv_bits_kivi, a.kv_group_size_kivi, a.kv_residual,
+                                                  a.kv_packed)
         self.model_key = (model_path, None, None)
         self.model, self.tokenizer = model, tokenizer
         # Batched decoding needs caches that mlx-lm can merge across requests.
@@ -71,19 +72,24 @@ class ReservoirProvider(ModelProvider):
         return super().load("default_model", None, "default_model")
 
 
-def kivi_cache_factory(model, bits, group_size, residual):
+def kivi_cache_factory(model, bits, group_size, residual, packed=False):
     """A ``model.make_cache`` for mlx-lm: the model's own caches with each plain KVCache made KIVI
-    (as vqpipe.kivi.make_kivi_cache, which cannot be used here: it calls model.make_cache)."""
+    (as vqpipe.kivi.make_kivi_cache, which cannot be used here: it calls model.make_cache).
+    ``packed``: PackedKIVICache, with the model's attention routed to it."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from .kivi import KIVICache
+    from .kivi import KIVICache, PackedKIVICache, install
 
+    kind = KIVICache
+    if packed:
+        install(model)
+        kind = PackedKIVICache
     n_layers = len(make_prompt_cache(model))
     own = getattr(model, "make_cache", None)
 
     def make_cache():
         caches = own() if own else [KVCache() for _ in range(n_layers)]
-        return [KIVICache(bits, group_size, residual) if type(c) is KVCache else c for c in caches]
+        return [kind(bits, group_size, residual) if type(c) is KVCache else c for c in caches]
 
     return make_cache
 
@@ -291,6 +297,8 @@ def context_length(directory, override=None):
 
 
 def parse_args(argv):
+    from .generate import packed_args_problem
+
     p = argparse.ArgumentParser(prog="python -m vqpipe serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="reservoir directory (pack stage output)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -307,18 +315,23 @@ def parse_args(argv):
     p.add_argument("--prompt-concurrency", type=int, default=8, help="prompts prefilled in one batch (default 8)")
     p.add_argument("--prompt-cache-size", type=int, default=10, help="KV caches kept for reuse (default 10)")
     k = p.add_argument_group("KIVI KV cache (default: mlx-lm's full-precision cache, batched)")
-    k.add_argument("--kv-bits", dest="kv_bits_kivi", type=int, choices=(2, 4),
+    k.add_argument("--kv-bits", dest="kv_bits_kivi", type=int, choices=(2, 4, 8),
                    help="KIVI at this many bits; requests are then served one at a time (KIVI caches "
                    "cannot be merged into mlx-lm's batches)")
     k.add_argument("--kv-group-size", dest="kv_group_size_kivi", type=int, default=32, metavar="N",
                    help="KIVI group size (default 32)")
     k.add_argument("--kv-residual", type=int, default=128, help="KIVI residual window (default 128)")
+    k.add_argument("--kv-packed", action="store_true",
+                   help="keep the KIVI codes packed, attention reading them (the memory saving)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     if args.max_tokens < 1 or args.max_pending < 1 or args.decode_concurrency < 1 or args.prompt_concurrency < 1:
         p.error("--max-tokens, --max-pending and the concurrencies must be at least 1")
     if args.kv_group_size_kivi < 1 or args.kv_residual < 0:
         p.error("--kv-group-size must be >= 1 and --kv-residual >= 0")
+    why = packed_args_problem(args.kv_bits_kivi, args.kv_group_size_kivi, args.kv_packed)
+    if why:
+        p.error(why)
     # The rest of what mlx_lm.server reads from its arguments, at its defaults (no adapters, no
     # draft model, mlx-lm's KV quantization off so requests can be batched).
     fixed = dict(adapter_path=None, draft_model=None, num_draft_tokens=3, trust_remote_code=False,

@@ -69,6 +69,43 @@ def _op_caches(s, layers, bits_list, mlx_bits, seed):
     return fp, mq, kv
 
 
+_FLOOR_BODY = """
+    const unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < (unsigned int)(q_shape[0] * q_shape[1] * q_shape[2] * q_shape[3])) {
+        out[i] = static_cast<T>(0.0f);
+    }
+"""
+_floor = []
+
+
+def floor_attention(queries, cache, scale):
+    """A launch with the decode kernel's inputs, output and grid that only writes zeros: what a
+    launch costs before the kernel does any work (host time, graph bookkeeping, the launch)."""
+    if not _floor:
+        _floor.append(mx.fast.cuda_kernel(name="kivi_decode_floor", input_names=decode_kernel.INPUTS,
+                                          output_names=["out"], source=_FLOOR_BODY))
+    inputs, spec = decode_kernel.launch_args(queries, cache, scale)
+    out = _floor[0](inputs=inputs, template=[("T", spec["output_dtypes"][0])], grid=(-(-queries.size // 256) * 256, 1, 1),
+                    threadgroup=(256, 1, 1), output_shapes=spec["output_shapes"], output_dtypes=spec["output_dtypes"])[0]
+    cache.last_out = out
+    return out
+
+
+def _build_seconds(arm, n, rounds=10):
+    """Median host time to build one step's graph (every layer's launch) without evaluating it."""
+    out = []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        graph = arm(r % n)
+        out.append(time.perf_counter() - t0)
+        del graph
+    return sorted(out)[len(out) // 2]
+
+
+def _kivi_arm(qs, caches, scale, n, **kw):
+    return lambda i: [decode_kernel.decode_attention(qs[(i + j) % n], c, scale, **kw) for j, c in enumerate(caches)]
+
+
 def measure_op(s, args):
     from mlx_lm.models.base import quantized_scaled_dot_product_attention as qsdpa
 
@@ -82,23 +119,32 @@ def measure_op(s, args):
         arms[f"mlx-q{b}"] = lambda i, b=b: [
             qsdpa(qs[(i + j) % n], qk, qv, scale=scale, mask=None, group_size=AFFINE_GROUP, bits=b) for j, (qk, qv) in enumerate(mq[b])
         ]
+    caches = {}  # arm -> the caches it reads (for bytes and the cross-check)
     for b in args.bits:
-        arms[f"kivi{b}"] = lambda i, b=b: [decode_kernel.decode_attention(qs[(i + j) % n], c, scale) for j, c in enumerate(kv[b])]
+        arms[f"kivi{b}"], caches[f"kivi{b}"] = _kivi_arm(qs, kv[b], scale, n), kv[b]
     chunks = kv[args.bits[0]][0].quantized // 32 + -(-kv[args.bits[0]][0].nres // 32)
-    for w, per in args.variants:  # other launch shapes of the first bit width's kernel
+    for version, w, per in args.variants:  # other kernels and launch shapes, at every bit width
         ns = decode_kernel.default_splits(chunks, w, per)
-        arms[f"kivi{args.bits[0]}:w{w}c{per}"] = lambda i, w=w, ns=ns: [
-            decode_kernel.decode_attention(qs[(i + j) % n], c, scale, splits=ns, warps=w) for j, c in enumerate(kv[args.bits[0]])]
-    # the kernel against the tile path (the same cache, float32 sums in another order)
-    check = {f"kivi{b}": mx.max(mx.abs(decode_kernel.decode_attention(qs[0], kv[b][0], scale).astype(mx.float32)
-                                       - attend_tiles(qs[0], kv[b][0], scale).astype(mx.float32))).item() for b in args.bits}
-    nbytes = {"fp16-sdpa": fp[0][0].nbytes + fp[0][1].nbytes}
+        for b in args.bits:
+            name = f"kivi{b}:{version}:w{w}c{per}"
+            arms[name], caches[name] = _kivi_arm(qs, kv[b], scale, n, splits=ns, warps=w, version=version), kv[b]
+    if args.launch_floor:
+        b = args.bits[0]
+        arms["launch-floor"] = lambda i: [floor_attention(qs[(i + j) % n], c, scale) for j, c in enumerate(kv[b])]
+    # every kernel arm against the tile path (the same cache, float32 sums in another order)
+    check = {}
+    for name, arm in arms.items():
+        if name in caches:
+            out = arm(0)[0]
+            check[name] = mx.max(mx.abs(out.astype(mx.float32) - attend_tiles(qs[0], caches[name][0], scale).astype(mx.float32))).item()
+    nbytes = {"fp16-sdpa": fp[0][0].nbytes + fp[0][1].nbytes, "launch-floor": 0}
     nbytes.update({f"mlx-q{b}": sum(x.nbytes for t in mq[b][0] for x in t) for b in args.mlx_bits})
-    nbytes.update({f"kivi{b}": kv[b][0].nbytes for b in args.bits})
-    nbytes.update({f"kivi{args.bits[0]}:w{w}c{per}": kv[args.bits[0]][0].nbytes for w, per in args.variants})
+    nbytes.update({name: c[0].nbytes for name, c in caches.items()})
+    build = {name: _build_seconds(arm, n) / layers for name, arm in arms.items()}
     times = harness.run_interleaved(harness.with_aa(arms, "fp16-sdpa"), n, args.repeats, args.warmup)
     floor = harness.aa_floor(times, "fp16-sdpa")
-    row = {"S": s, "layers": layers, "arms": {}, "noise_floor": floor, "kernel_vs_tiles_max_abs": check, "cache_bytes_per_layer": nbytes}
+    row = {"S": s, "layers": layers, "arms": {}, "noise_floor": floor, "kernel_vs_tiles_max_abs": check,
+           "cache_bytes_per_layer": nbytes, "build_seconds_per_layer": build}
     base = times["fp16-sdpa"]
     for name in arms:
         st = _stats(times[name], layers)
@@ -157,6 +203,61 @@ def measure_memory(model, args, kinds):
     for kind in kinds:
         rows[kind]["peak_vs_fp16"] = rows[kind]["peak_bytes"] / rows["fp16"]["peak_bytes"]
         rows[kind]["cache_vs_fp16"] = rows[kind]["cache_nbytes"] / rows["fp16"]["cache_nbytes"]
+    return rows
+
+
+def _kv_cache(kind):
+    from mlx_lm.models.cache import KVCache
+
+    return KVCache() if kind == "fp16" else PackedKIVICache(int(kind.removeprefix("kivi")), 32, 128)
+
+
+def measure_kv_memory(args, kinds):
+    """The KV side of a generation without a model, at the Llama-3-8B KV geometry: ``--kv-layers``
+    caches written ``--prefill-step`` tokens at a time up to ``--memory-context`` (as prefill chunks
+    write them), then ``--kv-steps`` decode steps (one token appended, attention over the cache,
+    layer by layer). Peak = ``mx.get_peak_memory()`` minus what was allocated before. What it leaves
+    out: weights and activations (the same for every kind) and prefill attention's transients."""
+    from ..kivi.attention import attend
+
+    s, chunk, scale = args.memory_context, args.prefill_step, D**-0.5
+    rows = {}
+    for kind in kinds:
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        caches = [_kv_cache(kind) for _ in range(args.kv_layers)]
+        t0 = time.perf_counter()
+        for a in range(0, s, chunk):
+            n = min(chunk, s - a)
+            for j, c in enumerate(caches):
+                kk, vk = mx.random.split(mx.random.key(j * 1000003 + a))
+                c.update_and_fetch(mx.random.normal((1, HK, n, D), key=kk).astype(mx.float16),
+                                   mx.random.normal((1, HK, n, D), key=vk).astype(mx.float16))
+            mx.eval([c.state[:6] if isinstance(c, PackedKIVICache) else c.state for c in caches])
+        for t in range(args.kv_steps):
+            for j, c in enumerate(caches):
+                kq, kk, vk = mx.random.split(mx.random.key(7 + t * 1000 + j), 3)
+                q = mx.random.normal((1, HQ, 1, D), key=kq).astype(mx.float16)
+                k = mx.random.normal((1, HK, 1, D), key=kk).astype(mx.float16)
+                v = mx.random.normal((1, HK, 1, D), key=vk).astype(mx.float16)
+                if kind == "fp16":
+                    keys, values = c.update_and_fetch(k, v)
+                    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
+                else:
+                    c.update_and_fetch(k, v)
+                    out = attend(q, c, scale)
+                mx.eval(out)
+        peak = mx.get_peak_memory() - before
+        packed = sum(c.packed_nbytes() for c in caches if isinstance(c, PackedKIVICache))
+        rows[kind] = {"peak_bytes": peak, "cache_nbytes": sum(c.nbytes for c in caches), "packed_nbytes": packed or None,
+                      "seconds": time.perf_counter() - t0, "layers": args.kv_layers, "device": str(mx.default_device())}
+        del caches
+    for kind in kinds:
+        rows[kind]["peak_vs_fp16"] = rows[kind]["peak_bytes"] / rows["fp16"]["peak_bytes"]
+        rows[kind]["cache_vs_fp16"] = rows[kind]["cache_nbytes"] / rows["fp16"]["cache_nbytes"]
+        if rows[kind]["packed_nbytes"]:
+            rows[kind]["nbytes_vs_packed"] = rows[kind]["cache_nbytes"] / rows[kind]["packed_nbytes"]
     return rows
 
 
@@ -274,18 +375,33 @@ def _ints(text):
 
 
 def _variants(text):
-    """"8x2,4x1" -> [(8, 2), (4, 1)]: warps per block x chunks per warp."""
-    return [tuple(int(y) for y in x.split("x")) for x in text.split(",") if x.strip()]
+    """"8x2,run2:8x2" -> [("v2", 8, 2), ("run2", 8, 2)]: [kernel version:]warps per block x chunks per warp."""
+    out = []
+    for x in (x.strip() for x in text.split(",")):
+        if not x:
+            continue
+        version, _, shape = x.rpartition(":")
+        version = version or "v2"
+        if version not in decode_kernel.VERSIONS:
+            raise argparse.ArgumentTypeError(f"unknown kernel version {version!r} (known: {', '.join(decode_kernel.VERSIONS)})")
+        w, per = (int(y) for y in shape.split("x"))
+        out.append((version, w, per))
+    return out
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m vqpipe bench-kivi-attn", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--parts", nargs="+", default=["op", "decode", "memory"], choices=("op", "memory", "decode"))
+    p.add_argument("--parts", nargs="+", default=["op", "decode", "memory"], choices=("op", "memory", "kvmemory", "decode"))
     p.add_argument("--op-contexts", type=_ints, default=[4096, 8192, 16384, 32768, 65536])
     p.add_argument("--bits", type=_ints, default=[4, 2])
     p.add_argument("--mlx-bits", type=_ints, default=[8, 4, 2])
-    p.add_argument("--variants", type=_variants, default=[], help="extra kernel launch shapes timed as arms, e.g. 4x2,8x1 (warps x chunks per warp)")
+    p.add_argument("--variants", type=_variants, default=[],
+                   help="extra kernels and launch shapes timed as arms at every bit width, e.g. 4x2,run2:8x2 ([version:]warps x chunks per warp)")
+    p.add_argument("--launch-floor", action="store_true",
+                   help="also time a launch with the kernel's inputs that only writes zeros (what a launch costs before any work)")
+    p.add_argument("--op-from", help="a bench-kivi-attn JSON whose op rows feed the decode part's Amdahl prediction "
+                   "(when the op part ran in another process)")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--inputs", type=int, default=20)
     p.add_argument("--repeats", type=int, default=25)
@@ -293,6 +409,8 @@ def parse_args(argv):
     p.add_argument("--memory-models", nargs="+", default=["qwen2.5-0.5b", "llama3-8b"])
     p.add_argument("--memory-context", type=int, default=32768)
     p.add_argument("--prefill-step", type=int, default=512)
+    p.add_argument("--kv-layers", type=int, default=32, help="kvmemory: caches (layers) at the 8B KV geometry")
+    p.add_argument("--kv-steps", type=int, default=2, help="kvmemory: decode steps after the fill")
     p.add_argument("--decode-models", nargs="+", default=["llama3-8b", "qwen2.5-0.5b"])
     p.add_argument("--llama-layers", type=int, default=32)
     p.add_argument("--weights", nargs="+", default=["full"], choices=("full", "affine4"))
@@ -303,7 +421,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.quick:
         args.op_contexts, args.layers, args.inputs, args.repeats, args.warmup = [256], 2, 2, 2, 1
-        args.memory_models, args.memory_context, args.prefill_step = ["tiny"], 300, 128
+        args.memory_models, args.memory_context, args.prefill_step, args.kv_layers = ["tiny"], 300, 128, 2
         args.decode_models, args.contexts, args.decode_steps, args.mlx_bits = ["tiny"], [300], 2, [4]
     return args
 
@@ -334,7 +452,11 @@ def main(argv=None):
                 print(f"op S={s} (us per layer, median [min-max], n={args.repeats}, floor {row['noise_floor']:.1%}): " + "; ".join(
                     f"{k} {_fmt(a)} {a['bytes_per_s'] / 1e12:.2f} TB/s {a['vs_fp16']:.2f}x" for k, a in row["arms"].items()), flush=True)
     if "decode" in args.parts:
-        run_decode(args, result["op"], result["decode"], lambda: _save(result, args.out))
+        op_rows = result["op"]
+        if args.op_from and not op_rows:
+            op_rows = json.loads(Path(args.op_from).read_text())["op"]
+            result["op_from"] = args.op_from
+        run_decode(args, op_rows, result["decode"], lambda: _save(result, args.out))
     if "memory" in args.parts:
         kinds = ["fp16"] + [f"kivi{b}" for b in args.bits]
         for name in args.memory_models:
@@ -346,6 +468,13 @@ def main(argv=None):
                 f"{k} peak {r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_vs_fp16']:.3f}x), cache {r['cache_nbytes'] / 2**20:.1f} MiB ({r['cache_vs_fp16']:.3f}x)"
                 for k, r in rows.items()), flush=True)
             del model
+    if "kvmemory" in args.parts:
+        rows = measure_kv_memory(args, ["fp16"] + [f"kivi{b}" for b in args.bits])
+        result["kv_memory"] = rows
+        print(f"kvmemory S={args.memory_context} layers={args.kv_layers}: " + "; ".join(
+            f"{k} peak {r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_vs_fp16']:.3f}x), cache {r['cache_nbytes'] / 2**20:.1f} MiB "
+            f"({r['cache_vs_fp16']:.3f}x)" + (f", nbytes {r['nbytes_vs_packed']:.3f}x packed" if "nbytes_vs_packed" in r else "")
+            for k, r in rows.items()), flush=True)
     _save(result, args.out)
     print(f"bench-kivi-attn: wrote {args.out}")
     return 0

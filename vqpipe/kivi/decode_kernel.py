@@ -37,6 +37,357 @@ _BODY = """
     constexpr unsigned int W = D * BITS / 32;  // words per token
     constexpr unsigned int CPW = 32 / BITS;  // codes per word
     constexpr unsigned int MASK = (1u << BITS) - 1u;
+    // Codes are read in place: field cc of a word, masked where it sits and or'ed into the mantissa
+    // of 2^23, is c * 2^off once 2^23 is subtracted (exact while the field ends below bit 23). The
+    // LOW fields that do are read from the word, the rest from the word shifted by LOW * BITS; the
+    // 2^-off goes into the folded query (keys) or the accumulator's final scaling (values).
+    constexpr unsigned int LOW = 23 / BITS < CPW ? 23 / BITS : CPW;
+    constexpr unsigned int P = 32 / W;  // tokens per pass of the values loop
+    constexpr unsigned int DL = D / 32;  // channels per lane in per-channel loops
+    constexpr unsigned int RP = (R + 3) / 4 * 4;  // query heads padded to float4
+    constexpr unsigned int NGV = (D + G - 1) / G;
+    constexpr unsigned int PS = R * (D + 2);  // one partial: acc[R][D], m[R], l[R]
+    // shared: the scaled query [D][RP], then per warp its folded query [D][RP] and p [32][RP];
+    // after the loop the warps' partials, at the end the final merge's weights
+    constexpr unsigned int SHQ = D * RP + NW * (D + 32) * RP;
+    constexpr unsigned int SHA = SHQ > NW * PS ? SHQ : NW * PS;
+    constexpr unsigned int SHB = (NSMAX + 1) * R + 3;
+    constexpr unsigned int SH = SHA > SHB ? SHA : SHB;
+    KA_SHARED float4 sh4[SH / 4];
+    KA_SHARED unsigned int last;
+    KA_TG float* sh = (KA_TG float*)sh4;
+
+    const unsigned int tid = KA_THREAD;
+    const unsigned int lane = tid % 32u;
+    const unsigned int warp = tid / 32u;
+    const unsigned int split = KA_BLOCK_X;
+    const unsigned int nsplit = KA_NBLOCKS_X;
+    const unsigned int bh = KA_BLOCK_Y;  // b * H + h
+    const unsigned int NGC = kc_shape[2];
+    const unsigned int SC = vc_shape[2];
+    const unsigned int RC = rk_shape[2];
+    const float sm = meta[0];
+    const unsigned int nq = (unsigned int)meta[1];
+    const unsigned int nr = (unsigned int)meta[2];
+    const unsigned int nqc = nq / 32u;
+    const unsigned int nc = nqc + (nr + 31u) / 32u;
+    const unsigned int per = (nc + nsplit - 1u) / nsplit;
+    const unsigned int c0 = split * per;
+    const unsigned int c1 = ka_umin(c0 + per, nc);
+    const float ninf = ka_neg_inf();
+
+    KA_TG float* qsh = sh;  // [D][RP]: the query times the softmax scale, every head of the group
+    KA_TG float* qs = sh + D * RP + warp * (D + 32) * RP;  // [D][RP]: this warp's folded query
+    KA_TG float* ps = qs + D * RP;  // [32][RP]: this warp's p of the chunk's tokens
+    for (unsigned int e = tid; e < D * RP; e += NW * 32u) {
+        const unsigned int d = e / RP, r = e % RP;
+        qsh[e] = r < R ? static_cast<float>(q[(bh * R + r) * D + d]) * sm : 0.0f;
+    }
+    KA_BARRIER;
+    float m[R], lsum[R], zacc[R], acc[R][CPW];
+    KA_UNROLL
+    for (unsigned int r = 0; r < R; ++r) {
+        m[r] = ninf;
+        lsum[r] = 0.0f;
+        zacc[r] = 0.0f;
+        KA_UNROLL
+        for (unsigned int c = 0; c < CPW; ++c) {
+            acc[r][c] = 0.0f;
+        }
+    }
+    const unsigned int vw = lane % W;  // values loop: this lane's word
+    const unsigned int vj = lane / W;  // and its first token
+    const unsigned int jj = (vw * CPW) / G;  // its value group
+
+    for (unsigned int c = c0 + warp; c < c1; c += NW) {
+        const bool quant = c < nqc;
+        const unsigned int t0 = c * 32u;
+        const unsigned int g = t0 / G;
+        // the keys' loads first, so their latencies overlap the fold
+        unsigned int kw[W];
+        float2 kpar[DL];
+        if (quant) {
+            const KA_DEV unsigned int* kb = kc + ((bh * NGC + g) * W) * G + (t0 + lane) % G;
+            KA_UNROLL
+            for (unsigned int w = 0; w < W; ++w) {
+                kw[w] = kb[w * G];
+            }
+            KA_UNROLL
+            for (unsigned int i = 0; i < DL; ++i) {
+                kpar[i] = ka_pair(kp, (bh * NGC + g) * D + lane + 32u * i);
+            }
+        }
+        float bias[R];
+        KA_UNROLL
+        for (unsigned int r = 0; r < R; ++r) {
+            bias[r] = 0.0f;
+        }
+        KA_SYNCWARP;  // the previous chunk is done with qs and ps
+        KA_UNROLL
+        for (unsigned int i = 0; i < DL; ++i) {
+            const unsigned int d = lane + 32u * i;
+            const unsigned int cc = d % CPW;
+            const float f = quant ? ka_pow2m(cc < LOW ? cc * BITS : (cc - LOW) * BITS) : 1.0f;
+            const float s = quant ? kpar[i].x * f : 1.0f;
+            const float z = quant ? kpar[i].y : 0.0f;
+            const KA_TG float4* qa = (const KA_TG float4*)(qsh + d * RP);
+            KA_TG float4* qo = (KA_TG float4*)(qs + d * RP);
+            KA_UNROLL
+            for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
+                const float4 a = qa[r4];
+                qo[r4] = ka_f4(a.x * s, a.y * s, a.z * s, a.w * s);
+                const float av[4] = {a.x, a.y, a.z, a.w};
+                KA_UNROLL
+                for (unsigned int k = 0; k < 4; ++k) {
+                    if (4 * r4 + k < R) {
+                        bias[4 * r4 + k < R ? 4 * r4 + k : 0] += av[k] * z;
+                    }
+                }
+            }
+        }
+        if (quant) {
+            KA_UNROLL
+            for (unsigned int r = 0; r < R; ++r) {
+                KA_UNROLL
+                for (unsigned int o = 16; o > 0; o /= 2) {
+                    bias[r] += ka_shfl_xor(bias[r], o);
+                }
+            }
+        }
+        KA_SYNCWARP;
+        // scores: lane = token t0 + lane
+        float s[RP];
+        KA_UNROLL
+        for (unsigned int r = 0; r < RP; ++r) {
+            s[r] = r < R ? bias[r < R ? r : 0] : 0.0f;
+        }
+        const unsigned int rt = t0 + lane - nq;  // residual token (residual chunks only)
+        const bool valid = quant || rt < nr;
+        if (quant) {
+            KA_UNROLL
+            for (unsigned int w = 0; w < W; ++w) {
+                const unsigned int hi = kw[w] >> (LOW * BITS);
+                KA_UNROLL
+                for (unsigned int cc = 0; cc < CPW; ++cc) {
+                    const float x = cc < LOW ? ka_code(kw[w] & (MASK << (cc * BITS))) : ka_code(hi & (MASK << ((cc - LOW) * BITS)));
+                    const KA_TG float4* f = (const KA_TG float4*)(qs + (w * CPW + cc) * RP);
+                    KA_UNROLL
+                    for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
+                        const float4 v = f[r4];
+                        s[4 * r4] += v.x * x;
+                        s[4 * r4 + 1] += v.y * x;
+                        s[4 * r4 + 2] += v.z * x;
+                        s[4 * r4 + 3] += v.w * x;
+                    }
+                }
+            }
+        } else if (valid) {
+            const KA_DEV T* kr = rk + (bh * RC + rt) * D;
+            KA_UNROLL_4
+            for (unsigned int d = 0; d < D; ++d) {
+                const float x = static_cast<float>(kr[d]);
+                const KA_TG float4* f = (const KA_TG float4*)(qs + d * RP);
+                KA_UNROLL
+                for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
+                    const float4 v = f[r4];
+                    s[4 * r4] += v.x * x;
+                    s[4 * r4 + 1] += v.y * x;
+                    s[4 * r4 + 2] += v.z * x;
+                    s[4 * r4 + 3] += v.w * x;
+                }
+            }
+        }
+        // online softmax over the chunk; the warp's max is updated only when a score exceeds it
+        // (then exactly as max(m, chunk max) would: otherwise that max is m and the rescale 1)
+        bool grows = false;
+        KA_UNROLL
+        for (unsigned int r = 0; r < R; ++r) {
+            grows = grows || (valid && s[r] > m[r]);
+        }
+        if (ka_any(grows)) {
+            KA_UNROLL
+            for (unsigned int r = 0; r < R; ++r) {
+                float cm = valid ? s[r] : ninf;
+                KA_UNROLL
+                for (unsigned int o = 16; o > 0; o /= 2) {
+                    cm = ka_max(cm, ka_shfl_xor(cm, o));
+                }
+                const float mn = ka_max(m[r], cm);
+                const float alpha = ka_exp(m[r] - mn);  // 0 on the first chunk (m = -inf)
+                lsum[r] *= alpha;
+                zacc[r] *= alpha;
+                KA_UNROLL
+                for (unsigned int cc = 0; cc < CPW; ++cc) {
+                    acc[r][cc] *= alpha;
+                }
+                m[r] = mn;
+            }
+        }
+        KA_TG float4* po = (KA_TG float4*)(ps + lane * RP);
+        KA_UNROLL
+        for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
+            float pv4[4];
+            KA_UNROLL
+            for (unsigned int k = 0; k < 4; ++k) {
+                const unsigned int r = 4 * r4 + k < R ? 4 * r4 + k : 0;
+                pv4[k] = valid && 4 * r4 + k < R ? ka_exp(s[4 * r4 + k] - m[r]) : 0.0f;
+                lsum[r] += 4 * r4 + k < R ? pv4[k] : 0.0f;
+            }
+            po[r4] = ka_f4(pv4[0], pv4[1], pv4[2], pv4[3]);
+        }
+        KA_SYNCWARP;
+        // p·V: lane (vw, vj) takes word vw of tokens vj, vj + P, ...
+        KA_UNROLL
+        for (unsigned int i = 0; i < W; ++i) {
+            const unsigned int tl = i * P + vj;
+            float pt[RP];
+            const KA_TG float4* pin = (const KA_TG float4*)(ps + tl * RP);
+            KA_UNROLL
+            for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
+                const float4 v = pin[r4];
+                pt[4 * r4] = v.x;
+                pt[4 * r4 + 1] = v.y;
+                pt[4 * r4 + 2] = v.z;
+                pt[4 * r4 + 3] = v.w;
+            }
+            if (quant) {
+                const unsigned int word = vc[(bh * SC + t0 + tl) * W + vw];
+                const float2 vpar = ka_pair(vp, (bh * SC + t0 + tl) * NGV + jj);
+                const unsigned int hi = word >> (LOW * BITS);
+                float pv[R];
+                KA_UNROLL
+                for (unsigned int r = 0; r < R; ++r) {
+                    pv[r] = pt[r] * vpar.x;
+                    zacc[r] += pt[r] * vpar.y;
+                }
+                KA_UNROLL
+                for (unsigned int cc = 0; cc < CPW; ++cc) {
+                    const float x = cc < LOW ? ka_code(word & (MASK << (cc * BITS))) : ka_code(hi & (MASK << ((cc - LOW) * BITS)));
+                    KA_UNROLL
+                    for (unsigned int r = 0; r < R; ++r) {
+                        acc[r][cc] += pv[r] * x;
+                    }
+                }
+            } else if (t0 + tl - nq < nr) {
+                const KA_DEV T* vr = rv + (bh * RC + t0 + tl - nq) * D + vw * CPW;
+                KA_UNROLL
+                for (unsigned int cc = 0; cc < CPW; ++cc) {
+                    // times 2^off, which the final scaling of acc undoes (exactly: powers of two)
+                    const float x = static_cast<float>(vr[cc]) * ka_pow2(cc < LOW ? cc * BITS : (cc - LOW) * BITS);
+                    KA_UNROLL
+                    for (unsigned int r = 0; r < R; ++r) {
+                        acc[r][cc] += pt[r] * x;
+                    }
+                }
+            }
+        }
+    }
+    // the warp's totals: sums over the lanes that share a word, the sum over all lanes
+    KA_UNROLL
+    for (unsigned int r = 0; r < R; ++r) {
+        KA_UNROLL
+        for (unsigned int o = 16; o > 0; o /= 2) {
+            lsum[r] += ka_shfl_xor(lsum[r], o);
+        }
+        KA_UNROLL
+        for (unsigned int o = W; o < 32; o *= 2) {
+            zacc[r] += ka_shfl_xor(zacc[r], o);
+            KA_UNROLL
+            for (unsigned int cc = 0; cc < CPW; ++cc) {
+                acc[r][cc] += ka_shfl_xor(acc[r][cc], o);
+            }
+        }
+    }
+    KA_BARRIER;  // every warp is done with qs and ps
+    KA_TG float* mine = sh + warp * PS;
+    if (vj == 0u) {
+        KA_UNROLL
+        for (unsigned int r = 0; r < R; ++r) {
+            KA_UNROLL
+            for (unsigned int cc = 0; cc < CPW; ++cc) {
+                const float f = ka_pow2m(cc < LOW ? cc * BITS : (cc - LOW) * BITS);
+                mine[r * (D + 2) + vw * CPW + cc] = acc[r][cc] * f + zacc[r];
+            }
+            if (lane == 0u) {
+                mine[r * (D + 2) + D] = m[r];
+                mine[r * (D + 2) + D + 1] = lsum[r];
+            }
+        }
+    }
+    KA_BARRIER;
+    // the block's partial: its warps merged
+    KA_DEV float* part = (KA_DEV float*)scratch + (bh * NSMAX + split) * PS;
+    for (unsigned int e = tid; e < R * (D + 2); e += NW * 32u) {
+        const unsigned int r = e / (D + 2), d = e % (D + 2);
+        float mx_ = ninf;
+        for (unsigned int w = 0; w < NW; ++w) {
+            mx_ = ka_max(mx_, sh[w * PS + r * (D + 2) + D]);
+        }
+        float tot = 0.0f;
+        if (d == D) {
+            tot = mx_;
+        } else if (mx_ != ninf) {
+            for (unsigned int w = 0; w < NW; ++w) {
+                const float mw = sh[w * PS + r * (D + 2) + D];
+                const float a = mw == ninf ? 0.0f : ka_exp(mw - mx_);
+                tot += a * sh[w * PS + r * (D + 2) + d];
+            }
+        }
+        part[e] = tot;
+    }
+    KA_FENCE;
+    KA_BARRIER;
+    if (tid == 0u) {
+        last = ka_atomic_inc(counters, bh) == nsplit - 1u ? 1u : 0u;
+    }
+    KA_BARRIER;
+    if (last != 0u) {
+        // every split's max per head, in parallel, then their weights exp(m_k - M) in shared memory,
+        // then each output a sum over the splits (independent loads)
+        KA_FENCE;
+        const KA_DEV float* all = (const KA_DEV float*)scratch + bh * NSMAX * PS;
+        KA_TG float* wts = sh;  // [nsplit][R]
+        KA_TG float* mxs = sh + NSMAX * R;  // [R]
+        for (unsigned int e = tid; e < nsplit * R; e += NW * 32u) {
+            wts[e] = ka_load(all + (e / R) * PS + (e % R) * (D + 2) + D);
+        }
+        KA_BARRIER;
+        for (unsigned int r = tid; r < R; r += NW * 32u) {
+            float mx_ = ninf;
+            for (unsigned int k = 0; k < nsplit; ++k) {
+                mx_ = ka_max(mx_, wts[k * R + r]);
+            }
+            mxs[r] = mx_;
+        }
+        KA_BARRIER;
+        for (unsigned int e = tid; e < nsplit * R; e += NW * 32u) {
+            const float mk = wts[e];
+            wts[e] = mk == ninf ? 0.0f : ka_exp(mk - mxs[e % R]);
+        }
+        KA_BARRIER;
+        for (unsigned int e = tid; e < R * D; e += NW * 32u) {
+            const unsigned int r = e / D, d = e % D;
+            float num = 0.0f, den = 0.0f;
+            KA_UNROLL_8
+            for (unsigned int k = 0; k < nsplit; ++k) {
+                const float a = wts[k * R + r];
+                num += a * ka_load(all + k * PS + r * (D + 2) + d);
+                den += a * ka_load(all + k * PS + r * (D + 2) + D + 1);
+            }
+            out[(bh * R + r) * D + d] = static_cast<T>(num / den);
+        }
+        if (tid == 0u) {
+            ka_atomic_reset(counters, bh);
+        }
+    }
+"""
+
+# The kernel H200 run 2 tested (docs/results/2026-12-01-h200-kivi), kept to be timed side by side
+# with the current one (bench-kivi-attn --variants run2).
+_BODY_RUN2 = """
+    constexpr unsigned int W = D * BITS / 32;  // words per token
+    constexpr unsigned int CPW = 32 / BITS;  // codes per word
+    constexpr unsigned int MASK = (1u << BITS) - 1u;
     constexpr unsigned int P = 32 / W;  // tokens per pass of the values loop
     constexpr unsigned int DL = D / 32;  // channels per lane in per-channel loops
     constexpr unsigned int RP = (R + 3) / 4 * 4;  // query heads padded to float4
@@ -339,6 +690,15 @@ __device__ __forceinline__ float ka_neg_inf() { return __int_as_float(0xff800000
 __device__ __forceinline__ float ka_exp(float x) { return expf(x); }
 // a code < 2^23 as the mantissa of 2^23, minus 2^23: exact, and cheaper than an int-to-float
 __device__ __forceinline__ float ka_code(unsigned int c) { return __uint_as_float(0x4B000000u | c) - 8388608.0f; }
+// 2^-e and 2^e (e < 127), exact
+__device__ __forceinline__ float ka_pow2m(unsigned int e) { return __uint_as_float((127u - e) << 23); }
+__device__ __forceinline__ float ka_pow2(unsigned int e) { return __uint_as_float((127u + e) << 23); }
+__device__ __forceinline__ float4 ka_f4(float a, float b, float c, float d) { return make_float4(a, b, c, d); }
+// a float16 (scale, zero) pair, one 4-byte load
+__device__ __forceinline__ float2 ka_pair(const __half* p, unsigned int i) {
+    return __half22float2(reinterpret_cast<const __half2*>(p)[i]);
+}
+__device__ __forceinline__ bool ka_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
 __device__ __forceinline__ float ka_shfl_xor(float v, unsigned int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ float ka_shfl(float v, unsigned int src) { return __shfl_sync(0xffffffffu, v, src); }
 // other blocks' partials: through L2, not a stale L1 line
@@ -358,6 +718,11 @@ inline float ka_max(float a, float b) { return a > b ? a : b; }
 inline float ka_neg_inf() { return -INFINITY; }
 inline float ka_exp(float x) { return metal::precise::exp(x); }
 inline float ka_code(unsigned int c) { return as_type<float>(0x4B000000u | c) - 8388608.0f; }
+inline float ka_pow2m(unsigned int e) { return as_type<float>((127u - e) << 23); }
+inline float ka_pow2(unsigned int e) { return as_type<float>((127u + e) << 23); }
+inline float4 ka_f4(float a, float b, float c, float d) { return float4(a, b, c, d); }
+inline float2 ka_pair(const device half* p, unsigned int i) { return float2(((const device half2*)p)[i]); }
+inline bool ka_any(bool p) { return metal::simd_any(p); }
 inline float ka_shfl_xor(float v, unsigned int m) { return metal::simd_shuffle_xor(v, ushort(m)); }
 inline float ka_shfl(float v, unsigned int src) { return metal::simd_shuffle(v, ushort(src)); }
 inline float ka_load(const device float* p) { return *((const volatile device float*)p); }
@@ -384,6 +749,7 @@ DIALECTS = {
             "KA_BARRIER": "__syncthreads()",
             "KA_FENCE": "__threadfence()",
             "KA_UNROLL_8": "#pragma unroll 8",
+            "KA_UNROLL_4": "#pragma unroll 4",
             "KA_UNROLL": "#pragma unroll",
         },
     },
@@ -401,6 +767,7 @@ DIALECTS = {
             "KA_BARRIER": "threadgroup_barrier(mem_flags::mem_threadgroup)",
             "KA_FENCE": "atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device)",
             "KA_UNROLL_8": "#pragma unroll(8)",
+            "KA_UNROLL_4": "#pragma unroll(4)",
             "KA_UNROLL": "#pragma unroll",
         },
     },
@@ -413,15 +780,26 @@ DIALECTS = {
 INPUTS = ["q", "kc", "kp", "vc", "vp", "rk", "rv", "meta", "scratch", "counters", "after"]
 
 
-def render(dialect):
+VERSIONS = ("v2", "run2")
+
+
+def render(dialect, version="v2"):
     """(name, header, body) in one dialect; the name carries a digest of the source (MLX caches
-    compiled kernels by name)."""
+    compiled kernels by name). ``version``: "v2" (the current kernel) or "run2" (the one H200 run 2
+    tested)."""
     spec = DIALECTS[dialect]
-    body = _BODY.replace("NSMAX", str(NSMAX))
+    body = {"v2": _BODY, "run2": _BODY_RUN2}[version].replace("NSMAX", str(NSMAX))
     for token in sorted(spec["tokens"], key=len, reverse=True):  # KA_TG before KA_T..., longest first
         body = body.replace(token, spec["tokens"][token])
     digest = hashlib.sha1((spec["header"] + body).encode()).hexdigest()[:10]
     return f"kivi_decode_attn_{digest}", spec["header"], body
+
+
+def shared_floats(head_dim, ratio, warps=WARPS):
+    """Floats of shared memory the current kernel declares (its SH)."""
+    rp = -(-ratio // 4) * 4
+    shq = head_dim * rp + warps * (head_dim + 32) * rp
+    return max(shq, warps * ratio * (head_dim + 2), (NSMAX + 1) * ratio + 3)
 
 
 @functools.lru_cache(maxsize=256)  # asked per layer and step; the answer depends on these ints only
@@ -436,21 +814,20 @@ def unsupported(head_dim, value_dim, bits, group_size, ratio, warps=WARPS):
         return f"group_size {group_size} is not a multiple of 32 (the kernel's chunk)"
     if not 1 <= ratio <= 8:
         return f"{ratio} query heads per KV head (the kernel serves 1 to 8)"
-    rp = -(-ratio // 4) * 4
-    if 4 * max(warps * head_dim * rp, warps * ratio * (head_dim + 2)) > 48 * 1024:
-        return "shared memory over 48 KiB"
+    if 4 * shared_floats(head_dim, ratio, warps) > 48 * 1024:
+        return f"shared memory over 48 KiB ({warps} warps, D {head_dim}, {ratio} query heads per KV head)"
     return None
 
 
 _kernels = {}
 
 
-def _kernel(dialect):
-    if dialect not in _kernels:
-        name, header, body = render(dialect)
+def _kernel(dialect, version="v2"):
+    if (dialect, version) not in _kernels:
+        name, header, body = render(dialect, version)
         make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
-        _kernels[dialect] = make(name=name, input_names=INPUTS, output_names=["out"], source=body, header=header)
-    return _kernels[dialect]
+        _kernels[dialect, version] = make(name=name, input_names=INPUTS, output_names=["out"], source=body, header=header)
+    return _kernels[dialect, version]
 
 
 def active(use_kernels):
@@ -472,12 +849,20 @@ def applies(queries, cache, use_kernels=None):
 CHUNKS_PER_WARP = 2
 
 
+def default_shape(bits):
+    """(warps per block, chunks per warp) of a launch. From the H200 op benchmark at 32k
+    (docs/results/2026-12-01-h200-kivi2): at 2 bits the kernel needs 159 registers per thread, so
+    only one 8-warp block fits an SM and 4-warp blocks were 1.23x faster (beyond the 9 % floor); at
+    4 bits 8 x 4 was the fastest shape, by less than the floor."""
+    return (4, 2) if bits == 2 else (8, 4)
+
+
 def default_splits(chunks, warps=WARPS, per_warp=None):
     """Splits per KV head: about ``per_warp`` chunks (default CHUNKS_PER_WARP) per warp, at most NSMAX."""
     return max(1, min(NSMAX, -(-chunks // ((per_warp or CHUNKS_PER_WARP) * warps))))
 
 
-def launch_args(queries, cache, scale, splits=None, warps=WARPS):
+def launch_args(queries, cache, scale, splits=None, warps=None):
     """(inputs, launch keywords) of one call: everything :func:`decode_attention` hands MLX."""
     rk, rv, nres = cache.residual_buffers()
     b, h, _, d = rk.shape
@@ -490,7 +875,11 @@ def launch_args(queries, cache, scale, splits=None, warps=WARPS):
     else:
         kc, kp, vc, vp = cache.kc, cache.kp, cache.vc, cache.vp
     chunks = cache.quantized // 32 + -(-nres // 32)
-    ns = splits or default_splits(chunks, warps)
+    if warps is None:
+        warps, per_warp = default_shape(bits)
+        ns = splits or default_splits(chunks, warps, per_warp)
+    else:
+        ns = splits or default_splits(chunks, warps)
     if not 1 <= ns <= NSMAX:
         raise ValueError(f"splits must be in 1..{NSMAX}, got {ns}")
     shape = (b * h, NSMAX, r * (d + 2))
@@ -510,13 +899,14 @@ def launch_args(queries, cache, scale, splits=None, warps=WARPS):
     return inputs, spec
 
 
-def decode_attention(queries, cache, scale, splits=None, warps=WARPS):
+def decode_attention(queries, cache, scale, splits=None, warps=None, version="v2"):
     """softmax(q·K̂ᵀ·scale)·V̂ for queries [B, Hq, 1, D] over a :class:`PackedKIVICache`, in one
-    launch. ``splits`` (blocks per KV head) and ``warps`` (per block) change only the order of
-    float32 sums."""
+    launch. ``splits`` (blocks per KV head) and ``warps`` (per block; default
+    :func:`default_shape`) change only the order of float32 sums; ``version`` picks the kernel
+    (:data:`VERSIONS`)."""
     if cache.offset >= 2**24:
         raise ValueError("decode attention passes token counts as float32: at most 2**24 tokens")
     inputs, spec = launch_args(queries, cache, scale, splits, warps)
-    out = _kernel(gpu.backend())(inputs=inputs, **spec)[0]
+    out = _kernel(gpu.backend(), version)(inputs=inputs, **spec)[0]
     cache.last_out = out
     return out if out.dtype == queries.dtype else out.astype(queries.dtype)

@@ -74,17 +74,25 @@ def params(scale, zero):
 
 def dequantize_keys(words, kp, bits, group_size):
     """float32 keys [B, H, NG*G, D] from packed words and [B, H, NG, D, 2] scale/zero."""
-    codes = unpack_keys(words, bits).astype(mx.float32)
-    kp = mx.repeat(kp.astype(mx.float32), group_size, axis=2)
-    return codes * kp[..., 0] + kp[..., 1]
+    # codes as [B, H, NG, G, D] against the groups' parameters broadcast over G: no repeated copy
+    b, h, ng, _, g = words.shape
+    codes = unpack_words(words.swapaxes(-1, -2), bits).astype(mx.float32)
+    kp = kp.astype(mx.float32)[:, :, :, None]
+    return (codes * kp[..., 0] + kp[..., 1]).reshape(b, h, ng * g, -1)
 
 
 def dequantize_values(words, vp, bits, group_size):
     """float32 values [B, H, S, D] from packed words [B, H, S, W] and [B, H, S, NGV, 2]."""
     codes = unpack_words(words, bits).astype(mx.float32)
-    d = codes.shape[-1]
-    vp = mx.repeat(vp.astype(mx.float32), group_size, axis=-2)[..., :d, :]
-    return codes * vp[..., 0] + vp[..., 1]
+    *lead, d = codes.shape
+    ngv = vp.shape[-2]
+    if ngv * group_size != d:  # a ragged last group: the parameters repeated per channel
+        vp = mx.repeat(vp.astype(mx.float32), group_size, axis=-2)[..., :d, :]
+        return codes * vp[..., 0] + vp[..., 1]
+    # codes as [..., NGV, G] against the groups' parameters broadcast over G: no repeated copy
+    codes = codes.reshape(*lead, ngv, group_size)
+    vp = vp.astype(mx.float32)[..., None, :]
+    return (codes * vp[..., 0] + vp[..., 1]).reshape(*lead, d)
 
 
 def quantize_flush(k, v, bits, group_size):
