@@ -154,7 +154,11 @@ def test_one_description_two_dialects():
     for dialect, body in (("cuda", b_cuda), ("metal", b_metal)):
         for token, text in sorted(qmv.DIALECTS[dialect]["tokens"].items(), key=lambda kv: -len(kv[1])):
             body = body.replace(text, token)
-        assert body == qmv._SOURCE.replace("QMV_STORE", qmv.store_code(1))
+        assert body == qmv.minify(qmv._SOURCE.replace("QMV_STORE", qmv.store_code(1)))
+    # minified: no comments, no indentation, no blank lines; the code lines themselves unchanged
+    assert "//" not in b_cuda + h_cuda and "\n\n" not in b_cuda and not b_cuda.startswith(" ")
+    code = [ln.split("//")[0].strip() for ln in qmv._SOURCE.splitlines()]
+    assert b_metal.count("\n") == sum(1 for ln in code if ln)
     # one kernel per output count, each with its own name (MLX caches by name)
     assert len({qmv.render("cuda", n)[0] for n in (1, 2, 3)}) == 3
     assert "out2[" in qmv.render("cuda", 3)[2] and "out1" not in qmv.render("cuda", 1)[2]
@@ -699,6 +703,7 @@ def host_kernel(tmp_path_factory):
     body = qmv._SOURCE.replace("QMV_STORE", qmv.store_code(3))  # single outputs: seg = [OUT, OUT]
     for token, text in _HOST_TOKENS.items():
         body = re.sub(rf"\b{token}\b", text, body)
+    body = qmv.minify(body)  # the form MLX is given (comments and indentation stripped)
     src = (_HOST_HEADER + "template <int BITS, int MT, int GS, int XCAP>\nvoid kernel(const float* x, const int* x_shape, "
            "int x_ndim, const uint32_t* packed, const int* packed_shape, const float* scales, const int* scales_shape, "
            "const float* codebook, const float* bias, int bias_ndim, const float* rot_s, const float* rot_l, "

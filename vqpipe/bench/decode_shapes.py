@@ -8,7 +8,9 @@ memory from the preset's config:
 - ``affine4``: the same weights through MLX's ``nn.quantize`` (affine 4-bit, group 64);
 - ``vqpipe-bN``: vqpipe layers (QuantizedLinear / QuantizedEmbedding, the tied or untied head
   included) with **random codes** and per-row scales giving rows of the same norm, the rotations
-  vqpipe would use (q/k/v and gate/up sharing one), fused as the loaders fuse them.
+  vqpipe would use (q/k/v and gate/up sharing one), fused as the loaders fuse them;
+- ``vqpipe-bN+rot`` (``--prologue-bits N``): the same model with the rotation in the qmv kernel's
+  prologue (``qmv.rotating_in_kernel``) instead of MLX ops before each launch.
 
 The vqpipe arms carry random codes, not a quantization of the bf16 weights (quantizing 8 B weights
 through quantize.py takes longer than a GPU session here): the kernels' speed does not depend on
@@ -33,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .. import synth
+from .. import qmv, synth
 from ..codebook import codebook
 from ..fsutil import write_json
 from ..fused import fuse_model, rotation_owner
@@ -46,6 +48,7 @@ from .decode import generate_once, make_cache
 from .env import environment
 
 STD = 0.02
+ROT = "+rot"  # arm suffix: the rotation in the kernel's prologue
 
 
 def skeleton(preset):
@@ -136,6 +139,8 @@ def run(args, progress=print):
     models["affine4"] = affine(models["bf16"], args.preset)
     for b in args.bits:
         models[f"vqpipe-b{b}"] = random_vqpipe(args.preset, b)
+    for b in args.prologue_bits:  # the same model object: only the kernel's rotation differs
+        models[f"vqpipe-b{b}{ROT}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
     kvpp = roofline.kv_bytes_per_position(config, 2)
     info = {name: {"weight_bytes": weight_bytes(m, config)} for name, m in models.items()}
     for name, i in info.items():
@@ -157,7 +162,8 @@ def run(args, progress=print):
 
         def call(name, k, n_tokens):
             model = models[name.removesuffix(harness.AA_SUFFIX)]
-            out = generate_once(model, prompts[k], make_cache(model, "fp", 4, 32, 0), n_tokens, args.prefill_step)
+            with qmv.rotating_in_kernel(name.endswith(ROT)):
+                out = generate_once(model, prompts[k], make_cache(model, "fp", 4, 32, 0), n_tokens, args.prefill_step)
             log[name].append({"prompt": k, **out})
             return mx.array(out["ids"])
 
@@ -184,8 +190,9 @@ def run(args, progress=print):
                          + (f", {rec['bytes_per_token'] / 2**30:.2f} GiB/token = "
                             f"{rec['achieved']['median']['percent_of_peak']:.1f}% of copy" if phase == "decode" else ""))
             for phase in ("prefill", "decode"):
-                for base in (baseline, "affine4"):
-                    if name != base:
+                bases = [baseline, "affine4"] + ([name.removesuffix(ROT)] if name.endswith(ROT) else [])
+                for base in bases:
+                    if name != base and base in models:
                         cmp = harness.compare(samples[base][phase], samples[name][phase], floor[phase])
                         comparisons.append({"context": P, "phase": phase, "baseline_arm": base, "other_arm": name, **cmp})
                         progress(f"  P={P} {phase}: {name} vs {base}: {cmp['text']}")
@@ -204,6 +211,8 @@ def parse_args(argv):
     p.add_argument("--preset", default="llama3-8b", choices=list(synth.PRESETS))
     p.add_argument("--out", required=True)
     p.add_argument("--bits", type=int, nargs="+", default=[4], choices=(2, 3, 4))
+    p.add_argument("--prologue-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
+                   help=f"add a vqpipe-bN{ROT} arm per N: the rotation in the kernel's prologue")
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[512, 4096])
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
