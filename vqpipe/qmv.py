@@ -723,6 +723,17 @@ def set_rotate_in_kernel(flag):
 
 
 @contextlib.contextmanager
+def block_limit(max_blocks):
+    """``with qmv.block_limit(n): ...``: launches without the prologue use at most n threadgroups."""
+    global MAX_BLOCKS
+    previous, MAX_BLOCKS = MAX_BLOCKS, int(max_blocks)
+    try:
+        yield
+    finally:
+        MAX_BLOCKS = previous
+
+
+@contextlib.contextmanager
 def rotating_in_kernel(flag, max_blocks=None):
     """``with qmv.rotating_in_kernel(True): ...``: the block runs with the prologue rotation on or
     off (and, if given, ``max_blocks`` threadgroups at most for it), then both are restored."""

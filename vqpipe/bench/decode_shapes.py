@@ -26,6 +26,7 @@ in the same process.
 import argparse
 import json
 import math
+import re
 import sys
 import tempfile
 import time
@@ -130,6 +131,49 @@ def weight_bytes(model, config):
     return int(total + sum(rot.values()))
 
 
+VIEWS = {"Broadcast", "Reshape", "Squeeze", "ExpandDims", "Slice", "Transpose", "AsStrided", "Split", "Depends",
+         "StopGradient", "Flatten", "Unflatten"}  # primitives MLX evaluates without launching a kernel
+
+
+def graph_ops(out):
+    """Primitives in the graph that computes ``out`` (its unevaluated part), by name, from
+    ``mx.export_to_dot``; views (``VIEWS``) are counted apart."""
+    with tempfile.TemporaryDirectory(prefix="vq-dot-") as tmp:
+        path = Path(tmp) / "g.dot"
+        mx.export_to_dot(str(path), out)
+        labels = re.findall(r'label ="([^"]+)", shape=rectangle', path.read_text())
+    counts = {}
+    for name in labels:
+        counts[name] = counts.get(name, 0) + 1
+    views = sum(n for k, n in counts.items() if k in VIEWS)
+    return {"ops": len(labels) - views, "views": views, "by_primitive": dict(sorted(counts.items()))}
+
+
+def step_profile(model, vocab, rot=False, context=64, steps=8):
+    """One decode step, unpipelined: host time to build its graph (Python), to encode it
+    (``mx.async_eval`` returns once the kernels are queued) and the whole step to
+    ``mx.synchronize``, median over ``steps``; plus the graph's primitives (:func:`graph_ops`).
+    Where build + encode exceeds what the GPU needs, decode is bound by the host (docs/qmv.md)."""
+    with qmv.rotating_in_kernel(rot):
+        cache = make_cache(model, "fp", 4, 32, 0)
+        mx.eval(model(mx.random.randint(0, vocab - 16, (1, context), key=mx.random.key(7)), cache=cache))
+        tok = mx.array([[1]])
+        build, encode, total = [], [], []
+        for _ in range(steps):
+            mx.synchronize()
+            t0 = time.perf_counter()
+            logits = model(tok, cache=cache)
+            t1 = time.perf_counter()
+            mx.async_eval(logits)
+            t2 = time.perf_counter()
+            mx.synchronize()
+            t3 = time.perf_counter()
+            build.append(t1 - t0), encode.append(t2 - t1), total.append(t3 - t0)
+        ops = graph_ops(model(tok, cache=cache))
+    med = harness.summarize
+    return {"context": context, "build_s": med(build), "encode_s": med(encode), "step_s": med(total), **ops}
+
+
 def run(args, progress=print):
     t_start = time.perf_counter()
     config = synth.make_config(args.preset)
@@ -145,6 +189,11 @@ def run(args, progress=print):
     info = {name: {"weight_bytes": weight_bytes(m, config)} for name, m in models.items()}
     for name, i in info.items():
         progress(f"built {name}: {i['weight_bytes'] / 2**30:.2f} GiB read per token (weights)")
+    profiles = {}
+    for name, m in models.items():
+        profiles[name] = p = step_profile(m, config["vocab_size"], name.endswith(ROT))
+        progress(f"step {name}: {p['ops']} ops ({p['views']} views), build {p['build_s']['median'] * 1e3:.2f} ms, "
+                 f"encode {p['encode_s']['median'] * 1e3:.2f} ms, step {p['step_s']['median'] * 1e3:.2f} ms (unpipelined)")
     baseline = "bf16"
     aa = baseline + harness.AA_SUFFIX
     records, comparisons, texts = [], [], []
@@ -152,7 +201,7 @@ def run(args, progress=print):
     def result():
         return {"kind": "bench-decode-shapes", "preset": args.preset, "config": config, "environment": environment(),
                 "settings": {k: v for k, v in vars(args).items() if k != "out"}, "copy_bandwidth": copy,
-                "kv_bytes_per_position": kvpp, "weights": info, "records": records, "comparisons": comparisons,
+                "kv_bytes_per_position": kvpp, "weights": info, "step_profile": profiles, "records": records, "comparisons": comparisons,
                 "texts": texts, "wall_s": time.perf_counter() - t_start}
 
     for P in args.prompt_lengths:
