@@ -368,6 +368,22 @@ def test_kernel_group_scales_match_float64_reference(cfg):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("cfg", [(4, "bfloat16", 4096, 1000, 1, True), (3, "float16", 896, 777, 2, False),
+                                 (2, "float32", 4864, 301, 5, True), (4, "bfloat16", 96, 999, 8, False)])
+def test_kernel_grid_stride_against_float64(cfg):
+    # 3 threadgroups for hundreds of row sets: each warp takes row sets grid-stride, requesting the
+    # next one's first chunk during the current one's last
+    bits, dt, n_in, n_out, m, with_bias = cfg
+    with qmv.block_limit(3):
+        x, b, got = _run(*cfg, key=n_out)
+    assert qmv.launch_spec(x.shape, (n_out, words_per_row(n_in, bits)), (n_out,), 1 << bits,
+                           (n_out,) if with_bias else None, bits, x.dtype, max_blocks=3)["grid"][0] == 3 * 32
+    packed, scales, levels, _ = _weights(bits, n_in, n_out)
+    _check(got, *_reference64(x, packed, scales, levels, b, bits))
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_kernel_bias_in_another_dtype():
     x, b, got = _run(4, "bfloat16", 896, 128, 1, True, bias_dtype=mx.float32)
     packed, scales, levels, _ = _weights(4, 896, 128)
@@ -681,7 +697,7 @@ void run(char** argv) {
 int main(int argc, char** argv) {
   int bits = atoi(argv[1]), mt = atoi(argv[2]), gs = atoi(argv[3]), xcap = atoi(argv[4]);
 #define C(B, T, S, X) if (bits == B && mt == T && gs == S && xcap == X) { run<B, T, S, X>(argv); return 0; }
-  C(2, 1, 0, 0) C(2, 4, 0, 0) C(3, 1, 0, 0) C(3, 4, 0, 0) C(4, 1, 0, 0) C(4, 2, 0, 0) C(4, 4, 0, 0) C(4, 8, 0, 0)
+  C(2, 1, 0, 0) C(2, 4, 0, 0) C(3, 1, 0, 0) C(3, 2, 0, 0) C(3, 4, 0, 0) C(4, 1, 0, 0) C(4, 2, 0, 0) C(4, 4, 0, 0) C(4, 8, 0, 0)
   C(8, 1, 0, 0) C(8, 4, 0, 0) C(4, 1, 32, 0) C(4, 2, 128, 0) C(2, 1, 32, 0) C(2, 4, 32, 0) C(2, 4, 64, 0)
   C(3, 1, 64, 0) C(3, 2, 256, 0) C(8, 1, 32, 0) C(4, 8, 256, 0)
   C(4, 1, 0, 2048) C(4, 1, 0, 11264) C(4, 2, 0, 4096) C(3, 1, 0, 2048) C(2, 4, 64, 8192) C(4, 1, 64, 1024)
@@ -728,8 +744,10 @@ def host_kernel(tmp_path_factory):
     (4, 896, 9, 1, None, 32, None), (4, 4864, 7, 2, 1, 128, None), (2, 896, 7, 1, 1, 32, None),
     (2, 96, 5, 4, None, 32, None), (2, 4864, 6, 4, None, 64, None), (3, 4864, 5, 1, None, 64, None),
     (3, 768, 9, 2, 1, 256, None), (8, 896, 6, 1, None, 32, None), (4, 2048, 13, 8, None, 256, None),
-    # more row sets than threadgroups: the grid-stride loop over row sets
-    (4, 896, 37, 1, 1, 0, 2), (4, 512, 61, 2, 1, 128, 3),
+    # more row sets than threadgroups: the grid-stride loop over row sets (the next row set's first
+    # chunk is requested during the current one's last), with KS = 1 and KS > 1, 2/3/4 bits
+    (4, 896, 37, 1, 1, 0, 2), (4, 512, 61, 2, 1, 128, 3), (3, 4864, 41, 2, None, 0, 2),
+    (2, 896, 61, 1, 1, 32, 3), (4, 11008, 23, 1, None, 0, 2), (4, 50, 37, 3, None, 0, 2),
 ])
 def test_kernel_body_on_cpu_host_dialect(host_kernel, monkeypatch, bits, n_in, n_out, m, target, gs, blocks):
     if target is not None:  # force KS = 1 (many iterations per warp) on a small layer
@@ -802,6 +820,17 @@ def test_kernel_prologue_rotation_and_outputs_on_cpu(host_kernel, kind, n_in, bi
     from vqpipe.rotation import make_rotation
 
     _host_check(host_kernel, bits, n_in, n_out, m, gs, make_rotation(kind, n_in, seed=5), splits)
+
+
+@pytest.mark.parametrize("kind, n_in, bits, n_out, m, splits, blocks", [
+    ("hadamard", 896, 4, 61, 1, (20, 40), 2), ("kron", 4864, 4, 37, 1, None, 3), ("hadamard", 768, 3, 45, 1, (9,), 2),
+    ("hadamard", 1024, 2, 70, 1, None, 3),
+])
+def test_kernel_prologue_with_grid_stride_on_cpu(host_kernel, monkeypatch, kind, n_in, bits, n_out, m, splits, blocks):
+    from vqpipe.rotation import make_rotation
+
+    monkeypatch.setattr(qmv, "MAX_BLOCKS_ROT", blocks)  # each threadgroup rotates once, then takes row sets
+    _host_check(host_kernel, bits, n_in, n_out, m, 0, make_rotation(kind, n_in, seed=3), splits, blocks=blocks)
 
 
 def test_prologue_operands_reproduce_the_rotation():

@@ -194,13 +194,8 @@ _SOURCE = """
             // a partial last row set re-reads the last row; those sums are never written
             base[r] = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR;
         }
-        if (set0 != QMV_BLOCK * RW) {  // later row sets: their first chunk now
-            const unsigned int c = ks * 32u + lane;
-            QMV_UNROLL
-            for (int r = 0; r < R; ++r) {
-                qmv_load_words<VW>(win[r], packed, base[r] + c * VW, WPR - c * VW, active && c < NCH, wvec);
-            }
-        }
+        // win[] holds this row set's first chunk already: requested before the barrier (the first
+        // row set) or during the previous row set's last chunk (the later ones)
         float acc[R][MT];
         QMV_UNROLL
         for (int r = 0; r < R; ++r) {
@@ -214,9 +209,21 @@ _SOURCE = """
                 // the next chunk's words are requested before this one is computed: loads in flight
                 unsigned int nxt[R][VW];
                 const unsigned int cn = c + STRIDE;
-                QMV_UNROLL
-                for (int r = 0; r < R; ++r) {
-                    qmv_load_words<VW>(nxt[r], packed, base[r] + cn * VW, WPR - cn * VW, cn < NCH, wvec);
+                if (cn < NCH) {
+                    QMV_UNROLL
+                    for (int r = 0; r < R; ++r) {
+                        qmv_load_words<VW>(nxt[r], packed, base[r] + cn * VW, WPR - cn * VW, true, wvec);
+                    }
+                } else {
+                    // past this row set's last chunk: the next row set's first one (grid-stride), so
+                    // its loads are in flight through the reduction and the barrier
+                    const unsigned int nrow0 = row0 + QMV_BLOCKS * RW * (unsigned int)R;
+                    const unsigned int c0 = ks * 32u + lane;
+                    QMV_UNROLL
+                    for (int r = 0; r < R; ++r) {
+                        const unsigned int nb = qmv_umin(nrow0 + (unsigned int)r, OUT - 1u) * WPR;
+                        qmv_load_words<VW>(nxt[r], packed, nb + c0 * VW, WPR - c0 * VW, nrow0 < OUT && c0 < NCH, wvec);
+                    }
                 }
                 float sg[R][NG];
                 if (GS > 0) {
