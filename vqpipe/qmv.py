@@ -137,15 +137,31 @@ _SOURCE = """
             xs_s[m * PINP + qmv_xi(i)] = i < DIN ? static_cast<float>(x[m * DIN + i]) * rot_s[i] : 0.0f;
         }
         QMV_BARRIER;
+        const unsigned int NQ = M * A * (B / 2u);     // butterflies per stage
         for (unsigned int h = 1u; h < B; h *= 2u) {
-            for (unsigned int q = tid; q < M * A * (B / 2u); q += NT) {
-                const unsigned int row = q / (B / 2u), k = q % (B / 2u);
-                const unsigned int m = row / A;
-                const unsigned int i = (row % A) * B + (k / h) * 2u * h + (k % h);
-                const unsigned int pi = m * PINP + qmv_xi(i), pj = m * PINP + qmv_xi(i + h);
-                const float u = xs_s[pi], v = xs_s[pj];
-                xs_s[pi] = u + v;
-                xs_s[pj] = u - v;
+            // 4 butterflies per thread at a time, all loads before the stores: a stage's pairs are
+            // disjoint, so this only lets the 8 shared-memory loads overlap
+            for (unsigned int q0 = tid; q0 < NQ; q0 += 4u * NT) {
+                unsigned int pi[4], pj[4];
+                float u[4], v[4];
+                QMV_UNROLL
+                for (int t = 0; t < 4; ++t) {
+                    const unsigned int q = qmv_umin(q0 + (unsigned int)t * NT, NQ - 1u);
+                    const unsigned int row = q / (B / 2u), k = q % (B / 2u);
+                    const unsigned int m = row / A;
+                    const unsigned int i = (row % A) * B + (k / h) * 2u * h + (k % h);
+                    pi[t] = m * PINP + qmv_xi(i);
+                    pj[t] = m * PINP + qmv_xi(i + h);
+                    u[t] = xs_s[pi[t]];
+                    v[t] = xs_s[pj[t]];
+                }
+                QMV_UNROLL
+                for (int t = 0; t < 4; ++t) {
+                    if (q0 + (unsigned int)t * NT < NQ) {
+                        xs_s[pi[t]] = u[t] + v[t];
+                        xs_s[pj[t]] = u[t] - v[t];
+                    }
+                }
             }
             QMV_BARRIER;
         }
