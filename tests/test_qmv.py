@@ -620,6 +620,7 @@ static thread_local unsigned int t_lane, t_ks, t_rw;
 static float g_xchg[8][32];
 inline unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
 inline float qmv_inv_sqrt(float v) { return 1.0f / std::sqrt(v); }
+inline unsigned int qmv_log2(unsigned int v) { return (unsigned int)__builtin_ctz(v); }
 inline float qmv_shfl_xor(float v, int m) {
   unsigned int w = t_rw * g_KS + t_ks;
   g_xchg[w][t_lane] = v;
@@ -702,7 +703,7 @@ int main(int argc, char** argv) {
   C(3, 1, 64, 0) C(3, 2, 256, 0) C(8, 1, 32, 0) C(4, 8, 256, 0)
   C(4, 1, 0, 2048) C(4, 1, 0, 11264) C(4, 2, 0, 4096) C(3, 1, 0, 2048) C(2, 4, 64, 8192) C(4, 1, 64, 1024)
   C(4, 1, 0, 8192) C(2, 1, 0, 2048) C(8, 2, 0, 4096) C(4, 8, 0, 11264)
-  C(2, 2, 64, 8192) C(4, 2, 0, 8192) C(2, 1, 0, 1024) C(8, 2, 0, 2048) C(4, 1, 32, 1024)
+  C(2, 2, 64, 8192) C(4, 2, 0, 8192) C(2, 1, 0, 1024) C(8, 2, 0, 2048) C(4, 1, 32, 1024) C(8, 2, 0, 1024) C(8, 4, 0, 1024)
   return 1;
 }
 """
@@ -815,6 +816,8 @@ def _host_check(host_kernel, bits, n_in, n_out, m, gs, rotation=None, splits=Non
     ("kron", 4864, 4, 9, 1, 0, None), ("hadamard", 4096, 4, 13, 1, 0, (5,)), ("hadamard", 768, 3, 11, 1, 0, None),
     ("kron", 1472, 2, 7, 2, 64, (3, 5)), ("hadamard", 96, 4, 5, 1, 32, None), ("hadamard", 1024, 4, 9, 2, 0, (4,)),
     ("hadamard", 256, 2, 6, 1, 0, None), ("kron", 320, 8, 6, 2, 0, None), ("hadamard", 1536, 4, 21, 2, 0, (8, 16)),
+    # 8 bits, 48 inputs: a row of 48 staged floats is 16 mod 32, two rows must not overlap
+    ("hadamard", 48, 8, 7, 2, 0, None), ("hadamard", 80, 8, 5, 3, 0, (2,)),
 ])
 def test_kernel_prologue_rotation_and_outputs_on_cpu(host_kernel, kind, n_in, bits, n_out, m, gs, splits):
     from vqpipe.rotation import make_rotation

@@ -55,8 +55,9 @@ ROWS = 4  # output rows per warp (R); must match "constexpr int R" in _SOURCE
 TARGET_WARPS = 4096  # enough warps to fill an H200 (132 SMs x ~32 resident warps)
 MAX_BLOCKS = 2048  # threadgroups at most; more row sets are taken grid-stride (not tuned)
 # With the rotation in the prologue every threadgroup redoes it, so fewer, longer-lived threadgroups:
-# 4 per SM of an H200 (132 SMs). Measured against 264 and 1056 in bench-qmv (docs/qmv.md).
-MAX_BLOCKS_ROT = int(os.environ.get("VQPIPE_QMV_ROT_BLOCKS", "528"))
+# 2 per SM of an H200 (132 SMs). bench-qmv on the H200: 264 beat 528 and 1056 on every shape
+# (8B q|k|v 61 / 81 / 133 us; docs/qmv.md).
+MAX_BLOCKS_ROT = int(os.environ.get("VQPIPE_QMV_ROT_BLOCKS", "264"))
 GROUP_SIZES = (32, 64, 128, 256)  # per-group scale layouts the kernel takes (besides per row)
 SCALE_DTYPES = (mx.float16, mx.float32)
 
@@ -131,14 +132,16 @@ _SOURCE = """
     if (XCAP > 0) {
         const unsigned int A = rot_l_shape[0];
         const unsigned int B = DIN / A;
-        const unsigned int PINP = PIN / 32u * 36u;      // padded floats per row
+        const unsigned int PINP = (PIN + 31u) / 32u * 36u;  // padded floats per row (PIN may be 16 mod 32 at 8 bits)
         for (unsigned int idx = tid; idx < M * PIN; idx += NT) {
             const unsigned int m = idx / PIN, i = idx % PIN;
             xs_s[m * PINP + qmv_xi(i)] = i < DIN ? static_cast<float>(x[m * DIN + i]) * rot_s[i] : 0.0f;
         }
         QMV_BARRIER;
         const unsigned int NQ = M * A * (B / 2u);     // butterflies per stage
-        for (unsigned int h = 1u; h < B; h *= 2u) {
+        const unsigned int LB = qmv_log2(B);           // B is a power of two: shifts, not divisions
+        for (unsigned int lh = 0u; lh < LB; ++lh) {
+            const unsigned int h = 1u << lh;
             // 4 butterflies per thread at a time, all loads before the stores: a stage's pairs are
             // disjoint, so this only lets the 8 shared-memory loads overlap
             for (unsigned int q0 = tid; q0 < NQ; q0 += 4u * NT) {
@@ -147,9 +150,9 @@ _SOURCE = """
                 QMV_UNROLL
                 for (int t = 0; t < 4; ++t) {
                     const unsigned int q = qmv_umin(q0 + (unsigned int)t * NT, NQ - 1u);
-                    const unsigned int row = q / (B / 2u), k = q % (B / 2u);
-                    const unsigned int m = row / A;
-                    const unsigned int i = (row % A) * B + (k / h) * 2u * h + (k % h);
+                    const unsigned int row = q >> (LB - 1u), k = q & (B / 2u - 1u);
+                    const unsigned int m = row / A;     // the one division per butterfly
+                    const unsigned int i = (row - m * A) * B + ((k >> lh) << (lh + 1u)) + (k & (h - 1u));
                     pi[t] = m * PINP + qmv_xi(i);
                     pj[t] = m * PINP + qmv_xi(i + h);
                     u[t] = xs_s[pi[t]];
@@ -174,7 +177,7 @@ _SOURCE = """
                 if (e < DIN) {
                     // 4 independent sums: the loads of L and xs_s overlap instead of forming one
                     // dependent chain of A steps (A = 19..28 here: 4864 = 19 x 256, 896 = 28 x 32)
-                    const unsigned int li = (e / B) * A, j = e % B, xr0 = m * PINP;
+                    const unsigned int li = (e >> LB) * A, j = e & (B - 1u), xr0 = m * PINP;
                     float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
                     unsigned int k = 0u;
                     for (; k + 4u <= A; k += 4u) {
@@ -261,7 +264,7 @@ _SOURCE = """
                         // rows past M repeat the last row; their sums are never written
                         const unsigned int mm = qmv_umin((unsigned int)m, M - 1u);
                         if (XCAP > 0) {
-                            QMV_LOAD_XS(xv[m], xs_s + xoff + mm * (PIN / 32u * 36u) + qmv_xi(c * VPC + h * SC));
+                            QMV_LOAD_XS(xv[m], xs_s + xoff + mm * ((PIN + 31u) / 32u * 36u) + qmv_xi(c * VPC + h * SC));
                         } else {
                             QMV_LOAD_X(xv[m], x + mm * PIN + c * VPC + h * SC, xvec);
                         }
@@ -372,6 +375,7 @@ def store_code(n):
 _CUDA_HEADER = """
 __device__ __forceinline__ unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
 __device__ __forceinline__ float qmv_inv_sqrt(float v) { return 1.0f / sqrtf(v); }  // IEEE sqrt and division
+__device__ __forceinline__ unsigned int qmv_log2(unsigned int v) { return (unsigned int)(__ffs((int)v) - 1); }  // v a power of two
 __device__ __forceinline__ float qmv_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 
 // Codebook index of value v (a compile-time constant once unrolled) of a chunk held in words w[]:
@@ -447,6 +451,7 @@ __device__ __forceinline__ unsigned int qmv_xi(unsigned int i) { return i + ((i 
 _METAL_HEADER = """
 inline unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
 inline float qmv_inv_sqrt(float v) { return 1.0f / metal::precise::sqrt(v); }
+inline unsigned int qmv_log2(unsigned int v) { return metal::ctz(v); }
 inline float qmv_shfl_xor(float v, int m) { return metal::simd_shuffle_xor(v, ushort(m)); }
 
 template <int BITS, int PER>
@@ -801,7 +806,7 @@ def prologue_floats(bits, in_features, m, a):
     """Shared floats the prologue needs: padded rows (4 pad floats per 32), twice when L is not [1]."""
     vpc = chunk_values(bits)
     padded = -(-in_features // vpc) * vpc
-    return (2 if a > 1 else 1) * m * (padded // 32 * 36)
+    return (2 if a > 1 else 1) * m * (-(-padded // 32) * 36)
 
 
 _prepared = {}  # argument signature -> (spec, cast scales, cast codebook, rotate in kernel, seg array)
