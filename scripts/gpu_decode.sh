@@ -7,9 +7,14 @@
 #   bash scripts/gpu_decode.sh                      # after staging the MLX CUDA runtime (docs/kivi.md)
 #   STEPS="tests qmv" bash scripts/gpu_decode.sh
 #
-# STEPS (default "tests qmv pipeline decode"): tests, qmv, qmv_bits, pipeline, decode, load, big.
-# TEST_K selects GPU tests (pytest -k), QMV_MODES/QMV_REPEATS/QMV_SHAPES bench-qmv, BIG_BITS the 8B arms. WORK holds the artifacts (default /root/vqwork, kept between calls on one machine);
-# results go to $OUT (default results/gpu_decode).
+# STEPS (default "tests qmv pipeline decode"): tests, tests_rev4, tests_sweep, qmv, qmv_bits,
+# pipeline, decode, load, big, shapes (tests_rev4 + tests_sweep = tests, in two time-limited parts:
+# everything but the 252-configuration float64 sweep, then the sweep).
+# TEST_K selects GPU tests (pytest -k), QMV_MODES/QMV_REPEATS/QMV_SHAPES/QMV_EXTRA bench-qmv,
+# BIG_BITS/BIG_ROT_BITS the 8B arms (ROT: +rot arms, the rotation in the kernel's prologue),
+# SHAPES_PRESET/SHAPES_BITS the in-memory decode benchmark of `shapes` (default qwen2.5-0.5b).
+# WORK holds the artifacts (default /root/vqwork, kept between calls on one machine); results go
+# to $OUT (default results/gpu_decode).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu_decode}
@@ -44,10 +49,30 @@ if want tests; then
   TAIL=15 run gpu_tests "${TEST_LIMIT:-200}" $PY -m pytest -q -ra -p no:cacheprovider --maxfail=5 -m gpu \
     tests/test_qmv.py tests/test_fused.py -k "${TEST_K:-gpu or not gpu}"
 fi
+GPU_TESTS="tests/test_qmv.py tests/test_fused.py tests/test_decode_shapes.py"
+if want tests_rev4; then
+  TAIL=15 run gpu_tests_rev4 "${TEST_LIMIT:-100}" $PY -m pytest -q -ra -p no:cacheprovider --maxfail=5 -m gpu \
+    $GPU_TESTS -k "not matches_float64_reference"
+fi
+if want big; then
+  TAIL=60 run bench_decode_8b "${BIG_LIMIT:-300}" $PY -m vqpipe.bench.decode_shapes --preset llama3-8b \
+    --prompt-lengths 512 4096 --gen-tokens 128 --repeats ${BIG_REPEATS:-5} --bits ${BIG_BITS:-4 3 2} \
+    --prologue-bits ${BIG_ROT_BITS:-4} --out "$OUT/bench-decode-llama3-8b.json"
+fi
+if want shapes; then
+  P=${SHAPES_PRESET:-qwen2.5-0.5b}
+  TAIL=60 run bench_decode_shapes_$P "${SHAPES_LIMIT:-120}" $PY -m vqpipe.bench.decode_shapes --preset $P \
+    --prompt-lengths ${SHAPES_LENGTHS:-512 4096} --gen-tokens ${SHAPES_GEN:-128} --repeats ${SHAPES_REPEATS:-5} \
+    --bits ${SHAPES_BITS:-4 2} --prologue-bits 4 --copy-mib ${SHAPES_COPY_MIB:-1024} --out "$OUT/bench-decode-$P.json"
+fi
 if want qmv; then
   run bench_qmv "${QMV_LIMIT:-150}" $PY -m vqpipe bench-qmv --modes ${QMV_MODES:-independent chained} \
     --repeats ${QMV_REPEATS:-20} --shapes ${QMV_SHAPES:-qwen-qkv qwen-q/o qwen-gateup qwen-down qwen-lm_head l3-qkv l3-o l3-gateup l3-down l3-lm_head} \
-    --out "$OUT/bench-qmv.json"
+    ${QMV_EXTRA:-} --out "$OUT/bench-qmv.json"
+fi
+if want tests_sweep; then
+  TAIL=15 run gpu_tests_sweep "${SWEEP_LIMIT:-100}" $PY -m pytest -q -ra -p no:cacheprovider --maxfail=5 -m gpu \
+    tests/test_qmv.py -k "matches_float64_reference"
 fi
 if want qmv_bits; then
   for b in 2 3; do
@@ -75,11 +100,6 @@ fi
 if want load; then
   run bench_load 200 $PY -m vqpipe bench-load --source "$SRC" --model "$MODEL" --bits 4 --rotations auto \
     --repeats 3 --arm-budget 40 --procs 2 --out "$OUT/bench-load-$MODEL.json"
-fi
-if want big; then
-  TAIL=40 run bench_decode_8b "${BIG_LIMIT:-300}" $PY -m vqpipe.bench.decode_shapes --preset llama3-8b \
-    --prompt-lengths 512 4096 --gen-tokens 128 --repeats ${BIG_REPEATS:-5} --bits ${BIG_BITS:-4 3 2} \
-    --out "$OUT/bench-decode-llama3-8b.json"
 fi
 echo "== done $(since)"
 ls -la "$OUT"

@@ -23,10 +23,16 @@ def test_runs_on_cpu(tmp_path):
     out = tmp_path / "s.json"
     with mx.stream(mx.cpu):
         assert decode_shapes.main(["--preset", "tiny-llama", "--out", str(out), "--bits", "4", "2",
-                                   "--prompt-lengths", "16", "--gen-tokens", "3", "--repeats", "2", "--copy-mib", "16"]) == 0
+                                   "--prologue-bits", "4", "--prompt-lengths", "16", "--gen-tokens", "3",
+                                   "--repeats", "2", "--copy-mib", "16"]) == 0
     doc = json.loads(out.read_text())
     arms = {r["arm"] for r in doc["records"]}
-    assert arms == {"bf16", "affine4", "vqpipe-b4", "vqpipe-b2"}
+    assert arms == {"bf16", "affine4", "vqpipe-b4", "vqpipe-b2", "vqpipe-b4+rot"}
+    prof = doc["step_profile"]
+    assert set(prof) == arms and all(p["ops"] > 0 and p["step_s"]["median"] > 0 for p in prof.values())
+    # the quantized arms run other primitives than the bf16 matmuls
+    assert "QuantizedMatmul" in prof["affine4"]["by_primitive"] and "QuantizedMatmul" not in prof["bf16"]["by_primitive"]
+    assert any(c["other_arm"] == "vqpipe-b4+rot" and c["baseline_arm"] == "vqpipe-b4" for c in doc["comparisons"])
     dec = [r for r in doc["records"] if r["phase"] == "decode"]
     assert all(r["n"] == 2 and r["median"] > 0 and r["bytes_per_token"] > 0 for r in dec)
     w = doc["weights"]

@@ -154,7 +154,11 @@ def test_one_description_two_dialects():
     for dialect, body in (("cuda", b_cuda), ("metal", b_metal)):
         for token, text in sorted(qmv.DIALECTS[dialect]["tokens"].items(), key=lambda kv: -len(kv[1])):
             body = body.replace(text, token)
-        assert body == qmv._SOURCE.replace("QMV_STORE", qmv.store_code(1))
+        assert body == qmv.minify(qmv._SOURCE.replace("QMV_STORE", qmv.store_code(1)))
+    # minified: no comments, no indentation, no blank lines; the code lines themselves unchanged
+    assert "//" not in b_cuda + h_cuda and "\n\n" not in b_cuda and not b_cuda.startswith(" ")
+    code = [ln.split("//")[0].strip() for ln in qmv._SOURCE.splitlines()]
+    assert b_metal.count("\n") == sum(1 for ln in code if ln)
     # one kernel per output count, each with its own name (MLX caches by name)
     assert len({qmv.render("cuda", n)[0] for n in (1, 2, 3)}) == 3
     assert "out2[" in qmv.render("cuda", 3)[2] and "out1" not in qmv.render("cuda", 1)[2]
@@ -360,6 +364,22 @@ def test_kernel_group_scales_match_float64_reference(cfg):
     packed, scales, levels, _ = _weights(bits, n_in, n_out, group_size=gs)
     scales = np.array(mx.array(scales).astype(getattr(mx, sdt)).astype(mx.float32))  # what the kernel read
     _check(got, *_reference64(x, packed, scales, levels, b, bits, gs))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("cfg", [(4, "bfloat16", 4096, 1000, 1, True), (3, "float16", 896, 777, 2, False),
+                                 (2, "float32", 4864, 301, 5, True), (4, "bfloat16", 96, 999, 8, False)])
+def test_kernel_grid_stride_against_float64(cfg):
+    # 3 threadgroups for hundreds of row sets: each warp takes row sets grid-stride, requesting the
+    # next one's first chunk during the current one's last
+    bits, dt, n_in, n_out, m, with_bias = cfg
+    with qmv.block_limit(3):
+        x, b, got = _run(*cfg, key=n_out)
+    assert qmv.launch_spec(x.shape, (n_out, words_per_row(n_in, bits)), (n_out,), 1 << bits,
+                           (n_out,) if with_bias else None, bits, x.dtype, max_blocks=3)["grid"][0] == 3 * 32
+    packed, scales, levels, _ = _weights(bits, n_in, n_out)
+    _check(got, *_reference64(x, packed, scales, levels, b, bits))
 
 
 @pytest.mark.gpu
@@ -600,6 +620,7 @@ static thread_local unsigned int t_lane, t_ks, t_rw;
 static float g_xchg[8][32];
 inline unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
 inline float qmv_inv_sqrt(float v) { return 1.0f / std::sqrt(v); }
+inline unsigned int qmv_log2(unsigned int v) { return (unsigned int)__builtin_ctz(v); }
 inline float qmv_shfl_xor(float v, int m) {
   unsigned int w = t_rw * g_KS + t_ks;
   g_xchg[w][t_lane] = v;
@@ -677,12 +698,12 @@ void run(char** argv) {
 int main(int argc, char** argv) {
   int bits = atoi(argv[1]), mt = atoi(argv[2]), gs = atoi(argv[3]), xcap = atoi(argv[4]);
 #define C(B, T, S, X) if (bits == B && mt == T && gs == S && xcap == X) { run<B, T, S, X>(argv); return 0; }
-  C(2, 1, 0, 0) C(2, 4, 0, 0) C(3, 1, 0, 0) C(3, 4, 0, 0) C(4, 1, 0, 0) C(4, 2, 0, 0) C(4, 4, 0, 0) C(4, 8, 0, 0)
+  C(2, 1, 0, 0) C(2, 4, 0, 0) C(3, 1, 0, 0) C(3, 2, 0, 0) C(3, 4, 0, 0) C(4, 1, 0, 0) C(4, 2, 0, 0) C(4, 4, 0, 0) C(4, 8, 0, 0)
   C(8, 1, 0, 0) C(8, 4, 0, 0) C(4, 1, 32, 0) C(4, 2, 128, 0) C(2, 1, 32, 0) C(2, 4, 32, 0) C(2, 4, 64, 0)
   C(3, 1, 64, 0) C(3, 2, 256, 0) C(8, 1, 32, 0) C(4, 8, 256, 0)
   C(4, 1, 0, 2048) C(4, 1, 0, 11264) C(4, 2, 0, 4096) C(3, 1, 0, 2048) C(2, 4, 64, 8192) C(4, 1, 64, 1024)
   C(4, 1, 0, 8192) C(2, 1, 0, 2048) C(8, 2, 0, 4096) C(4, 8, 0, 11264)
-  C(2, 2, 64, 8192) C(4, 2, 0, 8192) C(2, 1, 0, 1024) C(8, 2, 0, 2048) C(4, 1, 32, 1024)
+  C(2, 2, 64, 8192) C(4, 2, 0, 8192) C(2, 1, 0, 1024) C(8, 2, 0, 2048) C(4, 1, 32, 1024) C(8, 2, 0, 1024) C(8, 4, 0, 1024)
   return 1;
 }
 """
@@ -699,6 +720,7 @@ def host_kernel(tmp_path_factory):
     body = qmv._SOURCE.replace("QMV_STORE", qmv.store_code(3))  # single outputs: seg = [OUT, OUT]
     for token, text in _HOST_TOKENS.items():
         body = re.sub(rf"\b{token}\b", text, body)
+    body = qmv.minify(body)  # the form MLX is given (comments and indentation stripped)
     src = (_HOST_HEADER + "template <int BITS, int MT, int GS, int XCAP>\nvoid kernel(const float* x, const int* x_shape, "
            "int x_ndim, const uint32_t* packed, const int* packed_shape, const float* scales, const int* scales_shape, "
            "const float* codebook, const float* bias, int bias_ndim, const float* rot_s, const float* rot_l, "
@@ -723,8 +745,10 @@ def host_kernel(tmp_path_factory):
     (4, 896, 9, 1, None, 32, None), (4, 4864, 7, 2, 1, 128, None), (2, 896, 7, 1, 1, 32, None),
     (2, 96, 5, 4, None, 32, None), (2, 4864, 6, 4, None, 64, None), (3, 4864, 5, 1, None, 64, None),
     (3, 768, 9, 2, 1, 256, None), (8, 896, 6, 1, None, 32, None), (4, 2048, 13, 8, None, 256, None),
-    # more row sets than threadgroups: the grid-stride loop over row sets
-    (4, 896, 37, 1, 1, 0, 2), (4, 512, 61, 2, 1, 128, 3),
+    # more row sets than threadgroups: the grid-stride loop over row sets (the next row set's first
+    # chunk is requested during the current one's last), with KS = 1 and KS > 1, 2/3/4 bits
+    (4, 896, 37, 1, 1, 0, 2), (4, 512, 61, 2, 1, 128, 3), (3, 4864, 41, 2, None, 0, 2),
+    (2, 896, 61, 1, 1, 32, 3), (4, 11008, 23, 1, None, 0, 2), (4, 50, 37, 3, None, 0, 2),
 ])
 def test_kernel_body_on_cpu_host_dialect(host_kernel, monkeypatch, bits, n_in, n_out, m, target, gs, blocks):
     if target is not None:  # force KS = 1 (many iterations per warp) on a small layer
@@ -792,11 +816,24 @@ def _host_check(host_kernel, bits, n_in, n_out, m, gs, rotation=None, splits=Non
     ("kron", 4864, 4, 9, 1, 0, None), ("hadamard", 4096, 4, 13, 1, 0, (5,)), ("hadamard", 768, 3, 11, 1, 0, None),
     ("kron", 1472, 2, 7, 2, 64, (3, 5)), ("hadamard", 96, 4, 5, 1, 32, None), ("hadamard", 1024, 4, 9, 2, 0, (4,)),
     ("hadamard", 256, 2, 6, 1, 0, None), ("kron", 320, 8, 6, 2, 0, None), ("hadamard", 1536, 4, 21, 2, 0, (8, 16)),
+    # 8 bits, 48 inputs: a row of 48 staged floats is 16 mod 32, two rows must not overlap
+    ("hadamard", 48, 8, 7, 2, 0, None), ("hadamard", 80, 8, 5, 3, 0, (2,)),
 ])
 def test_kernel_prologue_rotation_and_outputs_on_cpu(host_kernel, kind, n_in, bits, n_out, m, gs, splits):
     from vqpipe.rotation import make_rotation
 
     _host_check(host_kernel, bits, n_in, n_out, m, gs, make_rotation(kind, n_in, seed=5), splits)
+
+
+@pytest.mark.parametrize("kind, n_in, bits, n_out, m, splits, blocks", [
+    ("hadamard", 896, 4, 61, 1, (20, 40), 2), ("kron", 4864, 4, 37, 1, None, 3), ("hadamard", 768, 3, 45, 1, (9,), 2),
+    ("hadamard", 1024, 2, 70, 1, None, 3),
+])
+def test_kernel_prologue_with_grid_stride_on_cpu(host_kernel, monkeypatch, kind, n_in, bits, n_out, m, splits, blocks):
+    from vqpipe.rotation import make_rotation
+
+    monkeypatch.setattr(qmv, "MAX_BLOCKS_ROT", blocks)  # each threadgroup rotates once, then takes row sets
+    _host_check(host_kernel, bits, n_in, n_out, m, 0, make_rotation(kind, n_in, seed=3), splits, blocks=blocks)
 
 
 def test_prologue_operands_reproduce_the_rotation():

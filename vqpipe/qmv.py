@@ -54,6 +54,10 @@ MAX_M = 8  # rows of x (prod of its leading dims) the kernel takes; more -> the 
 ROWS = 4  # output rows per warp (R); must match "constexpr int R" in _SOURCE
 TARGET_WARPS = 4096  # enough warps to fill an H200 (132 SMs x ~32 resident warps)
 MAX_BLOCKS = 2048  # threadgroups at most; more row sets are taken grid-stride (not tuned)
+# With the rotation in the prologue every threadgroup redoes it, so fewer, longer-lived threadgroups:
+# 2 per SM of an H200 (132 SMs). bench-qmv on the H200: 264 beat 528 and 1056 on every shape
+# (8B q|k|v 61 / 81 / 133 us; docs/qmv.md).
+MAX_BLOCKS_ROT = int(os.environ.get("VQPIPE_QMV_ROT_BLOCKS", "264"))
 GROUP_SIZES = (32, 64, 128, 256)  # per-group scale layouts the kernel takes (besides per row)
 SCALE_DTYPES = (mx.float16, mx.float32)
 
@@ -128,21 +132,39 @@ _SOURCE = """
     if (XCAP > 0) {
         const unsigned int A = rot_l_shape[0];
         const unsigned int B = DIN / A;
-        const unsigned int PINP = PIN / 32u * 36u;      // padded floats per row
+        const unsigned int PINP = (PIN + 31u) / 32u * 36u;  // padded floats per row (PIN may be 16 mod 32 at 8 bits)
         for (unsigned int idx = tid; idx < M * PIN; idx += NT) {
             const unsigned int m = idx / PIN, i = idx % PIN;
             xs_s[m * PINP + qmv_xi(i)] = i < DIN ? static_cast<float>(x[m * DIN + i]) * rot_s[i] : 0.0f;
         }
         QMV_BARRIER;
-        for (unsigned int h = 1u; h < B; h *= 2u) {
-            for (unsigned int q = tid; q < M * A * (B / 2u); q += NT) {
-                const unsigned int row = q / (B / 2u), k = q % (B / 2u);
-                const unsigned int m = row / A;
-                const unsigned int i = (row % A) * B + (k / h) * 2u * h + (k % h);
-                const unsigned int pi = m * PINP + qmv_xi(i), pj = m * PINP + qmv_xi(i + h);
-                const float u = xs_s[pi], v = xs_s[pj];
-                xs_s[pi] = u + v;
-                xs_s[pj] = u - v;
+        const unsigned int NQ = M * A * (B / 2u);     // butterflies per stage
+        const unsigned int LB = qmv_log2(B);           // B is a power of two: shifts, not divisions
+        for (unsigned int lh = 0u; lh < LB; ++lh) {
+            const unsigned int h = 1u << lh;
+            // 4 butterflies per thread at a time, all loads before the stores: a stage's pairs are
+            // disjoint, so this only lets the 8 shared-memory loads overlap
+            for (unsigned int q0 = tid; q0 < NQ; q0 += 4u * NT) {
+                unsigned int pi[4], pj[4];
+                float u[4], v[4];
+                QMV_UNROLL
+                for (int t = 0; t < 4; ++t) {
+                    const unsigned int q = qmv_umin(q0 + (unsigned int)t * NT, NQ - 1u);
+                    const unsigned int row = q >> (LB - 1u), k = q & (B / 2u - 1u);
+                    const unsigned int m = row / A;     // the one division per butterfly
+                    const unsigned int i = (row - m * A) * B + ((k >> lh) << (lh + 1u)) + (k & (h - 1u));
+                    pi[t] = m * PINP + qmv_xi(i);
+                    pj[t] = m * PINP + qmv_xi(i + h);
+                    u[t] = xs_s[pi[t]];
+                    v[t] = xs_s[pj[t]];
+                }
+                QMV_UNROLL
+                for (int t = 0; t < 4; ++t) {
+                    if (q0 + (unsigned int)t * NT < NQ) {
+                        xs_s[pi[t]] = u[t] + v[t];
+                        xs_s[pj[t]] = u[t] - v[t];
+                    }
+                }
             }
             QMV_BARRIER;
         }
@@ -153,10 +175,21 @@ _SOURCE = """
                 const unsigned int m = idx / PIN, e = idx % PIN;
                 float s = 0.0f;
                 if (e < DIN) {
-                    const unsigned int i = e / B, j = e % B;
-                    for (unsigned int k = 0; k < A; ++k) {
-                        s += rot_l[i * A + k] * xs_s[m * PINP + qmv_xi(k * B + j)];
+                    // 4 independent sums: the loads of L and xs_s overlap instead of forming one
+                    // dependent chain of A steps (A = 19..28 here: 4864 = 19 x 256, 896 = 28 x 32)
+                    const unsigned int li = (e >> LB) * A, j = e & (B - 1u), xr0 = m * PINP;
+                    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+                    unsigned int k = 0u;
+                    for (; k + 4u <= A; k += 4u) {
+                        s0 += rot_l[li + k] * xs_s[xr0 + qmv_xi(j + k * B)];
+                        s1 += rot_l[li + k + 1u] * xs_s[xr0 + qmv_xi(j + (k + 1u) * B)];
+                        s2 += rot_l[li + k + 2u] * xs_s[xr0 + qmv_xi(j + (k + 2u) * B)];
+                        s3 += rot_l[li + k + 3u] * xs_s[xr0 + qmv_xi(j + (k + 3u) * B)];
                     }
+                    for (; k < A; ++k) {
+                        s0 += rot_l[li + k] * xs_s[xr0 + qmv_xi(j + k * B)];
+                    }
+                    s = (s0 + s1) + (s2 + s3);
                 }
                 xs_s[xoff + m * PINP + qmv_xi(e)] = s * scl;
             }
@@ -180,13 +213,8 @@ _SOURCE = """
             // a partial last row set re-reads the last row; those sums are never written
             base[r] = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR;
         }
-        if (set0 != QMV_BLOCK * RW) {  // later row sets: their first chunk now
-            const unsigned int c = ks * 32u + lane;
-            QMV_UNROLL
-            for (int r = 0; r < R; ++r) {
-                qmv_load_words<VW>(win[r], packed, base[r] + c * VW, WPR - c * VW, active && c < NCH, wvec);
-            }
-        }
+        // win[] holds this row set's first chunk already: requested before the barrier (the first
+        // row set) or during the previous row set's last chunk (the later ones)
         float acc[R][MT];
         QMV_UNROLL
         for (int r = 0; r < R; ++r) {
@@ -200,9 +228,21 @@ _SOURCE = """
                 // the next chunk's words are requested before this one is computed: loads in flight
                 unsigned int nxt[R][VW];
                 const unsigned int cn = c + STRIDE;
-                QMV_UNROLL
-                for (int r = 0; r < R; ++r) {
-                    qmv_load_words<VW>(nxt[r], packed, base[r] + cn * VW, WPR - cn * VW, cn < NCH, wvec);
+                if (cn < NCH) {
+                    QMV_UNROLL
+                    for (int r = 0; r < R; ++r) {
+                        qmv_load_words<VW>(nxt[r], packed, base[r] + cn * VW, WPR - cn * VW, true, wvec);
+                    }
+                } else {
+                    // past this row set's last chunk: the next row set's first one (grid-stride), so
+                    // its loads are in flight through the reduction and the barrier
+                    const unsigned int nrow0 = row0 + QMV_BLOCKS * RW * (unsigned int)R;
+                    const unsigned int c0 = ks * 32u + lane;
+                    QMV_UNROLL
+                    for (int r = 0; r < R; ++r) {
+                        const unsigned int nb = qmv_umin(nrow0 + (unsigned int)r, OUT - 1u) * WPR;
+                        qmv_load_words<VW>(nxt[r], packed, nb + c0 * VW, WPR - c0 * VW, nrow0 < OUT && c0 < NCH, wvec);
+                    }
                 }
                 float sg[R][NG];
                 if (GS > 0) {
@@ -224,7 +264,7 @@ _SOURCE = """
                         // rows past M repeat the last row; their sums are never written
                         const unsigned int mm = qmv_umin((unsigned int)m, M - 1u);
                         if (XCAP > 0) {
-                            QMV_LOAD_XS(xv[m], xs_s + xoff + mm * (PIN / 32u * 36u) + qmv_xi(c * VPC + h * SC));
+                            QMV_LOAD_XS(xv[m], xs_s + xoff + mm * ((PIN + 31u) / 32u * 36u) + qmv_xi(c * VPC + h * SC));
                         } else {
                             QMV_LOAD_X(xv[m], x + mm * PIN + c * VPC + h * SC, xvec);
                         }
@@ -335,6 +375,7 @@ def store_code(n):
 _CUDA_HEADER = """
 __device__ __forceinline__ unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
 __device__ __forceinline__ float qmv_inv_sqrt(float v) { return 1.0f / sqrtf(v); }  // IEEE sqrt and division
+__device__ __forceinline__ unsigned int qmv_log2(unsigned int v) { return (unsigned int)(__ffs((int)v) - 1); }  // v a power of two
 __device__ __forceinline__ float qmv_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 
 // Codebook index of value v (a compile-time constant once unrolled) of a chunk held in words w[]:
@@ -410,6 +451,7 @@ __device__ __forceinline__ unsigned int qmv_xi(unsigned int i) { return i + ((i 
 _METAL_HEADER = """
 inline unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
 inline float qmv_inv_sqrt(float v) { return 1.0f / metal::precise::sqrt(v); }
+inline unsigned int qmv_log2(unsigned int v) { return metal::ctz(v); }
 inline float qmv_shfl_xor(float v, int m) { return metal::simd_shuffle_xor(v, ushort(m)); }
 
 template <int BITS, int PER>
@@ -481,16 +523,25 @@ _enabled = os.environ.get("VQPIPE_QMV_KERNELS", "1") != "0"
 _placeholders = {}  # dtype -> the 2-D stand-in passed as `bias` when a layer has none
 
 
+def minify(source):
+    """The source without comments, indentation and blank lines. MLX rebuilds the kernel's full
+    source string and hashes it on every call (mlx/backend/cuda/custom_kernel.cpp), so its length
+    is per-call host time. The kernel has no string literals, so // always starts a comment."""
+    lines = (line.split("//", 1)[0].strip() for line in source.splitlines())
+    return "\n".join(line for line in lines if line) + "\n"
+
+
 def render(dialect, outputs=1):
-    """(name, header, body) of the kernel in one dialect, writing ``outputs`` outputs. The name
-    carries a digest of the source: MLX caches compiled kernels (in memory and as PTX on disk) by
-    name alone."""
+    """(name, header, body) of the kernel in one dialect, writing ``outputs`` outputs, minified.
+    The name carries a digest of the source: MLX caches compiled kernels (in memory and as PTX on
+    disk) by name alone."""
     spec = DIALECTS[dialect]
     body = _SOURCE.replace("QMV_STORE", store_code(outputs))
     for token, text in spec["tokens"].items():
         body = re.sub(rf"\b{token}\b", text, body)
-    digest = hashlib.sha1((spec["header"] + body).encode()).hexdigest()[:10]
-    return f"vqpipe_qmv{outputs}_{digest}", spec["header"], body
+    header, body = minify(spec["header"]), minify(body)
+    digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
+    return f"vqpipe_qmv{outputs}_{digest}", header, body
 
 
 def set_enabled(flag):
@@ -612,7 +663,8 @@ def check_args(in_features, m, packed_shape, packed_dtype, scales_shape, codeboo
 
 @functools.lru_cache(maxsize=1024)
 def launch_spec(x_shape, packed_shape, scales_shape, codebook_size, bias_shape, bits, dtype, bias_dtype=None,
-                packed_dtype=mx.uint32, group_size=None, scales_dtype=mx.float32, xcap=0, splits=None):
+                packed_dtype=mx.uint32, group_size=None, scales_dtype=mx.float32, xcap=0, splits=None,
+                max_blocks=None):
     """Validate one call (ValueError naming the problem) and return its template arguments, grid,
     threadgroup and output shape (cached: per call this is one dict lookup; read-only). Only the
     template arguments select a compiled kernel, and they hold no shape: M enters as MT, M rounded
@@ -631,7 +683,9 @@ def launch_spec(x_shape, packed_shape, scales_shape, codebook_size, bias_shape, 
     cap = _pow2_floor(min(8, max(1, steps)))
     ks = min(cap, _pow2_ceil(-(-TARGET_WARPS // row_sets)))
     rw = max(1, 4 // ks)  # row sets per threadgroup: 128 threads, 256 when KS = 8
-    blocks = min(-(-row_sets // rw), MAX_BLOCKS)
+    if max_blocks is None:
+        max_blocks = MAX_BLOCKS_ROT if xcap else MAX_BLOCKS
+    blocks = min(-(-row_sets // rw), max_blocks)
     ends = list(splits or ()) + [out_features]
     if len(ends) > MAX_OUTPUTS or any(b <= a for a, b in zip([0] + ends, ends)):
         raise ValueError(f"qmv: splits {splits} must increase strictly inside (0, {out_features}), at most "
@@ -696,6 +750,31 @@ def set_rotate_in_kernel(flag):
     return previous
 
 
+@contextlib.contextmanager
+def block_limit(max_blocks):
+    """``with qmv.block_limit(n): ...``: launches without the prologue use at most n threadgroups."""
+    global MAX_BLOCKS
+    previous, MAX_BLOCKS = MAX_BLOCKS, int(max_blocks)
+    try:
+        yield
+    finally:
+        MAX_BLOCKS = previous
+
+
+@contextlib.contextmanager
+def rotating_in_kernel(flag, max_blocks=None):
+    """``with qmv.rotating_in_kernel(True): ...``: the block runs with the prologue rotation on or
+    off (and, if given, ``max_blocks`` threadgroups at most for it), then both are restored."""
+    global MAX_BLOCKS_ROT
+    previous, blocks = set_rotate_in_kernel(flag), MAX_BLOCKS_ROT
+    MAX_BLOCKS_ROT = blocks if max_blocks is None else int(max_blocks)
+    try:
+        yield
+    finally:
+        set_rotate_in_kernel(previous)
+        MAX_BLOCKS_ROT = blocks
+
+
 def rotation_operands(rotation):
     """(sd, L) for the kernel's prologue, R = (L (x) S_B / sqrt(B)) diag(sd) with B = dim / L's size
     a power of two, or None where a rotation has no such form (qr, none) or L is too large."""
@@ -727,14 +806,15 @@ def prologue_floats(bits, in_features, m, a):
     """Shared floats the prologue needs: padded rows (4 pad floats per 32), twice when L is not [1]."""
     vpc = chunk_values(bits)
     padded = -(-in_features // vpc) * vpc
-    return (2 if a > 1 else 1) * m * (padded // 32 * 36)
+    return (2 if a > 1 else 1) * m * (-(-padded // 32) * 36)
 
 
 _prepared = {}  # argument signature -> (spec, cast scales, cast codebook, rotate in kernel, seg array)
 
 
 def _prepare(key, dialect, bits, rotation):
-    (x_shape, x_dtype, p_shape, p_dtype, s_shape, s_dtype, c_shape, c_dtype, b_sig, _, _, group_size, _, splits) = key
+    (x_shape, x_dtype, p_shape, p_dtype, s_shape, s_dtype, c_shape, c_dtype, b_sig, _, _, group_size, _, splits,
+     max_blocks, max_blocks_rot) = key
     cast_scales = s_dtype not in SCALE_DTYPES  # e.g. bfloat16 scales: one cast to float32 per call
     ops = rotation_operands(rotation) if rotation is not None and _rotate_in_kernel else None
     xcap = 0
@@ -743,7 +823,7 @@ def _prepare(key, dialect, bits, rotation):
         xcap = next((c for c in XCAP_BUCKETS if c >= need and c <= MAX_XCAP[dialect]), 0)
     spec = launch_spec(x_shape, p_shape, s_shape, math.prod(c_shape), None if b_sig is None else b_sig[0], bits,
                        x_dtype, None if b_sig is None else b_sig[1], p_dtype, group_size,
-                       mx.float32 if cast_scales else s_dtype, xcap, splits)
+                       mx.float32 if cast_scales else s_dtype, xcap, splits, max_blocks_rot if xcap else max_blocks)
     _instances.add((dialect, len(spec["output_shapes"]), *(str(v) for _, v in spec["template"])))
     seg = mx.array(list(splits) if splits else [0], mx.int32)
     _prepared[key] = entry = (spec, cast_scales, c_dtype != mx.float32, xcap > 0, seg)
@@ -760,7 +840,7 @@ def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=Non
     rkey = None if rotation is None else (rotation.kind, rotation.dim, rotation.seed, _rotate_in_kernel)
     key = (x.shape, x.dtype, packed.shape, packed.dtype, scales.shape, scales.dtype, codebook.shape,
            codebook.dtype, None if bias is None else (bias.shape, bias.dtype), bits, dialect, group_size, rkey,
-           None if splits is None else tuple(splits))
+           None if splits is None else tuple(splits), MAX_BLOCKS, MAX_BLOCKS_ROT)
     entry = _prepared.get(key) or _prepare(key, dialect, int(bits), rotation)
     spec, cast_scales, cast_codebook, in_kernel, seg = entry
     if in_kernel:

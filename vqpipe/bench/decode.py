@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -413,6 +414,18 @@ def _pairs(arms, baseline):
 def run(args, progress=None):
     progress = progress or Progress()
     t_start = time.perf_counter()
+    b = _setup(args, progress)
+    for P in args.prompt_lengths:
+        _bench_length(b, P, progress)
+    result = _finish(b)
+    result["wall_s"] = time.perf_counter() - t_start
+    _print_roofline(result, progress)
+    return result
+
+
+def _setup(args, progress):
+    """Everything before the first prompt length: the result's header, the roofs (measured in this
+    run), the models, the KIVI op figures and the arms. Returns the run's state (a namespace)."""
     dtype = compute_dtype(args.dtype)
     dev = mx.default_device()
     progress(f"bench-decode {args.model}: device {dev}, compute dtype {_dtype_name(dtype)}, "
@@ -430,255 +443,306 @@ def run(args, progress=None):
         "compute_dtype": _dtype_name(dtype),
     }
     result["settings"]["kivi_ops"] = str(args.kivi_ops) if args.kivi_ops else None
+    b = SimpleNamespace(args=args, result=result, records=[], comparisons=[], amdahl=[], checks=[], runs=[],
+                        floors=[], generations=[])
+    _roofs_and_models(b, dtype, dev, progress)
+    b.ops = None
+    if args.kivi_ops:
+        b.ops = load_kivi_ops(args.kivi_ops)
+        ops_env = b.ops.get("environment") or {}
+        result["kivi_ops"] = {"path": b.ops["path"], "config": b.ops["config"], "backend": ops_env.get("backend"),
+                              "gpu_name": ops_env.get("gpu_name"),
+                              "same_device": ops_env.get("backend") == result["environment"]["backend"]
+                              and ops_env.get("gpu_name") == result["environment"].get("gpu_name")}
+    b.arms, b.skipped = plan_arms(args.weights, args.caches)
+    for s in b.skipped:
+        progress(f"skipped arm {s['arm']}: {s['reason']}")
+    if not b.arms:
+        raise ValueError("no arms to run")
+    b.baseline = b.arms[0][0]
+    b.aa_name = b.baseline + harness.AA_SUFFIX
+    result.update(arms=[{"arm": n, "weights": w, "cache": c, "precision": b.precision[w]} for n, w, c in b.arms],
+                  skipped_arms=b.skipped, baseline_arm=b.baseline)
+    return b
 
-    # Roofs first, measured in this run.
-    copy = roofline.measure_copy_bandwidth(args.copy_mib << 20)
+
+def _roofs_and_models(b, dtype, dev, progress):
+    """Copy bandwidth and GEMM rate first (measured in this run), then the models and what one
+    decode token reads; sets ``result["roofline"]``."""
+    args = b.args
+    b.copy = copy = roofline.measure_copy_bandwidth(args.copy_mib << 20)
     progress(f"copy bandwidth ({copy['method']}, {args.copy_mib} MiB): median {copy['median'] / 1e9:.2f} GB/s "
              f"[{copy['min'] / 1e9:.2f}-{copy['max'] / 1e9:.2f}], n={copy['n']}")
     gemm = args.gemm or (8192 if dev.type == mx.gpu else 1024)
-    flops = roofline.matmul_flops(gemm, gemm, gemm, _dtype_name(dtype))
+    b.flops = flops = roofline.matmul_flops(gemm, gemm, gemm, _dtype_name(dtype))
     progress(f"{_dtype_name(dtype)} GEMM {gemm}^3: median {flops['median'] / 1e9:.1f} GFLOP/s "
              f"[{flops['min'] / 1e9:.1f}-{flops['max'] / 1e9:.1f}], n={flops['n']}")
 
-    models, precision, tokenizer = load_models(args.source, args.reservoir, args.weights, dtype, progress)
+    b.models, b.precision, b.tokenizer = load_models(args.source, args.reservoir, args.weights, dtype, progress)
     from mlx_lm.utils import load_config, load_model
 
-    config = load_config(Path(args.source))
+    b.config = load_config(Path(args.source))
     lazy_source, _ = load_model(Path(args.source), lazy=True)  # parameter count only; nothing evaluated
-    n_matmul = roofline.matmul_params(lazy_source)
+    b.n_matmul = roofline.matmul_params(lazy_source)
     del lazy_source
-    kvpp = roofline.kv_bytes_per_position(config, dtype.size)
-    weights_info = {w: {"precision": precision[w], "weight_bytes": decode_weight_bytes(m),
-                        "rotation_bytes": rotation_bytes(m), "model_bytes": model_bytes(m)} for w, m in models.items()}
-    result["roofline"] = {"copy_bandwidth": copy, "matmul_flops": flops, "matmul_params": n_matmul,
-                          "kv_bytes_per_position": kvpp, "weights": weights_info}
-    for w, info in weights_info.items():
+    b.kvpp = roofline.kv_bytes_per_position(b.config, dtype.size)
+    b.weights_info = {w: {"precision": b.precision[w], "weight_bytes": decode_weight_bytes(m),
+                          "rotation_bytes": rotation_bytes(m), "model_bytes": model_bytes(m)} for w, m in b.models.items()}
+    b.result["roofline"] = {"copy_bandwidth": copy, "matmul_flops": flops, "matmul_params": b.n_matmul,
+                            "kv_bytes_per_position": b.kvpp, "weights": b.weights_info}
+    for w, info in b.weights_info.items():
         progress(f"weights read per decode token, {w} ({info['precision']}): {info['weight_bytes'] / 2**20:.2f} MiB")
 
-    ops = None
-    if args.kivi_ops:
-        ops = load_kivi_ops(args.kivi_ops)
-        ops_backend = (ops.get("environment") or {}).get("backend")
-        result["kivi_ops"] = {"path": ops["path"], "config": ops["config"], "backend": ops_backend,
-                              "gpu_name": (ops.get("environment") or {}).get("gpu_name"),
-                              "same_device": ops_backend == result["environment"]["backend"]
-                              and (ops.get("environment") or {}).get("gpu_name") == result["environment"].get("gpu_name")}
 
-    arms, skipped = plan_arms(args.weights, args.caches)
-    for s in skipped:
-        progress(f"skipped arm {s['arm']}: {s['reason']}")
-    if not arms:
-        raise ValueError("no arms to run")
-    baseline = arms[0][0]
-    aa_name = baseline + harness.AA_SUFFIX
-    result.update(arms=[{"arm": n, "weights": w, "cache": c, "precision": precision[w]} for n, w, c in arms],
-                  skipped_arms=skipped, baseline_arm=baseline)
-    records, comparisons, amdahl, checks, runs, floors, generations = [], [], [], [], [], [], []
+def _bench_length(b, P, progress):
+    """One prompt length: warm-up and pilot rounds, flush counts, the Amdahl prediction, the timed
+    rounds, then records, comparisons, measured-vs-predicted and the text checks."""
+    args = b.args
+    L = SimpleNamespace(P=P, N=args.gen_tokens, prompts=build_prompts(b.tokenizer, args.prompts, P),
+                        sched=flush_schedule(P, args.gen_tokens, args.residual, args.group_size, args.prefill_step),
+                        log=[])  # log: every call: arm, prompt index, round, times, ids
+    _warmup_and_pilot(b, L, progress)
+    _check_flushes(b, L, progress)
+    _predict(b, L, progress)
+    _timed_rounds(b, L, progress)
+    _length_records(b, L)
+    for a, o in _pairs(b.arms, b.baseline):
+        for phase in ("prefill", "decode"):
+            cmp = harness.compare(L.samples[a][phase], L.samples[o][phase], L.floor[phase])
+            b.comparisons.append({"model": args.model, "phase": phase, "context": P, "baseline_arm": a, "other_arm": o, **cmp})
+            progress(f"  P={P} {phase}: {o} vs {a}: {cmp['text']}")
+    _measured_vs_predicted(b, L, progress)
+    _text_checks(b, L, progress)
+    for e in L.log:
+        b.runs.append({k: e[k] for k in ("arm", "context", "prompt", "round", "prefill_s", "decode_s", "flushes")}
+                      | {"ids_sha1": hashlib.sha1(json.dumps(e["ids"]).encode()).hexdigest()[:16], "n_ids": len(e["ids"])})
+    del L.log
+    mx.clear_cache()
 
-    for P in args.prompt_lengths:
-        prompts = build_prompts(tokenizer, args.prompts, P)
-        N = args.gen_tokens
-        sched = flush_schedule(P, N, args.residual, args.group_size, args.prefill_step)
-        log = []  # every call: arm, prompt index, round, times, ids
 
-        def call(name, w, c, k, rnd):
-            model = models[w]
-            cache = make_cache(model, c, args.kivi_bits, args.group_size, args.residual)
-            out = generate_once(model, prompts[k], cache, args.warmup_tokens if rnd == "warmup" else N, args.prefill_step)
-            kv = kv_stats(cache, kvpp)
-            log.append({"arm": name, "context": P, "prompt": k, "round": rnd, "prefill_s": out["prefill_s"],
-                        "decode_s": out["decode_s"], "flushes": kv["flushes"], "ids": out["ids"], "kv": kv,
-                        "kv_dtype": _dtype_name(cache[0].keys.dtype) if getattr(cache[0], "keys", None) is not None else None})
-            return mx.array(out["ids"])
+def _call(b, L, name, w, c, k, rnd):
+    """One generation of arm ``name`` on prompt ``k``, logged with its KV statistics."""
+    args = b.args
+    model = b.models[w]
+    cache = make_cache(model, c, args.kivi_bits, args.group_size, args.residual)
+    out = generate_once(model, L.prompts[k], cache, args.warmup_tokens if rnd == "warmup" else L.N, args.prefill_step)
+    kv = kv_stats(cache, b.kvpp)
+    L.log.append({"arm": name, "context": L.P, "prompt": k, "round": rnd, "prefill_s": out["prefill_s"],
+                  "decode_s": out["decode_s"], "flushes": kv["flushes"], "ids": out["ids"], "kv": kv,
+                  "kv_dtype": _dtype_name(cache[0].keys.dtype) if getattr(cache[0], "keys", None) is not None else None})
+    return mx.array(out["ids"])
 
-        # Rounds use prompts 0, 1, 2, ... in order (warm-up, pilot, timed): consecutive calls of an
-        # arm always get different prompts, and within a round every arm gets the same one.
-        for r in range(args.warmup):
-            progress(f"P={P}: warm-up round {r + 1}/{args.warmup} (prompt {r % args.prompts})")
-            for name, w, c in arms:
-                call(name, w, c, r % args.prompts, "warmup")
-        k_pilot = args.warmup % args.prompts
-        progress(f"P={P}: pilot round (prompt {k_pilot}): peak memory, token ids, flush counts")
-        peaks = {}
-        for name, w, c in arms:
-            mx.synchronize()
-            start = mx.get_active_memory()
-            peak = harness.measure_peak(lambda: call(name, w, c, k_pilot, "pilot"))
-            e = log[-1]
-            peaks[name] = {"peak_memory_bytes": peak, "active_before_bytes": int(start), "peak_over_start_bytes": int(peak - start)}
-            progress(f"  {name}: prefill {P / e['prefill_s']:.1f} tok/s, decode {N / e['decode_s']:.1f} tok/s "
-                     f"(pilot, untimed), peak {peak / 2**20:.1f} MiB ({start / 2**20:.1f} MiB allocated before + "
-                     f"{(peak - start) / 2**20:.1f} MiB), KV {e['kv']['resident_bytes'] / 2**20:.2f} MiB resident / "
-                     f"{e['kv']['compressed_bytes'] / 2**20:.2f} MiB compressed, flushes {e['flushes']}")
-        pilot = {e["arm"]: e for e in log if e["round"] == "pilot"}
 
-        # Flush counts: the measured totals must follow the cache's schedule.
-        layers = {}
-        for name, w, c in arms:
+def _warmup_and_pilot(b, L, progress):
+    # Rounds use prompts 0, 1, 2, ... in order (warm-up, pilot, timed): consecutive calls of an
+    # arm always get different prompts, and within a round every arm gets the same one.
+    args, P, N = b.args, L.P, L.N
+    for r in range(args.warmup):
+        progress(f"P={P}: warm-up round {r + 1}/{args.warmup} (prompt {r % args.prompts})")
+        for name, w, c in b.arms:
+            _call(b, L, name, w, c, r % args.prompts, "warmup")
+    k_pilot = args.warmup % args.prompts
+    progress(f"P={P}: pilot round (prompt {k_pilot}): peak memory, token ids, flush counts")
+    L.peaks = {}
+    for name, w, c in b.arms:
+        mx.synchronize()
+        start = mx.get_active_memory()
+        peak = harness.measure_peak(lambda: _call(b, L, name, w, c, k_pilot, "pilot"))
+        e = L.log[-1]
+        L.peaks[name] = {"peak_memory_bytes": peak, "active_before_bytes": int(start), "peak_over_start_bytes": int(peak - start)}
+        progress(f"  {name}: prefill {P / e['prefill_s']:.1f} tok/s, decode {N / e['decode_s']:.1f} tok/s "
+                 f"(pilot, untimed), peak {peak / 2**20:.1f} MiB ({start / 2**20:.1f} MiB allocated before + "
+                 f"{(peak - start) / 2**20:.1f} MiB), KV {e['kv']['resident_bytes'] / 2**20:.2f} MiB resident / "
+                 f"{e['kv']['compressed_bytes'] / 2**20:.2f} MiB compressed, flushes {e['flushes']}")
+    L.pilot = {e["arm"]: e for e in L.log if e["round"] == "pilot"}
+
+
+def _check_flushes(b, L, progress):
+    """The measured flush totals must follow the cache's schedule."""
+    args = b.args
+    L.layers = {}
+    for name, w, c in b.arms:
+        if c != "fp":
+            kv = L.pilot[name]["kv"]
+            L.layers[w] = kv["layers"]
+            want = kv["layers"] * (quantized_tokens(L.P + L.N, args.residual, args.group_size) // args.group_size)
+            if kv["flushes"] != want:
+                progress(f"  WARNING {name}: {kv['flushes']} flushes measured, the schedule says {want}")
+
+
+def _predict(b, L, progress):
+    """Amdahl, printed before anything end to end is timed."""
+    P, N, ops = L.P, L.N, b.ops
+    L.predictions = {}
+    for w in KIVI_WEIGHTS:
+        ref = arm_name(w, "kivi-ref")
+        if ref not in L.pilot:
+            continue
+        pred = {"model": b.args.model, "weights": w, "context": P, "gen_tokens": N,
+                "baseline_arm": ref, "other_arm": arm_name(w, "kivi-kernel"),
+                "flushes_per_layer": {ph: {"launches": len(s), "tokens": int(sum(s))} for ph, s in L.sched.items()},
+                "layers": L.layers.get(w)}
+        if ops is None:
+            pred["reason"] = "no --kivi-ops: no op-level kernel figures"
+        else:
+            for phase, toks, base_s in (("decode", N, L.pilot[ref]["decode_s"]), ("prefill", P, L.pilot[ref]["prefill_s"])):
+                sv = predict_saving(L.sched[phase], L.layers[w], ops)
+                if sv is None:
+                    pred["reason"] = f"{ops['path']} has no kernel figures (no GPU backend where it ran)"
+                    break
+                per_tok = sv["saving_s"] / toks
+                bound = amdahl_speedup(base_s, sv["saving_s"])
+                pred[phase] = {**sv, "saving_s_per_token": per_tok, "pilot_reference_s": base_s,
+                               "predicted_speedup_max": bound}
+                rows = ", ".join(f"S={r['S']} {r['mode']}: ref {r['reference_s'] * 1e6:.1f} us, kernel "
+                                 f"{r['kernel_s'] * 1e6:.1f} us" for r in sv["op_rows"]) or "no flushes"
+                progress(f"  Amdahl {w} {phase} @P={P}: {sv['launches_per_layer']} flush launches x "
+                         f"{sv['layers']} layers per generation ({rows}) -> saving {per_tok * 1e6:.2f} us/token; "
+                         f"predicted {phase} speedup <= {bound:.4f}x (Amdahl, pilot kivi-ref "
+                         f"{base_s / toks * 1e3:.3f} ms/token)")
+        if "reason" in pred:
+            progress(f"  Amdahl {w} @P={P}: no prediction: {pred['reason']}")
+        L.predictions[w] = pred
+
+
+def _timed_rounds(b, L, progress):
+    """The timed rounds, interleaved, with the A/A copy of the baseline; per-arm samples and floors."""
+    args, P = b.args, L.P
+    offset = args.warmup + 1
+    timed = {name: (lambda i, name=name, w=w, c=c: _call(b, L, name, w, c, (offset + i) % args.prompts, "timed"))
+             for name, w, c in b.arms}
+    timed = harness.with_aa(timed, b.baseline)
+    bw, bc = next((w, c) for n, w, c in b.arms if n == b.baseline)
+    timed[b.aa_name] = lambda i: _call(b, L, b.aa_name, bw, bc, (offset + i) % args.prompts, "timed")
+    progress(f"P={P}: timed rounds: {len(timed)} arms (A/A: {b.aa_name}) x {args.repeats}")
+    L.totals = harness.run_interleaved(timed, args.prompts, args.repeats, warmup=0)
+    progress(f"P={P}: timed rounds done")
+
+    L.samples = {}
+    for e in L.log:
+        if e["round"] == "timed":
+            s = L.samples.setdefault(e["arm"], {"prefill": [], "decode": []})
+            s["prefill"].append(e["prefill_s"])
+            s["decode"].append(e["decode_s"])
+    L.floor = {ph: harness.noise_floor(L.samples[b.baseline][ph], L.samples[b.aa_name][ph]) for ph in ("prefill", "decode")}
+    b.floors += [{"context": P, "phase": ph, "noise_floor": f} for ph, f in L.floor.items()]
+
+
+def _length_records(b, L):
+    """One record per arm and phase: tok/s, memory, KV bytes; flushes (KIVI arms) or the roofline
+    (fp-cache arms); then the harness's own samples (a whole generation each)."""
+    for name, w, c in b.arms:
+        for phase, toks in (("prefill", L.P), ("decode", L.N)):
+            rate = harness.summarize([toks / s for s in L.samples[name][phase]])
+            rec = {"model": b.args.model, "arm": name, "weights": w, "cache": c, "precision": b.precision[w],
+                   "phase": phase, "context": L.P, "tokens": toks, "unit": "tok/s", **rate,
+                   "seconds": harness.summarize(L.samples[name][phase]), "noise_floor": L.floor[phase],
+                   **L.peaks[name], "model_bytes": b.weights_info[w]["model_bytes"],
+                   "kv_bytes": {**L.pilot[name]["kv"], "dtype": L.pilot[name]["kv_dtype"]}}
             if c != "fp":
-                kv = pilot[name]["kv"]
-                layers[w] = kv["layers"]
-                want = kv["layers"] * (quantized_tokens(P + N, args.residual, args.group_size) // args.group_size)
-                if kv["flushes"] != want:
-                    progress(f"  WARNING {name}: {kv['flushes']} flushes measured, the schedule says {want}")
+                _flush_fields(b, L, rec, phase, toks)
+            else:  # the roofline arms: one per weight precision, fp KV cache
+                _roofline_fields(b, L, rec, w, phase, rate)
+            b.records.append(rec)
+    b.generations += [{"arm": name, "context": L.P, "unit": "s", **harness.summarize(t)} for name, t in L.totals.items()]
 
-        # Amdahl, printed before anything end to end is timed.
-        predictions = {}
-        for w in KIVI_WEIGHTS:
-            ref = arm_name(w, "kivi-ref")
-            if ref not in pilot:
-                continue
-            pred = {"model": args.model, "weights": w, "context": P, "gen_tokens": N,
-                    "baseline_arm": ref, "other_arm": arm_name(w, "kivi-kernel"),
-                    "flushes_per_layer": {ph: {"launches": len(s), "tokens": int(sum(s))} for ph, s in sched.items()},
-                    "layers": layers.get(w)}
-            if ops is None:
-                pred["reason"] = "no --kivi-ops: no op-level kernel figures"
+
+def _flush_fields(b, L, rec, phase, toks):
+    kv, g = rec["kv_bytes"], b.args.group_size
+    rec["flushes"] = {ph: kv["layers"] * sum(L.sched[ph]) // g for ph in ("prefill", "decode")}
+    rec["flushes"].update(total_measured=kv["flushes"], layers=kv["layers"], launches_per_layer=len(L.sched[phase]),
+                          unit="groups of group_size tokens, summed over layers")
+    rec["flushes"]["per_token"] = rec["flushes"][phase] / toks
+
+
+def _roofline_fields(b, L, rec, w, phase, rate):
+    rec["weight_bytes"] = b.weights_info[w]["weight_bytes"]
+    rec["kv_bytes_per_position"] = b.kvpp
+    if phase == "decode":
+        mean_ctx = L.P + (L.N + 1) / 2  # positions attended, averaged over the decode steps
+        rec["mean_context"] = mean_ctx
+        rec["bytes_per_token"] = roofline.decode_bytes_per_token(rec["weight_bytes"], b.kvpp, mean_ctx)
+        rec["flops_per_token"] = roofline.flops_per_token(b.n_matmul, b.config, mean_ctx)
+        rec["achieved"] = {k: roofline.achieved(rec["bytes_per_token"], rate[k], b.copy["median"])
+                           for k in ("median", "min", "max")}
+    else:
+        rec["flops_per_token"] = roofline.flops_per_token(b.n_matmul, b.config, (L.P + 1) / 2)
+        rec["achieved_flops"] = {k: {"flops_per_s": rec["flops_per_token"] * rate[k],
+                                     "percent_of_peak": 100.0 * rec["flops_per_token"] * rate[k] / b.flops["median"]}
+                                 for k in ("median", "min", "max")}
+
+
+def _measured_vs_predicted(b, L, progress):
+    """The Amdahl predictions beside the measured kernel-vs-reference speedups."""
+    for w, pred in L.predictions.items():
+        other = pred["other_arm"]
+        if other not in L.samples:
+            pred["measured"] = f"not measured: arm {other} did not run"
+            b.amdahl.append(pred)
+            continue
+        ref_samples = L.samples[pred["baseline_arm"]]
+        for phase, toks in (("decode", L.N), ("prefill", L.P)):
+            cmp = harness.compare(ref_samples[phase], L.samples[other][phase], L.floor[phase])
+            m = {"speedup": cmp["speedup"], "verdict": cmp["verdict"], "floor": cmp["floor"],
+                 "reference_s_per_token": harness.summarize([s / toks for s in ref_samples[phase]]),
+                 "kernel_s_per_token": harness.summarize([s / toks for s in L.samples[other][phase]])}
+            if phase in pred:
+                ref_med = statistics.median(ref_samples[phase])
+                m["predicted_speedup_max_with_measured_reference"] = amdahl_speedup(ref_med, pred[phase]["saving_s"])
+                m["measured_saving_s_per_token"] = (ref_med - statistics.median(L.samples[other][phase])) / toks
+                pred[phase]["measured"] = m
             else:
-                for phase, toks, base_s in (("decode", N, pilot[ref]["decode_s"]), ("prefill", P, pilot[ref]["prefill_s"])):
-                    sv = predict_saving(sched[phase], layers[w], ops)
-                    if sv is None:
-                        pred["reason"] = f"{ops['path']} has no kernel figures (no GPU backend where it ran)"
-                        break
-                    per_tok = sv["saving_s"] / toks
-                    bound = amdahl_speedup(base_s, sv["saving_s"])
-                    pred[phase] = {**sv, "saving_s_per_token": per_tok, "pilot_reference_s": base_s,
-                                   "predicted_speedup_max": bound}
-                    rows = ", ".join(f"S={r['S']} {r['mode']}: ref {r['reference_s'] * 1e6:.1f} us, kernel "
-                                     f"{r['kernel_s'] * 1e6:.1f} us" for r in sv["op_rows"]) or "no flushes"
-                    progress(f"  Amdahl {w} {phase} @P={P}: {sv['launches_per_layer']} flush launches x "
-                             f"{sv['layers']} layers per generation ({rows}) -> saving {per_tok * 1e6:.2f} us/token; "
-                             f"predicted {phase} speedup <= {bound:.4f}x (Amdahl, pilot kivi-ref "
-                             f"{base_s / toks * 1e3:.3f} ms/token)")
-            if "reason" in pred:
-                progress(f"  Amdahl {w} @P={P}: no prediction: {pred['reason']}")
-            predictions[w] = pred
+                pred.setdefault("measured", {})[phase] = m
+            bound = pred.get(phase, {}).get("predicted_speedup_max")
+            progress(f"  Amdahl {w} {phase} @P={L.P}: predicted <= "
+                     + (f"{bound:.4f}x" if bound else "n/a") + f" | measured {cmp['text']}")
+        b.amdahl.append(pred)
 
-        # Timed rounds.
-        offset = args.warmup + 1
-        timed = {name: (lambda i, name=name, w=w, c=c: call(name, w, c, (offset + i) % args.prompts, "timed"))
-                 for name, w, c in arms}
-        timed = harness.with_aa(timed, baseline)
-        bw, bc = next((w, c) for n, w, c in arms if n == baseline)
-        timed[aa_name] = lambda i: call(aa_name, bw, bc, (offset + i) % args.prompts, "timed")
-        progress(f"P={P}: timed rounds: {len(timed)} arms (A/A: {aa_name}) x {args.repeats}")
-        totals = harness.run_interleaved(timed, args.prompts, args.repeats, warmup=0)
-        progress(f"P={P}: timed rounds done")
 
-        samples = {}
-        for e in log:
-            if e["round"] == "timed":
-                s = samples.setdefault(e["arm"], {"prefill": [], "decode": []})
-                s["prefill"].append(e["prefill_s"])
-                s["decode"].append(e["decode_s"])
-        floor = {ph: harness.noise_floor(samples[baseline][ph], samples[aa_name][ph]) for ph in ("prefill", "decode")}
-        floors += [{"context": P, "phase": ph, "noise_floor": f} for ph, f in floor.items()]
+def _check_pairs(b):
+    pairs = [(b.baseline, b.aa_name, True, "A/A: the baseline run twice (determinism)")]
+    # text of the weight arms against the full-precision one (lossy: recorded, not required)
+    pairs += [(arm_name("full", "fp"), arm_name(w, "fp"), False, "full vs quantized weights (lossy)")
+              for w in WEIGHTS if w != "full"]
+    for w in KIVI_WEIGHTS:
+        pairs += [(arm_name(w, "kivi-ref"), arm_name(w, "kivi-kernel"), True, "kernels on vs off (lossless)"),
+                  (arm_name(w, "fp"), arm_name(w, "kivi-ref"), False, "fp cache vs KIVI (lossy)")]
+    return pairs
 
-        for name, w, c in arms:
-            e = pilot[name]
-            for phase, toks in (("prefill", P), ("decode", N)):
-                secs = samples[name][phase]
-                rate = harness.summarize([toks / s for s in secs])
-                rec = {"model": args.model, "arm": name, "weights": w, "cache": c, "precision": precision[w],
-                       "phase": phase, "context": P, "tokens": toks, "unit": "tok/s", **rate,
-                       "seconds": harness.summarize(secs), "noise_floor": floor[phase], **peaks[name],
-                       "model_bytes": weights_info[w]["model_bytes"],
-                       "kv_bytes": {**e["kv"], "dtype": e["kv_dtype"]}}
-                if c != "fp":
-                    kv = e["kv"]
-                    rec["flushes"] = {ph: kv["layers"] * sum(sched[ph]) // args.group_size for ph in ("prefill", "decode")}
-                    rec["flushes"].update(total_measured=kv["flushes"], layers=kv["layers"],
-                                          launches_per_layer=len(sched[phase]),
-                                          unit="groups of group_size tokens, summed over layers")
-                    rec["flushes"]["per_token"] = rec["flushes"][phase] / toks
-                else:  # the roofline arms: one per weight precision, fp KV cache
-                    rec["weight_bytes"] = weights_info[w]["weight_bytes"]
-                    rec["kv_bytes_per_position"] = kvpp
-                    if phase == "decode":
-                        mean_ctx = P + (N + 1) / 2  # positions attended, averaged over the decode steps
-                        rec["mean_context"] = mean_ctx
-                        rec["bytes_per_token"] = roofline.decode_bytes_per_token(rec["weight_bytes"], kvpp, mean_ctx)
-                        rec["flops_per_token"] = roofline.flops_per_token(n_matmul, config, mean_ctx)
-                        rec["achieved"] = {k: roofline.achieved(rec["bytes_per_token"], rate[k], copy["median"])
-                                           for k in ("median", "min", "max")}
-                    else:
-                        rec["flops_per_token"] = roofline.flops_per_token(n_matmul, config, (P + 1) / 2)
-                        rec["achieved_flops"] = {k: {"flops_per_s": rec["flops_per_token"] * rate[k],
-                                                     "percent_of_peak": 100.0 * rec["flops_per_token"] * rate[k] / flops["median"]}
-                                                 for k in ("median", "min", "max")}
-                records.append(rec)
-        # The harness's own samples: a whole generation each, through mx.eval + mx.synchronize.
-        generations += [{"arm": name, "context": P, "unit": "s", **harness.summarize(t)} for name, t in totals.items()]
 
-        for a, b in _pairs(arms, baseline):
-            for phase in ("prefill", "decode"):
-                cmp = harness.compare(samples[a][phase], samples[b][phase], floor[phase])
-                comparisons.append({"model": args.model, "phase": phase, "context": P, "baseline_arm": a, "other_arm": b, **cmp})
-                progress(f"  P={P} {phase}: {b} vs {a}: {cmp['text']}")
-
-        # Measured beside predicted.
-        for w, pred in predictions.items():
-            other = pred["other_arm"]
-            if other in samples:
-                for phase, toks in (("decode", N), ("prefill", P)):
-                    cmp = harness.compare(samples[pred["baseline_arm"]][phase], samples[other][phase], floor[phase])
-                    m = {"speedup": cmp["speedup"], "verdict": cmp["verdict"], "floor": cmp["floor"],
-                         "reference_s_per_token": harness.summarize([s / toks for s in samples[pred["baseline_arm"]][phase]]),
-                         "kernel_s_per_token": harness.summarize([s / toks for s in samples[other][phase]])}
-                    if phase in pred:
-                        ref_med = statistics.median(samples[pred["baseline_arm"]][phase])
-                        m["predicted_speedup_max_with_measured_reference"] = amdahl_speedup(ref_med, pred[phase]["saving_s"])
-                        m["measured_saving_s_per_token"] = (ref_med - statistics.median(samples[other][phase])) / toks
-                        pred[phase]["measured"] = m
-                    else:
-                        pred.setdefault("measured", {})[phase] = m
-                    bound = pred.get(phase, {}).get("predicted_speedup_max")
-                    progress(f"  Amdahl {w} {phase} @P={P}: predicted <= "
-                             + (f"{bound:.4f}x" if bound else "n/a") + f" | measured {cmp['text']}")
+def _text_checks(b, L, progress):
+    """Lossless and agreement checks on every prompt two arms both ran (pilot + timed rounds)."""
+    by_arm = {}
+    for e in L.log:
+        if e["round"] != "warmup":  # warm-up generations may be shorter
+            by_arm.setdefault(e["arm"], {}).setdefault(e["prompt"], []).append(e["ids"])
+    deterministic = None
+    for a, o, must, what in _check_pairs(b):
+        if a in by_arm and o in by_arm:
+            chk = {"context": L.P, "a": a, "b": o, "what": what, **compare_outputs(by_arm[a], by_arm[o], b.tokenizer, must)}
+            if o == b.aa_name:
+                deterministic = chk["identical"]
+                chk["verdict"] = ("byte-identical (generation is deterministic here)" if deterministic else
+                                  "DIFFERENT: generation is not run-to-run deterministic on this device")
             else:
-                pred["measured"] = f"not measured: arm {other} did not run"
-            amdahl.append(pred)
+                lossless_verdict(chk, deterministic)
+        elif must and o.endswith("kivi-kernel") and a in by_arm:
+            chk = {"context": L.P, "a": a, "b": o, "what": what, "must_match": True, "identical": None,
+                   "verdict": "skipped: " + next((s["reason"] for s in b.skipped if s["arm"] == o), "arm not run")}
+        else:
+            continue
+        b.checks.append(chk)
+        distinct = (f" (distinct tokens per generation: median {chk['distinct_tokens']['median']:g} of {L.N})"
+                    if chk.get("distinct_tokens") else "")
+        progress(f"  check P={L.P} {o} vs {a} ({what}): {chk['verdict']}{distinct}")
 
-        # Lossless and agreement checks on every prompt two arms both ran (pilot + timed rounds).
-        by_arm = {}
-        for e in log:
-            if e["round"] != "warmup":  # warm-up generations may be shorter
-                by_arm.setdefault(e["arm"], {}).setdefault(e["prompt"], []).append(e["ids"])
-        check_pairs = [(baseline, aa_name, True, "A/A: the baseline run twice (determinism)")]
-        # text of the weight arms against the full-precision one (lossy: recorded, not required)
-        check_pairs += [(arm_name("full", "fp"), arm_name(w, "fp"), False, "full vs quantized weights (lossy)")
-                        for w in WEIGHTS if w != "full"]
-        for w in KIVI_WEIGHTS:
-            check_pairs += [(arm_name(w, "kivi-ref"), arm_name(w, "kivi-kernel"), True, "kernels on vs off (lossless)"),
-                            (arm_name(w, "fp"), arm_name(w, "kivi-ref"), False, "fp cache vs KIVI (lossy)")]
-        deterministic = None
-        for a, b, must, what in check_pairs:
-            if a in by_arm and b in by_arm:
-                chk = {"context": P, "a": a, "b": b, "what": what, **compare_outputs(by_arm[a], by_arm[b], tokenizer, must)}
-                if b == aa_name:
-                    deterministic = chk["identical"]
-                    chk["verdict"] = ("byte-identical (generation is deterministic here)" if deterministic else
-                                      "DIFFERENT: generation is not run-to-run deterministic on this device")
-                else:
-                    lossless_verdict(chk, deterministic)
-            elif must and b.endswith("kivi-kernel") and a in by_arm:
-                chk = {"context": P, "a": a, "b": b, "what": what, "must_match": True, "identical": None,
-                       "verdict": "skipped: " + next((s["reason"] for s in skipped if s["arm"] == b), "arm not run")}
-            else:
-                continue
-            checks.append(chk)
-            distinct = f" (distinct tokens per generation: median {chk['distinct_tokens']['median']:g} of {N})" if chk.get("distinct_tokens") else ""
-            progress(f"  check P={P} {b} vs {a} ({what}): {chk['verdict']}{distinct}")
 
-        for e in log:
-            runs.append({k: e[k] for k in ("arm", "context", "prompt", "round", "prefill_s", "decode_s", "flushes")}
-                        | {"ids_sha1": hashlib.sha1(json.dumps(e["ids"]).encode()).hexdigest()[:16], "n_ids": len(e["ids"])})
-        del log
-        mx.clear_cache()
-
-    result.update(records=records, comparisons=comparisons, amdahl=amdahl, checks=checks, runs=runs,
-                  generation_seconds=generations,
-                  noise_floors=floors, noise_floor=max(f["noise_floor"] for f in floors))
+def _finish(b):
+    """The run's lists into the result, the lossless verdict, prompts and the closing load."""
+    result, checks = b.result, b.checks
+    result.update(records=b.records, comparisons=b.comparisons, amdahl=b.amdahl, checks=checks, runs=b.runs,
+                  generation_seconds=b.generations,
+                  noise_floors=b.floors, noise_floor=max(f["noise_floor"] for f in b.floors))
     required = [c for c in checks if c["must_match"] and c["b"].endswith("kivi-kernel")]
     ran = [c for c in required if c["identical"] is not None]
     result["lossless"] = {
@@ -689,10 +753,8 @@ def run(args, progress=None):
                     else False if any(c.get("conclusive") and not c["identical"] for c in ran) else None),
         "deterministic": [{"context": c["context"], "identical": c["identical"]} for c in checks if c["b"].endswith(harness.AA_SUFFIX)],
     }
-    result["prompts"] = {"corpus": CORPUS.name, "n": args.prompts, "how": "quality.eval_windows: distinct windows spread over the corpus"}
+    result["prompts"] = {"corpus": CORPUS.name, "n": b.args.prompts, "how": "quality.eval_windows: distinct windows spread over the corpus"}
     result["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    result["wall_s"] = time.perf_counter() - t_start
-    _print_roofline(result, progress)
     return result
 
 

@@ -8,7 +8,9 @@ memory from the preset's config:
 - ``affine4``: the same weights through MLX's ``nn.quantize`` (affine 4-bit, group 64);
 - ``vqpipe-bN``: vqpipe layers (QuantizedLinear / QuantizedEmbedding, the tied or untied head
   included) with **random codes** and per-row scales giving rows of the same norm, the rotations
-  vqpipe would use (q/k/v and gate/up sharing one), fused as the loaders fuse them.
+  vqpipe would use (q/k/v and gate/up sharing one), fused as the loaders fuse them;
+- ``vqpipe-bN+rot`` (``--prologue-bits N``): the same model with the rotation in the qmv kernel's
+  prologue (``qmv.rotating_in_kernel``) instead of MLX ops before each launch.
 
 The vqpipe arms carry random codes, not a quantization of the bf16 weights (quantizing 8 B weights
 through quantize.py takes longer than a GPU session here): the kernels' speed does not depend on
@@ -24,6 +26,7 @@ in the same process.
 import argparse
 import json
 import math
+import re
 import sys
 import tempfile
 import time
@@ -33,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .. import synth
+from .. import qmv, synth
 from ..codebook import codebook
 from ..fsutil import write_json
 from ..fused import fuse_model, rotation_owner
@@ -46,6 +49,7 @@ from .decode import generate_once, make_cache
 from .env import environment
 
 STD = 0.02
+ROT = "+rot"  # arm suffix: the rotation in the kernel's prologue
 
 
 def skeleton(preset):
@@ -127,6 +131,49 @@ def weight_bytes(model, config):
     return int(total + sum(rot.values()))
 
 
+VIEWS = {"Broadcast", "Reshape", "Squeeze", "ExpandDims", "Slice", "Transpose", "AsStrided", "Split", "Depends",
+         "StopGradient", "Flatten", "Unflatten"}  # primitives MLX evaluates without launching a kernel
+
+
+def graph_ops(out):
+    """Primitives in the graph that computes ``out`` (its unevaluated part), by name, from
+    ``mx.export_to_dot``; views (``VIEWS``) are counted apart."""
+    with tempfile.TemporaryDirectory(prefix="vq-dot-") as tmp:
+        path = Path(tmp) / "g.dot"
+        mx.export_to_dot(str(path), out)
+        labels = re.findall(r'label ="([^"]+)", shape=rectangle', path.read_text())
+    counts = {}
+    for name in labels:
+        counts[name] = counts.get(name, 0) + 1
+    views = sum(n for k, n in counts.items() if k in VIEWS)
+    return {"ops": len(labels) - views, "views": views, "by_primitive": dict(sorted(counts.items()))}
+
+
+def step_profile(model, vocab, rot=False, context=64, steps=8):
+    """One decode step, unpipelined: host time to build its graph (Python), to encode it
+    (``mx.async_eval`` returns once the kernels are queued) and the whole step to
+    ``mx.synchronize``, median over ``steps``; plus the graph's primitives (:func:`graph_ops`).
+    Where build + encode exceeds what the GPU needs, decode is bound by the host (docs/qmv.md)."""
+    with qmv.rotating_in_kernel(rot):
+        cache = make_cache(model, "fp", 4, 32, 0)
+        mx.eval(model(mx.random.randint(0, vocab - 16, (1, context), key=mx.random.key(7)), cache=cache))
+        tok = mx.array([[1]])
+        build, encode, total = [], [], []
+        for _ in range(steps):
+            mx.synchronize()
+            t0 = time.perf_counter()
+            logits = model(tok, cache=cache)
+            t1 = time.perf_counter()
+            mx.async_eval(logits)
+            t2 = time.perf_counter()
+            mx.synchronize()
+            t3 = time.perf_counter()
+            build.append(t1 - t0), encode.append(t2 - t1), total.append(t3 - t0)
+        ops = graph_ops(model(tok, cache=cache))
+    med = harness.summarize
+    return {"context": context, "build_s": med(build), "encode_s": med(encode), "step_s": med(total), **ops}
+
+
 def run(args, progress=print):
     t_start = time.perf_counter()
     config = synth.make_config(args.preset)
@@ -136,10 +183,17 @@ def run(args, progress=print):
     models["affine4"] = affine(models["bf16"], args.preset)
     for b in args.bits:
         models[f"vqpipe-b{b}"] = random_vqpipe(args.preset, b)
+    for b in args.prologue_bits:  # the same model object: only the kernel's rotation differs
+        models[f"vqpipe-b{b}{ROT}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
     kvpp = roofline.kv_bytes_per_position(config, 2)
     info = {name: {"weight_bytes": weight_bytes(m, config)} for name, m in models.items()}
     for name, i in info.items():
         progress(f"built {name}: {i['weight_bytes'] / 2**30:.2f} GiB read per token (weights)")
+    profiles = {}
+    for name, m in models.items():
+        profiles[name] = p = step_profile(m, config["vocab_size"], name.endswith(ROT))
+        progress(f"step {name}: {p['ops']} ops ({p['views']} views), build {p['build_s']['median'] * 1e3:.2f} ms, "
+                 f"encode {p['encode_s']['median'] * 1e3:.2f} ms, step {p['step_s']['median'] * 1e3:.2f} ms (unpipelined)")
     baseline = "bf16"
     aa = baseline + harness.AA_SUFFIX
     records, comparisons, texts = [], [], []
@@ -147,7 +201,7 @@ def run(args, progress=print):
     def result():
         return {"kind": "bench-decode-shapes", "preset": args.preset, "config": config, "environment": environment(),
                 "settings": {k: v for k, v in vars(args).items() if k != "out"}, "copy_bandwidth": copy,
-                "kv_bytes_per_position": kvpp, "weights": info, "records": records, "comparisons": comparisons,
+                "kv_bytes_per_position": kvpp, "weights": info, "step_profile": profiles, "records": records, "comparisons": comparisons,
                 "texts": texts, "wall_s": time.perf_counter() - t_start}
 
     for P in args.prompt_lengths:
@@ -157,7 +211,8 @@ def run(args, progress=print):
 
         def call(name, k, n_tokens):
             model = models[name.removesuffix(harness.AA_SUFFIX)]
-            out = generate_once(model, prompts[k], make_cache(model, "fp", 4, 32, 0), n_tokens, args.prefill_step)
+            with qmv.rotating_in_kernel(name.endswith(ROT)):
+                out = generate_once(model, prompts[k], make_cache(model, "fp", 4, 32, 0), n_tokens, args.prefill_step)
             log[name].append({"prompt": k, **out})
             return mx.array(out["ids"])
 
@@ -184,8 +239,9 @@ def run(args, progress=print):
                          + (f", {rec['bytes_per_token'] / 2**30:.2f} GiB/token = "
                             f"{rec['achieved']['median']['percent_of_peak']:.1f}% of copy" if phase == "decode" else ""))
             for phase in ("prefill", "decode"):
-                for base in (baseline, "affine4"):
-                    if name != base:
+                bases = [baseline, "affine4"] + ([name.removesuffix(ROT)] if name.endswith(ROT) else [])
+                for base in bases:
+                    if name != base and base in models:
                         cmp = harness.compare(samples[base][phase], samples[name][phase], floor[phase])
                         comparisons.append({"context": P, "phase": phase, "baseline_arm": base, "other_arm": name, **cmp})
                         progress(f"  P={P} {phase}: {name} vs {base}: {cmp['text']}")
@@ -204,6 +260,8 @@ def parse_args(argv):
     p.add_argument("--preset", default="llama3-8b", choices=list(synth.PRESETS))
     p.add_argument("--out", required=True)
     p.add_argument("--bits", type=int, nargs="+", default=[4], choices=(2, 3, 4))
+    p.add_argument("--prologue-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
+                   help=f"add a vqpipe-bN{ROT} arm per N: the rotation in the kernel's prologue")
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[512, 4096])
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)

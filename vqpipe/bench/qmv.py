@@ -10,7 +10,10 @@ from memory instead of hitting the L2 cache; capped at ``--max-pool`` copies):
 - ``vq-ref``: ``QuantizedLinear`` with the kernel switched off (rotation, then the dense path that
   rebuilds C[q] every call);
 - ``vq-kernel``: ``QuantizedLinear`` with the kernel (rotation, then the fused mat-vec);
-- ``vq-core``: the fused mat-vec alone on an already rotated activation.
+- ``vq-core``: the fused mat-vec alone on an already rotated activation;
+- ``vq-core-N`` (``--core-blocks N ...``): ``vq-core`` with at most N threadgroups;
+- ``vq-rot-N`` (``--prologue-blocks N ...``): the layer with the rotation in the kernel's prologue,
+  at most N threadgroups (each redoes the rotation, then takes row sets grid-stride).
 
 The kernel arms need a Metal/CUDA backend; without one they are skipped and the reason recorded.
 Three modes: ``isolated`` (one call per timed step: each sample carries a whole eval + synchronize),
@@ -67,7 +70,7 @@ MODES = ("isolated", "chained", "independent")
 SUBJECT = "vq-kernel"
 
 
-def arm_bytes(in_features, out_features, bits, itemsize, m=1):
+def arm_bytes(in_features, out_features, bits, itemsize, m=1, prologue_blocks=(), core_blocks=()):
     """Fewest bytes one call must move, per arm: weights as stored + activation in + output out."""
     io = m * (in_features + out_features) * itemsize
     packed = out_features * words_per_row(in_features, bits) * 4 + out_features * 4 + (4 << bits)
@@ -79,6 +82,8 @@ def arm_bytes(in_features, out_features, bits, itemsize, m=1):
         "vq-ref": packed + io,
         "vq-kernel": packed + io,
         "vq-core": packed + io,
+        **{f"vq-rot-{n}": packed + io for n in prologue_blocks},
+        **{f"vq-core-{n}": packed + io for n in core_blocks},
     }
 
 
@@ -141,7 +146,27 @@ def make_arms(pool, xin, args, with_kernel):
     if with_kernel:
         arms["vq-kernel"] = (vq_kernel, "vq", "x")
         arms["vq-core"] = (vq_core, "vq", "xr")
+        for n in args.core_blocks:
+            arms[f"vq-core-{n}"] = (_core_arm(n, bits), "vq", "xr")
+        for n in args.prologue_blocks:
+            arms[f"vq-rot-{n}"] = (_prologue_arm(n), "vq", "x")
     return arms
+
+
+def _core_arm(max_blocks, bits):
+    def vq_core(layer, xr):
+        with qmv.block_limit(max_blocks):
+            return qmv.quantized_matvec(xr, layer.packed, layer.scales, layer.codebook, bits, use_kernels=True)
+
+    return vq_core
+
+
+def _prologue_arm(max_blocks):
+    def vq_rot(layer, x):
+        with qmv.enabled(True), qmv.rotating_in_kernel(True, max_blocks):
+            return layer(x)
+
+    return vq_rot
 
 
 def timed_fns(arms, pool, xin, mode, calls):
@@ -172,17 +197,21 @@ def measure(name, in_features, out_features, args, copy_bps, with_kernel):
     arms = make_arms(pool, xin, args, with_kernel)
     subject = SUBJECT if with_kernel else "vq-ref"
     dtype = getattr(mx, args.dtype)
-    nbytes = arm_bytes(in_features, out_features, args.bits, dtype.size, args.m)
+    nbytes = arm_bytes(in_features, out_features, args.bits, dtype.size, args.m, args.prologue_blocks, args.core_blocks)
     check = None
     if with_kernel:  # kernel and dense path on the same input before anything is timed
         try:
             ref = arms["vq-ref"][0](pool["vq"][0], xin["x"][0]).astype(mx.float32)
             got = arms["vq-kernel"][0](pool["vq"][0], xin["x"][0]).astype(mx.float32)
             check = {"max_abs_diff_vs_ref": mx.max(mx.abs(got - ref)).item(), "max_abs_ref": mx.max(mx.abs(ref)).item()}
+            for arm in (a for a in arms if a.startswith("vq-rot-")):
+                rot = arms[arm][0](pool["vq"][0], xin["x"][0]).astype(mx.float32)
+                check[f"{arm} max_abs_diff_vs_ref"] = mx.max(mx.abs(rot - ref)).item()
         except Exception as e:  # keep the other arms' figures; the error goes into the JSON
             check = {"kernel_error": repr(e)}
             print(f"bench-qmv: kernel failed on {name}: {e!r}", file=sys.stderr, flush=True)
-            arms.pop("vq-kernel"), arms.pop("vq-core")
+            for arm in [a for a in arms if a.startswith(("vq-kernel", "vq-core", "vq-rot-"))]:
+                arms.pop(arm)
             subject = "vq-ref"
     rows = []
     for mode in args.modes:
@@ -242,6 +271,10 @@ def parse_args(argv):
     p.add_argument("--max-pool", type=int, default=256, help="at most this many weight copies")
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--core-blocks", type=int, nargs="*", default=[], metavar="N",
+                   help="add a vq-core-N arm per N: the kernel on a rotated input, <= N threadgroups")
+    p.add_argument("--prologue-blocks", type=int, nargs="*", default=[], metavar="N",
+                   help="add a vq-rot-N arm per N: the rotation in the kernel's prologue, <= N threadgroups")
     p.add_argument("--copy-mib", type=int, default=1024, help="buffer for the copy-bandwidth measurement")
     p.add_argument("--quick", action="store_true",
                    help="small CPU/CI run: shapes qwen-q/o and qwen-k/v, 2 weight copies, 5 repeats, 4 calls")
