@@ -207,6 +207,10 @@ def test_readers_see_old_or_new_never_a_mix(two_models, tmp_path, mode):
         except R.ReservoirError as e:
             if mode == "dir" and "cannot open" in str(e):  # between the two renames of a non-exchanging FS
                 continue
+            # The loader's own clear refusal when every retry raced a replacement (a slow, loaded
+            # machine): no mixed model was returned; the loads after the writer stops must succeed.
+            if "replaced by a writer" in str(e) and writer.poll() is None:
+                continue
             raise
         seen[want[_logits(model)]] += 1  # KeyError: a mixed model
     assert writer.wait() == 0
