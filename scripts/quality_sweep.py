@@ -26,9 +26,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vqpipe.bench.harness import summarize  # noqa: E402
-from vqpipe.bench.quality import dense_copy, load_fp32  # noqa: E402
+from vqpipe.stages.bench_quality import dense_copy, load_fp32  # noqa: E402
 from vqpipe.qlinear import QuantizedLinear  # noqa: E402
-from vqpipe.quantize import quantize_model  # noqa: E402
+from vqpipe.stages.quantize import quantize_model  # noqa: E402
 
 
 PROGRESS = None
@@ -82,7 +82,7 @@ def build(source, arm, bits, calib, seed):
     else:
         raise ValueError(f"unknown arm {arm!r}")
     # Evaluate as dense float32 layers holding the dequantized weights: the same weights, and
-    # MLX's CPU quantized matmul is far slower than a GEMM at 512 tokens (bench/quality.py).
+    # MLX's CPU quantized matmul is far slower than a GEMM at 512 tokens (stages/bench_quality.py).
     return dense_copy(model), bpw, time.perf_counter() - t0
 
 

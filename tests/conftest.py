@@ -1,4 +1,4 @@
-"""Shared fixtures: synthetic source models, built once per test session with vqpipe.download.
+"""Shared fixtures: synthetic source models, built once per test session with vqpipe.stages.download.
 
 Each fixture returns the Path of a Hugging Face layout model directory (``mlx_lm.load`` works on
 it) that also holds ``vqpipe-source.json``. Treat them as read-only: they are shared.
@@ -6,7 +6,7 @@ it) that also holds ``vqpipe-source.json``. Treat them as read-only: they are sh
 
 import pytest
 
-from vqpipe.download import fetch
+from vqpipe.stages.download import fetch
 
 
 def _build(tmp_path_factory, source):

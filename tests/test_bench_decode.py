@@ -8,9 +8,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vqpipe import kivi, pack, quantize
+from vqpipe import kivi
+from vqpipe.stages import pack, quantize
 from vqpipe import reservoir as R
-from vqpipe.bench import AA_SUFFIX, decode
+from vqpipe.bench import AA_SUFFIX
+from vqpipe.stages import bench_decode
 from vqpipe.bench import roofline as rl
 
 # A short run (the vqpipe arms cost ~0.5 s per forward on this CPU): one prompt length crossing the
@@ -40,8 +42,8 @@ def reservoir(tiny_source, tmp_path_factory):
 def run(tiny_source, reservoir, tmp_path_factory):
     root = tmp_path_factory.mktemp("bench_decode_run")
     (root / "ops.json").write_text(json.dumps(OPS))
-    out = root / "decode.json"
-    rc = decode.main(["--source", str(tiny_source), "--reservoir", str(reservoir), "--model", "tiny", "--quick",
+    out = root / "bench_decode.json"
+    rc = bench_decode.main(["--source", str(tiny_source), "--reservoir", str(reservoir), "--model", "tiny", "--quick",
                       "--prompt-lengths", str(P), "--gen-tokens", str(N), "--group-size", str(G),
                       "--residual", str(RES), "--prefill-step", str(STEP), "--repeats", str(REPEATS),
                       "--copy-mib", "16", "--gemm", "256", "--kivi-ops", str(root / "ops.json"), "--out", str(out)])
@@ -196,7 +198,7 @@ def test_build_prompts_distinct(tiny_source):
     from mlx_lm.utils import load_tokenizer
 
     tok = load_tokenizer(tiny_source)
-    prompts = decode.build_prompts(tok, 20, 96)
+    prompts = bench_decode.build_prompts(tok, 20, 96)
     assert len(prompts) == 20 and all(p.shape == (96,) for p in prompts)
     assert len({tuple(p.tolist()) for p in prompts}) == 20
 
@@ -217,7 +219,7 @@ def test_amdahl_prediction(run):
                                        and r["arm"] == f"{w}/kivi-ref")["decode_s"])
         assert d["predicted_speedup_max"] == pytest.approx(t / (t - 4e-4))
         p = a["prefill"]
-        sched = decode.flush_schedule(ctx, N, RES, G, STEP)["prefill"]
+        sched = bench_decode.flush_schedule(ctx, N, RES, G, STEP)["prefill"]
         want = sum(2 * ((9e-4 - 2e-4) if abs(math.log(s / 64)) < abs(math.log(s / 4)) else 2e-4) for s in sched)
         assert p["saving_s"] == pytest.approx(want)
         # no kernel arm on the CPU: nothing measured to set beside it
@@ -228,7 +230,7 @@ def test_amdahl_prediction(run):
 def test_kivi_equals_fp_cache_without_flush(tiny_source, tmp_path):
     """residual_length beyond prompt + generation: KIVI never flushes, so it is the fp cache."""
     out = tmp_path / "noflush.json"
-    assert decode.main(["--source", str(tiny_source), "--model", "tiny", "--weights", "full", "--caches", "fp", "kivi-ref",
+    assert bench_decode.main(["--source", str(tiny_source), "--model", "tiny", "--weights", "full", "--caches", "fp", "kivi-ref",
                         "--quick", "--prompt-lengths", "40", "--gen-tokens", "6", "--residual", "64", "--repeats", "2",
                         "--copy-mib", "16", "--gemm", "128", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -240,13 +242,13 @@ def test_kivi_equals_fp_cache_without_flush(tiny_source, tmp_path):
 
 
 def test_flush_schedule_matches_the_cache():
-    assert decode.flush_schedule(4096, 128, 128, 32, 2048) == {"prefill": [1920, 2016, 32], "decode": [32] * 4}
-    assert decode.flush_schedule(512, 128, 128, 32, 2048) == {"prefill": [352, 32], "decode": [32] * 4}
-    assert decode.flush_schedule(100, 10, 200, 32, 2048) == {"prefill": [], "decode": []}
+    assert bench_decode.flush_schedule(4096, 128, 128, 32, 2048) == {"prefill": [1920, 2016, 32], "decode": [32] * 4}
+    assert bench_decode.flush_schedule(512, 128, 128, 32, 2048) == {"prefill": [352, 32], "decode": [32] * 4}
+    assert bench_decode.flush_schedule(100, 10, 200, 32, 2048) == {"prefill": [], "decode": []}
     # drive a real KIVICache with the same chunks and count its flushes
     for P, n, r, g, step in ((150, 20, 16, 8, 64), (4096, 128, 128, 32, 2048), (33, 3, 0, 4, 8)):
         cache = kivi.KIVICache(4, g, r, use_kernels=False)
-        sched = decode.flush_schedule(P, n, r, g, step)
+        sched = bench_decode.flush_schedule(P, n, r, g, step)
         chunks = [min(step, P - 1 - t) for t in range(0, P - 1, step)] + [1] * (1 + n)
         seen = []
         for c in chunks:
@@ -259,14 +261,14 @@ def test_flush_schedule_matches_the_cache():
 
 def test_op_time_and_amdahl_arithmetic(tmp_path):
     (tmp_path / "ops.json").write_text(json.dumps(OPS))
-    ops = decode.load_kivi_ops(tmp_path / "ops.json")
-    assert decode.op_time(ops, 5) == {"S": 4, "mode": "in_graph", "reference_s": 3e-4, "kernel_s": 1e-4}
-    assert decode.op_time(ops, 2000)["S"] == 64
-    assert decode.predict_saving([4, 4, 60], 3, ops)["saving_s"] == pytest.approx(3 * (2e-4 + 2e-4 + 7e-4))
-    assert decode.amdahl_speedup(10.0, 1.0) == pytest.approx(10 / 9)
-    assert decode.amdahl_speedup(1.0, 2.0) == math.inf
+    ops = bench_decode.load_kivi_ops(tmp_path / "ops.json")
+    assert bench_decode.op_time(ops, 5) == {"S": 4, "mode": "in_graph", "reference_s": 3e-4, "kernel_s": 1e-4}
+    assert bench_decode.op_time(ops, 2000)["S"] == 64
+    assert bench_decode.predict_saving([4, 4, 60], 3, ops)["saving_s"] == pytest.approx(3 * (2e-4 + 2e-4 + 7e-4))
+    assert bench_decode.amdahl_speedup(10.0, 1.0) == pytest.approx(10 / 9)
+    assert bench_decode.amdahl_speedup(1.0, 2.0) == math.inf
     no_kernel = {"rows": [{"S": 4, "mode": "isolated", "reference": 1e-4, "kernel": None}]}
-    assert decode.predict_saving([4], 2, no_kernel) is None
+    assert bench_decode.predict_saving([4], 2, no_kernel) is None
 
 
 def test_lossless_verdicts():
@@ -274,25 +276,25 @@ def test_lossless_verdicts():
         def decode(self, ids):
             return " ".join(map(str, ids))
 
-    same = decode.compare_outputs({0: [[1, 2, 3]], 1: [[4, 5, 6]]}, {0: [[1, 2, 3]], 1: [[4, 5, 6]]}, Tok(), True)
+    same = bench_decode.compare_outputs({0: [[1, 2, 3]], 1: [[4, 5, 6]]}, {0: [[1, 2, 3]], 1: [[4, 5, 6]]}, Tok(), True)
     assert same["identical"] and same["verdict"] == "byte-identical" and same["pairs"] == 2
-    diff = decode.compare_outputs({0: [[1, 2, 3]], 1: [[4, 5, 6]]}, {0: [[1, 2, 3]], 1: [[4, 5, 7]]}, Tok(), True)
+    diff = bench_decode.compare_outputs({0: [[1, 2, 3]], 1: [[4, 5, 6]]}, {0: [[1, 2, 3]], 1: [[4, 5, 7]]}, Tok(), True)
     assert diff["identical"] is False and diff["verdict"] == "DIFFERENT" and diff["first_difference"]["median"] == 2
     assert diff["identical_ids"] == 1 and diff["token_agreement"]["min"] == pytest.approx(2 / 3)
-    conclusive = decode.lossless_verdict(dict(diff), deterministic=True)
+    conclusive = bench_decode.lossless_verdict(dict(diff), deterministic=True)
     assert conclusive["conclusive"] is True and conclusive["verdict"].startswith("DIFFERENT on 1/2 prompts (first difference at token 2)")
-    inconclusive = decode.lossless_verdict(dict(diff), deterministic=False)
+    inconclusive = bench_decode.lossless_verdict(dict(diff), deterministic=False)
     assert inconclusive["conclusive"] is False and "inconclusive" in inconclusive["verdict"]
-    lossy = decode.compare_outputs({0: [[1, 2]]}, {0: [[1, 3]]}, Tok(), False)
-    assert lossy["verdict"].startswith("0/1 identical") and decode.lossless_verdict(lossy, False) is lossy
+    lossy = bench_decode.compare_outputs({0: [[1, 2]]}, {0: [[1, 3]]}, Tok(), False)
+    assert lossy["verdict"].startswith("0/1 identical") and bench_decode.lossless_verdict(lossy, False) is lossy
 
 
 def test_cli_rejects_bad_settings(tiny_source, tmp_path):
     base = ["--source", str(tiny_source), "--out", str(tmp_path / "x.json"), "--weights", "full"]
     for extra in (["--prompts", "5"], ["--prompt-lengths", "1"], ["--caches", "kivi-ref"]):
         with pytest.raises(SystemExit):
-            decode.parse_args(base + extra)
+            bench_decode.parse_args(base + extra)
     with pytest.raises(SystemExit):
-        decode.parse_args(["--source", str(tiny_source), "--out", "x.json"])  # vqpipe arm without --reservoir
-    args = decode.parse_args(base + ["--quick", "--gen-tokens", "5"])
-    assert args.gen_tokens == 5 and args.prompt_lengths == decode.QUICK["prompt_lengths"] and args.warmup_tokens == 5
+        bench_decode.parse_args(["--source", str(tiny_source), "--out", "x.json"])  # vqpipe arm without --reservoir
+    args = bench_decode.parse_args(base + ["--quick", "--gen-tokens", "5"])
+    assert args.gen_tokens == 5 and args.prompt_lengths == bench_decode.QUICK["prompt_lengths"] and args.warmup_tokens == 5

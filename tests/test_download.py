@@ -14,8 +14,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from vqpipe import download, synth
-from vqpipe.download import fetch
+from vqpipe import synth
+from vqpipe.stages import download
+from vqpipe.stages.download import fetch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -191,7 +192,7 @@ def test_blocks_are_small_updates_that_matter(tiny_source):
     """Each block is a small update of the residual stream, yet the blocks pick the next token."""
     from mlx_lm.models.base import create_attention_mask
 
-    from vqpipe.bench.quality import agreement, eval_windows, load_fp32, logprobs
+    from vqpipe.stages.bench_quality import agreement, eval_windows, load_fp32, logprobs
 
     model, tokenizer = load_fp32(tiny_source)
     ids = eval_windows(tokenizer, 2, 128)[1]
@@ -212,7 +213,7 @@ def test_blocks_are_small_updates_that_matter(tiny_source):
 
 def test_quantization_sensitivity_is_realistic(tiny_source):
     """4-bit affine g64 costs about as much as on a trained model; rotation and more bits help."""
-    from vqpipe.bench.quality import agreement, eval_windows, load_fp32, logprobs, quantize_method
+    from vqpipe.stages.bench_quality import agreement, eval_windows, load_fp32, logprobs, quantize_method
 
     source, tokenizer = load_fp32(tiny_source)
     windows = eval_windows(tokenizer, 4, 128)

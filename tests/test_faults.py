@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import vqpipe
-from vqpipe import crashtest, fsutil, manifest, pack, quantize
+from vqpipe import crashtest, fsutil, manifest
+from vqpipe.stages import pack, quantize
 from vqpipe import reservoir as R
 
 
@@ -84,7 +85,7 @@ def test_flipped_bit_in_any_quantize_file_stops_pack(crash_work, tmp_path):
 
 
 def test_flipped_bit_in_a_reservoir_dir_stops_validate(crash_work, tmp_path, capsys):
-    from vqpipe import validate
+    from vqpipe.stages import validate
 
     work, _ = crash_work
     res = tmp_path / "r"

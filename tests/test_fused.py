@@ -9,10 +9,10 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 from vqpipe import fused
-from vqpipe.download import fetch
-from vqpipe.packing import unpack_numpy
+from vqpipe.stages.download import fetch
+from vqpipe.bitpack import unpack_numpy
 from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
-from vqpipe.quantize import layer_seed, quantize_model, split_state
+from vqpipe.stages.quantize import layer_seed, quantize_model, split_state
 
 
 @pytest.fixture(scope="module")

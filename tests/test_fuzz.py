@@ -147,7 +147,7 @@ def test_gguf_structure_is_checked_before_native_code(tmp_path, monkeypatch):
     import mlx.core as mx
 
     from vqpipe import fuzz_gguf as G
-    from vqpipe.download import fetch
+    from vqpipe.stages.download import fetch
 
     ctx = G.prepare(tmp_path / "w")
     version, kvs, tensors, data = ctx["parts"]

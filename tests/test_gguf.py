@@ -10,7 +10,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from vqpipe import gguf_ref  # noqa: E402
-from vqpipe.download import fetch  # noqa: E402
+from vqpipe.stages.download import fetch  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -18,7 +18,7 @@ from mlx_lm import load, stream_generate
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 import kivi_host
-from vqpipe.kivi import attention, decode_kernel, kernels, packing, quant
+from vqpipe.kivi import attention, decode_kernel, kernels, bitpack, quantizer
 from vqpipe.kivi.cache import KIVICache, make_kivi_cache
 from vqpipe.kivi.store import PackedKIVICache
 
@@ -55,9 +55,9 @@ def _dequantized64(cache):
     rk, rv = (np.array(a.astype(mx.float32)).astype(np.float64) for a in cache.residual())
     if nq == 0:
         return rk, rv, np.abs(rk), np.abs(rv)
-    kc = np.array(packing.unpack_keys(cache.kc, bits)).astype(np.float64)[:, :, :nq]
+    kc = np.array(bitpack.unpack_keys(cache.kc, bits)).astype(np.float64)[:, :, :nq]
     kp = np.repeat(np.array(cache.kp.astype(mx.float32)).astype(np.float64)[:, :, : nq // g], g, axis=2)
-    vc = np.array(packing.unpack_words(cache.vc, bits)).astype(np.float64)[:, :, :nq]
+    vc = np.array(bitpack.unpack_words(cache.vc, bits)).astype(np.float64)[:, :, :nq]
     vp = np.array(cache.vp.astype(mx.float32)).astype(np.float64)[:, :, :nq]
     vp = np.repeat(vp, g, axis=-2)[..., : vc.shape[-1], :]
     k, v = kc * kp[..., 0] + kp[..., 1], vc * vp[..., 0] + vp[..., 1]
@@ -124,15 +124,15 @@ def assert_within(got, queries, cache, scale, mask=None, what=""):
 def test_packing_round_trip(bits):
     mx.random.seed(bits)
     codes = mx.random.randint(0, 2**bits, (2, 3, 64, 48)).astype(mx.uint8)
-    w = packing.pack_keys(codes, bits, 32)
+    w = bitpack.pack_keys(codes, bits, 32)
     assert w.shape == (2, 3, 2, 48 * bits // 32, 32) and w.dtype == mx.uint32
-    assert mx.array_equal(packing.unpack_keys(w, bits), codes.astype(mx.uint32))
-    wv = packing.pack_words(codes, bits)
-    assert mx.array_equal(packing.unpack_words(wv, bits), codes.astype(mx.uint32))
+    assert mx.array_equal(bitpack.unpack_keys(w, bits), codes.astype(mx.uint32))
+    wv = bitpack.pack_words(codes, bits)
+    assert mx.array_equal(bitpack.unpack_words(wv, bits), codes.astype(mx.uint32))
     # lowest bits first: channel 1 of word 0 sits at bit `bits`
     one = mx.zeros((1, 48), mx.uint8)
     one[0, 1] = 1
-    assert packing.pack_words(one, bits)[0, 0].item() == 1 << bits
+    assert bitpack.pack_words(one, bits)[0, 0].item() == 1 << bits
 
 
 def test_geometry_errors_name_the_problem():
@@ -160,18 +160,18 @@ def test_store_is_the_reference_quantizer_in_packed_form(bits, g, d):
         a += n
     nq = g * ((333 - 48) // g)
     assert (p.offset, p.quantized, p.flushes) == (ref.offset, ref.quantized, ref.flushes) == (333, nq, nq // g)
-    qk, ks, kz = quant.quantize_keys(k[..., :nq, :], bits, g)
-    qv, vs, vz = quant.quantize_values(v[..., :nq, :], bits, g)
-    assert mx.array_equal(packing.unpack_keys(p.kc[:, :, : nq // g], bits), qk.astype(mx.uint32))
-    assert mx.array_equal(packing.unpack_words(p.vc[:, :, :nq], bits), qv.astype(mx.uint32))
-    assert mx.array_equal(p.kp[:, :, : nq // g], packing.params(ks, kz))
-    assert mx.array_equal(p.vp[:, :, :nq], packing.params(vs, vz))
+    qk, ks, kz = quantizer.quantize_keys(k[..., :nq, :], bits, g)
+    qv, vs, vz = quantizer.quantize_values(v[..., :nq, :], bits, g)
+    assert mx.array_equal(bitpack.unpack_keys(p.kc[:, :, : nq // g], bits), qk.astype(mx.uint32))
+    assert mx.array_equal(bitpack.unpack_words(p.vc[:, :, :nq], bits), qv.astype(mx.uint32))
+    assert mx.array_equal(p.kp[:, :, : nq // g], bitpack.params(ks, kz))
+    assert mx.array_equal(p.vp[:, :, :nq], bitpack.params(vs, vz))
     rk, rv = p.residual()
     assert mx.array_equal(rk, k[..., nq:, :]) and mx.array_equal(rv, v[..., nq:, :])
     # dequantized: the reference's x_hat up to the float16 rounding of scale and zero
     kh, vh = p.dequantized(0, nq)
     bound = lambda s, z, c: np.abs(np.array(c)) * np.array(s) * 2**-11 + np.abs(np.array(z)) * 2**-11  # noqa: E731
-    assert np.all(np.abs(np.array(kh) - np.array(quant.dequantize_keys(qk, ks, kz, g))) <= bound(mx.repeat(ks, g, 2), mx.repeat(kz, g, 2), qk) + 1e-6)
+    assert np.all(np.abs(np.array(kh) - np.array(quantizer.dequantize_keys(qk, ks, kz, g))) <= bound(mx.repeat(ks, g, 2), mx.repeat(kz, g, 2), qk) + 1e-6)
 
 
 def test_nbytes_is_resident_and_near_the_packed_size():
@@ -315,7 +315,7 @@ def test_generation_same_tokens_as_reference_cache(tiny, bits):
 
 
 def test_generation_with_vqpipe_weights(tiny_source, tmp_path_factory):
-    from vqpipe import pack, quantize
+    from vqpipe.stages import pack, quantize
     from vqpipe.reservoir import load as load_reservoir
 
     root = tmp_path_factory.mktemp("kivi_vq")
@@ -478,12 +478,12 @@ def test_bench_kivi_attn_quick_runs_every_part(tmp_path, monkeypatch):
     part's arms, floors and fields are exercised without a GPU."""
     import json
 
-    from vqpipe.bench import kivi_attn
+    from vqpipe.stages import bench_kivi_attn
 
     monkeypatch.setattr(decode_kernel, "active", lambda use_kernels=None: use_kernels is not False)
     monkeypatch.setattr(decode_kernel, "decode_attention", lambda q, c, scale, **kw: attention.attend_tiles(q, c, scale))
     out = tmp_path / "a.json"
-    assert kivi_attn.main(["--out", str(out), "--quick", "--variants", "2x1,run2:8x2", "--work", str(tmp_path / "m")]) == 0
+    assert bench_kivi_attn.main(["--out", str(out), "--quick", "--variants", "2x1,run2:8x2", "--work", str(tmp_path / "m")]) == 0
     doc = json.loads(out.read_text())
     (op,) = doc["op"]
     variants = {f"kivi{b}:{v}" for b in (4, 2) for v in ("v2:w2c1", "run2:w8c2")}
@@ -495,9 +495,9 @@ def test_bench_kivi_attn_quick_runs_every_part(tmp_path, monkeypatch):
     assert mem["kivi4"]["cache_nbytes"] < mem["fp16"]["cache_nbytes"] and mem["kivi2"]["packed_nbytes"] > 0
     (dec,) = doc["decode"]
     assert {"fp16", "kivi4", "kivi2"} <= set(dec["arms"]) and dec["arms"]["kivi4"]["tok_per_s_median"] > 0
-    assert kivi_attn.amdahl(10.0, 32, 0.1, 0.05) == pytest.approx(10 / 8.4)
+    assert bench_kivi_attn.amdahl(10.0, 32, 0.1, 0.05) == pytest.approx(10 / 8.4)
     # the KV-side memory part: every kind's peak and sizes, packed caches against their theory
-    assert kivi_attn.main(["--out", str(out), "--quick", "--parts", "kvmemory"]) == 0
+    assert bench_kivi_attn.main(["--out", str(out), "--quick", "--parts", "kvmemory"]) == 0
     kv = json.loads(out.read_text())["kv_memory"]
     assert kv["fp16"]["peak_bytes"] > kv["fp16"]["cache_nbytes"] > kv["kivi4"]["cache_nbytes"] > kv["kivi2"]["cache_nbytes"]
     assert all(1 <= kv[k]["nbytes_vs_packed"] < 1.5 for k in ("kivi4", "kivi2")) and kv["fp16"]["packed_nbytes"] is None
@@ -508,10 +508,10 @@ def test_bench_kivi_quality_quick(tiny_source, tmp_path):
     and every kind gets perplexity, KL and top-1 agreement."""
     import json
 
-    from vqpipe.bench import kivi_quality
+    from vqpipe.stages import bench_kivi_quality
 
     out = tmp_path / "q.json"
-    assert kivi_quality.main(["--model", str(tiny_source), "--out", str(out), "--windows", "1", "--length", "300",
+    assert bench_kivi_quality.main(["--model", str(tiny_source), "--out", str(out), "--windows", "1", "--length", "300",
                               "--chunk", "100", "--kinds", "kivi2", "mlx-q4"]) == 0
     res = json.loads(out.read_text())["results"]
     assert set(res) == {"fp", "kivi2", "mlx-q4"}

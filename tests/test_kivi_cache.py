@@ -8,7 +8,7 @@ import pytest
 from mlx_lm import generate, load, stream_generate
 from mlx_lm.models.cache import KVCache
 
-from vqpipe.kivi import quant
+from vqpipe.kivi import quantizer
 from vqpipe.kivi.cache import KIVICache, cache_stats, make_kivi_cache
 
 CORPUS = Path(__file__).parents[1] / "vqpipe" / "data" / "corpus.txt"
@@ -33,8 +33,8 @@ def _feed(cache, k, v, chunks):
 
 def _expected(k, v, nq, bits, g):
     """Tokens [0, nq) fake-quantized group by group, the rest untouched."""
-    kq = quant.fake_quant_keys(k[..., :nq, :], bits, g)[0]
-    vq = quant.fake_quant_values(v[..., :nq, :], bits, g)[0]
+    kq = quantizer.fake_quant_keys(k[..., :nq, :], bits, g)[0]
+    vq = quantizer.fake_quant_values(v[..., :nq, :], bits, g)[0]
     return mx.concatenate([kq, k[..., nq:, :]], axis=2), mx.concatenate([vq, v[..., nq:, :]], axis=2)
 
 
@@ -85,8 +85,8 @@ def test_trim_keeps_quantized_prefix_and_resumes():
     assert (c.offset, c.quantized) == (31, 22)
     want = mx.concatenate(
         [
-            quant.fake_quant_keys(k[..., :20, :], 4, g)[0][..., :18, :],
-            quant.fake_quant_keys(k[..., 18:22, :], 4, g)[0],
+            quantizer.fake_quant_keys(k[..., :20, :], 4, g)[0][..., :18, :],
+            quantizer.fake_quant_keys(k[..., 18:22, :], 4, g)[0],
             k[..., 22:31, :],
         ],
         axis=2,

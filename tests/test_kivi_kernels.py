@@ -16,14 +16,14 @@ import pytest
 
 from mlx.utils import tree_flatten
 
-from vqpipe.kivi import kernels, quant
+from vqpipe.kivi import kernels, quantizer
 from vqpipe.kivi.cache import KIVICache, make_kivi_cache
 
 needs_gpu = pytest.mark.skipif(kernels.backend() is None, reason="needs MLX's Metal or CUDA backend")
 
 KINDS = {
-    "keys": (quant.fake_quant_keys, kernels.fake_quant_keys),
-    "values": (quant.fake_quant_values, kernels.fake_quant_values),
+    "keys": (quantizer.fake_quant_keys, kernels.fake_quant_keys),
+    "values": (quantizer.fake_quant_values, kernels.fake_quant_values),
 }
 DTYPES = ("float16", "bfloat16", "float32")
 
@@ -104,10 +104,10 @@ def test_dispatch_and_switch():
             assert _same_bytes(a, b)
     v = x[..., :40]
     (kh, _, _), (_, vs, _) = kernels.fake_quant_kv(x, v, 4, 32, use_kernels=False)
-    assert _same_bytes(kh, quant.fake_quant_keys(x, 4, 32)[0])
-    assert _same_bytes(vs, quant.fake_quant_values(v, 4, 32)[1])
+    assert _same_bytes(kh, quantizer.fake_quant_keys(x, 4, 32)[0])
+    assert _same_bytes(vs, quantizer.fake_quant_values(v, 4, 32)[1])
     kh2, vh2 = kernels.fake_quant_kv_hat(x, v, 4, 32, use_kernels=False)
-    assert _same_bytes(kh2, kh) and _same_bytes(vh2, quant.fake_quant_values(v, 4, 32)[0])
+    assert _same_bytes(kh2, kh) and _same_bytes(vh2, quantizer.fake_quant_values(v, 4, 32)[0])
     previous = kernels.set_enabled(False)
     try:
         assert not kernels.kernels_active()
@@ -201,7 +201,7 @@ def test_kernel_bytes_equal_reference(cfg, layout):
     if kind == "kv":
         k = _input(i, "keys", g, d, s, h, b, dt)
         v = _input(i + 7, "values", g, d // 2 + 8, s, 12 // h, b, dt)  # other heads, ragged channels
-        want = (*quant.fake_quant_keys(k, bits, g), *quant.fake_quant_values(v, bits, g))
+        want = (*quantizer.fake_quant_keys(k, bits, g), *quantizer.fake_quant_values(v, bits, g))
         got = sum(kernels.fake_quant_kv(k, v, bits, g, use_kernels=True, layout=layout), ())
         names = ("k_hat", "k_scale", "k_zero", "v_hat", "v_scale", "v_zero")
         # the cache's flush (x_hat only, two outputs): the same bytes
@@ -312,7 +312,7 @@ def test_generation_identical_with_kernels_on_and_off(preset, dtype, corpus, tmp
     kernels-off runs differed), so the float32 case is the one that can show on/off identity."""
     from mlx_lm import load, stream_generate
 
-    from vqpipe.download import fetch
+    from vqpipe.stages.download import fetch
 
     path = fetch(f"synth:{preset}", tmp_path_factory.mktemp("kivi") / preset, seed=0)
     model, tokenizer = load(str(path))
@@ -380,7 +380,7 @@ def test_generation_identical_with_kernels_on_and_off(preset, dtype, corpus, tmp
 # warp as a fiber (ucontext) so __shfl_xor_sync is a real exchange: all 32 lanes write, then all
 # read. A warp in which some lanes have returned while others wait at a shuffle fails the run
 # (the kernels' uniform-exit rule). Threads run block by block over the whole rounded-up grid, as
-# MLX's CUDA launch does. Output bytes are compared with vqpipe.kivi.quant on the CPU.
+# MLX's CUDA launch does. Output bytes are compared with vqpipe.kivi.quantizer on the CPU.
 
 _HOST_SHIM = r"""
 #include <cmath>
@@ -607,7 +607,7 @@ def _host_run(d, layout, bits, g, k, v, off=0, hat=False):
 
 
 def _ref_bytes(k, v, bits, g):
-    want = (*quant.fake_quant_keys(k, bits, g), *quant.fake_quant_values(v, bits, g))
+    want = (*quantizer.fake_quant_keys(k, bits, g), *quantizer.fake_quant_values(v, bits, g))
     mx.eval(want)
     return [np.array(a.view(mx.uint16) if a.dtype.size == 2 else a.view(mx.uint32)).view(np.uint8).reshape(-1) for a in want]
 
@@ -673,23 +673,23 @@ def test_bench_kivi_times_layouts_side_by_side(tmp_path, monkeypatch):
     layout), so the arms, floors and per-layout comparisons are exercised without a GPU."""
     import json
 
-    from vqpipe.bench import kivi_ops
+    from vqpipe.stages import bench_kivi
 
     seen = set()
 
     def fake_launch(kind, inputs, shape, bits, group_size, layout=None):
         seen.add(layout)
         if kind == "kv":
-            return (*quant.fake_quant_keys(inputs[0], bits, group_size), *quant.fake_quant_values(inputs[1], bits, group_size))
+            return (*quantizer.fake_quant_keys(inputs[0], bits, group_size), *quantizer.fake_quant_values(inputs[1], bits, group_size))
         if kind == "kv_hat":
-            return quant.fake_quant_keys(inputs[0], bits, group_size)[0], quant.fake_quant_values(inputs[1], bits, group_size)[0]
+            return quantizer.fake_quant_keys(inputs[0], bits, group_size)[0], quantizer.fake_quant_values(inputs[1], bits, group_size)[0]
         return KINDS[kind][0](inputs[0], bits, group_size)
 
     monkeypatch.setattr(kernels, "kernels_active", lambda use_kernels=None: use_kernels is not False)
     monkeypatch.setattr(kernels, "_launch", fake_launch)
     out = tmp_path / "k.json"
     args = ["--out", str(out), "--quick", "--heads", "2", "--head-dim", "64"]  # --quick: S = 32 and 256
-    assert kivi_ops.main(args + ["--layouts", "vec", "warp"]) == 0
+    assert bench_kivi.main(args + ["--layouts", "vec", "warp"]) == 0
     assert seen == {"vec", "warp"}
     rows = json.loads(out.read_text())["results"]
     assert {r["mode"] for r in rows} == {"isolated", "in_graph"} and len(rows) == 16
@@ -699,11 +699,11 @@ def test_bench_kivi_times_layouts_side_by_side(tmp_path, monkeypatch):
         assert set(r["noise_floor"]) == {"reference", "kernel", "kernel:warp"}  # each arm's own A/A floor
         assert r["kernel_layout"] == "vec" and set(r["layouts"]) == {"vec", "warp"}
         assert r["layouts"]["vec"]["speedup"] == r["speedup"]
-        assert r.get("m4_speedup") == r["layouts"]["warp"].get("m4_speedup") == kivi_ops.M4_RATIOS.get(r["S"])
+        assert r.get("m4_speedup") == r["layouts"]["warp"].get("m4_speedup") == bench_kivi.M4_RATIOS.get(r["S"])
         if r["mode"] == "isolated":
             assert r["outputs_equal"] and all(c["outputs_equal"] for c in r["layouts"].values())
     seen.clear()
-    assert kivi_ops.main(args) == 0  # without the option: one kernel arm, the current layout
+    assert bench_kivi.main(args) == 0  # without the option: one kernel arm, the current layout
     assert seen == {None}
     for r in json.loads(out.read_text())["results"]:
         assert {a for a in r["arms"] if not a.endswith("(A/A)")} == {"reference", "kernel"} and "layouts" not in r

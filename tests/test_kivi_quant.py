@@ -1,14 +1,14 @@
-"""Reference KIVI quantizer (vqpipe.kivi.quant): the properties the kernels are held to."""
+"""Reference KIVI quantizer (vqpipe.kivi.quantizer): the properties the kernels are held to."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from vqpipe.kivi import quant
+from vqpipe.kivi import quantizer
 
 KINDS = {
-    "keys": (quant.fake_quant_keys, quant.quantize_keys, quant.dequantize_keys),
-    "values": (quant.fake_quant_values, quant.quantize_values, quant.dequantize_values),
+    "keys": (quantizer.fake_quant_keys, quantizer.quantize_keys, quantizer.dequantize_keys),
+    "values": (quantizer.fake_quant_values, quantizer.quantize_values, quantizer.dequantize_values),
 }
 
 
@@ -26,7 +26,7 @@ def _bits_of(x):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("bits", quantizer.BITS)
 @pytest.mark.parametrize("g", [32, 48])
 def test_round_trip_error_bound(kind, bits, g):
     mx.random.seed(bits * 100 + g)
@@ -43,7 +43,7 @@ def test_round_trip_error_bound(kind, bits, g):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("bits", quant.BITS)
+@pytest.mark.parametrize("bits", quantizer.BITS)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_round_half_to_even(kind, bits, dtype):
     # Group [0, qmax*step, step/2, 3*step/2, ...]: zero = 0 and scale = step exactly, so
@@ -123,11 +123,11 @@ def test_codes_dequantize_to_fake_quant(kind, dtype):
 def test_input_checks_and_packed_size():
     x = mx.zeros((1, 1, 4, 8))
     with pytest.raises(ValueError):
-        quant.fake_quant_keys(x, bits=0)
+        quantizer.fake_quant_keys(x, bits=0)
     with pytest.raises(ValueError):
-        quant.fake_quant_values(x, bits=9)
+        quantizer.fake_quant_values(x, bits=9)
     with pytest.raises(ValueError):
-        quant.fake_quant_keys(mx.zeros((8,)))
+        quantizer.fake_quant_keys(mx.zeros((8,)))
     # 4 bits: 64 codes -> 32 bytes, plus 2 groups x (fp16 scale + fp16 zero).
-    assert quant.packed_nbytes(64, 2, 4) == 32 + 8
-    assert quant.packed_nbytes(3, 1, 2) == 1 + 4
+    assert quantizer.packed_nbytes(64, 2, 4) == 32 + 8
+    assert quantizer.packed_nbytes(3, 1, 2) == 1 + 4

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import vqpipe
-from vqpipe import inspect as vinspect
-from vqpipe import pack, quantize
+from vqpipe.stages import show as vinspect
+from vqpipe.stages import pack, quantize
 from vqpipe import reservoir as R
 
 
@@ -150,7 +150,7 @@ def test_inspect_cli_subprocess(packed):
 
 def test_bench_load_smoke(tiny_llama_source, tmp_path):
     """The load benchmark end to end on a tiny model: schema, byte-identical loads, sizes."""
-    from vqpipe.bench import load as bench
+    from vqpipe.stages import bench_load as bench
 
     out = tmp_path / "load.json"
     assert bench.main(["--source", str(tiny_llama_source), "--out", str(out), "--rotations", "auto",

@@ -20,9 +20,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from vqpipe import packing, qmv
+from vqpipe import qmv, bitpack
 from vqpipe.codebook import codebook as lloyd_codebook
-from vqpipe.packing import unpack, words_per_row
+from vqpipe.bitpack import unpack, words_per_row
 from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
 
 needs_gpu = pytest.mark.skipif(qmv.backend() is None, reason="needs MLX's Metal or CUDA backend")
@@ -235,8 +235,8 @@ def _weights(bits, n_in, n_out, seed=0, group_size=None):
     """Packed indices (random garbage in the row padding too), scales (per row, or [out, in // group_size]),
     a codebook, a bias; numpy."""
     rng = np.random.default_rng([bits, n_in, n_out, seed, group_size or 0])
-    idx = rng.integers(0, 1 << bits, size=(n_out, packing.padded_length(n_in)), dtype=np.uint8)
-    packed = packing.pack(idx, bits)
+    idx = rng.integers(0, 1 << bits, size=(n_out, bitpack.padded_length(n_in)), dtype=np.uint8)
+    packed = bitpack.pack(idx, bits)
     levels = (lloyd_codebook(bits, max(n_in, 3)) / np.sqrt(n_in)).astype(np.float32) if bits <= 4 else \
         (rng.standard_normal(1 << bits) / np.sqrt(n_in)).astype(np.float32)
     shape = n_out if group_size is None else (n_out, n_in // group_size)
@@ -255,7 +255,7 @@ def _reference64(x, packed, scales, levels, bias, bits, group_size=None, x64=Non
     ulp: eps/2 relative, plus the smallest subnormal for fp16)."""
     n = x.shape[-1]
     xd = np.array(x.astype(mx.float32), dtype=np.float64).reshape(-1, n) if x64 is None else x64
-    w = levels.astype(np.float64)[packing.unpack_numpy(packed, bits, n)]
+    w = levels.astype(np.float64)[bitpack.unpack_numpy(packed, bits, n)]
     s = np.array(scales, dtype=np.float64)
     if s.ndim == 2:  # per group: the scales weight the codebook values, then s = 1 per row
         w = w * np.repeat(s, group_size, axis=1)[:, :n]
@@ -290,7 +290,7 @@ def test_reference64_matches_dense_formula_on_cpu():
 
 
 def test_bench_quick_runs_on_cpu(tmp_path):
-    from vqpipe.bench import qmv as bench
+    from vqpipe.stages import bench_qmv as bench
 
     out = tmp_path / "q.json"
     with mx.stream(mx.cpu):
@@ -540,8 +540,8 @@ def _decode(model, prompt, steps, on):
 def test_generation_kernel_on_off(dt, embeddings, tmp_path_factory, monkeypatch):
     from mlx_lm import load
 
-    from vqpipe.download import fetch
-    from vqpipe.quantize import quantize_model
+    from vqpipe.stages.download import fetch
+    from vqpipe.stages.quantize import quantize_model
 
     path = fetch("synth:tiny", tmp_path_factory.mktemp("qmv") / "tiny", seed=0)
     model, tok = load(str(path))

@@ -7,8 +7,8 @@ import mlx.nn as nn
 import pytest
 
 from vqpipe import text
-from vqpipe.bench import quality as q
-from vqpipe.quantize import run as quantize_run
+from vqpipe.stages import bench_quality as q
+from vqpipe.stages.quantize import run as quantize_run
 
 
 def test_bits_per_weight_counts_everything(tiny_source):

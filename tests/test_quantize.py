@@ -8,7 +8,7 @@ from mlx_lm import generate
 from mlx_lm.utils import load
 
 from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
-from vqpipe.quantize import load_quantized, main, quantize_model, quantized_layers, run
+from vqpipe.stages.quantize import load_quantized, main, quantize_model, quantized_layers, run
 
 
 def _logits(model, tokens):

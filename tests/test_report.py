@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from vqpipe import record, report
+from vqpipe import record
+from vqpipe.stages import report
 from vqpipe.bench import compare, environment, noise_floor, summarize
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,7 +28,7 @@ def _rec(samples, **keys):
 
 def _artifacts(env):
     """One record of every kind: the payloads the stages write (quantize.py, pack.py, validate.py,
-    bench/load.py, bench/decode.py, bench/kivi_ops.py, bench/quality.py) in record.make's envelope."""
+    stages/bench_load.py, stages/bench_decode.py, stages/bench_kivi.py, stages/bench_quality.py) in record.make's envelope."""
     floor = noise_floor(LOAD_RES, LOAD_RES_AA)
     arts = {}
     q = "quantized/tiny/b4-hadamard"
@@ -76,7 +77,7 @@ def _artifacts(env):
             rec = _rec([t * (1 - ctx / 4096) for t in tok_s], model="tiny", arm=arm, precision=precision,
                        phase="decode", context=ctx, unit="tok/s", weight_bytes=wbytes, flops_per_token=3_800_000,
                        kv_bytes_per_position=16_384, peak_memory_bytes=wbytes + 16_384 * ctx)
-            bpt = wbytes + 16_384 * ctx  # as bench/decode.py records them (roofline.py's formulas)
+            bpt = wbytes + 16_384 * ctx  # as stages/bench_decode.py records them (roofline.py's formulas)
             rec.update(bytes_per_token=bpt, achieved={k: {"bytes_per_s": bpt * rec[k], "percent_of_peak": 100 * bpt * rec[k] / 28.1e9}
                                                       for k in ("median", "min", "max")})
             decode_records.append(rec)

@@ -16,7 +16,7 @@ import urllib.request
 import openai  # the test extra pins it
 import pytest
 
-from vqpipe import pack, quantize
+from vqpipe.stages import pack, quantize
 from vqpipe.serve import context_length
 
 PY = [sys.executable, "-m", "vqpipe"]

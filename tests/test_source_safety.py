@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from vqpipe import download
-from vqpipe.download import HF_ALLOW_PATTERNS, fetch
+from vqpipe.stages import download
+from vqpipe.stages.download import HF_ALLOW_PATTERNS, fetch
 
 ROOT = Path(download.__file__).resolve().parents[1]
 UNSAFE = ["modeling_evil.py", "pytorch_model.bin", "weights.pt", "state.pth", "x.pkl", "native.so", "Upper.PY"]
@@ -82,7 +82,7 @@ def test_nothing_enables_remote_code():
 
 def test_quantize_refuses_a_custom_model_file(hostile_source, tmp_path):
     """A config asking for custom model code (model_file) is refused by the loader, not run."""
-    from vqpipe import quantize
+    from vqpipe.stages import quantize
 
     config = json.loads((hostile_source / "config.json").read_text())
     config["model_file"] = "modeling_evil.py"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import vqpipe
-from vqpipe import quantize, validate
+from vqpipe.stages import quantize, validate
 
 
 @pytest.fixture(scope="module")

@@ -206,11 +206,11 @@ def test_changing_persist_rotation_reruns_pack_not_quantize(tree):
 @pytest.mark.parametrize(
     "source, first",
     [
-        ("vqpipe/quantize.py", "quantize"),
+        ("vqpipe/stages/quantize.py", "quantize"),
         ("vqpipe/qlinear.py", "quantize"),
-        ("vqpipe/pack.py", "pack"),
-        ("vqpipe/validate.py", "validate"),
-        ("vqpipe/report.py", "report"),
+        ("vqpipe/stages/pack.py", "pack"),
+        ("vqpipe/stages/validate.py", "validate"),
+        ("vqpipe/stages/report.py", "report"),
         ("vqpipe/summary.py", "report"),
         ("vqpipe/templates/report.md.j2", "report"),
         ("workflow/schemas/record.schema.json", "report"),

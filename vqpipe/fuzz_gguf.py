@@ -255,14 +255,14 @@ def prepare(workdir):
     raw = path.read_bytes()
     parts = parse(raw)
     header_end = len(raw) - len(parts[3])
-    from .download import fetch
+    from .stages.download import fetch
 
     fetch(f"gguf:{path}", workdir / "base-out")  # the unmutated file converts
     return {"bytes": raw, "parts": parts, "header_end": header_end, "work": workdir}
 
 
 def run_case(ctx, seed, index):
-    from .download import fetch
+    from .stages.download import fetch
 
     rng = random.Random(f"gguf:{seed}:{index}")
     data, what = rng.choice(MUTATORS)(rng, ctx)

@@ -250,7 +250,7 @@ def quantization_record(reader, types):
 
 def fetch_gguf(value, dst, dtype="bfloat16"):
     """Convert ``gguf:VALUE`` into ``dst`` (an empty directory); returns the vqpipe-source.json info."""
-    from .download import sha256_file
+    from .stages.download import sha256_file
     from .gguf_tokenizer import write_tokenizer
 
     if dtype not in DTYPES:

@@ -21,7 +21,7 @@ import numpy as np
 from . import qmv
 from . import rotation as rot
 from .codebook import boundaries, check_bits, codebook
-from .packing import pack, unpack
+from .bitpack import pack, unpack
 
 _ROW_CHUNK = 8192  # rows quantized at a time: bounds temporaries for 150k-row embeddings
 

@@ -48,7 +48,7 @@ import numpy as np
 
 from . import gpu
 from .gpu import backend
-from .packing import unpack, words_per_row
+from .bitpack import unpack, words_per_row
 
 MAX_M = 8  # rows of x (prod of its leading dims) the kernel takes; more -> the dense path
 ROWS = 4  # output rows per warp (R); must match "constexpr int R" in _SOURCE

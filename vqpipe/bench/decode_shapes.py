@@ -40,12 +40,12 @@ from .. import qmv, synth
 from ..codebook import codebook
 from ..fsutil import write_json
 from ..fused import fuse_model, rotation_owner
-from ..packing import words_per_row
+from ..bitpack import words_per_row
 from ..qlinear import QuantizedEmbedding, QuantizedLinear
-from ..quantize import layer_seed
+from ..stages.quantize import layer_seed
 from ..rotation import make_rotation
 from . import harness, roofline
-from .decode import generate_once, make_cache
+from ..stages.bench_decode import generate_once, make_cache
 from .env import environment
 
 STD = 0.02
@@ -53,7 +53,7 @@ ROT = "+rot"  # arm suffix: the rotation in the kernel's prologue
 
 
 def skeleton(preset):
-    from ..quantize import skeleton as load_skeleton
+    from ..stages.quantize import skeleton as load_skeleton
 
     with tempfile.TemporaryDirectory(prefix="vq-shapes-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(synth.make_config(preset)))

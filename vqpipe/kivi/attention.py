@@ -18,7 +18,7 @@ import sys
 
 import mlx.core as mx
 
-from . import decode_kernel, packing
+from . import decode_kernel, bitpack
 from .store import PackedKIVICache
 
 TILE = 4096  # at most this many quantized tokens dequantized at a time by the tile path
@@ -59,8 +59,8 @@ def _update(q, k, v, m, l, o, mask):
 
 
 def _update_codes(q, kc, kp, vc, vp, m, l, o, mask, bits, group_size):
-    k = packing.dequantize_keys(kc, kp, bits, group_size)
-    v = packing.dequantize_values(vc, vp, bits, group_size)
+    k = bitpack.dequantize_keys(kc, kp, bits, group_size)
+    v = bitpack.dequantize_values(vc, vp, bits, group_size)
     return _update(q, k, v, m, l, o, mask)
 
 

@@ -16,7 +16,7 @@ never mixed.
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask, make_prompt_cache
 
-from . import kernels, quant
+from . import kernels, quantizer
 
 
 class KIVICache(_BaseCache):
@@ -36,7 +36,7 @@ class KIVICache(_BaseCache):
     flushes = 0
 
     def __init__(self, bits=4, group_size=32, residual_length=128, use_kernels=None):
-        quant._qmax(bits)
+        quantizer._qmax(bits)
         if group_size < 1 or residual_length < 0:
             raise ValueError("group_size must be >= 1 and residual_length >= 0")
         self.kv_bits = int(bits)
@@ -188,8 +188,8 @@ class KIVICache(_BaseCache):
         g, nq = self.group_size, self.quantized
         k_groups = b * h * -(-nq // g) * dk
         v_groups = b * h * nq * -(-dv // g)
-        packed = quant.packed_nbytes(b * h * nq * dk, k_groups, self.kv_bits)
-        packed += quant.packed_nbytes(b * h * nq * dv, v_groups, self.kv_bits)
+        packed = quantizer.packed_nbytes(b * h * nq * dk, k_groups, self.kv_bits)
+        packed += quantizer.packed_nbytes(b * h * nq * dv, v_groups, self.kv_bits)
         return packed + self._residual_tokens_nbytes()
 
     def stats(self):

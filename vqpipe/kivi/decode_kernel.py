@@ -9,7 +9,7 @@ them in turn. Per chunk, a warp:
    all R query heads of the KV head side by side) and the zeros into one bias per head
    (``Σ_d q_d·scale·z_d``): the keys are then scored straight from their codes;
 2. scores: lane t owns token t of the chunk and reads its key words, 32 lanes reading 32
-   consecutive words (:mod:`vqpipe.kivi.packing`);
+   consecutive words (:mod:`vqpipe.kivi.bitpack`);
 3. online softmax: the chunk's max per head (a butterfly over the warp), the running max, sum and
    accumulator rescaled by ``exp(m_old - m_new)`` when the max grows;
 4. p·V: lane (w, j) owns word w of tokens j, j + 32/W, ...; the value's per-token scale is folded

@@ -1,7 +1,7 @@
 """Fused KIVI fake-quant kernels: one kernel description, a thin Metal/CUDA dialect layer, dispatch.
 
 Each kernel reads its input once and writes x_hat (x's dtype and shape), and float32 scale and zero
-unless it is the cache's x_hat-only flush, with exactly the operations of :mod:`vqpipe.kivi.quant`
+unless it is the cache's x_hat-only flush, with exactly the operations of :mod:`vqpipe.kivi.quantizer`
 in the same order, so outputs match the reference bit for bit on the same device.
 
 - keys (per channel): one thread owns one whole group of G tokens of one channel; consecutive threads
@@ -35,7 +35,7 @@ import mlx.core as mx
 
 from .. import gpu
 from ..gpu import backend
-from . import quant
+from . import quantizer
 
 WARP = 32
 THREADS = 256
@@ -503,7 +503,7 @@ def launch_spec(kind, shape, dtype, bits, group_size, layout="vec"):
     """Template arguments, grid, threadgroup and output shapes for a launch.
     ``shape`` is the input's shape, or for ``kind="kv"`` the pair (keys shape, values shape).
     Only the template arguments select a compiled kernel, and they hold no shape."""
-    quant._qmax(bits)
+    quantizer._qmax(bits)
     _check_layout(layout)
     if kind in ("keys", "values"):
         threads, params = _geometry(kind, shape, group_size, layout, dtype.size)
@@ -558,19 +558,19 @@ def _launch(kind, inputs, shape, bits, group_size, layout=None):
 
 
 def fake_quant_keys(x, bits=4, group_size=32, use_kernels=None, layout=None):
-    """Keys per channel: ``(x_hat, scale, zero)`` as :func:`vqpipe.kivi.quant.fake_quant_keys`,
+    """Keys per channel: ``(x_hat, scale, zero)`` as :func:`vqpipe.kivi.quantizer.fake_quant_keys`,
     from the fused kernel when active (x must be [B, H, S, D]), else from the reference ops.
     ``layout`` picks the kernel layout (None: :func:`layout`)."""
     if kernels_active(use_kernels):
         return _launch("keys", [x], tuple(x.shape), bits, group_size, layout)
-    return quant.fake_quant_keys(x, bits, group_size)
+    return quantizer.fake_quant_keys(x, bits, group_size)
 
 
 def fake_quant_values(x, bits=4, group_size=32, use_kernels=None, layout=None):
-    """Values per token: ``(x_hat, scale, zero)`` as :func:`vqpipe.kivi.quant.fake_quant_values`."""
+    """Values per token: ``(x_hat, scale, zero)`` as :func:`vqpipe.kivi.quantizer.fake_quant_values`."""
     if kernels_active(use_kernels):
         return _launch("values", [x], tuple(x.shape), bits, group_size, layout)
-    return quant.fake_quant_values(x, bits, group_size)
+    return quantizer.fake_quant_values(x, bits, group_size)
 
 
 def fake_quant_kv_hat(k, v, bits=4, group_size=32, use_kernels=None, layout=None):
@@ -580,7 +580,7 @@ def fake_quant_kv_hat(k, v, bits=4, group_size=32, use_kernels=None, layout=None
         if k.dtype != v.dtype:
             raise ValueError(f"keys and values dtypes differ: {k.dtype} vs {v.dtype}")
         return _launch("kv_hat", [k, v], (tuple(k.shape), tuple(v.shape)), bits, group_size, layout)
-    return quant.fake_quant_keys(k, bits, group_size)[0], quant.fake_quant_values(v, bits, group_size)[0]
+    return quantizer.fake_quant_keys(k, bits, group_size)[0], quantizer.fake_quant_values(v, bits, group_size)[0]
 
 
 def fake_quant_kv(k, v, bits=4, group_size=32, use_kernels=None, layout=None):
@@ -591,4 +591,4 @@ def fake_quant_kv(k, v, bits=4, group_size=32, use_kernels=None, layout=None):
             raise ValueError(f"keys and values dtypes differ: {k.dtype} vs {v.dtype}")
         out = _launch("kv", [k, v], (tuple(k.shape), tuple(v.shape)), bits, group_size, layout)
         return out[:3], out[3:]
-    return quant.fake_quant_keys(k, bits, group_size), quant.fake_quant_values(v, bits, group_size)
+    return quantizer.fake_quant_keys(k, bits, group_size), quantizer.fake_quant_values(v, bits, group_size)

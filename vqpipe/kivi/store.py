@@ -5,7 +5,7 @@ definition): tokens ``[0, quantized)`` are quantized (keys per channel, values p
 newest ``[quantized, offset)`` stay full precision, and whenever the residual reaches
 ``residual_length + group_size`` tokens every whole group beyond the newest ``residual_length`` is
 flushed. The difference is storage: codes in uint32 words and a float16 scale and zero per group
-(:mod:`vqpipe.kivi.packing`), no full-precision copy of the quantized tokens anywhere. Attention
+(:mod:`vqpipe.kivi.bitpack`), no full-precision copy of the quantized tokens anywhere. Attention
 goes through :func:`vqpipe.kivi.attention.attend` (mlx-lm's ``scaled_dot_product_attention`` is
 routed there for this cache by :func:`vqpipe.kivi.attention.install`, which ``make_kivi_cache``
 calls).
@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from . import packing
+from . import bitpack
 
 
 class PackedKIVICache(_BaseCache):
@@ -103,8 +103,8 @@ class PackedKIVICache(_BaseCache):
     def update_and_fetch(self, keys, values):
         n = keys.shape[2]
         if self._rk is None:
-            packing.check_geometry(keys.shape[-1], self.kv_bits, self.group_size)
-            packing.check_geometry(values.shape[-1], self.kv_bits, self.group_size)
+            bitpack.check_geometry(keys.shape[-1], self.kv_bits, self.group_size)
+            bitpack.check_geometry(values.shape[-1], self.kv_bits, self.group_size)
             self._set_residual(keys, values)
         elif self.nres + n > self._rk.shape[2]:
             rk, rv = self.residual()
@@ -128,7 +128,7 @@ class PackedKIVICache(_BaseCache):
         a, g = self.quantized, self.group_size
         rk, rv = self.residual()
         self._grow(a + m)
-        kc, kp, vc, vp = packing.quantize_flush(rk[..., :m, :], rv[..., :m, :], self.kv_bits, g)
+        kc, kp, vc, vp = bitpack.quantize_flush(rk[..., :m, :], rv[..., :m, :], self.kv_bits, g)
         self.kc[:, :, a // g : (a + m) // g] = kc
         self.kp[:, :, a // g : (a + m) // g] = kp
         self.vc[:, :, a : a + m] = vc
@@ -142,8 +142,8 @@ class PackedKIVICache(_BaseCache):
         """Keys and values of quantized tokens [start, stop) (multiples of group_size) in float32:
         one tile, as the prefill path reads it."""
         g, bits = self.group_size, self.kv_bits
-        k = packing.dequantize_keys(self.kc[:, :, start // g : stop // g], self.kp[:, :, start // g : stop // g], bits, g)
-        v = packing.dequantize_values(self.vc[:, :, start:stop], self.vp[:, :, start:stop], bits, g)
+        k = bitpack.dequantize_keys(self.kc[:, :, start // g : stop // g], self.kp[:, :, start // g : stop // g], bits, g)
+        v = bitpack.dequantize_values(self.vc[:, :, start:stop], self.vp[:, :, start:stop], bits, g)
         return k.astype(dtype), v.astype(dtype)
 
     # --- mlx-lm cache interface -----------------------------------------------------------

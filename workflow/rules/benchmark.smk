@@ -8,7 +8,7 @@ rule bench_quality:
         # The vqpipe arms are the quantize stage's artifacts (the pipeline's rotation and none),
         # so every quantize option reaches them; affine arms are made in the job.
         quantized=expand(QUANTIZED, model="{model}", bits=BITS, rotation=[QUALITY_ROTATION, "none"]),
-        code=stage_sources("vqpipe.bench.quality"),
+        code=stage_sources("vqpipe.stages.bench_quality"),
     output:
         BENCH_QUALITY,
     params:
@@ -41,7 +41,7 @@ rule bench_load:
     input:
         source=SOURCE,
         # It quantizes and packs in-process and loads reservoirs in fresh ones.
-        code=stage_sources("vqpipe.bench.load", "vqpipe.quantize", "vqpipe.reservoir"),
+        code=stage_sources("vqpipe.stages.bench_load", "vqpipe.stages.quantize", "vqpipe.reservoir"),
     output:
         BENCH_LOAD,
     params:
@@ -74,7 +74,7 @@ rule bench_decode:
         verdict=decode_artifact(VERDICT),
         # bench-kivi's per-flush times feed the Amdahl prediction.
         kivi_ops=[BENCH_KIVI] if config["benchmarks"]["kivi"]["enabled"] else [],
-        code=stage_sources("vqpipe.bench.decode", "vqpipe.reservoir", data=["corpus.txt"]),
+        code=stage_sources("vqpipe.stages.bench_decode", "vqpipe.reservoir", data=["corpus.txt"]),
     output:
         BENCH_DECODE,
     params:
@@ -97,7 +97,7 @@ rule bench_decode:
 
 rule bench_kivi:
     input:
-        code=stage_sources("vqpipe.bench.kivi_ops"),
+        code=stage_sources("vqpipe.stages.bench_kivi"),
     output:
         BENCH_KIVI,
     params:

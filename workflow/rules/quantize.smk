@@ -7,7 +7,7 @@ rule quantize:
         source=SOURCE,
         # Not vqpipe.bench.env (imported lazily for the environment record in reference.json):
         # it does not change the artifact's numbers, and validate refuses a changed record.
-        code=stage_sources("vqpipe.quantize"),
+        code=stage_sources("vqpipe.stages.quantize"),
     output:
         directory(QUANTIZED),
     params:

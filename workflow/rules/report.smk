@@ -10,7 +10,7 @@ rule report:
         quantized=fan_out(QUANTIZED),
         reservoirs=fan_out(RESERVOIR),
         bench=bench_outputs(),
-        code=stage_sources("vqpipe.report"),
+        code=stage_sources("vqpipe.stages.report"),
         templates=[local(t) for t in REPORT_TEMPLATES],
         schema=local("workflow/schemas/record.schema.json"),
     output:

@@ -23,13 +23,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import __version__
-from .codebook import BITS, check_bits
-from . import manifest, record
-from .fsutil import atomic_dir, save_safetensors
-from .fused import fuse_model, rotation_owner
-from .qlinear import QuantizedEmbedding, QuantizedLinear
-from .rotation import KINDS, resolve_kind
+from .. import __version__
+from ..codebook import BITS, check_bits
+from .. import manifest, record
+from ..fsutil import atomic_dir, save_safetensors
+from ..fused import fuse_model, rotation_owner
+from ..qlinear import QuantizedEmbedding, QuantizedLinear
+from ..rotation import KINDS, resolve_kind
 
 REFERENCE_PROMPTS = (
     "The quick brown fox jumps over the lazy dog while the river runs north.",
@@ -153,7 +153,7 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     if calibration is None:
         records = [quantize_one(name, kind, None) for name, kind in targets]
     else:
-        from .calibrate import quantize_calibrated
+        from ..calibrate import quantize_calibrated
 
         records = quantize_calibrated(model, calibration, quantize_one, targets, progress)
     records = [r for r in records if r is not None]
@@ -255,7 +255,7 @@ def reference_logits(model, tokenizer):
 
 
 def environment():
-    from .bench.env import environment as env
+    from ..bench.env import environment as env
 
     return env()
 
@@ -311,7 +311,7 @@ def calibration_tokens(tokenizer, text="none", windows=16, length=512, seed=0):
         return None, None
     if windows < 1 or length < 2:
         raise ValueError(f"calibration needs at least 1 window of 2 tokens, got {windows} x {length}")
-    from . import text as corpus
+    from .. import text as corpus
 
     tokens = corpus.calibration_tokens(tokenizer, windows, length, seed)
     return tokens, {"text": text, "windows": windows, "length": length, "seed": seed,

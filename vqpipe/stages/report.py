@@ -14,11 +14,11 @@ import json
 import sys
 from pathlib import Path
 
-from .fsutil import write_bytes
-from .plots import PLOTS, all_plots
-from .record import RecordError
-from .render import TABLES, pages
-from .summary import KINDS, summary as build
+from ..fsutil import write_bytes
+from ..plots import PLOTS, all_plots
+from ..record import RecordError
+from ..render import TABLES, pages
+from ..summary import KINDS, summary as build
 
 __all__ = ["KINDS", "OUTPUTS", "PLOTS", "TABLES", "main", "make_report"]
 
@@ -44,7 +44,7 @@ def main(argv=None):
     p.add_argument("--inputs", nargs="+", required=True, help="JSON artifacts or directories holding them")
     p.add_argument("--out", default="results/report", help="output directory (default: results/report)")
     args = p.parse_args(argv)
-    from .manifest import ManifestError, verify
+    from ..manifest import ManifestError, verify
 
     try:  # records of a shared cache (quantized.json, pack.json) are checked against their manifest first
         for d in sorted({Path(i).parent for i in args.inputs if Path(i).is_file()}):

@@ -16,7 +16,7 @@ Scale and zero are kept as float16 pairs, ``[..., 2]`` (scale, zero) per group: 
 
 import mlx.core as mx
 
-from . import quant
+from . import quantizer
 
 
 def per_word(bits):
@@ -25,7 +25,7 @@ def per_word(bits):
 
 def check_geometry(head_dim, bits, group_size):
     """Raise ValueError unless codes fill whole words and no word straddles two value groups."""
-    quant._qmax(bits)
+    quantizer._qmax(bits)
     if bits not in (2, 4, 8):
         raise ValueError(f"packed KIVI stores 2, 4 or 8 bits per code, got {bits}")
     cpw = per_word(bits)
@@ -97,7 +97,7 @@ def dequantize_values(words, vp, bits, group_size):
 
 def quantize_flush(k, v, bits, group_size):
     """One flush of whole key groups: ``(key words, key params, value words, value params)``,
-    codes from the reference quantizer (:mod:`vqpipe.kivi.quant`), scale and zero as float16."""
-    qk, ks, kz = quant.quantize_keys(k, bits, group_size)
-    qv, vs, vz = quant.quantize_values(v, bits, group_size)
+    codes from the reference quantizer (:mod:`vqpipe.kivi.quantizer`), scale and zero as float16."""
+    qk, ks, kz = quantizer.quantize_keys(k, bits, group_size)
+    qv, vs, vz = quantizer.quantize_values(v, bits, group_size)
     return pack_keys(qk, bits, group_size), params(ks, kz), pack_words(qv, bits), params(vs, vz)

@@ -33,9 +33,9 @@ from mlx.utils import tree_flatten, tree_map
 
 from .. import text
 from .. import record
-from ..quantize import load_quantized, quantize_model
-from .env import environment
-from .harness import summarize
+from .quantize import load_quantized, quantize_model
+from ..bench.env import environment
+from ..bench.harness import summarize
 
 AFFINE_GROUPS = (32, 64, 128)
 PROMPTS = (
@@ -331,7 +331,7 @@ def quantize_method(path, method, bits, seed):
 _CHILD = """
 import json, resource, sys, time
 from mlx_lm.utils import load
-from vqpipe.quantize import quantize_model
+from vqpipe.stages.quantize import quantize_model
 model, _ = load(sys.argv[1], lazy=True)
 t0 = time.perf_counter()
 quantize_model(model, int(sys.argv[2]), sys.argv[3], 0)

@@ -35,7 +35,7 @@ from ..kivi import decode_kernel
 from ..kivi.attention import attend_tiles
 from ..kivi.cache import make_kivi_cache
 from ..kivi.store import PackedKIVICache
-from . import env, harness, roofline
+from ..bench import env, harness, roofline
 
 HQ, HK, D = 32, 8, 128
 AFFINE_GROUP = 64
@@ -164,7 +164,7 @@ def measure_op(s, args):
 def _load_synth(name, root):
     from mlx_lm import load
 
-    from ..download import fetch
+    from .download import fetch
 
     return load(str(fetch(f"synth:{name}", Path(root) / name, seed=0)))
 

@@ -39,9 +39,9 @@ import mlx.nn as nn
 from .. import kivi
 from .. import record
 from ..qlinear import QuantizedLinear
-from . import harness, roofline
-from .env import environment
-from .quality import CORPUS, eval_windows
+from ..bench import harness, roofline
+from ..bench.env import environment
+from .bench_quality import CORPUS, eval_windows
 
 WEIGHTS = ("full", "vqpipe", "affine4", "affine8")
 CACHES = ("fp", "kivi-ref", "kivi-kernel")
@@ -247,7 +247,7 @@ def load_kivi_ops(path):
     rows = []
     results = doc.get("results") or []
     kind = "cache_flush" if any(r.get("kind") == "cache_flush" for r in results) else "flush"
-    for r in results:  # bench-kivi's own shape (vqpipe/bench/kivi_ops.py)
+    for r in results:  # bench-kivi's own shape (vqpipe/stages/bench_kivi.py)
         if r.get("kind") == kind and "arms" in r:
             arms = r["arms"]
             rows.append({"S": r["S"], "mode": r.get("mode", "isolated"),

@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 
 from .. import record
-from .env import environment
-from .harness import compare, noise_floor, summarize
+from ..bench.env import environment
+from ..bench.harness import compare, noise_floor, summarize
 
 CHECK_TOKENS = [[1, 17, 4, 99, 512, 3, 2048, 7, 31, 64, 5, 128, 9, 1000, 42, 8]]
-_CHILD = "import sys; from vqpipe.bench.load import child; child(sys.argv[1:])"
+_CHILD = "import sys; from vqpipe.stages.bench_load import child; child(sys.argv[1:])"
 _SMAPS_KEYS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Shared_Clean", "Shared_Dirty", "Private_Clean", "Private_Dirty")
 
 
@@ -66,7 +66,7 @@ def requantize(source, bits, rotation, seed=0):
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
-    from ..quantize import quantize_model
+    from .quantize import quantize_model
 
     t0 = time.perf_counter()
     model, _ = load_model(Path(source), lazy=True)
@@ -342,7 +342,7 @@ def _build_arms(result, source, config, bits, rotations, work, progress):
     import mlx.core as mx
 
     from .. import reservoir as R
-    from ..quantize import copy_model_files, split_state
+    from .quantize import copy_model_files, split_state
 
     arms, want_hash, requant = {}, {}, {}
     for rot in rotations:

@@ -88,7 +88,7 @@ def main(argv=None):
         args.kinds = ["fp"] + [k for k in args.kinds if k != "fp"]
     from mlx_lm import load
 
-    from .quality import CORPUS, eval_windows
+    from .bench_quality import CORPUS, eval_windows
 
     model, tokenizer = load(args.model)
     windows = [w.tolist() for w in eval_windows(tokenizer, args.windows, args.length)]

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import numerics
+from .. import numerics
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 
@@ -68,7 +68,7 @@ def run(reservoir, reference, model_name=None, variant=None, persist_rotation=No
     """The verdict dict; ``verdict["exit_code"]`` says how the stage should exit."""
     import mlx.core as mx
 
-    from . import load
+    from .. import load
     from .quantize import REFERENCE_PROMPTS, environment, reference_logits
 
     reservoir, reference = Path(reservoir), Path(reference)
@@ -145,7 +145,7 @@ def run(reservoir, reference, model_name=None, variant=None, persist_rotation=No
 
 
 def main(argv=None):
-    from . import record
+    from .. import record
 
     p = argparse.ArgumentParser(
         prog="python -m vqpipe validate", description=__doc__.split("\n")[0],
@@ -166,7 +166,7 @@ def main(argv=None):
         if not (Path(args.reference) / name).is_file():
             print(f"vqpipe validate: error: {args.reference} has no {name}", file=sys.stderr)
             return EXIT_USAGE
-    from .manifest import ManifestError, verify
+    from ..manifest import ManifestError, verify
 
     try:  # both may come from a shared cache: a corrupted copy is named, not compared
         verify(args.reservoir)

@@ -32,8 +32,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .. import record
-from ..kivi import kernels, quant
-from . import env, harness, roofline
+from ..kivi import kernels, quantizer
+from ..bench import env, harness, roofline
 
 # Speedups of the fused kernels over the MLX-ops reference in the original experiment (Apple M4),
 # as given in the KIVI issue; not measured here.
@@ -52,7 +52,7 @@ def _arms(kind, pool, bits, g, per_step, layouts=None):
     flushes on consecutive, distinct inputs of the pool. A whole flush is one fused launch.
     With ``layouts``, one kernel arm per layout: "kernel" (the first), "kernel:<name>" (the rest)."""
     n = len(pool["keys"])
-    ref = {"keys": quant.fake_quant_keys, "values": quant.fake_quant_values}
+    ref = {"keys": quantizer.fake_quant_keys, "values": quantizer.fake_quant_values}
 
     def reference(i):
         if kind == "cache_flush":

@@ -37,10 +37,10 @@ import mlx.core as mx
 from .. import qmv
 from ..codebook import codebook
 from ..fsutil import write_json
-from ..packing import words_per_row
+from ..bitpack import words_per_row
 from ..qlinear import QuantizedLinear
 from ..rotation import make_rotation
-from . import env, harness, roofline
+from ..bench import env, harness, roofline
 
 # name -> (in_features, out_features)
 SHAPES = {
