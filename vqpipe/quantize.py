@@ -88,7 +88,7 @@ def _targets(model, embeddings, lm_head):
 
 def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_head=True,
                    dtype=mx.float32, progress=None, group_size=None, calibration=None, damp=None,
-                   fuse=True):
+                   fuse=True, sequential=True):
     """Quantize ``model`` in place, one layer at a time; returns per-layer records.
 
     Every nn.Linear (and affine nn.QuantizedLinear, dequantized first) becomes a QuantizedLinear.
@@ -128,7 +128,8 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
             in_dim = weight.shape[1]
             r = resolve_kind(rotation, in_dim)
             cls = QuantizedEmbedding if kind == "embedding" else QuantizedLinear
-            gs = group_size if kind == "linear" else None
+            # an embedding gets group scales only as a calibrated tied head (vqpipe/calibrate.py)
+            gs = group_size if kind == "linear" or hessian is not None else None
             # one seed for the linears reading one activation: they can share its rotation
             new = cls.from_linear(module, bits, r, layer_seed(seed, rotation_owner(name)), weight=weight,
                                   group_size=gs, hessian=hessian, damp=damp)
@@ -155,7 +156,7 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     else:
         from .calibrate import quantize_calibrated
 
-        records = quantize_calibrated(model, calibration, quantize_one, targets, progress)
+        records = quantize_calibrated(model, calibration, quantize_one, targets, progress, sequential)
     records = [r for r in records if r is not None]
     # Remaining tensors (norms, biases of other layers) in the compute dtype.
     quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}

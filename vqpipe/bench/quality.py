@@ -80,22 +80,25 @@ class SkippedArm(Exception):
     """An arm that cannot be built for this model (recorded with the reason, not measured)."""
 
 
-def affine_arm(path, bits, group_size):
-    """(model, weight rel. MSE, bpw): MLX affine quantization of every nn.Linear, computed in float32."""
+def affine_arm(path, bits, group_size, embeddings=False):
+    """(model, weight rel. MSE, bpw): MLX affine quantization of every nn.Linear (and with
+    ``embeddings`` of the embedding table, a tied head with it, as mlx_lm.convert does), computed
+    in float32."""
     model, _ = load_source(path, dtype_cast=False)
+    kinds = (nn.Linear, nn.Embedding) if embeddings else nn.Linear
     odd = sorted({m.weight.shape[1] for _, m in model.named_modules()
-                  if isinstance(m, nn.Linear) and m.weight.shape[1] % group_size})
+                  if isinstance(m, kinds) and m.weight.shape[1] % group_size})
     if odd:
         # mlx_lm.convert would leave these layers dense: not a g{group_size} model at all.
         raise SkippedArm(f"input widths {odd} are not multiples of the group size {group_size}")
-    weights = {n: m.weight.astype(mx.float32) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=lambda p, m: isinstance(m, nn.Linear))
+    weights = {n: m.weight.astype(mx.float32) for n, m in model.named_modules() if isinstance(m, kinds)}
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=lambda p, m: isinstance(m, kinds))
     mx.eval(model.parameters())
     bpw = bits_per_weight(model)  # before the cast: scales/biases as stored
     _fp32(model)
     err = tot = 0.0
     for name, m in model.named_modules():
-        if isinstance(m, nn.QuantizedLinear):
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             w = weights.pop(name)
             w_hat = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
             err += mx.sum((w_hat - w) ** 2).item()
@@ -146,16 +149,23 @@ def bits_per_weight(model):
         else:
             continue
         quantized.add(name)
-    dense = Counter()
+    dense, matrix = Counter(), Counter()
+    modules = dict(model.named_modules())
     for k, v in tree_flatten(model.parameters()):
         module, _, leaf = k.rpartition(".")
         if module not in quantized or leaf == "bias":
             kind = "bias" if leaf == "bias" else "norm" if "norm" in module else module.split(".")[-1]
             dense[kind] += v.size
+            if leaf == "weight" and isinstance(modules.get(module), (nn.Linear, nn.Embedding)):
+                matrix["weights"] += v.size
+                matrix["bits"] += v.nbytes * 8
     if not weights:
         return None
     total = sum(parts.values())
     return {"bpw": total / weights, "bpw_seed_rotation": (total - parts["rotation"]) / weights,
+            # every weight matrix (a dense embedding at its stored size): compares arms that
+            # quantize the embedding with arms that keep it dense
+            "bpw_matrices": (total + matrix["bits"]) / (weights + matrix["weights"]),
             "parts_bpw": {k: v / weights for k, v in sorted(parts.items())},
             "quantized_weights": weights, "quantized_layers": len(quantized),
             "unquantized_params": dict(sorted(dense.items())), "unquantized_total": sum(dense.values())}
@@ -200,11 +210,16 @@ def dense_copy(model):
 
     swaps = []
     for name, m in model.named_modules():
-        if hasattr(m, "dequantized_weight") and not hasattr(m, "as_linear"):
+        if hasattr(m, "dequantized_weight"):
             w = m.dequantized_weight(mx.float32)
-        elif isinstance(m, nn.QuantizedLinear):
+        elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits).astype(mx.float32)
         else:
+            continue
+        if hasattr(m, "as_linear"):  # an embedding table (a tied head calls its as_linear)
+            emb = nn.Embedding(*w.shape)
+            emb.weight = w
+            swaps.append((name, emb))
             continue
         lin = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
         lin.weight = w
@@ -268,7 +283,8 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
                 model, werr, bpw = vqpipe_arm(path, bits, rot, seed, quantized.get((bits, rot)))
             else:
                 try:
-                    model, werr, bpw = affine_arm(path, bits, group)
+                    # the embedding as the vqpipe artifact has it: both quantized, or both dense
+                    model, werr, bpw = affine_arm(path, bits, group, artifact_embeddings(quantized.get((bits, rotation))))
                 except SkippedArm as e:
                     records.append({"bits": bits, "method": method, "group_size": group, "skipped": str(e)})
                     progress(f"{bits}-bit {method}: skipped ({e})")
@@ -282,8 +298,10 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
             if group is None:
                 rec["rotation"] = rot
                 rec["artifact"] = str(quantized[(bits, rot)]) if (bits, rot) in quantized else None
+                rec["embeddings"] = artifact_embeddings(quantized.get((bits, rot)))
             else:
                 rec["group_size"] = group
+                rec["embeddings"] = artifact_embeddings(quantized.get((bits, rotation)))
             records.append(rec)
             if prompts:
                 gens["arms"].append({"arm": f"{bits}-bit {method}", "texts": generations(model, tok, prompts, gen_tokens)})
@@ -356,6 +374,15 @@ def timing(path, bits, rotations, repeats, progress=print):
              "source_bytes": source_bytes,
              "peak_rss_over_source": summarize([x["peak_rss_bytes"] / source_bytes for x in v])}
             for r, v in runs.items()]
+
+
+def artifact_embeddings(path):
+    """Whether a quantize artifact quantized its embedding table (False without an artifact:
+    the in-process vqpipe arm keeps it dense)."""
+    if path is None:
+        return False
+    return any(m.get("class") == "QuantizedEmbedding"
+               for m in json.loads((Path(path) / "quantized.json").read_text())["layers"].values())
 
 
 def artifacts(dirs):

@@ -1,0 +1,98 @@
+"""Calibration of a tied embedding/head, and full-precision (non-sequential) second moments."""
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from vqpipe import gptq
+from vqpipe import reservoir as R
+from vqpipe.bench import quality as q
+from vqpipe.calibrate import tied_head
+from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
+from vqpipe.quantize import quantize_model
+
+from test_reservoir import make_model
+
+TIED = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "tie_word_embeddings": True}
+CALIB = mx.array(np.random.default_rng(5).integers(0, 256, (4, 32)), dtype=mx.int32)
+TOKENS = mx.array([[1, 5, 9, 2, 77, 31, 4, 100]], dtype=mx.int32)
+INVERSE_CHOLESKY = gptq.inverse_cholesky
+
+
+def test_tied_head_detection():
+    tied, _ = make_model(TIED)
+    untied, _ = make_model({**TIED, "tie_word_embeddings": False})
+    assert tied_head(tied) and not tied_head(untied)
+
+
+def test_tied_head_is_calibrated_with_group_scales(tmp_path):
+    model, config = make_model(TIED)
+    records = quantize_model(model, 3, "auto", 1, embeddings=True, group_size=16, calibration=CALIB)
+    rec = next(r for r in records if r["kind"] == "embedding")
+    assert rec["calibrated"] and rec["hessian"] == "final norm" and rec["group_size"] == 16
+    emb = model.model.embed_tokens
+    assert isinstance(emb, QuantizedEmbedding) and emb.scales.shape == (256, 64 // 16)
+    # The lookup serves the same codes and scales as the head.
+    rows = np.array(emb(mx.array([3, 200])))
+    assert np.allclose(rows, np.array(emb.dequantized_weight())[[3, 200]], atol=1e-6)
+    want = np.array(model(TOKENS))
+    for persist in (True, False):
+        path = tmp_path / f"p{persist}" / R.FILE_NAME
+        path.parent.mkdir()
+        (path.parent / "config.json").write_text(json.dumps(config))
+        R.save_reservoir(model, path, persist_rotation=persist)
+        assert R.read_header(path)["format_version"] == 2
+        assert np.array(R.load_reservoir(path)(TOKENS)).tobytes() == want.tobytes()
+
+
+def test_calibrated_tied_head_lowers_head_error():
+    source, _ = make_model(TIED)
+    w = np.array(source.model.embed_tokens.weight, dtype=np.float32)
+    x = np.array(source.model(CALIB).reshape(-1, 64), dtype=np.float32)  # the final norm's output
+    model, _ = make_model(TIED)
+    # Full-precision moments: the head's H is exactly x^T x of the source's final norm.
+    quantize_model(model, 2, "auto", 1, embeddings=True, group_size=16, calibration=CALIB, sequential=False)
+    cal = np.array(model.model.embed_tokens.dequantized_weight())
+    lin = nn.Linear(64, 256, bias=False)
+    lin.weight = mx.array(w)
+    free = np.array(QuantizedLinear.from_linear(lin, 2, "auto", 1, group_size=16).dequantized_weight())
+
+    def err(w_hat):
+        return float(np.sum(((w - w_hat) @ x.T) ** 2))
+
+    assert err(cal) < 0.8 * err(free)
+
+
+def _moments(monkeypatch, bits, sequential):
+    seen = []
+    monkeypatch.setattr(gptq, "inverse_cholesky", lambda h, d: seen.append(np.array(h)) or INVERSE_CHOLESKY(h, d))
+    model, _ = make_model(TIED)
+    quantize_model(model, bits, "auto", 1, group_size=16, calibration=CALIB, sequential=sequential)
+    return seen
+
+
+def test_full_precision_moments_do_not_depend_on_bits(monkeypatch):
+    a, b = _moments(monkeypatch, 2, False), _moments(monkeypatch, 4, False)
+    assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+    # Sequential: block 1 onwards sees the quantized blocks before it, so the bit width shows.
+    c, d = _moments(monkeypatch, 2, True), _moments(monkeypatch, 4, True)
+    assert np.array_equal(c[0], d[0]) and not all(np.array_equal(x, y) for x, y in zip(c, d))
+
+
+def test_affine_arm_quantizes_the_embedding_when_asked(tiny_source):
+    dense, _, bpw_dense = q.affine_arm(tiny_source, 4, 64)
+    model, _, bpw = q.affine_arm(tiny_source, 4, 64, embeddings=True)
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
+    assert "embed_tokens" in bpw_dense["unquantized_params"] and "embed_tokens" not in bpw["unquantized_params"]
+    assert bpw["bpw"] == pytest.approx(4.5) and bpw["bpw_matrices"] == pytest.approx(4.5)
+    # A dense bf16 embedding counts 16 bits a weight over all matrices.
+    assert bpw_dense["bpw_matrices"] > 4.5
+    ids = mx.array([[5, 17, 300, 42, 7, 99, 1000, 3]])
+    want = model(ids)
+    got = q.dense_copy(model)(ids)
+    assert isinstance(model.model.embed_tokens, nn.Embedding)
+    assert mx.abs(got - want).max().item() < 1e-3 * mx.abs(want).max().item()
