@@ -185,3 +185,12 @@ def test_shared_rotation_factorises_once(monkeypatch):
     again = QuantizedLinear.from_linear(alone, 3, r, group_size=32, hessian=mx.array(x.T @ x))
     assert len(calls) == 2
     assert np.array_equal(np.array(again.packed), np.array(layers[1].packed))
+
+
+def test_inverse_cholesky_is_the_upper_factor_of_the_damped_inverse():
+    _, x = anisotropic(din=96, n=400)
+    h = x.T @ x
+    u = gptq.inverse_cholesky(h, 0.01)
+    a = h.astype(np.float64) + 0.01 * np.mean(np.diag(h)) * np.eye(96)
+    assert np.array_equal(u, np.triu(u)) and np.all(np.diag(u) > 0)
+    assert np.allclose(u.T.astype(np.float64) @ u @ a, np.eye(96), atol=1e-3)
