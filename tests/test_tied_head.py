@@ -96,3 +96,4 @@ def test_affine_arm_quantizes_the_embedding_when_asked(tiny_source):
     got = q.dense_copy(model)(ids)
     assert isinstance(model.model.embed_tokens, nn.Embedding)
     assert mx.abs(got - want).max().item() < 1e-3 * mx.abs(want).max().item()
+
