@@ -112,6 +112,8 @@ def test_calibrated_model_is_deterministic():
     keys = {r["name"].split(".")[-1]: r["hessian"] for r in ra if r["name"].startswith("model.layers.0.")}
     assert keys["q_proj"] == keys["k_proj"] == keys["v_proj"] != keys["o_proj"]
     assert keys["gate_proj"] == keys["up_proj"] != keys["down_proj"]
+    # Not o_proj's: its freed input's id was once reused for gate/up's input, which then took its H.
+    assert keys["gate_proj"] == "model.layers.0.mlp.gate_proj" and keys["o_proj"] == "model.layers.0.self_attn.o_proj"
 
 
 def test_calibration_lowers_logit_error():

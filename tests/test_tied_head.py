@@ -97,3 +97,40 @@ def test_affine_arm_quantizes_the_embedding_when_asked(tiny_source):
     assert isinstance(model.model.embed_tokens, nn.Embedding)
     assert mx.abs(got - want).max().item() < 1e-3 * mx.abs(want).max().item()
 
+
+
+def test_stored_moments_quantize_exactly_as_in_process():
+    from vqpipe.moments import full_precision_moments
+    from vqpipe.quantize import split_state
+
+    inproc, _ = make_model(TIED)
+    quantize_model(inproc, 3, "auto", 1, embeddings=True, group_size=16, calibration=CALIB, sequential=False)
+    source, _ = make_model(TIED)
+    names, sums = full_precision_moments(source, CALIB)
+    assert names["model.embed_tokens"] == "final norm" and len(set(names.values())) == 2 * 4 + 1
+    stored, _ = make_model(TIED)
+    records = quantize_model(stored, 3, "auto", 1, embeddings=True, group_size=16,
+                             moments={n: (k, sums[k]) for n, k in names.items()})
+    assert all(r["calibrated"] for r in records)
+    (ma, xa, pa), (mb, xb, pb) = split_state(inproc), split_state(stored)
+    assert ma == mb and xa.keys() == xb.keys() and pa.keys() == pb.keys()
+    for k in xa:
+        assert np.array(xa[k]).tobytes() == np.array(xb[k]).tobytes(), k
+
+
+def test_calibrate_stage_feeds_quantize(tiny_source, tmp_path):
+    from vqpipe import moments
+    from vqpipe import quantize
+
+    assert moments.main(["--source", str(tiny_source), "--out", str(tmp_path / "m"), "--calib-windows", "2",
+                         "--calib-length", "16"]) == 0
+    info = quantize.run(tiny_source, tmp_path / "q", 4, group_size=64, moments=tmp_path / "m",
+                        progress=lambda *_: None)
+    assert info["calibration"]["sequential"] is False and info["calibration"]["windows"] == 2
+    head = next(r for r in info["records"] if r["kind"] == "embedding")
+    assert head["hessian"] == "final norm" and head["calibrated"]
+    with pytest.raises(ValueError, match="choose one"):
+        quantize.run(tiny_source, tmp_path / "q2", 4, calibration="text", moments=tmp_path / "m")
+    (tmp_path / "m" / "moments.safetensors").write_bytes(b"broken")
+    with pytest.raises(ValueError):
+        moments.load(tmp_path / "m")

@@ -6,6 +6,7 @@ import sys
 # Stage name -> module. Each module parses its own arguments.
 STAGES = {
     "download": "vqpipe.download",
+    "calibrate": "vqpipe.moments",
     "quantize": "vqpipe.quantize",
     "pack": "vqpipe.pack",
     "validate": "vqpipe.validate",

@@ -65,9 +65,12 @@ def collect(model, names, run, inputs):
     seen = {}
 
     def record(name, x):
-        key = seen.get(id(x))
+        # x is held with its key: a freed array's id is reused by a later one (without the
+        # reference, gate/up found o_proj's freed input's id and took its moments).
+        key, _ = seen.get(id(x), (None, None))
         if key is None:
-            key = seen[id(x)] = owner.get(name, name)
+            key = owner.get(name, name)
+            seen[id(x)] = (key, x)
             flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
             prod = flat.T @ flat
             sums[key] = prod if key not in sums else sums[key] + prod

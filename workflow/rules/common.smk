@@ -37,6 +37,7 @@ QUANTIZED = "results/quantized/{model}/b{bits}-{rotation}"
 RESERVOIR = "results/reservoir/{model}/b{bits}-{rotation}/persist-{persist}"
 VERDICT = "results/validate/{model}/b{bits}-{rotation}/persist-{persist}.json"
 BENCH_QUALITY = "results/bench/{model}/quality.json"
+BENCH_QUALITY_SHARD = "results/bench/{model}/quality.shard{shard}.json"
 BENCH_LOAD = "results/bench/{model}/load.json"
 BENCH_DECODE = "results/bench/{model}/decode.json"
 BENCH_KIVI = "results/bench/kivi.json"
@@ -48,6 +49,7 @@ wildcard_constraints:
     bits=r"\d+",
     rotation="auto|hadamard|kron|qr|none",
     persist="on|off",
+    shard=r"\d+",
 
 
 MODELS = list(config["models"])
@@ -57,6 +59,7 @@ PERSIST = ["on" if p else "off" for p in config["persist_rotation"]]
 # bench-quality's vqpipe arm: this rotation's quantize artifact (its unrotated arm: rotation none).
 QUALITY_ROTATION = config["benchmarks"]["quality"].get("rotation") or next(
     (r for r in ROTATIONS if r != "none"), "auto")
+QUALITY_SHARDS = config["benchmarks"]["quality"]["shards"]
 
 
 def fan_out(pattern):
