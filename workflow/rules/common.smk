@@ -34,6 +34,7 @@ vqblas.prepend_path(Path(sys.executable).parent)
 # {variant} of docs/architecture.md is b{bits}-{rotation} here: two wildcards, both params.
 SOURCE = "results/models/{model}/source"
 QUANTIZED = "results/quantized/{model}/b{bits}-{rotation}"
+MOMENTS = "results/calibration/{model}"
 RESERVOIR = "results/reservoir/{model}/b{bits}-{rotation}/persist-{persist}"
 VERDICT = "results/validate/{model}/b{bits}-{rotation}/persist-{persist}.json"
 BENCH_QUALITY = "results/bench/{model}/quality.json"
