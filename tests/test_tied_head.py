@@ -134,3 +134,13 @@ def test_calibrate_stage_feeds_quantize(tiny_source, tmp_path):
     (tmp_path / "m" / "moments.safetensors").write_bytes(b"broken")
     with pytest.raises(ValueError):
         moments.load(tmp_path / "m")
+
+
+def test_quantize_cli_full_precision_moments(tiny_source, tmp_path):
+    from vqpipe import quantize
+
+    out = tmp_path / "q"
+    assert quantize.main(["--source", str(tiny_source), "--out", str(out), "--bits", "3", "--calibration", "text",
+                          "--calib-windows", "1", "--calib-length", "8", "--no-sequential"]) == 0
+    info = json.loads((out / "quantized.json").read_text())
+    assert info["calibration"]["sequential"] is False and all(r["calibrated"] for r in info["records"])

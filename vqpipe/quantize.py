@@ -326,7 +326,7 @@ def calibration_tokens(tokenizer, text="none", windows=16, length=512, seed=0):
 
 def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=True, dtype="source",
         progress=print, group_size=None, calibration="none", calib_windows=16, calib_length=512,
-        calib_seed=0, damp=None, moments=None):
+        calib_seed=0, damp=None, moments=None, sequential=True):
     from mlx_lm.utils import load
 
     if dtype not in DTYPES:
@@ -349,9 +349,11 @@ def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=Tru
 
         stored, minfo = mom.load(moments)
         calib = {**minfo["calibration"], "moments": str(moments)}
+    elif calib is not None:
+        calib["sequential"] = sequential
     t0 = time.perf_counter()
     records = quantize_model(model, bits, rotation, seed, embeddings, lm_head, DTYPES[dtype], progress,
-                             group_size, tokens, damp, moments=stored)
+                             group_size, tokens, damp, moments=stored, sequential=sequential)
     seconds = time.perf_counter() - t0
     info = {
         "vqpipe_version": __version__, "source": str(source), "bits": bits, "rotation": rotation,
@@ -386,13 +388,17 @@ def main(argv=None):
     p.add_argument("--calib-length", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration window offsets")
     p.add_argument("--damp", type=float, default=None, help="GPTQ damping, fraction of mean(diag H) (0.01)")
+    p.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --calibration: each block's moments from the already quantized blocks (default); "
+                   "--no-sequential: from the full-precision model (one forward pass per block fewer)")
     p.add_argument("--moments", default=None, metavar="DIR",
                    help="GPTQ with the full-precision moments of a calibrate-stage artifact (no forward pass)")
     args = p.parse_args(argv)
     try:
         run(args.source, args.out, args.bits, args.rotation, args.seed, args.embeddings, args.lm_head, args.dtype,
             group_size=args.group_size, calibration=args.calibration, calib_windows=args.calib_windows,
-            calib_length=args.calib_length, calib_seed=args.calib_seed, damp=args.damp, moments=args.moments)
+            calib_length=args.calib_length, calib_seed=args.calib_seed, damp=args.damp, moments=args.moments,
+            sequential=args.sequential)
     except (ValueError, OSError) as e:  # OSError: e.g. disk full, named with its path
         where = "" if isinstance(e, ValueError) or e.filename else f"writing {args.out}: "
         print(f"vqpipe quantize: error: {where}{e}", file=sys.stderr)
