@@ -144,3 +144,17 @@ def test_quantize_cli_full_precision_moments(tiny_source, tmp_path):
                           "--calib-windows", "1", "--calib-length", "8", "--no-sequential"]) == 0
     info = json.loads((out / "quantized.json").read_text())
     assert info["calibration"]["sequential"] is False and all(r["calibrated"] for r in info["records"])
+
+
+def test_bench_quality_counts_group_scales_as_stored(tiny_source, tmp_path):
+    from vqpipe import quantize
+
+    quantize.run(tiny_source, tmp_path / "q", 4, group_size=64, progress=lambda *_: None)
+    model, _, bpw = q.vqpipe_arm(tiny_source, 4, "auto", 0, tmp_path / "q")
+    # Linears: a float16 scale per 64 weights (0.25 bits), even though the evaluation copy is
+    # float32; the data-free embedding: a float32 scale per row.
+    layers = [m for _, m in model.named_modules() if hasattr(m, "to_state")]
+    want = sum(m.out_features * (m.in_features // 64 * 16 if not isinstance(m, QuantizedEmbedding) else 32)
+               for m in layers) / sum(m.in_features * m.out_features for m in layers)
+    assert any(isinstance(m, QuantizedEmbedding) for m in layers)
+    assert bpw["parts_bpw"]["scales"] == pytest.approx(want) and want < 0.25

@@ -119,7 +119,8 @@ def vqpipe_arm(path, bits, rotation, seed, quantized=None):
         model, _ = load_source(path)
         records = quantize_model(model, bits, rotation, seed)
     err = sum(r["squared_error"] for r in records) / sum(r["weight_sq"] for r in records)
-    return _fp32(model), err, bits_per_weight(model)
+    bpw = bits_per_weight(model)  # before the cast: float16 group scales count 16 bits, as stored
+    return _fp32(model), err, bpw
 
 
 # --- bits per weight ----------------------------------------------------------------------------
@@ -292,7 +293,7 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
         del lp
     src = {"method": "source", **ppl_record(src_nll), "per_window": {"index": index, "nll": src_nll},
            "bpw": bits_per_weight(source), **source_info(path), "tokens": len(windows) * length}
-    progress(f"source perplexity {src['ppl']['median']:.2f} (median of {n_windows} windows x {length})")
+    progress(f"source perplexity {src['ppl']['median']:.2f} (median of {len(windows)} windows x {length})")
     gens = {"prompts": list(prompts), "max_tokens": gen_tokens, "arms": []}
     if prompts:
         gens["arms"].append({"arm": "source", "texts": generations(source, tok, prompts, gen_tokens)})
