@@ -5,11 +5,18 @@
 
 Arms: ``affine:gN`` is MLX's affine quantization (group N) of every linear; ``vq[:gN]`` is vqpipe
 data-free (per-row scales, or group N scales); ``gptq[:gN]`` is vqpipe with calibration (GPTQ
-in the rotated basis). Embeddings stay dense in every arm, as in bench-quality. Every model is
-built first, then each evaluation window runs through the source and every arm in turn, so the
-source logits are never stored. Bits per weight count every stored tensor of the quantized
-linears (codes, scales, biases of affine groups, codebooks, rotation signs/matrices) over their
-weights; affine scales and biases are counted at 16 bits, as MLX stores them for a 16-bit model.
+in the rotated basis). Options after the kind, in any order: ``emb`` also quantizes the
+embedding table (and so a tied head: MLX's nn.quantize on the embedding, as mlx_lm.convert does;
+vqpipe calibrates a tied head on the final norm's output); ``fp`` (gptq) takes every H from the
+full-precision model instead of the already quantized blocks. Without ``emb`` the embedding stays
+dense. Every model is built first, then each evaluation window runs through the source and every
+arm in turn, so the source logits are never stored.
+
+Bits per weight: ``bpw`` counts every stored tensor of the quantized layers (codes, scales,
+biases of affine groups, codebooks, rotation signs/matrices) over their weights; affine scales
+and biases at 16 bits, as MLX stores them for a 16-bit model. ``bpw_all`` is over every weight
+matrix of the model, embedding included, a dense embedding counted at the source's 16 bits: the
+figure that compares arms with and without a quantized embedding.
 """
 
 import argparse
@@ -43,8 +50,17 @@ def text_windows(tokenizer, text, n, length, offset=0):
 
 def affine_bpw(model, bits, group):
     n = sum(m.weight.shape[0] * m.weight.shape[1] * 32 // bits for _, m in model.named_modules()
-            if isinstance(m, nn.QuantizedLinear))
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)))
     return bits + 32 / group, n
+
+
+def dense_embedding_weights(model):
+    return sum(m.weight.size for _, m in model.named_modules() if isinstance(m, nn.Embedding))
+
+
+def bpw_all(bpw, quantized, dense):
+    """Bits per weight over the quantized layers and the dense embedding (16 bits each)."""
+    return (bpw * quantized + 16 * dense) / (quantized + dense)
 
 
 def vq_bpw(model):
@@ -66,24 +82,35 @@ def vq_bpw(model):
     return stored / weights, weights
 
 
+def parse_arm(arm):
+    """(kind, group or None, {options}) of an arm name like ``gptq:g64:emb``."""
+    kind, *opts = arm.split(":")
+    group = next((int(o[1:]) for o in opts if o.startswith("g")), None)
+    flags = {o for o in opts if not o.startswith("g")}
+    if kind not in ("affine", "vq", "gptq") or flags - {"emb", "fp"}:
+        raise ValueError(f"unknown arm {arm!r}")
+    return kind, group, flags
+
+
 def build(source, arm, bits, calib, seed):
     model, _ = load_fp32(source)
-    kind, _, opt = arm.partition(":")
-    group = int(opt[1:]) if opt.startswith("g") else None
+    kind, group, flags = parse_arm(arm)
+    emb = "emb" in flags
     t0 = time.perf_counter()
     if kind == "affine":
-        nn.quantize(model, group_size=group or 64, bits=bits, class_predicate=lambda p, m: isinstance(m, nn.Linear))
+        kinds = (nn.Linear, nn.Embedding) if emb else nn.Linear
+        nn.quantize(model, group_size=group or 64, bits=bits, class_predicate=lambda p, m: isinstance(m, kinds))
         mx.eval(model.parameters())
-        bpw, _ = affine_bpw(model, bits, group or 64)
-    elif kind in ("vq", "gptq"):
-        quantize_model(model, bits, "auto", seed, group_size=group,
-                       calibration=calib if kind == "gptq" else None, progress=PROGRESS)
-        bpw, _ = vq_bpw(model)
+        bpw, n = affine_bpw(model, bits, group or 64)
     else:
-        raise ValueError(f"unknown arm {arm!r}")
+        quantize_model(model, bits, "auto", seed, embeddings=emb, group_size=group,
+                       calibration=calib if kind == "gptq" else None, progress=PROGRESS,
+                       sequential="fp" not in flags)
+        bpw, n = vq_bpw(model)
+    total = bpw_all(bpw, n, dense_embedding_weights(model))
     # Evaluate as dense float32 layers holding the dequantized weights: the same weights, and
     # MLX's CPU quantized matmul is far slower than a GEMM at 512 tokens (stages/bench_quality.py).
-    return dense_copy(model), bpw, time.perf_counter() - t0
+    return dense_copy(model), bpw, total, time.perf_counter() - t0
 
 
 def evaluate(source_model, arms, windows):
@@ -141,14 +168,14 @@ def main(argv=None):
     for bits in args.bits:
         for arm in args.arms:
             name = f"{bits}b {arm}"
-            models[name], bpw, dt = build(args.source, arm, bits, calib, args.seed)
-            info[name] = {"bits": bits, "arm": arm, "bpw": bpw, "build_seconds": dt}
-            print(f"built {name}: {bpw:.3f} bits/weight in {dt:.1f}s", flush=True)
+            models[name], bpw, total, dt = build(args.source, arm, bits, calib, args.seed)
+            info[name] = {"bits": bits, "arm": arm, "bpw": bpw, "bpw_all": total, "build_seconds": dt}
+            print(f"built {name}: {bpw:.3f} bits/weight ({total:.3f} over all matrices) in {dt:.1f}s", flush=True)
     t0 = time.perf_counter()
     stats = evaluate(source, models, windows)
     print(f"evaluated {args.windows} x {args.length} tokens in {time.perf_counter() - t0:.0f}s")
     rows = []
-    print(f"{'arm':22s} {'bpw':>6s} {'ppl':>8s} {'KL median [min-max]':>28s} {'top-1':>6s}")
+    print(f"{'arm':22s} {'bpw':>6s} {'all':>6s} {'ppl':>8s} {'KL median [min-max]':>28s} {'top-1':>6s}")
     for name, s in stats.items():
         ppl = math.exp(sum(s["nll"]) / len(s["nll"]))
         kl = summarize(s["kl"])
@@ -156,7 +183,8 @@ def main(argv=None):
         bpw = info.get(name, {}).get("bpw", 16.0)
         rows.append({"name": name, **info.get(name, {}), "ppl": ppl, "kl": kl, "top1": top1,
                      "kl_mean": sum(s["kl"]) / len(s["kl"])})
-        print(f"{name:22s} {bpw:6.3f} {ppl:8.2f}   {kl['median']:.4f} [{kl['min']:.4f}-{kl['max']:.4f}]"
+        total = info.get(name, {}).get("bpw_all", 16.0)
+        print(f"{name:22s} {bpw:6.3f} {total:6.3f} {ppl:8.2f}   {kl['median']:.4f} [{kl['min']:.4f}-{kl['max']:.4f}]"
               f"   {top1:.3f}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"windows": args.windows, "length": args.length,

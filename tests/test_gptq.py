@@ -112,6 +112,8 @@ def test_calibrated_model_is_deterministic():
     keys = {r["name"].split(".")[-1]: r["hessian"] for r in ra if r["name"].startswith("model.layers.0.")}
     assert keys["q_proj"] == keys["k_proj"] == keys["v_proj"] != keys["o_proj"]
     assert keys["gate_proj"] == keys["up_proj"] != keys["down_proj"]
+    # Not o_proj's: its freed input's id was once reused for gate/up's input, which then took its H.
+    assert keys["gate_proj"] == "model.layers.0.mlp.gate_proj" and keys["o_proj"] == "model.layers.0.self_attn.o_proj"
 
 
 def test_calibration_lowers_logit_error():
@@ -185,3 +187,12 @@ def test_shared_rotation_factorises_once(monkeypatch):
     again = QuantizedLinear.from_linear(alone, 3, r, group_size=32, hessian=mx.array(x.T @ x))
     assert len(calls) == 2
     assert np.array_equal(np.array(again.packed), np.array(layers[1].packed))
+
+
+def test_inverse_cholesky_is_the_upper_factor_of_the_damped_inverse():
+    _, x = anisotropic(din=96, n=400)
+    h = x.T @ x
+    u = gptq.inverse_cholesky(h, 0.01)
+    a = h.astype(np.float64) + 0.01 * np.mean(np.diag(h)) * np.eye(96)
+    assert np.array_equal(u, np.triu(u)) and np.all(np.diag(u) > 0)
+    assert np.allclose(u.T.astype(np.float64) @ u @ a, np.eye(96), atol=1e-3)

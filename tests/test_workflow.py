@@ -411,6 +411,22 @@ def test_calibration_options_reach_the_command(bare):
     assert "--group-size" not in llama[0] and "--calibration" not in llama[0]
 
 
+def test_full_precision_calibration_runs_once_per_model(bare):
+    """sequential: false -> one calibrate job per model, read by every quantize job of it; quality shards."""
+    (bare / "config" / "fp.yaml").write_text(
+        "models:\n  tiny: {source: 'synth:tiny', quantize: {calibration: {text: text, windows: 2, sequential: false}}}\n"
+        "bits: [3, 4]\npersist_rotation: [true]\nbenchmarks: {quality: {shards: 3}}\n")
+    out = smk(bare, "-n", "-p", "--configfile", "config/fp.yaml").stdout
+    stats = job_stats(out)
+    assert stats["calibrate"] == 1 and stats["quantize"] == 4  # b3/b4 x auto/none
+    assert stats["bench_quality_shard"] == 3 and stats["bench_quality"] == 1
+    commands = [line for line in out.splitlines() if " -m vqpipe quantize " in line]
+    assert len(commands) == 4 and all("--moments results/calibration/tiny" in c for c in commands)
+    assert not any("--calibration" in c for c in commands)
+    assert "--calib-windows 2" in next(line for line in out.splitlines() if " -m vqpipe calibrate " in line)
+    assert sum("--shard 2/3" in line for line in out.splitlines()) == 1
+
+
 def test_slurm_profile_dry_run(bare):
     proc = smk(bare, "-n", "--profile", "workflow/profiles/slurm", *CI,
                env={**os.environ, "SLURM_ACCOUNT": "acct", "SLURM_PARTITION": "cpu"})

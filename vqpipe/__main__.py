@@ -6,6 +6,7 @@ import sys
 # Stage name -> module. Each module parses its own arguments.
 STAGES = {
     "download": "vqpipe.stages.download",
+    "calibrate": "vqpipe.stages.calibrate",
     "quantize": "vqpipe.stages.quantize",
     "pack": "vqpipe.stages.pack",
     "validate": "vqpipe.stages.validate",

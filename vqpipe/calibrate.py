@@ -5,8 +5,9 @@ H = X^T X for the input X of every linear layer of the block (the block running 
 on the output of the already quantized blocks 0..l-1), quantize the block's linears with their H
 (vqpipe/gptq.py), and run the quantized block to get block l+1's input. Later blocks therefore see
 the earlier blocks' quantization error, as in GPTQ. Linears reading the same activation (q/k/v,
-gate/up) share one H; layers outside the blocks get theirs from the same pass (an untied lm_head
-reads the final norm), and embeddings are quantized data-free.
+gate/up) share one H; layers outside the blocks get theirs from the same pass: an lm_head reads
+the final norm, and so does a tied embedding table (it is the head), which is quantized last with
+that H; an untied embedding (a lookup only) is quantized data-free.
 
 Needs an mlx-lm decoder: ``model.model`` with ``embed_tokens``, ``layers`` and ``norm``, blocks
 called as ``layer(h, mask, cache=None)``. The mask is the plain causal one (calibration windows are
@@ -56,16 +57,20 @@ def _batches(x):
 
 
 def collect(model, names, run, inputs):
-    """{name: (H key, H)} for the linears ``names``: ``run(batch)`` is called on each input batch
-    with the linears replaced by recorders. Linears fed the same array share the H key."""
+    """({name: (H key, H)}, outputs) for the linears ``names``: ``run(batch)`` is called on each
+    input batch with the linears replaced by recorders; outputs are what it returned. Linears fed
+    the same array share the H key."""
     modules = dict(model.named_modules())
     sums, owner = {}, {}
     seen = {}
 
     def record(name, x):
-        key = seen.get(id(x))
+        # x is held with its key: a freed array's id is reused by a later one (without the
+        # reference, gate/up found o_proj's freed input's id and took its moments).
+        key, _ = seen.get(id(x), (None, None))
         if key is None:
-            key = seen[id(x)] = owner.get(name, name)
+            key = owner.get(name, name)
+            seen[id(x)] = (key, x)
             flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
             prod = flat.T @ flat
             sums[key] = prod if key not in sums else sums[key] + prod
@@ -73,52 +78,75 @@ def collect(model, names, run, inputs):
 
     for name in names:
         _set(model, name, _Recorder(modules[name], name, record))
+    outs = []
     try:
         for batch in inputs:
             seen.clear()
-            run(batch)
-            mx.eval(list(sums.values()))
+            outs.append(run(batch))
+            mx.eval(list(sums.values()), outs[-1])
     finally:
         for name in names:
             _set(model, name, modules[name])
-    return {name: (owner[name], sums[owner[name]]) for name in names if name in owner}
+    return {name: (owner[name], sums[owner[name]]) for name in names if name in owner}, outs
 
 
-def quantize_calibrated(model, tokens, quantize_one, targets, progress=None):
+def quantize_calibrated(model, tokens, quantize_one, targets, progress=None, sequential=True):
     """Quantize ``targets`` [(name, kind)] of ``model`` in place with calibration ``tokens`` [n, len].
 
     ``quantize_one(name, kind, hessian)`` replaces one layer and returns its record (the caller's
     per-layer logic: rotation, seed, bits, group size). Returns the records in target order.
+    ``sequential`` false: every H comes from the full-precision model (block l's input is the
+    full-precision output of block l - 1), so H depends neither on the bit width nor on the
+    rotation, and one forward pass per block is saved.
     """
     inner = decoder(model)
     kinds = dict(targets)
     records = {}
-    for name, kind in targets:  # embeddings first: the calibration inputs come from the stored table
-        if kind != "linear":
-            records[name] = quantize_one(name, kind, None)
     prefix = {id(m): n for n, m in model.named_modules()}
+    head = prefix[id(inner.embed_tokens)] if tied_head(model) else None
+    for name, kind in targets:  # embeddings first: the calibration inputs come from the stored table
+        if kind != "linear" and not (name == head and kind == "embedding"):
+            records[name] = quantize_one(name, kind, None)
     block_names = [prefix[id(layer)] for layer in inner.layers]
-    h = [inner.embed_tokens(b) for b in _batches(tokens)]
+    # float32 activations: the blocks then compute in float32 whatever the stored dtype (a bf16
+    # matmul on the CPU is several times slower than a float32 one, and less accurate)
+    h = [inner.embed_tokens(b).astype(mx.float32) for b in _batches(tokens)]
     mx.eval(h)
     mask = "causal" if tokens.shape[1] > 1 else None
     for i, (layer, bname) in enumerate(zip(inner.layers, block_names)):
         t0 = time.perf_counter()
         names = [n for n in kinds if kinds[n] == "linear" and n.startswith(bname + ".")]
-        stats = collect(model, names, lambda x: layer(x, mask, cache=None), h)
+        stats, outs = collect(model, names, lambda x: layer(x, mask, cache=None), h)
         for name in names:
             key, hess = stats[name]
             records[name] = quantize_one(name, "linear", hess)
             records[name]["hessian"] = key
-        layer = inner.layers[i]
-        h = [layer(x, mask, cache=None) for x in h]
-        mx.eval(h)
+        if sequential:  # the next block's input from the quantized block
+            layer = inner.layers[i]
+            outs = [layer(x, mask, cache=None) for x in h]
+            mx.eval(outs)
+        h = outs
         if progress:
             progress(f"[block {i + 1}/{len(inner.layers)}] {len(names)} layers {time.perf_counter() - t0:.2f}s")
     rest = [n for n in kinds if n not in records]
     normed = [inner.norm(x) for x in h] if rest else []
-    for name in rest:  # an untied lm_head reads the final norm; anything else goes data-free
-        records[name] = quantize_one(name, "linear", moments(normed) if name.split(".")[-1] == "lm_head" else None)
+    for name in rest:
+        # An lm_head, untied or tied (the embedding table itself), reads the final norm's output;
+        # anything else goes data-free. The tied table is quantized last: until then every block's
+        # calibration input came from the dense table.
+        reads_norm = name.split(".")[-1] == "lm_head" or name == head
+        records[name] = quantize_one(name, kinds[name], moments(normed) if reads_norm else None)
+        if reads_norm:
+            records[name]["hessian"] = "final norm"
     return [records[n] for n, _ in targets if n in records]
+
+
+def tied_head(model):
+    """True when the output head is the embedding table (no lm_head module): mlx-lm's tied models
+    call ``embed_tokens.as_linear`` on the final norm's output."""
+    if any(n.split(".")[-1] == "lm_head" for n, _ in model.named_modules()):
+        return False
+    return getattr(getattr(model, "args", None), "tie_word_embeddings", True) is not False
 
 
 def moments(xs):

@@ -51,9 +51,12 @@ def inverse_cholesky(h, damp=DAMP):
     eye = mx.eye(d, dtype=mx.float32)
     for _ in range(4):
         a = h + (damp * mean) * eye
-        low = mx.linalg.cholesky(a, stream=mx.cpu)
-        u = mx.linalg.cholesky(mx.linalg.cholesky_inv(low, stream=mx.cpu), upper=True, stream=mx.cpu)
-        u = np.array(u)
+        # With J the reversal, J A J = L L^T gives A = V V^T for the upper V = J L J, so
+        # A^-1 = V^-T V^-1 and U = V^-1 = J L^-1 J: one Cholesky and one triangular inverse
+        # (2/3 d^3 flops) instead of Cholesky, inverse and a second Cholesky (4/3 d^3), and no
+        # explicit inverse to round.
+        low = mx.linalg.cholesky(a[::-1, ::-1], stream=mx.cpu)
+        u = np.array(mx.linalg.tri_inv(low, upper=False, stream=mx.cpu)[::-1, ::-1])
         if np.all(np.isfinite(u)) and np.all(np.diag(u) > 0):
             return u
         damp *= 10

@@ -104,7 +104,8 @@ def _quantize_grouped(weight, bits, rotation, group_size, hessian, damp):
     return mx.array(pack(idx, bits)), mx.array(scales), mx.array(unit), error
 
 
-_FACTORS = []  # [(hessian, rotation state key, damp, (h, u))]: the last one only
+_FACTORS = []  # [(hessian, rotation state key, (h, u))]: the last few (a block's distinct inputs)
+_KEEP = 4
 
 
 def _rotated_factors(hessian, rotation, damp):
@@ -113,14 +114,15 @@ def _rotated_factors(hessian, rotation, damp):
     from . import gptq
 
     key = (rotation.kind, rotation.dim, rotation.seed, damp)
-    if _FACTORS and _FACTORS[0][0] is hessian and _FACTORS[0][1] == key:
-        return _FACTORS[0][2]
+    for h_, key_, factors in _FACTORS:  # named_modules order is up, down, gate, ...: not adjacent
+        if h_ is hessian and key_ == key:
+            return factors
     h = np.array(gptq.rotate_hessian(hessian, rotation), dtype=np.float32)
     u = gptq.inverse_cholesky(h, damp)
     # The scale refit minimises the same damped objective GPTQ did (a ridge towards plain least
     # squares, so a few calibration tokens cannot pull a scale far off).
     h = h + (damp * max(float(np.mean(np.diag(h))), 1e-30)) * np.eye(h.shape[0], dtype=np.float32)
-    _FACTORS[:] = [(hessian, key, (h, u))]
+    _FACTORS[:] = [(hessian, key, (h, u))] + _FACTORS[: _KEEP - 1]
     return h, u
 
 

@@ -80,22 +80,25 @@ class SkippedArm(Exception):
     """An arm that cannot be built for this model (recorded with the reason, not measured)."""
 
 
-def affine_arm(path, bits, group_size):
-    """(model, weight rel. MSE, bpw): MLX affine quantization of every nn.Linear, computed in float32."""
+def affine_arm(path, bits, group_size, embeddings=False):
+    """(model, weight rel. MSE, bpw): MLX affine quantization of every nn.Linear (and with
+    ``embeddings`` of the embedding table, a tied head with it, as mlx_lm.convert does), computed
+    in float32."""
     model, _ = load_source(path, dtype_cast=False)
+    kinds = (nn.Linear, nn.Embedding) if embeddings else nn.Linear
     odd = sorted({m.weight.shape[1] for _, m in model.named_modules()
-                  if isinstance(m, nn.Linear) and m.weight.shape[1] % group_size})
+                  if isinstance(m, kinds) and m.weight.shape[1] % group_size})
     if odd:
         # mlx_lm.convert would leave these layers dense: not a g{group_size} model at all.
         raise SkippedArm(f"input widths {odd} are not multiples of the group size {group_size}")
-    weights = {n: m.weight.astype(mx.float32) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=lambda p, m: isinstance(m, nn.Linear))
+    weights = {n: m.weight.astype(mx.float32) for n, m in model.named_modules() if isinstance(m, kinds)}
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=lambda p, m: isinstance(m, kinds))
     mx.eval(model.parameters())
     bpw = bits_per_weight(model)  # before the cast: scales/biases as stored
     _fp32(model)
     err = tot = 0.0
     for name, m in model.named_modules():
-        if isinstance(m, nn.QuantizedLinear):
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             w = weights.pop(name)
             w_hat = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
             err += mx.sum((w_hat - w) ** 2).item()
@@ -116,7 +119,8 @@ def vqpipe_arm(path, bits, rotation, seed, quantized=None):
         model, _ = load_source(path)
         records = quantize_model(model, bits, rotation, seed)
     err = sum(r["squared_error"] for r in records) / sum(r["weight_sq"] for r in records)
-    return _fp32(model), err, bits_per_weight(model)
+    bpw = bits_per_weight(model)  # before the cast: float16 group scales count 16 bits, as stored
+    return _fp32(model), err, bpw
 
 
 # --- bits per weight ----------------------------------------------------------------------------
@@ -146,16 +150,23 @@ def bits_per_weight(model):
         else:
             continue
         quantized.add(name)
-    dense = Counter()
+    dense, matrix = Counter(), Counter()
+    modules = dict(model.named_modules())
     for k, v in tree_flatten(model.parameters()):
         module, _, leaf = k.rpartition(".")
         if module not in quantized or leaf == "bias":
             kind = "bias" if leaf == "bias" else "norm" if "norm" in module else module.split(".")[-1]
             dense[kind] += v.size
+            if leaf == "weight" and isinstance(modules.get(module), (nn.Linear, nn.Embedding)):
+                matrix["weights"] += v.size
+                matrix["bits"] += v.nbytes * 8
     if not weights:
         return None
     total = sum(parts.values())
     return {"bpw": total / weights, "bpw_seed_rotation": (total - parts["rotation"]) / weights,
+            # every weight matrix (a dense embedding at its stored size): compares arms that
+            # quantize the embedding with arms that keep it dense
+            "bpw_matrices": (total + matrix["bits"]) / (weights + matrix["weights"]),
             "parts_bpw": {k: v / weights for k, v in sorted(parts.items())},
             "quantized_weights": weights, "quantized_layers": len(quantized),
             "unquantized_params": dict(sorted(dense.items())), "unquantized_total": sum(dense.values())}
@@ -169,11 +180,26 @@ def logprobs(model, tokens):
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def window_metrics(ref_lp, lp, tokens):
-    """(KL(ref || arm) per token, top-1 agreement, NLL of the next token) for one window."""
-    ref_lp = ref_lp.astype(mx.float32)
-    kl = mx.mean(mx.sum(mx.exp(ref_lp) * (ref_lp - lp), axis=-1))
-    top1 = mx.mean(mx.argmax(ref_lp, axis=-1) == mx.argmax(lp, axis=-1))
+def reference(lp, path):
+    """The source's side of one window's metrics, computed once and shared by every arm:
+    (file of p = exp(log p_source), float32, sum_v p log p per position, argmax per position).
+    The exponential over the vocabulary is most of a metric's cost: per arm only sum_v p log q
+    (one dot product a position) is left."""
+    p = mx.exp(lp)
+    negent = (p[:, None, :] @ lp[:, :, None]).reshape(-1)
+    arg = mx.argmax(lp, axis=-1)
+    mx.eval(p, negent, arg)
+    mx.save(path, p)
+    return path, negent, arg
+
+
+def window_metrics(ref, lp, tokens):
+    """(KL(source || arm) per token, top-1 agreement, NLL of the next token) for one window;
+    ``ref`` from :func:`reference`. KL = sum_v p (log p - log q) per position, averaged."""
+    path, negent, arg = ref
+    p = mx.load(path)
+    kl = mx.mean(negent - (p[:, None, :] @ lp[:, :, None]).reshape(-1))
+    top1 = mx.mean(arg == mx.argmax(lp, axis=-1))
     nll = -mx.mean(mx.take_along_axis(lp[:-1], tokens[1:, None], axis=-1))
     mx.eval(kl, top1, nll)
     return kl.item(), top1.item(), nll.item()
@@ -200,11 +226,16 @@ def dense_copy(model):
 
     swaps = []
     for name, m in model.named_modules():
-        if hasattr(m, "dequantized_weight") and not hasattr(m, "as_linear"):
+        if hasattr(m, "dequantized_weight"):
             w = m.dequantized_weight(mx.float32)
-        elif isinstance(m, nn.QuantizedLinear):
+        elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits).astype(mx.float32)
         else:
+            continue
+        if hasattr(m, "as_linear"):  # an embedding table (a tied head calls its as_linear)
+            emb = nn.Embedding(*w.shape)
+            emb.weight = w
+            swaps.append((name, emb))
             continue
         lin = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
         lin.weight = w
@@ -229,27 +260,40 @@ def generations(model, tok, prompts, max_tokens):
     return out
 
 
+def shard_windows(n_windows, shard):
+    """Indices of the evaluation windows of ``shard`` = (i, n): the i-th of n contiguous slices."""
+    i, n = shard
+    if not 0 <= i < n or n > n_windows:
+        raise ValueError(f"shard {i}/{n} of {n_windows} windows: need 0 <= i < n <= windows")
+    return list(range(i * n_windows // n, (i + 1) * n_windows // n))
+
+
 def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", quantized=None,
-            affine_groups=AFFINE_GROUPS, prompts=PROMPTS, gen_tokens=32, progress=print, arms=None):
+            affine_groups=AFFINE_GROUPS, prompts=PROMPTS, gen_tokens=32, progress=print, arms=None,
+            shard=(0, 1)):
     """(records, source record, generations). ``quantized``: {(bits, rotation): artifact dir}.
 
     ``arms``: the arm names to run (default all), to split one measurement over processes.
+    ``shard`` (i, n): only the i-th of n slices of the windows (:func:`merge_shards` joins them;
+    generations are shard 0's). Every record keeps its per-window values in ``per_window``.
     """
     quantized = quantized or {}
     source, tok = load_source(path)
-    windows = text.eval_windows(tok, n_windows, length)
-    # The source's log-probs, float16, one file per window in a temporary directory: in memory,
-    # 20 x 512 x 49152 of them are 1 GB (2 GB in float32), per process.
+    index = shard_windows(n_windows, shard)
+    windows = [text.eval_windows(tok, n_windows, length)[i] for i in index]
+    prompts = prompts if shard[0] == 0 else ()
+    # The source's probabilities, float32, one file per window in a temporary directory: in
+    # memory, 20 x 512 x 49152 of them are 2 GB per process.
     tmp = tempfile.TemporaryDirectory(prefix="vqpipe-quality-")
     refs, src_nll = [], []
     for i, w in enumerate(windows):
         lp = logprobs(source, w)
         src_nll.append(nll(lp, w))
-        refs.append(f"{tmp.name}/ref{i}.npy")
-        mx.save(refs[-1], lp.astype(mx.float16))
-    src = {"method": "source", **ppl_record(src_nll),
-           "bpw": bits_per_weight(source), **source_info(path), "tokens": n_windows * length}
-    progress(f"source perplexity {src['ppl']['median']:.2f} (median of {n_windows} windows x {length})")
+        refs.append(reference(lp, f"{tmp.name}/ref{i}.npy"))
+        del lp
+    src = {"method": "source", **ppl_record(src_nll), "per_window": {"index": index, "nll": src_nll},
+           "bpw": bits_per_weight(source), **source_info(path), "tokens": len(windows) * length}
+    progress(f"source perplexity {src['ppl']['median']:.2f} (median of {len(windows)} windows x {length})")
     gens = {"prompts": list(prompts), "max_tokens": gen_tokens, "arms": []}
     if prompts:
         gens["arms"].append({"arm": "source", "texts": generations(source, tok, prompts, gen_tokens)})
@@ -268,22 +312,26 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
                 model, werr, bpw = vqpipe_arm(path, bits, rot, seed, quantized.get((bits, rot)))
             else:
                 try:
-                    model, werr, bpw = affine_arm(path, bits, group)
+                    # the embedding as the vqpipe artifact has it: both quantized, or both dense
+                    model, werr, bpw = affine_arm(path, bits, group, artifact_embeddings(quantized.get((bits, rotation))))
                 except SkippedArm as e:
                     records.append({"bits": bits, "method": method, "group_size": group, "skipped": str(e)})
                     progress(f"{bits}-bit {method}: skipped ({e})")
                     continue
             model = dense_copy(model)
-            kls, top1s, nlls = zip(*(window_metrics(mx.load(r), logprobs(model, w), w) for r, w in zip(refs, windows)))
+            kls, top1s, nlls = zip(*(window_metrics(r, logprobs(model, w), w) for r, w in zip(refs, windows)))
             rec = {"bits": bits, "method": method, "weight_rel_mse": werr,
                    "kl": summarize(kls), "kl_mean": sum(kls) / len(kls),
                    "top1": summarize(top1s), "top1_mean": sum(top1s) / len(top1s),
-                   **ppl_record(nlls), "bpw": bpw, "tokens": n_windows * length}
+                   **ppl_record(nlls), "bpw": bpw, "tokens": len(windows) * length,
+                   "per_window": {"index": index, "kl": list(kls), "top1": list(top1s), "nll": list(nlls)}}
             if group is None:
                 rec["rotation"] = rot
                 rec["artifact"] = str(quantized[(bits, rot)]) if (bits, rot) in quantized else None
+                rec["embeddings"] = artifact_embeddings(quantized.get((bits, rot)))
             else:
                 rec["group_size"] = group
+                rec["embeddings"] = artifact_embeddings(quantized.get((bits, rotation)))
             records.append(rec)
             if prompts:
                 gens["arms"].append({"arm": f"{bits}-bit {method}", "texts": generations(model, tok, prompts, gen_tokens)})
@@ -358,6 +406,59 @@ def timing(path, bits, rotations, repeats, progress=print):
             for r, v in runs.items()]
 
 
+def parse_shard(spec):
+    if spec is None:
+        return (0, 1)
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard {spec!r}: expected I/N, e.g. 0/2") from None
+    if not 0 <= i < n:
+        raise ValueError(f"--shard {spec!r}: need 0 <= I < N")
+    return (i, n)
+
+
+def merge_shards(docs):
+    """One bench-quality document from shard documents (``--shard``): per-window values joined in
+    window order and summarised again, as one process over every window would have."""
+    docs = sorted(docs, key=lambda d: d["shard"][0])
+    n = docs[0]["shard"][1]
+    if [d["shard"] for d in docs] != [[i, n] for i in range(n)]:
+        raise ValueError(f"shards {[d['shard'] for d in docs]} are not 0..{n - 1} of {n}")
+    for key in ("model", "windows", "length", "text"):
+        if any(d[key] != docs[0][key] for d in docs):
+            raise ValueError(f"shards disagree on {key!r}")
+    if any(len(d["records"]) != len(docs[0]["records"]) for d in docs):
+        raise ValueError("shards have different arms")
+
+    def joined(recs):
+        per = {k: [x for r in recs for x in r["per_window"][k]] for k in recs[0]["per_window"]}
+        out = {**recs[0], "per_window": per, "tokens": sum(r["tokens"] for r in recs)}
+        out.update(ppl_record(per["nll"]))
+        for k in ("kl", "top1"):
+            if k in per:
+                out[k], out[f"{k}_mean"] = summarize(per[k]), sum(per[k]) / len(per[k])
+        return out
+
+    records = []
+    for recs in zip(*(d["records"] for d in docs)):
+        if len({(r["bits"], r["method"]) for r in recs}) != 1:
+            raise ValueError("shards list their arms in different orders")
+        records.append(recs[0] if "skipped" in recs[0] else joined(recs))
+    out = {**docs[0], "source": joined([d["source"] for d in docs]), "records": records}
+    out.pop("shard")
+    return out
+
+
+def artifact_embeddings(path):
+    """Whether a quantize artifact quantized its embedding table (False without an artifact:
+    the in-process vqpipe arm keeps it dense)."""
+    if path is None:
+        return False
+    return any(m.get("class") == "QuantizedEmbedding"
+               for m in json.loads((Path(path) / "quantized.json").read_text())["layers"].values())
+
+
 def artifacts(dirs):
     """{(bits, rotation): dir} from quantize-stage artifact directories."""
     out = {}
@@ -369,7 +470,7 @@ def artifacts(dirs):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m vqpipe bench-quality", description=__doc__.split("\n")[0])
-    p.add_argument("--source", required=True, help="source model directory")
+    p.add_argument("--source", help="source model directory")
     p.add_argument("--model", default=None, help="model name recorded in the output")
     p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--quantized", nargs="*", default=[], metavar="DIR",
@@ -386,16 +487,29 @@ def main(argv=None):
                    help="also time quantize_model for these rotations (e.g. auto qr)")
     p.add_argument("--timing-bits", type=int, default=4)
     p.add_argument("--timing-repeats", type=int, default=3)
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="measure only the I-th of N slices of the windows (0-based); --merge joins them")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="join shard outputs into --out instead of measuring")
     p.add_argument("--out", required=True, help="output JSON")
     args = p.parse_args(argv)
     try:
+        if args.merge:
+            write_json(args.out, merge_shards([json.loads(Path(f).read_text()) for f in args.merge]))
+            return 0
+        if not args.source:
+            raise ValueError("--source is required (unless --merge)")
+        shard = parse_shard(args.shard)
         records, src, gens = quality(args.source, args.bits, args.windows, args.length, args.seed, args.rotation,
                                      artifacts(args.quantized), args.affine_groups,
-                                     PROMPTS[: max(0, args.gen_prompts)], args.gen_tokens, arms=args.arms)
+                                     PROMPTS[: max(0, args.gen_prompts)], args.gen_tokens, arms=args.arms,
+                                     shard=shard)
         result = {"kind": "bench-quality", "model": args.model or Path(args.source).name,
                   "environment": environment(), "text": text.provenance(),
                   "windows": args.windows, "length": args.length,
                   "source": src, "records": records, "generations": gens}
+        if args.shard:
+            result["shard"] = list(shard)
         if args.timing:
             result["timing"] = timing(args.source, args.timing_bits, args.timing, args.timing_repeats)
     except (ValueError, FileNotFoundError) as e:

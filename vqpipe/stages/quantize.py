@@ -88,7 +88,7 @@ def _targets(model, embeddings, lm_head):
 
 def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_head=True,
                    dtype=mx.float32, progress=None, group_size=None, calibration=None, damp=None,
-                   fuse=True):
+                   fuse=True, sequential=True, moments=None):
     """Quantize ``model`` in place, one layer at a time; returns per-layer records.
 
     Every nn.Linear (and affine nn.QuantizedLinear, dequantized first) becomes a QuantizedLinear.
@@ -96,7 +96,8 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     in ``dtype``, like every other tensor that is not quantized. ``group_size`` gives each group of
     that many rotated entries of a row its own scale. ``calibration`` (int tokens [n, length])
     turns on GPTQ with input second moments collected block by block (vqpipe/calibrate.py).
-    ``dtype=None`` keeps each tensor that is not quantized in its source dtype. Linears that read
+    ``moments`` ({name: (key, H)}, vqpipe/stages/calibrate.py) gives GPTQ stored full-precision moments
+    instead (no forward pass). ``dtype=None`` keeps each tensor that is not quantized in its source dtype. Linears that read
     the same activation (q/k/v, gate/up) share one rotation (the seed of the first:
     vqpipe/fused.py), and with ``fuse`` they are computed as one (rows concatenated), as the
     loaders do, so the reference logits come from the same code path.
@@ -128,7 +129,8 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
             in_dim = weight.shape[1]
             r = resolve_kind(rotation, in_dim)
             cls = QuantizedEmbedding if kind == "embedding" else QuantizedLinear
-            gs = group_size if kind == "linear" else None
+            # an embedding gets group scales only as a calibrated tied head (vqpipe/calibrate.py)
+            gs = group_size if kind == "linear" or hessian is not None else None
             # one seed for the linears reading one activation: they can share its rotation
             new = cls.from_linear(module, bits, r, layer_seed(seed, rotation_owner(name)), weight=weight,
                                   group_size=gs, hessian=hessian, damp=damp)
@@ -150,12 +152,19 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
             progress(f"[{done[0]}/{len(targets)}] {name} {kind} {time.perf_counter() - t0:.2f}s")
         return record
 
-    if calibration is None:
+    if moments is not None:  # {name: (key, H)} from a calibrate artifact (vqpipe/stages/calibrate.py)
+        records = []
+        for name, kind in targets:
+            key, hess = moments.get(name, (None, None)) if kind != "dense-embedding" else (None, None)
+            records.append(quantize_one(name, kind, hess))
+            if hess is not None:
+                records[-1]["hessian"] = key
+    elif calibration is None:
         records = [quantize_one(name, kind, None) for name, kind in targets]
     else:
         from ..calibrate import quantize_calibrated
 
-        records = quantize_calibrated(model, calibration, quantize_one, targets, progress)
+        records = quantize_calibrated(model, calibration, quantize_one, targets, progress, sequential)
     records = [r for r in records if r is not None]
     # Remaining tensors (norms, biases of other layers) in the compute dtype.
     quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
@@ -320,7 +329,7 @@ def calibration_tokens(tokenizer, text="none", windows=16, length=512, seed=0):
 
 def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=True, dtype="source",
         progress=print, group_size=None, calibration="none", calib_windows=16, calib_length=512,
-        calib_seed=0, damp=None):
+        calib_seed=0, damp=None, moments=None, sequential=True):
     from mlx_lm.utils import load
 
     if dtype not in DTYPES:
@@ -335,9 +344,19 @@ def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=Tru
     manifest.verify(source)  # a download-stage artifact: checked before anything is read
     model, tokenizer = load(str(source), lazy=True)
     tokens, calib = calibration_tokens(tokenizer, calibration, calib_windows, calib_length, calib_seed)
+    stored = None
+    if moments is not None:
+        if tokens is not None:
+            raise ValueError("--moments and --calibration text both give calibration; choose one")
+        from . import moments as mom
+
+        stored, minfo = mom.load(moments)
+        calib = {**minfo["calibration"], "moments": str(moments)}
+    elif calib is not None:
+        calib["sequential"] = sequential
     t0 = time.perf_counter()
     records = quantize_model(model, bits, rotation, seed, embeddings, lm_head, DTYPES[dtype], progress,
-                             group_size, tokens, damp)
+                             group_size, tokens, damp, moments=stored, sequential=sequential)
     seconds = time.perf_counter() - t0
     info = {
         "vqpipe_version": __version__, "source": str(source), "bits": bits, "rotation": rotation,
@@ -372,11 +391,17 @@ def main(argv=None):
     p.add_argument("--calib-length", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration window offsets")
     p.add_argument("--damp", type=float, default=None, help="GPTQ damping, fraction of mean(diag H) (0.01)")
+    p.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --calibration: each block's moments from the already quantized blocks (default); "
+                   "--no-sequential: from the full-precision model (one forward pass per block fewer)")
+    p.add_argument("--moments", default=None, metavar="DIR",
+                   help="GPTQ with the full-precision moments of a calibrate-stage artifact (no forward pass)")
     args = p.parse_args(argv)
     try:
         run(args.source, args.out, args.bits, args.rotation, args.seed, args.embeddings, args.lm_head, args.dtype,
             group_size=args.group_size, calibration=args.calibration, calib_windows=args.calib_windows,
-            calib_length=args.calib_length, calib_seed=args.calib_seed, damp=args.damp)
+            calib_length=args.calib_length, calib_seed=args.calib_seed, damp=args.damp, moments=args.moments,
+            sequential=args.sequential)
     except (ValueError, OSError) as e:  # OSError: e.g. disk full, named with its path
         where = "" if isinstance(e, ValueError) or e.filename else f"writing {args.out}: "
         print(f"vqpipe quantize: error: {where}{e}", file=sys.stderr)

@@ -2,7 +2,9 @@
 # `benchmark:`, which a cached rule could not). Each writes one JSON for the report.
 
 
-rule bench_quality:
+rule bench_quality_shard:
+    # One slice of the evaluation windows (benchmarks.quality.shards of them, run in parallel);
+    # the per-window values are exact whatever the split, and bench_quality joins them.
     input:
         source=SOURCE,
         # The vqpipe arms are the quantize stage's artifacts (the pipeline's rotation and none),
@@ -10,7 +12,7 @@ rule bench_quality:
         quantized=expand(QUANTIZED, model="{model}", bits=BITS, rotation=[QUALITY_ROTATION, "none"]),
         code=stage_sources("vqpipe.stages.bench_quality"),
     output:
-        BENCH_QUALITY,
+        temp(BENCH_QUALITY_SHARD),
     params:
         model="{model}",
         bits=BITS,
@@ -21,11 +23,12 @@ rule bench_quality:
         groups=config["benchmarks"]["quality"]["affine_groups"],
         gen_prompts=config["benchmarks"]["quality"]["gen_prompts"],
         gen_tokens=config["benchmarks"]["quality"]["gen_tokens"],
+        shards=QUALITY_SHARDS,
         blas=BLAS,
     log:
-        "logs/bench/{model}/quality.log",
+        "logs/bench/{model}/quality.shard{shard}.log",
     benchmark:
-        "results/benchmarks/bench_quality/{model}.tsv"
+        "results/benchmarks/bench_quality/{model}.shard{shard}.tsv"
     conda:
         ENV
     shell:
@@ -33,8 +36,24 @@ rule bench_quality:
             "bench-quality --source {input.source:q} --model {params.model} --bits {params.bits}"
             " --quantized {input.quantized:q} --rotation {params.rotation} --affine-groups {params.groups}"
             " --windows {params.windows} --length {params.length} --seed {params.seed}"
-            " --gen-prompts {params.gen_prompts} --gen-tokens {params.gen_tokens} --out {output:q}"
+            " --gen-prompts {params.gen_prompts} --gen-tokens {params.gen_tokens}"
+            " --shard {wildcards.shard}/{params.shards} --out {output:q}"
         )
+
+
+rule bench_quality:
+    input:
+        shards=expand(BENCH_QUALITY_SHARD, model="{model}", shard=range(QUALITY_SHARDS)),
+        code=stage_sources("vqpipe.stages.bench_quality"),
+    output:
+        BENCH_QUALITY,
+    log:
+        "logs/bench/{model}/quality.log",
+    threads: 1
+    conda:
+        ENV
+    shell:
+        vqpipe_cmd("bench-quality --merge {input.shards:q} --out {output:q}")
 
 
 rule bench_load:

@@ -35,9 +35,11 @@ vqblas.prepend_path(Path(sys.executable).parent)
 # {variant} of docs/architecture.md is b{bits}-{rotation} here: two wildcards, both params.
 SOURCE = "results/models/{model}/source"
 QUANTIZED = "results/quantized/{model}/b{bits}-{rotation}"
+MOMENTS = "results/calibration/{model}"
 RESERVOIR = "results/reservoir/{model}/b{bits}-{rotation}/persist-{persist}"
 VERDICT = "results/validate/{model}/b{bits}-{rotation}/persist-{persist}.json"
 BENCH_QUALITY = "results/bench/{model}/quality.json"
+BENCH_QUALITY_SHARD = "results/bench/{model}/quality.shard{shard}.json"
 BENCH_LOAD = "results/bench/{model}/load.json"
 BENCH_DECODE = "results/bench/{model}/decode.json"
 BENCH_KIVI = "results/bench/kivi.json"
@@ -52,6 +54,7 @@ wildcard_constraints:
     bits=r"\d+",
     rotation="auto|hadamard|kron|qr|none",
     persist="on|off",
+    shard=r"\d+",
 
 
 MODELS = list(config["models"])
@@ -61,6 +64,7 @@ PERSIST = ["on" if p else "off" for p in config["persist_rotation"]]
 # bench-quality's vqpipe arm: this rotation's quantize artifact (its unrotated arm: rotation none).
 QUALITY_ROTATION = config["benchmarks"]["quality"].get("rotation") or next(
     (r for r in ROTATIONS if r != "none"), "auto")
+QUALITY_SHARDS = config["benchmarks"]["quality"]["shards"]
 
 
 def fan_out(pattern):
@@ -183,10 +187,19 @@ def quantize_flags(model):
     if group is not None:
         flags += f" --group-size {group}"
     cal = quantize_option(model, "calibration")
-    if cal["text"] != "none":
+    if stored_moments(model):
+        flags += f" --moments {MOMENTS.format(model=model)} --damp {cal['damp']}"
+    elif cal["text"] != "none":
         flags += (f" --calibration {cal['text']} --calib-windows {cal['windows']} --calib-length {cal['length']}"
                   f" --calib-seed {cal['seed']} --damp {cal['damp']}")
     return flags
+
+
+def stored_moments(model):
+    """Whether ``model``'s quantize jobs read the calibrate stage's full-precision moments (one
+    pass per model for every bit width and rotation) instead of calibrating sequentially."""
+    cal = quantize_option(model, "calibration")
+    return cal["text"] != "none" and not cal.get("sequential", True)
 
 
 # --- the vqpipe source files of a stage ----------------------------------------------------------

@@ -8,6 +8,7 @@ rule quantize:
         # Not vqpipe.bench.env (imported lazily for the environment record in reference.json):
         # it does not change the artifact's numbers, and validate refuses a changed record.
         code=stage_sources("vqpipe.stages.quantize"),
+        moments=lambda w: [MOMENTS.format(model=w.model)] if stored_moments(w.model) else [],
     output:
         directory(QUANTIZED),
     params:
