@@ -495,7 +495,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         if args.merge:
-            write_json(args.out, merge_shards([json.loads(Path(f).read_text()) for f in args.merge]))
+            record.write(args.out, "bench-quality", merge_shards([record.read(f) for f in args.merge]))
             return 0
         if not args.source:
             raise ValueError("--source is required (unless --merge)")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import __version__, manifest
+from .. import __version__, manifest, record
 from ..calibrate import _batches, collect, decoder, moments, tied_head
 from ..fsutil import atomic_dir, save_safetensors
 
@@ -88,7 +88,7 @@ def run(source, out, windows=16, length=512, seed=0, progress=print):
             "layers": names, "seconds": time.perf_counter() - t0}
     with atomic_dir(out, manifest=True) as tmp:
         save_safetensors(tmp / "moments.safetensors", sums)
-        (tmp / "moments.json").write_text(json.dumps(info, indent=2) + "\n")
+        record.write(tmp / "moments.json", "calibrate", info, inputs={"source": source})
     progress(f"moments of {len(names)} layers ({len(sums)} distinct) in {info['seconds']:.1f}s -> {out}")
     return info
 

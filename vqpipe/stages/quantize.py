@@ -348,7 +348,7 @@ def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=Tru
     if moments is not None:
         if tokens is not None:
             raise ValueError("--moments and --calibration text both give calibration; choose one")
-        from . import moments as mom
+        from . import calibrate as mom
 
         stored, minfo = mom.load(moments)
         calib = {**minfo["calibration"], "moments": str(moments)}
