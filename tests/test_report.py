@@ -278,7 +278,7 @@ def test_record_envelope_and_write(tmp_path, env):
 def test_report_renders_without_mlx(tmp_path, env):
     """summary, plots and pages need no MLX: a report can be built from copied records anywhere."""
     _write(tmp_path / "in", _artifacts(env))
-    code = ("import sys; from vqpipe import report; "
+    code = ("import sys; from vqpipe.stages import report; "
             f"rc = report.main(['--inputs', {str(tmp_path / 'in')!r}, '--out', {str(tmp_path / 'r')!r}]); "
             "assert rc == 0, rc; assert 'mlx' not in sys.modules, sorted(m for m in sys.modules if 'mlx' in m)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
