@@ -36,6 +36,7 @@ from ..kivi.attention import attend_tiles
 from ..kivi.cache import make_kivi_cache
 from ..kivi.store import PackedKIVICache
 from ..bench import env, harness, roofline
+from ..fsutil import write_json
 
 HQ, HK, D = 32, 8, 128
 AFFINE_GROUP = 64
@@ -427,12 +428,8 @@ def parse_args(argv):
 
 
 def _save(result, path):
-    """Write the result so far (temp file + rename): a run cut short keeps its finished rows."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(out)
+    """Write the result so far (atomically): a run cut short keeps its finished rows."""
+    write_json(path, result)
 
 
 def main(argv=None):

@@ -14,14 +14,13 @@ generation with that prefill step.
 """
 
 import argparse
-import json
 import math
 import statistics
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 
+from ..fsutil import write_json
 from ..kivi.cache import make_kivi_cache
 
 
@@ -98,12 +97,8 @@ def main(argv=None):
         print(f"window {i}: " + "; ".join(f"{k} ppl {math.exp(a[0] / a[3]):.3f} KL {a[1] / a[3]:.4f} top1 {a[2] / a[3]:.3f}"
                                        for k, a in per_window[-1].items()), flush=True)
     result = {"kind": "bench-kivi-quality", "config": vars(args), "text": str(CORPUS.name), "results": summarize(per_window)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(out)
-    print(f"bench-kivi-quality: wrote {out}")
+    write_json(args.out, result)
+    print(f"bench-kivi-quality: wrote {args.out}")
     return 0
 
 
