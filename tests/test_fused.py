@@ -12,7 +12,7 @@ from vqpipe import fused
 from vqpipe.stages.download import fetch
 from vqpipe.bitpack import unpack_numpy
 from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
-from vqpipe.stages.quantize import layer_seed, quantize_model, split_state
+from vqpipe.quantize import layer_seed, quantize_model, split_state
 
 
 @pytest.fixture(scope="module")

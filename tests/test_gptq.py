@@ -12,7 +12,7 @@ from vqpipe import gptq
 from vqpipe import reservoir as R
 from vqpipe.bitpack import unpack
 from vqpipe.qlinear import QuantizedLinear, quantize_weight
-from vqpipe.stages.quantize import quantize_model, quantized_layers, split_state
+from vqpipe.quantize import quantize_model, quantized_layers, split_state
 from vqpipe.rotation import make_rotation
 
 from test_reservoir import make_model

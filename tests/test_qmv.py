@@ -541,7 +541,7 @@ def test_generation_kernel_on_off(dt, embeddings, tmp_path_factory, monkeypatch)
     from mlx_lm import load
 
     from vqpipe.stages.download import fetch
-    from vqpipe.stages.quantize import quantize_model
+    from vqpipe.quantize import quantize_model
 
     path = fetch("synth:tiny", tmp_path_factory.mktemp("qmv") / "tiny", seed=0)
     model, tok = load(str(path))

@@ -8,7 +8,8 @@ from mlx_lm import generate
 from mlx_lm.utils import load
 
 from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
-from vqpipe.stages.quantize import load_quantized, main, quantize_model, quantized_layers, run
+from vqpipe.quantize import quantize_model, quantized_layers
+from vqpipe.stages.quantize import load_quantized, main, run
 
 
 def _logits(model, tokens):

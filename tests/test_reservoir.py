@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 
 from vqpipe import prefault, zerocopy
 from vqpipe import reservoir as R
-from vqpipe.stages.quantize import quantize_model, quantized_layers
+from vqpipe.quantize import quantize_model, quantized_layers
 
 TOKENS = mx.array([[1, 5, 9, 2, 77, 31, 4, 100]], dtype=mx.int32)
 
@@ -213,7 +213,7 @@ def test_graft_into_unquantized_model(built):
 
 
 def test_graft_into_lazy_skeleton(built):
-    from vqpipe.stages.quantize import skeleton
+    from vqpipe.quantize import skeleton
 
     model, path, _ = built[("qr", False)]
     skel = skeleton(path.parent)

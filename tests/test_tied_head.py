@@ -12,7 +12,7 @@ from vqpipe import reservoir as R
 from vqpipe.stages import bench_quality as q
 from vqpipe.calibrate import tied_head
 from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
-from vqpipe.stages.quantize import quantize_model
+from vqpipe.quantize import quantize_model
 
 from test_reservoir import make_model
 
@@ -101,7 +101,7 @@ def test_affine_arm_quantizes_the_embedding_when_asked(tiny_source):
 
 def test_stored_moments_quantize_exactly_as_in_process():
     from vqpipe.stages.calibrate import full_precision_moments
-    from vqpipe.stages.quantize import split_state
+    from vqpipe.quantize import split_state
 
     inproc, _ = make_model(TIED)
     quantize_model(inproc, 3, "auto", 1, embeddings=True, group_size=16, calibration=CALIB, sequential=False)

@@ -208,6 +208,7 @@ def test_changing_persist_rotation_reruns_pack_not_quantize(tree):
     [
         ("vqpipe/stages/quantize.py", "quantize"),
         ("vqpipe/qlinear.py", "quantize"),
+        ("vqpipe/quantize.py", "quantize"),
         ("vqpipe/stages/pack.py", "pack"),
         ("vqpipe/stages/validate.py", "validate"),
         ("vqpipe/stages/report.py", "report"),

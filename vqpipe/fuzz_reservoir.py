@@ -97,7 +97,7 @@ def _build(name, directory):
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
-    from .stages.quantize import quantize_model
+    from .quantize import quantize_model
 
     arch, bits, rotation, embeddings, persist = BASES[name]
     config = {**ARCH, **arch}

@@ -214,7 +214,7 @@ def save_reservoir(model, path, persist_rotation=False, config=None):
     ``config`` (the model's config.json) is embedded so the file alone can rebuild the model; by
     default it is derived from the mlx-lm model's ``args``.
     """
-    from .stages.quantize import split_state
+    from .quantize import split_state
 
     metas, arrays, params = split_state(model)
     if not metas:
@@ -546,7 +546,7 @@ def _regenerate(path, name, rmeta, memo):
 
 
 def _build_layers(path, header, read, names=None):
-    from .stages.quantize import build_layers
+    from .quantize import build_layers
 
     layers, memo = {}, {}
     for name, meta in header["layers"].items():
@@ -619,7 +619,7 @@ def _file(path):
 
 
 def _skeleton(path, header, model_dir):
-    from .stages.quantize import skeleton
+    from .quantize import skeleton
 
     model_dir = Path(model_dir) if model_dir is not None else path.parent
     if (model_dir / "config.json").is_file():

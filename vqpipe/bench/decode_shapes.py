@@ -42,7 +42,7 @@ from ..fsutil import write_json
 from ..fused import fuse_model, rotation_owner
 from ..bitpack import words_per_row
 from ..qlinear import QuantizedEmbedding, QuantizedLinear
-from ..stages.quantize import layer_seed
+from ..quantize import layer_seed
 from ..rotation import make_rotation
 from . import harness, roofline
 from ..stages.bench_decode import generate_once, make_cache
@@ -53,7 +53,7 @@ ROT = "+rot"  # arm suffix: the rotation in the kernel's prologue
 
 
 def skeleton(preset):
-    from ..stages.quantize import skeleton as load_skeleton
+    from ..quantize import skeleton as load_skeleton
 
     with tempfile.TemporaryDirectory(prefix="vq-shapes-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(synth.make_config(preset)))

@@ -379,7 +379,7 @@ def quantize_method(path, method, bits, seed):
 _CHILD = """
 import json, resource, sys, time
 from mlx_lm.utils import load
-from vqpipe.stages.quantize import quantize_model
+from vqpipe.quantize import quantize_model
 model, _ = load(sys.argv[1], lazy=True)
 t0 = time.perf_counter()
 quantize_model(model, int(sys.argv[2]), sys.argv[3], 0)

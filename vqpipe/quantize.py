@@ -1,0 +1,211 @@
+"""Model-level quantization: every nn.Linear (and, optionally, embedding) of an mlx-lm model
+becomes a QuantizedLinear, in place, one layer at a time; and the inverse bookkeeping
+(split a quantized model into stored state, rebuild it on a config skeleton).
+
+The quantize stage (vqpipe/stages/quantize.py) wraps this in an artifact; bench-quality, the
+reservoir loader and the fuzzers call it directly.
+"""
+
+import hashlib
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .codebook import check_bits
+from .fused import fuse_model, rotation_owner
+from .qlinear import QuantizedEmbedding, QuantizedLinear
+from .rotation import KINDS, resolve_kind
+
+
+def layer_seed(seed, name):
+    """A per-layer seed: stable across processes and Python versions (no hash())."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _source_dtype(module):
+    """The dtype a Linear/Embedding's weight has in the source (an affine layer's: its scales')."""
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return module.scales.dtype
+    return module.weight.dtype
+
+
+def _sum_squares(weight, rows=8192):
+    """sum(w^2) in float32, a chunk of rows at a time (no full-size temporaries)."""
+    total = 0.0
+    for start in range(0, weight.shape[0], rows):
+        w = weight[start:start + rows].astype(mx.float32)
+        total += mx.sum(w * w).item()
+    return total
+
+
+def _dense_weight(module, dtype):
+    """The full-precision weight of a Linear/Embedding, dequantizing affine-quantized layers."""
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        w = mx.dequantize(
+            module.weight, module.scales, module.get("biases"), module.group_size, module.bits,
+            mode=getattr(module, "mode", "affine"),
+        )
+        return w.astype(dtype)
+    return module.weight.astype(dtype)
+
+
+def _targets(model, embeddings, lm_head):
+    linear = (nn.Linear, nn.QuantizedLinear)
+    embedding = (nn.Embedding, nn.QuantizedEmbedding)
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, linear) and (lm_head or name.split(".")[-1] != "lm_head"):
+            out.append((name, module, "linear"))
+        elif isinstance(module, embedding):
+            out.append((name, module, "embedding" if embeddings else "dense-embedding"))
+    return out
+
+
+def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_head=True,
+                   dtype=mx.float32, progress=None, group_size=None, calibration=None, damp=None,
+                   fuse=True, sequential=True, moments=None):
+    """Quantize ``model`` in place, one layer at a time; returns per-layer records.
+
+    Every nn.Linear (and affine nn.QuantizedLinear, dequantized first) becomes a QuantizedLinear.
+    Embeddings are quantized when ``embeddings`` is true, otherwise kept (dequantized if needed)
+    in ``dtype``, like every other tensor that is not quantized. ``group_size`` gives each group of
+    that many rotated entries of a row its own scale. ``calibration`` (int tokens [n, length])
+    turns on GPTQ with input second moments collected block by block (vqpipe/calibrate.py).
+    ``moments`` ({name: (key, H)}, vqpipe/stages/calibrate.py) gives GPTQ stored full-precision moments
+    instead (no forward pass). ``dtype=None`` keeps each tensor that is not quantized in its source dtype. Linears that read
+    the same activation (q/k/v, gate/up) share one rotation (the seed of the first:
+    vqpipe/fused.py), and with ``fuse`` they are computed as one (rows concatenated), as the
+    loaders do, so the reference logits come from the same code path.
+    """
+    check_bits(bits)
+    if rotation not in KINDS:
+        raise ValueError(f"unknown rotation {rotation!r}; choose one of {', '.join(KINDS)}")
+    targets = _targets(model, embeddings, lm_head)
+    if not any(kind == "linear" for _, _, kind in targets):
+        raise ValueError(f"model {type(model).__name__} has no nn.Linear layers to quantize")
+    # Keep names only: holding the source modules would keep every evaluated source weight alive.
+    targets = [(name, kind) for name, _, kind in targets]
+    modules = dict(model.named_modules())
+    done = [0]
+
+    def quantize_one(name, kind, hessian):
+        t0 = time.perf_counter()
+        module = modules.pop(name)
+        keep = dtype or _source_dtype(module)
+        # In the source dtype: quantize_weight casts row chunks to float32, so a 150k-row embedding
+        # never has a whole float32 copy (nor a squared one) alive at once.
+        weight = _dense_weight(module, keep)
+        record = None
+        if kind == "dense-embedding":
+            new = nn.Embedding(*weight.shape)
+            new.weight = weight.astype(keep)
+            mx.eval(new.weight)
+        else:
+            in_dim = weight.shape[1]
+            r = resolve_kind(rotation, in_dim)
+            cls = QuantizedEmbedding if kind == "embedding" else QuantizedLinear
+            # an embedding gets group scales only as a calibrated tied head (vqpipe/calibrate.py)
+            gs = group_size if kind == "linear" or hessian is not None else None
+            # one seed for the linears reading one activation: they can share its rotation
+            new = cls.from_linear(module, bits, r, layer_seed(seed, rotation_owner(name)), weight=weight,
+                                  group_size=gs, hessian=hessian, damp=damp)
+            if kind == "embedding":
+                new.out_dtype = keep
+            if "bias" in module:
+                new.bias = module.bias.astype(dtype or module.bias.dtype)
+            mx.eval(new.parameters())
+            total = _sum_squares(weight)
+            record = {
+                "name": name, "kind": kind, "shape": list(weight.shape), "rotation": new.rotation.kind,
+                "group_size": gs, "calibrated": hessian is not None,
+                "squared_error": new.squared_error, "weight_sq": total,
+                "rel_mse": new.squared_error / max(total, 1e-30), "seconds": time.perf_counter() - t0,
+            }
+        model.update_modules(tree_unflatten([(name, new)]))
+        done[0] += 1
+        if progress and calibration is None:
+            progress(f"[{done[0]}/{len(targets)}] {name} {kind} {time.perf_counter() - t0:.2f}s")
+        return record
+
+    if moments is not None:  # {name: (key, H)} from a calibrate artifact (vqpipe/stages/calibrate.py)
+        records = []
+        for name, kind in targets:
+            key, hess = moments.get(name, (None, None)) if kind != "dense-embedding" else (None, None)
+            records.append(quantize_one(name, kind, hess))
+            if hess is not None:
+                records[-1]["hessian"] = key
+    elif calibration is None:
+        records = [quantize_one(name, kind, None) for name, kind in targets]
+    else:
+        from .calibrate import quantize_calibrated
+
+        records = quantize_calibrated(model, calibration, quantize_one, targets, progress, sequential)
+    records = [r for r in records if r is not None]
+    # Remaining tensors (norms, biases of other layers) in the compute dtype.
+    quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    rest = [(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())
+            if not any(k.startswith(q + ".") for q in quantized) and mx.issubdtype(v.dtype, mx.floating)
+            and dtype is not None and v.dtype != dtype]
+    if rest:
+        model.load_weights(rest, strict=False)
+    mx.eval(model.parameters())
+    if fuse:
+        fuse_model(model)
+    return records
+
+
+def quantized_layers(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+def split_state(model):
+    """(layer metas, layer arrays, other params) for a quantized model."""
+    layers = quantized_layers(model)
+    metas, arrays = {}, {}
+    for name, layer in layers.items():
+        meta, arr = layer.to_state()
+        meta["class"] = type(layer).__name__
+        metas[name] = meta
+        arrays.update({f"{name}.{k}": v for k, v in arr.items()})
+    params = {k: v for k, v in tree_flatten(model.parameters())
+              if not any(k.startswith(n + ".") for n in layers)}
+    return metas, arrays, params
+
+
+def build_layers(metas, arrays):
+    """{name: QuantizedLinear} from stored metas and ``"<name>.<key>"`` arrays."""
+    out = {}
+    for name, meta in metas.items():
+        prefix = name + "."
+        arr = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+        cls = QuantizedEmbedding if meta.get("class") == "QuantizedEmbedding" else QuantizedLinear
+        out[name] = cls.from_state(meta, arr)
+    return out
+
+
+def skeleton(model_dir):
+    """An mlx-lm model object for ``model_dir``'s config.json with no weights read.
+
+    MLX is lazy: the random initial parameters are never computed, since they are replaced.
+    """
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(model_dir), lazy=True, strict=False)
+    return model
+
+
+def assemble(model, layers, params, source="artifact"):
+    """Put quantized layers and plain params into a skeleton; every tensor must be accounted for."""
+    model.update_modules(tree_unflatten(list(layers.items())))
+    expected = {k for k, _ in tree_flatten(model.parameters())
+                if not any(k.startswith(n + ".") for n in layers)}
+    missing, extra = expected - set(params), set(params) - expected
+    if missing or extra:
+        raise ValueError(f"{source} does not match the model config: missing {sorted(missing)[:5]}, "
+                         f"unexpected {sorted(extra)[:5]}")
+    model.load_weights(list(params.items()), strict=False)
+    return model
