@@ -1,0 +1,100 @@
+"""The compiled decode step over a static KV cache (vqpipe/decode_step.py) against mlx-lm's eager
+decode, float32 on the CPU: full precision, MLX affine and vqpipe weights."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import RotatingKVCache
+
+from vqpipe.decode_step import Decoder, StaticCache, check_model
+from vqpipe.quantize import quantize_model
+from vqpipe.stages.bench_decode import cast_floating, generate_once, make_cache
+
+PROMPT_LENGTHS = (1, 5, 23)  # 1: no prefill at all; 23 with prefill_step 8: three chunks
+NEW = 10
+
+
+def _prompts(vocab):
+    return [mx.random.randint(0, vocab - 16, (n,), key=mx.random.key(40 + n)) for n in PROMPT_LENGTHS]
+
+
+def _same_as_eager(model, vocab, capacity=48):
+    dec = Decoder(model, capacity)
+    seen = set()
+    for prompt in _prompts(vocab):
+        ref = generate_once(model, prompt, make_cache(model, "fp", 4, 32, 0), NEW, 8)["ids"]
+        got = dec.generate(prompt, NEW, prefill_step=8)
+        assert got["ids"] == ref, f"P={prompt.size}"
+        assert got["prefill_s"] > 0 and got["decode_s"] > 0
+        seen.update(ref)
+    assert len(seen) > 3  # the prompts lead to different texts: the comparison can tell paths apart
+    assert dec.traces == 1  # one trace serves every prompt length and every position
+    return dec
+
+
+@pytest.fixture(scope="module")
+def tiny_f32(tiny_source):
+    model, _ = load(str(tiny_source))
+    return cast_floating(model, mx.float32)
+
+
+def test_full_precision_qwen2_matches_eager(tiny_f32):
+    _same_as_eager(tiny_f32, 8192)
+
+
+def test_full_precision_llama_matches_eager(tiny_llama_source):
+    model, _ = load(str(tiny_llama_source))
+    _same_as_eager(cast_floating(model, mx.float32), 8192)
+
+
+def test_affine_matches_eager(tiny_4bit_source):
+    model, _ = load(str(tiny_4bit_source))
+    _same_as_eager(cast_floating(model, mx.float32), 8192)
+
+
+def test_vqpipe_matches_eager(tiny_llama_source):
+    model, _ = load(str(tiny_llama_source))
+    quantize_model(model, 3, embeddings=True, dtype=mx.float32)
+    _same_as_eager(model, 8192)
+
+
+def test_uncompiled_static_step_is_the_same(tiny_f32):
+    prompt = _prompts(8192)[2]
+    a = Decoder(tiny_f32, 40, compiled=False).generate(prompt, NEW, 8)
+    b = Decoder(tiny_f32, 40).generate(prompt, NEW, 8)
+    assert a["ids"] == b["ids"]
+
+
+def test_capacity_is_exact_and_overflow_is_refused(tiny_f32):
+    prompt = _prompts(8192)[1]  # 5 tokens
+    dec = Decoder(tiny_f32, 5 + NEW)
+    assert len(dec.generate(prompt, NEW, 8)["ids"]) == NEW  # exactly fills the cache
+    with pytest.raises(ValueError, match="need 16 KV positions; the static cache holds 15"):
+        dec.generate(prompt, NEW + 1, 8)
+    caches = dec.new_cache()
+    with pytest.raises(ValueError, match="static KV cache full: 20 positions needed, capacity 15"):
+        tiny_f32(mx.zeros((1, 20), mx.int32), cache=caches)
+    with pytest.raises(ValueError, match="capacity must be >= 2"):
+        Decoder(tiny_f32, 1)
+    with pytest.raises(ValueError, match="empty prompt"):
+        dec.generate(mx.zeros((0,), mx.int32), 2, 8)
+
+
+def test_mask_covers_written_positions_only():
+    c = StaticCache(mx.zeros((1, 2, 6, 4)), mx.zeros((1, 2, 6, 4)), mx.array(2, mx.int32))
+    assert c.make_mask(1).reshape(-1).tolist() == [True, True, True, False, False, False]
+    with pytest.raises(ValueError, match="one token"):
+        c.make_mask(3)
+    with pytest.raises(ValueError, match="sliding-window"):
+        c.make_mask(1, window_size=4)
+
+
+def test_sliding_window_models_are_refused():
+    class Windowed:
+        layers = [None]
+
+        def make_cache(self):
+            return [RotatingKVCache(max_size=16)]
+
+    with pytest.raises(ValueError, match="full-attention KVCache layers only.*RotatingKVCache"):
+        check_model(Windowed())

@@ -1,0 +1,171 @@
+"""A compiled single-token decode step over a static-shape KV cache, for mlx-lm models.
+
+mlx-lm's eager decode rebuilds the whole step graph in Python on every token (500-700 MLX
+primitives at Llama-3-8B shapes, 5-8 ms of host time on the H200: docs/decode.md), which bounds
+decode there more than the weights' bytes do. ``mx.compile`` traces the step once and replays it
+from C++, fusing elementwise chains, but it reuses a trace only while every input keeps its shape
+and every Python value it saw stays the same. mlx-lm's ``KVCache`` breaks both: it grows its
+buffers, slices them to the current length and keeps the position as a Python int. So here:
+
+- :class:`StaticCache` keeps mlx-lm's cache interface (``offset``, ``update_and_fetch``,
+  ``make_mask``) over buffers preallocated to a fixed ``capacity``. During prefill (eager, many
+  tokens) its offset is a Python int and it behaves exactly as ``KVCache`` (same values, same
+  slices). In the compiled step its offset is a 0-d int32 array: the new key/value go in with
+  ``mx.slice_update`` at that array index, attention reads the whole buffer under a mask built
+  from the position, and rope takes the array offset (``mx.fast.rope`` accepts one).
+- :class:`Decoder` owns one compiled step per model: token, position and the cache buffers in;
+  the greedy next token, the next position and the updated buffers out. Nothing crosses to the
+  host between steps; the caller reads token i while step i + 1 is queued (as mlx-lm does).
+
+The model code is mlx-lm's, unchanged: full-precision, MLX affine and vqpipe layers all trace
+(vqpipe's qmv kernel is a custom-kernel primitive, which a compiled graph replays like any other).
+Positions past ``capacity`` raise ValueError before anything is queued: the device-side index
+would otherwise clamp silently.
+"""
+
+import time
+
+import mlx.core as mx
+
+POSITION_DTYPE = mx.int32
+
+
+class StaticCache:
+    """mlx-lm's KV-cache interface over buffers [B, kv_heads, capacity, head_dim]."""
+
+    def __init__(self, keys, values, offset):
+        self.keys, self.values, self.offset = keys, values, offset
+
+    @property
+    def capacity(self):
+        return self.keys.shape[2]
+
+    def update_and_fetch(self, keys, values):
+        if isinstance(self.offset, int):  # eager prefill: exactly KVCache's writes and slices
+            end = self.offset + keys.shape[2]
+            if end > self.capacity:
+                raise ValueError(f"static KV cache full: {end} positions needed, capacity {self.capacity}")
+            self.keys[..., self.offset:end, :] = keys
+            self.values[..., self.offset:end, :] = values
+            self.offset = end
+            return self.keys[..., :end, :], self.values[..., :end, :]
+        start = self.offset.reshape(1)
+        self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
+        self.values = mx.slice_update(self.values, values, start, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, n, return_array=False, window_size=None):
+        if window_size is not None:
+            raise ValueError("static KV cache: sliding-window attention is not supported")
+        if isinstance(self.offset, int):
+            from mlx_lm.models.cache import create_attention_mask
+
+            return create_attention_mask(n, self.offset, return_array, None)
+        if n != 1:
+            raise ValueError(f"static KV cache: the compiled step takes one token, got {n}")
+        # Attend to positions 0..offset (this token's own entry included); the rest is unwritten.
+        return (mx.arange(self.capacity, dtype=POSITION_DTYPE) <= self.offset).reshape(1, 1, 1, -1)
+
+
+def check_model(model):
+    """Raise ValueError unless every layer of ``model`` uses mlx-lm's plain full-attention KVCache."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    kinds = {type(c).__name__ for c in make_prompt_cache(model)}
+    if kinds != {KVCache.__name__}:
+        raise ValueError(f"compiled decode supports full-attention KVCache layers only; this model uses {sorted(kinds)}")
+
+
+class _Probe:
+    """Records the (shape, dtype) of the keys and values a layer writes; computes nothing."""
+
+    offset = 0
+
+    def update_and_fetch(self, keys, values):
+        self.shapes = (keys.shape, keys.dtype, values.shape, values.dtype)
+        return keys, values
+
+    def make_mask(self, n, return_array=False, window_size=None):
+        return None
+
+
+class Decoder:
+    """Greedy decode of ``model`` with a compiled step (see the module docstring).
+
+    ``capacity``: the KV positions each generation may use (at least prompt + new tokens); the trace is
+    reused for every generation with this capacity. ``compiled=False`` runs the same step eagerly
+    (for tests and to separate what compilation buys from what the static cache costs)."""
+
+    def __init__(self, model, capacity, compiled=True):
+        check_model(model)
+        if capacity < 2:
+            raise ValueError(f"static KV cache capacity must be >= 2, got {capacity}")
+        self.model, self.capacity, self.compiled = model, int(capacity), compiled
+        self._layout = None
+        self.traces = 0  # Python builds of the step: once per capacity when compiled, per token when not
+        self.step = mx.compile(self._step) if compiled else self._step
+
+    def _step(self, token, pos, state):
+        self.traces += 1
+        caches = [StaticCache(k, v, pos) for k, v in state]
+        logits = self.model(token, cache=caches)[:, -1, :]
+        nxt = mx.argmax(logits, axis=-1).astype(token.dtype).reshape(1, 1)
+        return nxt, pos + 1, [(c.keys, c.values) for c in caches]
+
+    def layout(self):
+        """Per layer (key shape, key dtype, value shape, value dtype) of one token, found once by
+        building (never evaluating) a one-token graph."""
+        if self._layout is None:
+            probes = [_Probe() for _ in self.model.layers]
+            self.model(mx.zeros((1, 1), mx.int32), cache=probes)
+            self._layout = [p.shapes for p in probes]
+        return self._layout
+
+    def new_cache(self):
+        out = []
+        for ks, kd, vs, vd in self.layout():
+            k = mx.zeros((ks[0], ks[1], self.capacity, ks[3]), kd)
+            v = mx.zeros((vs[0], vs[1], self.capacity, vs[3]), vd)
+            out.append(StaticCache(k, v, 0))
+        return out
+
+    def prefill(self, prompt, caches, prefill_step=2048):
+        """Every prompt token but the last through the eager model, in chunks, as mlx-lm does."""
+        n = int(prompt.size)
+        if n < 1:
+            raise ValueError("compiled decode: empty prompt")
+        done = 0
+        while n - done > 1:
+            k = min(prefill_step, n - done - 1)
+            self.model(prompt[done:done + k][None], cache=caches)
+            mx.eval([(c.keys, c.values) for c in caches])
+            done += k
+        return prompt[done:][None].astype(POSITION_DTYPE), done
+
+    def generate(self, prompt, max_tokens, prefill_step=2048):
+        """Greedy ids of ``max_tokens`` new tokens, with the timings bench-decode records:
+        ``{"prefill_s": call to first token evaluated, "decode_s": from there through
+        ``max_tokens`` more steps (the last one's token is dropped, as mlx-lm drops it), "ids"}``."""
+        n = int(prompt.size)
+        if n + max_tokens > self.capacity:  # the last step's token is dropped: it writes no position
+            raise ValueError(f"compiled decode: a {n}-token prompt and {max_tokens} new tokens need "
+                             f"{n + max_tokens} KV positions; the static cache holds {self.capacity}")
+        mx.synchronize()
+        t0 = time.perf_counter()
+        caches = self.new_cache()
+        token, done = self.prefill(prompt, caches, prefill_step)
+        state = [(c.keys, c.values) for c in caches]
+        del caches
+        pos = mx.array(done, POSITION_DTYPE)
+        token, pos, state = self.step(token, pos, state)
+        mx.eval(token)
+        t1 = time.perf_counter()
+        ids = []
+        for _ in range(max_tokens):
+            nxt, pos, state = self.step(token, pos, state)  # queued before token is read
+            mx.async_eval(nxt)
+            ids.append(int(token.item()))
+            token = nxt
+        mx.synchronize()
+        t2 = time.perf_counter()
+        return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "ids": ids}
