@@ -98,3 +98,23 @@ def test_sliding_window_models_are_refused():
 
     with pytest.raises(ValueError, match="full-attention KVCache layers only.*RotatingKVCache"):
         check_model(Windowed())
+
+
+def test_step_logits_match_eager_within_float32(tiny_llama_source):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load(str(tiny_llama_source))
+    model = cast_floating(model, mx.float32)
+    prompt = _prompts(8192)[2]
+    dec = Decoder(model, 40)
+    caches = dec.new_cache()
+    token, done = dec.prefill(prompt, caches, 8)
+    state, pos = [(c.keys, c.values) for c in caches], mx.array(done, mx.int32)
+    ref_cache = make_prompt_cache(model)
+    model(prompt[:done][None], cache=ref_cache)
+    for _ in range(6):
+        ref = model(token, cache=ref_cache)[:, -1, :]
+        nxt, pos, state, logits = dec.step(token, pos, state)
+        scale = mx.abs(ref).max().item()
+        assert mx.abs(logits - ref).max().item() <= 1e-5 * scale
+        token = nxt

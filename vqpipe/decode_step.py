@@ -110,7 +110,7 @@ class Decoder:
         caches = [StaticCache(k, v, pos) for k, v in state]
         logits = self.model(token, cache=caches)[:, -1, :]
         nxt = mx.argmax(logits, axis=-1).astype(token.dtype).reshape(1, 1)
-        return nxt, pos + 1, [(c.keys, c.values) for c in caches]
+        return nxt, pos + 1, [(c.keys, c.values) for c in caches], logits
 
     def layout(self):
         """Per layer (key shape, key dtype, value shape, value dtype) of one token, found once by
@@ -157,12 +157,12 @@ class Decoder:
         state = [(c.keys, c.values) for c in caches]
         del caches
         pos = mx.array(done, POSITION_DTYPE)
-        token, pos, state = self.step(token, pos, state)
+        token, pos, state, _ = self.step(token, pos, state)
         mx.eval(token)
         t1 = time.perf_counter()
         ids = []
         for _ in range(max_tokens):
-            nxt, pos, state = self.step(token, pos, state)  # queued before token is read
+            nxt, pos, state, _ = self.step(token, pos, state)  # queued before token is read
             mx.async_eval(nxt)
             ids.append(int(token.item()))
             token = nxt
