@@ -38,3 +38,23 @@ def test_runs_on_cpu(tmp_path):
     w = doc["weights"]
     assert w["vqpipe-b2"]["weight_bytes"] < w["vqpipe-b4"]["weight_bytes"] < w["affine4"]["weight_bytes"] < w["bf16"]["weight_bytes"]
     assert any(c["other_arm"] == "vqpipe-b4" and c["baseline_arm"] == "affine4" for c in doc["comparisons"])
+
+
+def test_compiled_arms_on_cpu(tmp_path):
+    out = tmp_path / "c.json"
+    with mx.stream(mx.cpu):
+        assert decode_shapes.main(["--preset", "tiny-llama", "--out", str(out), "--bits", "2", "--compiled",
+                                   "--prompt-lengths", "16", "--gen-tokens", "3", "--repeats", "2", "--copy-mib", "16"]) == 0
+    doc = json.loads(out.read_text())
+    arms = {r["arm"] for r in doc["records"]}
+    assert arms == {"bf16", "affine4", "vqpipe-b2", "bf16+c", "affine4+c", "vqpipe-b2+c"}
+    prof = doc["step_profile"]
+    for arm in ("bf16", "affine4", "vqpipe-b2"):  # the compiled trace fuses elementwise chains
+        assert prof[arm + "+c"]["ops"] < prof[arm]["ops"]
+        fused = {a: sum(n for k, n in prof[a]["by_primitive"].items() if k.startswith("Compiled")) for a in (arm, arm + "+c")}
+        assert fused[arm + "+c"] > fused[arm]  # (mlx-lm compiles its SwiGLU itself)
+    pairs = {(c["baseline_arm"], c["other_arm"]) for c in doc["comparisons"]}
+    assert {("vqpipe-b2", "vqpipe-b2+c"), ("bf16+c", "vqpipe-b2+c"), ("affine4+c", "vqpipe-b2+c"), ("bf16", "bf16+c")} <= pairs
+    assert len(pairs) == len(doc["comparisons"]) // 2  # one comparison per pair and phase
+    same = {t["b"]: t for t in doc["texts"] if t.get("what", "").startswith("compiled")}
+    assert set(same) == {"affine4+c", "vqpipe-b2+c"} and all(t["pairs"] == 2 for t in same.values())

@@ -10,7 +10,11 @@ memory from the preset's config:
   included) with **random codes** and per-row scales giving rows of the same norm, the rotations
   vqpipe would use (q/k/v and gate/up sharing one), fused as the loaders fuse them;
 - ``vqpipe-bN+rot`` (``--prologue-bits N``): the same model with the rotation in the qmv kernel's
-  prologue (``qmv.rotating_in_kernel``) instead of MLX ops before each launch.
+  prologue (``qmv.rotating_in_kernel``) instead of MLX ops before each launch;
+- ``ARM+c`` (``--compiled``): every arm above once more, decoding through vqpipe.decode_step (one
+  compiled step over a static KV cache) instead of mlx-lm's eager ``generate_step``: the same
+  weights, so ``X+c`` vs ``X`` is what compilation buys and ``vqpipe-bN+c`` vs ``bf16+c`` what the
+  kernel contributes once both are compiled.
 
 The vqpipe arms carry random codes, not a quantization of the bf16 weights (quantizing 8 B weights
 through quantize.py takes longer than a GPU session here): the kernels' speed does not depend on
@@ -37,6 +41,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .. import qmv, synth
+from ..decode_step import Decoder
 from ..codebook import codebook
 from ..fsutil import write_json
 from ..fused import fuse_model, rotation_owner
@@ -50,6 +55,16 @@ from .env import environment
 
 STD = 0.02
 ROT = "+rot"  # arm suffix: the rotation in the kernel's prologue
+COMPILED = "+c"  # arm suffix: decode through vqpipe.decode_step's compiled step
+
+
+def model_arm(name):
+    """The model an arm decodes with: its name without the A/A and compiled suffixes."""
+    return name.removesuffix(harness.AA_SUFFIX).removesuffix(COMPILED)
+
+
+def is_compiled(name):
+    return name.removesuffix(harness.AA_SUFFIX).endswith(COMPILED)
 
 
 def skeleton(preset):
@@ -149,27 +164,49 @@ def graph_ops(out):
     return {"ops": len(labels) - views, "views": views, "by_primitive": dict(sorted(counts.items()))}
 
 
-def step_profile(model, vocab, rot=False, context=64, steps=8):
-    """One decode step, unpipelined: host time to build its graph (Python), to encode it
-    (``mx.async_eval`` returns once the kernels are queued) and the whole step to
-    ``mx.synchronize``, median over ``steps``; plus the graph's primitives (:func:`graph_ops`).
-    Where build + encode exceeds what the GPU needs, decode is bound by the host (docs/qmv.md)."""
+def _eager_step(model, prompt):
+    cache = make_cache(model, "fp", 4, 32, 0)
+    mx.eval(model(prompt[None], cache=cache))
+    tok = mx.array([[1]])
+    return lambda: model(tok, cache=cache)
+
+
+def _compiled_step(model, prompt, steps):
+    dec = Decoder(model, prompt.size + steps + 2)
+    caches = dec.new_cache()
+    tok, done = dec.prefill(prompt, caches)
+    st = {"state": [(c.keys, c.values) for c in caches], "pos": mx.array(done, mx.int32)}
+    del caches
+
+    def step():
+        nxt, st["pos"], st["state"], _ = dec.step(tok, st["pos"], st["state"])
+        return nxt
+    step()  # the trace: once, before anything is timed
+    mx.eval(st["state"])
+    return step
+
+
+def step_profile(model, vocab, rot=False, context=64, steps=8, compiled=False):
+    """One decode step, unpipelined: host time to build its graph (Python; for a compiled step, the
+    C++ replay of its trace), to encode it (``mx.async_eval`` returns once the kernels are queued)
+    and the whole step to ``mx.synchronize``, median over ``steps``; plus the graph's primitives
+    (:func:`graph_ops`). Where build + encode exceeds what the GPU needs, decode is bound by the
+    host (docs/decode.md)."""
     with qmv.rotating_in_kernel(rot):
-        cache = make_cache(model, "fp", 4, 32, 0)
-        mx.eval(model(mx.random.randint(0, vocab - 16, (1, context), key=mx.random.key(7)), cache=cache))
-        tok = mx.array([[1]])
+        prompt = mx.random.randint(0, vocab - 16, (context,), key=mx.random.key(7))
+        step = _compiled_step(model, prompt, steps) if compiled else _eager_step(model, prompt)
         build, encode, total = [], [], []
         for _ in range(steps):
             mx.synchronize()
             t0 = time.perf_counter()
-            logits = model(tok, cache=cache)
+            logits = step()
             t1 = time.perf_counter()
             mx.async_eval(logits)
             t2 = time.perf_counter()
             mx.synchronize()
             t3 = time.perf_counter()
             build.append(t1 - t0), encode.append(t2 - t1), total.append(t3 - t0)
-        ops = graph_ops(model(tok, cache=cache))
+        ops = graph_ops(step())
     med = harness.summarize
     return {"context": context, "build_s": med(build), "encode_s": med(encode), "step_s": med(total), **ops}
 
@@ -189,9 +226,12 @@ def run(args, progress=print):
     info = {name: {"weight_bytes": weight_bytes(m, config)} for name, m in models.items()}
     for name, i in info.items():
         progress(f"built {name}: {i['weight_bytes'] / 2**30:.2f} GiB read per token (weights)")
+    arm_names = [*models] + ([n + COMPILED for n in models] if args.compiled else [])
+    info.update({n: info[model_arm(n)] for n in arm_names})
     profiles = {}
-    for name, m in models.items():
-        profiles[name] = p = step_profile(m, config["vocab_size"], name.endswith(ROT))
+    for name in arm_names:
+        m = models[model_arm(name)]
+        profiles[name] = p = step_profile(m, config["vocab_size"], model_arm(name).endswith(ROT), compiled=is_compiled(name))
         progress(f"step {name}: {p['ops']} ops ({p['views']} views), build {p['build_s']['median'] * 1e3:.2f} ms, "
                  f"encode {p['encode_s']['median'] * 1e3:.2f} ms, step {p['step_s']['median'] * 1e3:.2f} ms (unpipelined)")
     baseline = "bf16"
@@ -207,26 +247,30 @@ def run(args, progress=print):
     for P in args.prompt_lengths:
         prompts = [mx.random.randint(0, config["vocab_size"] - 16, (P,), key=mx.random.key(1000 * P + k))
                    for k in range(args.prompts)]
-        log = {name: [] for name in [*models, aa]}
+        log = {name: [] for name in [*arm_names, aa]}
+        decoders = {n: Decoder(models[model_arm(n)], P + max(args.gen_tokens, 8)) for n in arm_names if is_compiled(n)}
 
         def call(name, k, n_tokens):
-            model = models[name.removesuffix(harness.AA_SUFFIX)]
-            with qmv.rotating_in_kernel(name.endswith(ROT)):
-                out = generate_once(model, prompts[k], make_cache(model, "fp", 4, 32, 0), n_tokens, args.prefill_step)
+            model = models[model_arm(name)]
+            with qmv.rotating_in_kernel(model_arm(name).endswith(ROT)):
+                if is_compiled(name):
+                    out = decoders[name.removesuffix(harness.AA_SUFFIX)].generate(prompts[k], n_tokens, args.prefill_step)
+                else:
+                    out = generate_once(model, prompts[k], make_cache(model, "fp", 4, 32, 0), n_tokens, args.prefill_step)
             log[name].append({"prompt": k, **out})
             return mx.array(out["ids"])
 
-        for name in models:  # warm-up: every kernel compiled before anything is timed
+        for name in arm_names:  # warm-up: every kernel compiled and every step traced before anything is timed
             call(name, 0, 8)
         for name in log:
             log[name].clear()
-        arms = {name: (lambda i, name=name: call(name, 1 + i % (args.prompts - 1), args.gen_tokens)) for name in models}
+        arms = {name: (lambda i, name=name: call(name, 1 + i % (args.prompts - 1), args.gen_tokens)) for name in arm_names}
         arms[aa] = lambda i: call(aa, 1 + i % (args.prompts - 1), args.gen_tokens)
         harness.run_interleaved(arms, args.prompts, args.repeats, warmup=0)
         samples = {n: {ph: [e[f"{ph}_s"] for e in log[n]] for ph in ("prefill", "decode")} for n in log}
         floor = {ph: harness.noise_floor(samples[baseline][ph], samples[aa][ph]) for ph in ("prefill", "decode")}
         mean_ctx = P + (args.gen_tokens + 1) / 2
-        for name in models:
+        for name in arm_names:
             for phase, toks in (("prefill", P), ("decode", args.gen_tokens)):
                 rate = harness.summarize([toks / s for s in samples[name][phase]])
                 rec = {"arm": name, "phase": phase, "context": P, "unit": "tok/s", **rate, "noise_floor": floor[phase]}
@@ -239,15 +283,21 @@ def run(args, progress=print):
                          + (f", {rec['bytes_per_token'] / 2**30:.2f} GiB/token = "
                             f"{rec['achieved']['median']['percent_of_peak']:.1f}% of copy" if phase == "decode" else ""))
             for phase in ("prefill", "decode"):
-                bases = [baseline, "affine4"] + ([name.removesuffix(ROT)] if name.endswith(ROT) else [])
-                for base in bases:
-                    if name != base and base in models:
+                bases = [baseline, "affine4"] + ([model_arm(name).removesuffix(ROT)] if model_arm(name).endswith(ROT) else [])
+                if is_compiled(name):  # against its eager self, and the compiled baselines
+                    bases += [model_arm(name), baseline + COMPILED, "affine4" + COMPILED]
+                for base in dict.fromkeys(bases):
+                    if name != base and base in log:
                         cmp = harness.compare(samples[base][phase], samples[name][phase], floor[phase])
                         comparisons.append({"context": P, "phase": phase, "baseline_arm": base, "other_arm": name, **cmp})
                         progress(f"  P={P} {phase}: {name} vs {base}: {cmp['text']}")
-        for name in models:  # a record only: the vqpipe arms' codes are random (see the docstring)
+        for name in arm_names:  # a record only: the vqpipe arms' codes are random (see the docstring)
             same = [a["ids"] == b["ids"] for a, b in zip(log[baseline], log[name])]
             texts.append({"context": P, "a": baseline, "b": name, "identical_ids": sum(same), "pairs": len(same)})
+            if is_compiled(name) and model_arm(name) != baseline:  # compiled vs eager, same weights
+                same = [a["ids"] == b["ids"] for a, b in zip(log[model_arm(name)], log[name])]
+                texts.append({"context": P, "a": model_arm(name), "b": name, "identical_ids": sum(same), "pairs": len(same),
+                              "what": "compiled step vs eager mlx-lm, same weights"})
         texts.append({"context": P, "a": baseline, "b": aa, "identical_ids": sum(a["ids"] == b["ids"] for a, b in zip(log[baseline], log[aa])),
                       "pairs": len(log[aa]), "what": "A/A: the baseline run twice (determinism)"})
         if args.out:  # after every prompt length: a run cut short keeps what it measured
@@ -262,6 +312,8 @@ def parse_args(argv):
     p.add_argument("--bits", type=int, nargs="+", default=[4], choices=(2, 3, 4))
     p.add_argument("--prologue-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
                    help=f"add a vqpipe-bN{ROT} arm per N: the rotation in the kernel's prologue")
+    p.add_argument("--compiled", action="store_true",
+                   help=f"add an ARM{COMPILED} arm per arm: decode through vqpipe.decode_step's compiled step")
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[512, 4096])
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
