@@ -8,7 +8,8 @@
 #   STEPS="tests qmv" bash scripts/gpu_decode.sh
 #
 # STEPS (default "tests qmv pipeline decode"): tests, tests_rev4, tests_sweep, qmv, qmv_bits,
-# pipeline, decode, load, big, shapes (tests_rev4 + tests_sweep = tests, in two time-limited parts:
+# pipeline, decode, load, big, shapes, tests_c, big_c, shapes_c, opsbuf, big_c4096 (the _c steps: the
+# compiled decode step, eager and compiled arms side by side) (tests_rev4 + tests_sweep = tests, in two time-limited parts:
 # everything but the 252-configuration float64 sweep, then the sweep).
 # TEST_K selects GPU tests (pytest -k), QMV_MODES/QMV_REPEATS/QMV_SHAPES/QMV_EXTRA bench-qmv,
 # BIG_BITS/BIG_ROT_BITS the 8B arms (ROT: +rot arms, the rotation in the kernel's prologue),
@@ -64,6 +65,33 @@ if want shapes; then
   TAIL=60 run bench_decode_shapes_$P "${SHAPES_LIMIT:-120}" $PY -m vqpipe.bench.decode_shapes --preset $P \
     --prompt-lengths ${SHAPES_LENGTHS:-512 4096} --gen-tokens ${SHAPES_GEN:-128} --repeats ${SHAPES_REPEATS:-5} \
     --bits ${SHAPES_BITS:-4 2} --prologue-bits 4 --copy-mib ${SHAPES_COPY_MIB:-1024} --out "$OUT/bench-decode-$P.json"
+fi
+# The compiled decode step (vqpipe/decode_step.py): its GPU tests, then eager vs compiled arms side
+# by side at 8B (P = 512, then 4096 with fewer arms) and at qwen2.5-0.5b, and step profiles under
+# other MLX_MAX_OPS_PER_BUFFER values (kernels per CUDA graph; MLX's default is 20).
+if want tests_c; then
+  TAIL=15 run gpu_tests_compiled "${TEST_LIMIT:-120}" $PY -m pytest -q -ra -p no:cacheprovider --maxfail=5 -m gpu \
+    tests/test_decode_step.py
+fi
+if want big_c; then
+  TAIL=80 run bench_decode_8b_compiled "${BIG_LIMIT:-200}" $PY -m vqpipe.bench.decode_shapes --preset llama3-8b \
+    --prompt-lengths 512 --gen-tokens 128 --repeats ${BIG_REPEATS:-5} --bits ${BIG_BITS:-4 3 2} --compiled \
+    --prologue-bits ${BIG_ROT_BITS:-} --out "$OUT/bench-decode-llama3-8b-compiled.json"
+fi
+if want shapes_c; then
+  TAIL=80 run bench_decode_qwen_compiled "${SHAPES_LIMIT:-150}" $PY -m vqpipe.bench.decode_shapes --preset qwen2.5-0.5b \
+    --prompt-lengths 512 4096 --gen-tokens 128 --repeats ${SHAPES_REPEATS:-5} --bits ${SHAPES_BITS:-4 2} --compiled \
+    --prologue-bits 4 --out "$OUT/bench-decode-qwen2.5-0.5b-compiled.json"
+fi
+if want opsbuf; then
+  for n in ${OPSBUF:-100 500}; do
+    TAIL=14 MLX_MAX_OPS_PER_BUFFER=$n run profile_qwen_opsbuf$n 60 $PY -m vqpipe.bench.decode_shapes --preset qwen2.5-0.5b \
+      --profile-only --bits 4 --compiled --prologue-bits 4 --copy-mib 64 --out "$OUT/profile-qwen-opsbuf$n.json"
+  done
+fi
+if want big_c4096; then
+  TAIL=40 run bench_decode_8b_compiled_4096 "${BIG4096_LIMIT:-150}" $PY -m vqpipe.bench.decode_shapes --preset llama3-8b \
+    --prompt-lengths 4096 --gen-tokens 128 --repeats 5 --bits 4 --compiled --out "$OUT/bench-decode-llama3-8b-compiled-4096.json"
 fi
 if want qmv; then
   run bench_qmv "${QMV_LIMIT:-150}" $PY -m vqpipe bench-qmv --modes ${QMV_MODES:-independent chained} \

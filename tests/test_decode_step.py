@@ -118,3 +118,20 @@ def test_step_logits_match_eager_within_float32(tiny_llama_source):
         scale = mx.abs(ref).max().item()
         assert mx.abs(logits - ref).max().item() <= 1e-5 * scale
         token = nxt
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(__import__("vqpipe.qmv").qmv.backend() is None, reason="needs MLX's Metal or CUDA backend")
+@pytest.mark.parametrize("rot", [False, True])
+def test_kernel_inside_compiled_step_same_tokens(tiny_llama_source, rot):
+    from vqpipe import qmv
+    from vqpipe.bench.decode_shapes import graph_ops
+
+    model, _ = load(str(tiny_llama_source))
+    quantize_model(model, 4, embeddings=True, dtype=mx.float32)
+    with qmv.enabled(True), qmv.rotating_in_kernel(rot):
+        dec = _same_as_eager(model, 8192)
+        caches = dec.new_cache()
+        token, done = dec.prefill(_prompts(8192)[2], caches, 8)
+        out = dec.step(token, mx.array(done, mx.int32), [(c.keys, c.values) for c in caches])
+        assert graph_ops(out[0])["by_primitive"].get("CustomKernel", 0) >= 4 * len(model.layers)

@@ -30,6 +30,7 @@ in the same process.
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import tempfile
@@ -228,10 +229,18 @@ def run(args, progress=print):
         progress(f"built {name}: {i['weight_bytes'] / 2**30:.2f} GiB read per token (weights)")
     arm_names = [*models] + ([n + COMPILED for n in models] if args.compiled else [])
     info.update({n: info[model_arm(n)] for n in arm_names})
-    profiles = {}
-    for name in arm_names:
+    profiles, skipped = {}, {}
+    for name in list(arm_names):
         m = models[model_arm(name)]
-        profiles[name] = p = step_profile(m, config["vocab_size"], model_arm(name).endswith(ROT), compiled=is_compiled(name))
+        try:
+            profiles[name] = p = step_profile(m, config["vocab_size"], model_arm(name).endswith(ROT), compiled=is_compiled(name))
+        except Exception as e:  # a compiled arm that cannot trace is reported, not fatal to the eager arms
+            if not is_compiled(name):
+                raise
+            skipped[name] = f"{type(e).__name__}: {e}"
+            arm_names.remove(name)
+            progress(f"step {name}: skipped ({skipped[name]})")
+            continue
         progress(f"step {name}: {p['ops']} ops ({p['views']} views), build {p['build_s']['median'] * 1e3:.2f} ms, "
                  f"encode {p['encode_s']['median'] * 1e3:.2f} ms, step {p['step_s']['median'] * 1e3:.2f} ms (unpipelined)")
     baseline = "bf16"
@@ -241,10 +250,11 @@ def run(args, progress=print):
     def result():
         return {"kind": "bench-decode-shapes", "preset": args.preset, "config": config, "environment": environment(),
                 "settings": {k: v for k, v in vars(args).items() if k != "out"}, "copy_bandwidth": copy,
+                "mlx_env": {k: v for k, v in os.environ.items() if k.startswith(("MLX_", "VQPIPE_"))},
                 "kv_bytes_per_position": kvpp, "weights": info, "step_profile": profiles, "records": records, "comparisons": comparisons,
-                "texts": texts, "wall_s": time.perf_counter() - t_start}
+                "texts": texts, "skipped_arms": skipped, "wall_s": time.perf_counter() - t_start}
 
-    for P in args.prompt_lengths:
+    for P in [] if args.profile_only else args.prompt_lengths:
         prompts = [mx.random.randint(0, config["vocab_size"] - 16, (P,), key=mx.random.key(1000 * P + k))
                    for k in range(args.prompts)]
         log = {name: [] for name in [*arm_names, aa]}
@@ -314,6 +324,7 @@ def parse_args(argv):
                    help=f"add a vqpipe-bN{ROT} arm per N: the rotation in the kernel's prologue")
     p.add_argument("--compiled", action="store_true",
                    help=f"add an ARM{COMPILED} arm per arm: decode through vqpipe.decode_step's compiled step")
+    p.add_argument("--profile-only", action="store_true", help="the step profiles only, no timed generations")
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[512, 4096])
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
