@@ -43,18 +43,19 @@ def test_runs_on_cpu(tmp_path):
 def test_compiled_arms_on_cpu(tmp_path):
     out = tmp_path / "c.json"
     with mx.stream(mx.cpu):
-        assert decode_shapes.main(["--preset", "tiny-llama", "--out", str(out), "--bits", "2", "--compiled",
+        assert decode_shapes.main(["--preset", "tiny-llama", "--out", str(out), "--bits", "2", "--compiled", "--split",
                                    "--prompt-lengths", "16", "--gen-tokens", "3", "--repeats", "2", "--copy-mib", "16"]) == 0
     doc = json.loads(out.read_text())
     arms = {r["arm"] for r in doc["records"]}
-    assert arms == {"bf16", "affine4", "vqpipe-b2", "bf16+c", "affine4+c", "vqpipe-b2+c"}
+    assert arms == {"bf16", "affine4", "vqpipe-b2", "bf16+c", "affine4+c", "vqpipe-b2+c", "bf16+s", "affine4+s", "vqpipe-b2+s"}
     prof = doc["step_profile"]
     for arm in ("bf16", "affine4", "vqpipe-b2"):  # the compiled trace fuses elementwise chains
         assert prof[arm + "+c"]["ops"] < prof[arm]["ops"]
         fused = {a: sum(n for k, n in prof[a]["by_primitive"].items() if k.startswith("Compiled")) for a in (arm, arm + "+c")}
         assert fused[arm + "+c"] > fused[arm]  # (mlx-lm compiles its SwiGLU itself)
     pairs = {(c["baseline_arm"], c["other_arm"]) for c in doc["comparisons"]}
-    assert {("vqpipe-b2", "vqpipe-b2+c"), ("bf16+c", "vqpipe-b2+c"), ("affine4+c", "vqpipe-b2+c"), ("bf16", "bf16+c")} <= pairs
+    assert {("vqpipe-b2", "vqpipe-b2+c"), ("bf16+c", "vqpipe-b2+c"), ("affine4+c", "vqpipe-b2+c"), ("bf16", "bf16+c"),
+            ("vqpipe-b2", "vqpipe-b2+s"), ("vqpipe-b2+c", "vqpipe-b2+s"), ("bf16+s", "vqpipe-b2+s")} <= pairs
     assert len(pairs) == len(doc["comparisons"]) // 2  # one comparison per pair and phase
     same = {t["b"]: t for t in doc["texts"] if t.get("what", "").startswith("compiled")}
-    assert set(same) == {"affine4+c", "vqpipe-b2+c"} and all(t["pairs"] == 2 for t in same.values())
+    assert set(same) == {"affine4+c", "vqpipe-b2+c", "affine4+s", "vqpipe-b2+s"} and all(t["pairs"] == 2 for t in same.values())

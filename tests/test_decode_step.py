@@ -18,8 +18,8 @@ def _prompts(vocab):
     return [mx.random.randint(0, vocab - 16, (n,), key=mx.random.key(40 + n)) for n in PROMPT_LENGTHS]
 
 
-def _same_as_eager(model, vocab, capacity=48):
-    dec = Decoder(model, capacity)
+def _same_as_eager(model, vocab, capacity=48, mode="whole"):
+    dec = Decoder(model, capacity, mode)
     seen = set()
     for prompt in _prompts(vocab):
         ref = generate_once(model, prompt, make_cache(model, "fp", 4, 32, 0), NEW, 8)["ids"]
@@ -28,8 +28,12 @@ def _same_as_eager(model, vocab, capacity=48):
         assert got["prefill_s"] > 0 and got["decode_s"] > 0
         seen.update(ref)
     assert len(seen) > 3  # the prompts lead to different texts: the comparison can tell paths apart
-    assert dec.traces == 1  # one trace serves every prompt length and every position
+    # one trace (per block in split mode) serves every prompt length and every position
+    assert dec.traces == (len(model.layers) if mode == "split" else 1)
     return dec
+
+
+MODES = ("whole", "split")
 
 
 @pytest.fixture(scope="module")
@@ -38,31 +42,36 @@ def tiny_f32(tiny_source):
     return cast_floating(model, mx.float32)
 
 
-def test_full_precision_qwen2_matches_eager(tiny_f32):
-    _same_as_eager(tiny_f32, 8192)
+@pytest.mark.parametrize("mode", MODES)
+def test_full_precision_qwen2_matches_eager(tiny_f32, mode):
+    _same_as_eager(tiny_f32, 8192, mode=mode)
 
 
-def test_full_precision_llama_matches_eager(tiny_llama_source):
+@pytest.mark.parametrize("mode", MODES)
+def test_full_precision_llama_matches_eager(tiny_llama_source, mode):
     model, _ = load(str(tiny_llama_source))
-    _same_as_eager(cast_floating(model, mx.float32), 8192)
+    _same_as_eager(cast_floating(model, mx.float32), 8192, mode=mode)
 
 
-def test_affine_matches_eager(tiny_4bit_source):
+@pytest.mark.parametrize("mode", MODES)
+def test_affine_matches_eager(tiny_4bit_source, mode):
     model, _ = load(str(tiny_4bit_source))
-    _same_as_eager(cast_floating(model, mx.float32), 8192)
+    _same_as_eager(cast_floating(model, mx.float32), 8192, mode=mode)
 
 
-def test_vqpipe_matches_eager(tiny_llama_source):
+@pytest.mark.parametrize("mode", MODES)
+def test_vqpipe_matches_eager(tiny_llama_source, mode):
     model, _ = load(str(tiny_llama_source))
     quantize_model(model, 3, embeddings=True, dtype=mx.float32)
-    _same_as_eager(model, 8192)
+    _same_as_eager(model, 8192, mode=mode)
 
 
 def test_uncompiled_static_step_is_the_same(tiny_f32):
     prompt = _prompts(8192)[2]
-    a = Decoder(tiny_f32, 40, compiled=False).generate(prompt, NEW, 8)
+    a = Decoder(tiny_f32, 40, "eager").generate(prompt, NEW, 8)
     b = Decoder(tiny_f32, 40).generate(prompt, NEW, 8)
-    assert a["ids"] == b["ids"]
+    c = Decoder(tiny_f32, 40, "split").generate(prompt, NEW, 8)
+    assert a["ids"] == b["ids"] == c["ids"]
 
 
 def test_capacity_is_exact_and_overflow_is_refused(tiny_f32):
@@ -76,6 +85,8 @@ def test_capacity_is_exact_and_overflow_is_refused(tiny_f32):
         tiny_f32(mx.zeros((1, 20), mx.int32), cache=caches)
     with pytest.raises(ValueError, match="capacity must be >= 2"):
         Decoder(tiny_f32, 1)
+    with pytest.raises(ValueError, match="decode mode must be one of"):
+        Decoder(tiny_f32, 8, "graph")
     with pytest.raises(ValueError, match="empty prompt"):
         dec.generate(mx.zeros((0,), mx.int32), 2, 8)
 
@@ -100,18 +111,17 @@ def test_sliding_window_models_are_refused():
         check_model(Windowed())
 
 
-def test_step_logits_match_eager_within_float32(tiny_llama_source):
+@pytest.mark.parametrize("mode", MODES)
+def test_step_logits_match_eager_within_float32(tiny_llama_source, mode):
     from mlx_lm.models.cache import make_prompt_cache
 
     model, _ = load(str(tiny_llama_source))
     model = cast_floating(model, mx.float32)
     prompt = _prompts(8192)[2]
-    dec = Decoder(model, 40)
-    caches = dec.new_cache()
-    token, done = dec.prefill(prompt, caches, 8)
-    state, pos = [(c.keys, c.values) for c in caches], mx.array(done, mx.int32)
+    dec = Decoder(model, 40, mode)
+    token, pos, state = dec.start(prompt, 8)
     ref_cache = make_prompt_cache(model)
-    model(prompt[:done][None], cache=ref_cache)
+    model(prompt[:-1][None], cache=ref_cache)
     for _ in range(6):
         ref = model(token, cache=ref_cache)[:, -1, :]
         nxt, pos, state, logits = dec.step(token, pos, state)
@@ -123,15 +133,14 @@ def test_step_logits_match_eager_within_float32(tiny_llama_source):
 @pytest.mark.gpu
 @pytest.mark.skipif(__import__("vqpipe.qmv").qmv.backend() is None, reason="needs MLX's Metal or CUDA backend")
 @pytest.mark.parametrize("rot", [False, True])
-def test_kernel_inside_compiled_step_same_tokens(tiny_llama_source, rot):
+@pytest.mark.parametrize("mode", MODES)
+def test_kernel_inside_compiled_step_same_tokens(tiny_llama_source, rot, mode):
     from vqpipe import qmv
     from vqpipe.bench.decode_shapes import graph_ops
 
     model, _ = load(str(tiny_llama_source))
     quantize_model(model, 4, embeddings=True, dtype=mx.float32)
     with qmv.enabled(True), qmv.rotating_in_kernel(rot):
-        dec = _same_as_eager(model, 8192)
-        caches = dec.new_cache()
-        token, done = dec.prefill(_prompts(8192)[2], caches, 8)
-        out = dec.step(token, mx.array(done, mx.int32), [(c.keys, c.values) for c in caches])
+        dec = _same_as_eager(model, 8192, mode=mode)
+        out = dec.step(*dec.start(_prompts(8192)[2], 8))
         assert graph_ops(out[0])["by_primitive"].get("CustomKernel", 0) >= 4 * len(model.layers)

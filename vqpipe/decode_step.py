@@ -89,28 +89,78 @@ class _Probe:
         return None
 
 
+MODES = ("whole", "split", "eager")
+SPLIT_TYPES = ("llama", "qwen2")  # decoder blocks of mlx-lm's llama.py / qwen2.py layout
+
+
+def _greedy(logits, like):
+    return mx.argmax(logits, axis=-1).astype(like.dtype).reshape(1, 1)
+
+
 class Decoder:
     """Greedy decode of ``model`` with a compiled step (see the module docstring).
 
-    ``capacity``: the KV positions each generation may use (at least prompt + new tokens); the trace is
-    reused for every generation with this capacity. ``compiled=False`` runs the same step eagerly
-    (for tests and to separate what compilation buys from what the static cache costs)."""
+    ``capacity``: the KV positions each generation may use (at least prompt + new tokens); the trace
+    is reused for every generation with this capacity. ``mode``:
 
-    def __init__(self, model, capacity, compiled=True):
+    - ``"whole"``: the whole step is one compiled function. Attention then runs over the whole
+      buffer under an array mask, which MLX's CUDA SDPA does not take (0.32.4: its vector kernel
+      has no array-mask path), so attention falls back to 5 primitives per layer over ``capacity``
+      keys (measured: docs/decode.md).
+    - ``"split"``: per decoder block two compiled functions, before attention (norm, projections,
+      rope, cache write) and after it (output projection, MLP, residuals), with MLX's fused SDPA
+      called between them, eagerly, on the buffers sliced to the valid length (a host int): no mask,
+      the fast kernel, and nothing else left to Python. mlx-lm's llama/qwen2 block layout only.
+    - ``"eager"``: the whole step uncompiled (tests; what the static cache alone costs).
+    """
+
+    def __init__(self, model, capacity, mode="whole"):
         check_model(model)
         if capacity < 2:
             raise ValueError(f"static KV cache capacity must be >= 2, got {capacity}")
-        self.model, self.capacity, self.compiled = model, int(capacity), compiled
+        if mode not in MODES:
+            raise ValueError(f"decode mode must be one of {MODES}, got {mode!r}")
+        if mode == "split" and getattr(model, "model_type", None) not in SPLIT_TYPES:
+            raise ValueError(f"split compiled decode supports model types {SPLIT_TYPES}, "
+                             f"not {getattr(model, 'model_type', None)!r}")
+        self.model, self.capacity, self.mode = model, int(capacity), mode
         self._layout = None
-        self.traces = 0  # Python builds of the step: once per capacity when compiled, per token when not
-        self.step = mx.compile(self._step) if compiled else self._step
+        self.traces = 0  # Python runs of the step (whole) or of the blocks' first parts (split): traces when compiled
+        if mode == "split":
+            self._parts = [_block_parts(layer, self._traced) for layer in model.layers]
+            self._embed = mx.compile(model.model.embed_tokens)
+            self._head = mx.compile(self._logits)
+            self.step = self._split_step
+        else:
+            self.step = mx.compile(self._step) if mode == "whole" else self._step
+        self.position = None  # host copy of the next position (split mode slices by it)
+
+    def _traced(self):
+        self.traces += 1
+
+    def _logits(self, h):
+        h = self.model.model.norm(h)
+        head = self.model.model.embed_tokens.as_linear if self.model.args.tie_word_embeddings else self.model.lm_head
+        return head(h)[:, -1, :]
 
     def _step(self, token, pos, state):
         self.traces += 1
         caches = [StaticCache(k, v, pos) for k, v in state]
         logits = self.model(token, cache=caches)[:, -1, :]
-        nxt = mx.argmax(logits, axis=-1).astype(token.dtype).reshape(1, 1)
-        return nxt, pos + 1, [(c.keys, c.values) for c in caches], logits
+        return _greedy(logits, token), pos + 1, [(c.keys, c.values) for c in caches], logits
+
+    def _split_step(self, token, pos, state):
+        n = self.position + 1  # valid positions once this token is written
+        h = self._embed(token)
+        new = []
+        for (pre, post, scale), (kb, vb) in zip(self._parts, state):
+            q, kb, vb = pre(h, pos, kb, vb)
+            o = mx.fast.scaled_dot_product_attention(q, kb[..., :n, :], vb[..., :n, :], scale=scale)
+            h = post(h, o)
+            new.append((kb, vb))
+        self.position = n
+        logits = self._head(h)
+        return _greedy(logits, token), pos + 1, new, logits
 
     def layout(self):
         """Per layer (key shape, key dtype, value shape, value dtype) of one token, found once by
@@ -142,6 +192,14 @@ class Decoder:
             done += k
         return prompt[done:][None].astype(POSITION_DTYPE), done
 
+    def start(self, prompt, prefill_step=2048):
+        """Fresh buffers, the prompt but its last token prefilled: (last token, position, buffers),
+        the arguments of the first :meth:`step`."""
+        caches = self.new_cache()
+        token, done = self.prefill(prompt, caches, prefill_step)
+        self.position = done
+        return token, mx.array(done, POSITION_DTYPE), [(c.keys, c.values) for c in caches]
+
     def generate(self, prompt, max_tokens, prefill_step=2048):
         """Greedy ids of ``max_tokens`` new tokens, with the timings bench-decode records:
         ``{"prefill_s": call to first token evaluated, "decode_s": from there through
@@ -152,11 +210,7 @@ class Decoder:
                              f"{n + max_tokens} KV positions; the static cache holds {self.capacity}")
         mx.synchronize()
         t0 = time.perf_counter()
-        caches = self.new_cache()
-        token, done = self.prefill(prompt, caches, prefill_step)
-        state = [(c.keys, c.values) for c in caches]
-        del caches
-        pos = mx.array(done, POSITION_DTYPE)
+        token, pos, state = self.start(prompt, prefill_step)
         token, pos, state, _ = self.step(token, pos, state)
         mx.eval(token)
         t1 = time.perf_counter()
@@ -169,3 +223,26 @@ class Decoder:
         mx.synchronize()
         t2 = time.perf_counter()
         return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "ids": ids}
+
+
+def _block_parts(layer, traced):
+    """(before attention, after attention, scale) of one mlx-lm llama/qwen2 decoder block for one
+    token, the first two compiled; the same operations as the block's ``__call__``."""
+    attn = layer.self_attn
+
+    def before(h, pos, kb, vb):
+        traced()
+        x = layer.input_layernorm(h)
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q = q.reshape(1, 1, attn.n_heads, -1).transpose(0, 2, 1, 3)
+        k = k.reshape(1, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = v.reshape(1, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = attn.rope(q, offset=pos), attn.rope(k, offset=pos)
+        start = pos.reshape(1)
+        return q, mx.slice_update(kb, k, start, axes=(2,)), mx.slice_update(vb, v, start, axes=(2,))
+
+    def after(h, o):
+        h = h + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(1, 1, -1))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    return mx.compile(before), mx.compile(after), attn.scale

@@ -14,7 +14,9 @@ memory from the preset's config:
 - ``ARM+c`` (``--compiled``): every arm above once more, decoding through vqpipe.decode_step (one
   compiled step over a static KV cache) instead of mlx-lm's eager ``generate_step``: the same
   weights, so ``X+c`` vs ``X`` is what compilation buys and ``vqpipe-bN+c`` vs ``bf16+c`` what the
-  kernel contributes once both are compiled.
+  kernel contributes once both are compiled;
+- ``ARM+s`` (``--split``): the same through decode_step's split mode (per block two compiled
+  functions around MLX's fused attention).
 
 The vqpipe arms carry random codes, not a quantization of the bf16 weights (quantizing 8 B weights
 through quantize.py takes longer than a GPU session here): the kernels' speed does not depend on
@@ -56,16 +58,25 @@ from .env import environment
 
 STD = 0.02
 ROT = "+rot"  # arm suffix: the rotation in the kernel's prologue
-COMPILED = "+c"  # arm suffix: decode through vqpipe.decode_step's compiled step
+COMPILED = "+c"  # arm suffix: decode through vqpipe.decode_step, the whole step compiled
+SPLIT = "+s"  # arm suffix: decode_step's split mode (compiled blocks around MLX's fused SDPA)
+MODES = {COMPILED: "whole", SPLIT: "split"}
+
+
+def decode_mode(name):
+    """decode_step's mode for an arm, or None for mlx-lm's eager decode."""
+    name = name.removesuffix(harness.AA_SUFFIX)
+    return next((mode for suffix, mode in MODES.items() if name.endswith(suffix)), None)
 
 
 def model_arm(name):
-    """The model an arm decodes with: its name without the A/A and compiled suffixes."""
-    return name.removesuffix(harness.AA_SUFFIX).removesuffix(COMPILED)
+    """The model an arm decodes with: its name without the A/A and decode-mode suffixes."""
+    name = name.removesuffix(harness.AA_SUFFIX)
+    return next((name.removesuffix(sfx) for sfx in MODES if name.endswith(sfx)), name)
 
 
 def is_compiled(name):
-    return name.removesuffix(harness.AA_SUFFIX).endswith(COMPILED)
+    return decode_mode(name) is not None
 
 
 def skeleton(preset):
@@ -172,12 +183,11 @@ def _eager_step(model, prompt):
     return lambda: model(tok, cache=cache)
 
 
-def _compiled_step(model, prompt, steps):
-    dec = Decoder(model, prompt.size + steps + 2)
-    caches = dec.new_cache()
-    tok, done = dec.prefill(prompt, caches)
-    st = {"state": [(c.keys, c.values) for c in caches], "pos": mx.array(done, mx.int32)}
-    del caches
+def _compiled_step(model, prompt, steps, mode):
+    dec = Decoder(model, prompt.size + steps + 2, mode)
+    tok, pos, state = dec.start(prompt)
+    st = {"state": state, "pos": pos}
+    del state
 
     def step():
         nxt, st["pos"], st["state"], _ = dec.step(tok, st["pos"], st["state"])
@@ -187,7 +197,7 @@ def _compiled_step(model, prompt, steps):
     return step
 
 
-def step_profile(model, vocab, rot=False, context=64, steps=8, compiled=False):
+def step_profile(model, vocab, rot=False, context=64, steps=8, mode=None):
     """One decode step, unpipelined: host time to build its graph (Python; for a compiled step, the
     C++ replay of its trace), to encode it (``mx.async_eval`` returns once the kernels are queued)
     and the whole step to ``mx.synchronize``, median over ``steps``; plus the graph's primitives
@@ -195,7 +205,7 @@ def step_profile(model, vocab, rot=False, context=64, steps=8, compiled=False):
     host (docs/decode.md)."""
     with qmv.rotating_in_kernel(rot):
         prompt = mx.random.randint(0, vocab - 16, (context,), key=mx.random.key(7))
-        step = _compiled_step(model, prompt, steps) if compiled else _eager_step(model, prompt)
+        step = _compiled_step(model, prompt, steps, mode) if mode else _eager_step(model, prompt)
         build, encode, total = [], [], []
         for _ in range(steps):
             mx.synchronize()
@@ -227,13 +237,14 @@ def run(args, progress=print):
     info = {name: {"weight_bytes": weight_bytes(m, config)} for name, m in models.items()}
     for name, i in info.items():
         progress(f"built {name}: {i['weight_bytes'] / 2**30:.2f} GiB read per token (weights)")
-    arm_names = [*models] + ([n + COMPILED for n in models] if args.compiled else [])
+    arm_names = [*models] + ([n + COMPILED for n in models] if args.compiled else []) + \
+        ([n + SPLIT for n in models] if args.split else [])
     info.update({n: info[model_arm(n)] for n in arm_names})
     profiles, skipped = {}, {}
     for name in list(arm_names):
         m = models[model_arm(name)]
         try:
-            profiles[name] = p = step_profile(m, config["vocab_size"], model_arm(name).endswith(ROT), compiled=is_compiled(name))
+            profiles[name] = p = step_profile(m, config["vocab_size"], model_arm(name).endswith(ROT), mode=decode_mode(name))
         except Exception as e:  # a compiled arm that cannot trace is reported, not fatal to the eager arms
             if not is_compiled(name):
                 raise
@@ -258,7 +269,7 @@ def run(args, progress=print):
         prompts = [mx.random.randint(0, config["vocab_size"] - 16, (P,), key=mx.random.key(1000 * P + k))
                    for k in range(args.prompts)]
         log = {name: [] for name in [*arm_names, aa]}
-        decoders = {n: Decoder(models[model_arm(n)], P + max(args.gen_tokens, 8)) for n in arm_names if is_compiled(n)}
+        decoders = {n: Decoder(models[model_arm(n)], P + max(args.gen_tokens, 8), decode_mode(n)) for n in arm_names if is_compiled(n)}
 
         def call(name, k, n_tokens):
             model = models[model_arm(name)]
@@ -294,8 +305,11 @@ def run(args, progress=print):
                             f"{rec['achieved']['median']['percent_of_peak']:.1f}% of copy" if phase == "decode" else ""))
             for phase in ("prefill", "decode"):
                 bases = [baseline, "affine4"] + ([model_arm(name).removesuffix(ROT)] if model_arm(name).endswith(ROT) else [])
-                if is_compiled(name):  # against its eager self, and the compiled baselines
-                    bases += [model_arm(name), baseline + COMPILED, "affine4" + COMPILED]
+                if is_compiled(name):  # against its eager self, and the baselines in the same mode
+                    sfx = name[len(model_arm(name)):]
+                    bases += [model_arm(name), baseline + sfx, "affine4" + sfx]
+                    if sfx == SPLIT:
+                        bases.append(model_arm(name) + COMPILED)
                 for base in dict.fromkeys(bases):
                     if name != base and base in log:
                         cmp = harness.compare(samples[base][phase], samples[name][phase], floor[phase])
@@ -324,6 +338,8 @@ def parse_args(argv):
                    help=f"add a vqpipe-bN{ROT} arm per N: the rotation in the kernel's prologue")
     p.add_argument("--compiled", action="store_true",
                    help=f"add an ARM{COMPILED} arm per arm: decode through vqpipe.decode_step's compiled step")
+    p.add_argument("--split", action="store_true",
+                   help=f"add an ARM{SPLIT} arm per arm: decode_step's split mode (compiled blocks, fused SDPA between)")
     p.add_argument("--profile-only", action="store_true", help="the step profiles only, no timed generations")
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[512, 4096])
     p.add_argument("--gen-tokens", type=int, default=128)
