@@ -8,7 +8,7 @@
 #   STEPS="tests qmv" bash scripts/gpu_decode.sh
 #
 # STEPS (default "tests qmv pipeline decode"): tests, tests_rev4, tests_sweep, qmv, qmv_bits,
-# pipeline, decode, load, big, shapes, tests_c, big_c, shapes_c, opsbuf, big_c4096 (the _c steps: the
+# pipeline, decode, load, big, shapes, tests_c, big_c, shapes_c, opsbuf, big_c4096, split (the _c steps: the
 # compiled decode step, eager and compiled arms side by side) (tests_rev4 + tests_sweep = tests, in two time-limited parts:
 # everything but the 252-configuration float64 sweep, then the sweep).
 # TEST_K selects GPU tests (pytest -k), QMV_MODES/QMV_REPEATS/QMV_SHAPES/QMV_EXTRA bench-qmv,
@@ -88,6 +88,13 @@ if want opsbuf; then
     TAIL=14 MLX_MAX_OPS_PER_BUFFER=$n run profile_qwen_opsbuf$n 60 $PY -m vqpipe.bench.decode_shapes --preset qwen2.5-0.5b \
       --profile-only --bits 4 --compiled --prologue-bits 4 --copy-mib 64 --out "$OUT/profile-qwen-opsbuf$n.json"
   done
+fi
+if want split; then  # decode_step's split mode: qwen timed at P = 512, the 8B step profiles
+  TAIL=40 run bench_decode_qwen_split "${SPLIT_LIMIT:-75}" $PY -m vqpipe.bench.decode_shapes --preset qwen2.5-0.5b \
+    --prompt-lengths 512 --gen-tokens 128 --repeats 5 --bits 4 --prologue-bits 4 --split --copy-mib 256 \
+    --out "$OUT/bench-decode-qwen2.5-0.5b-split.json"
+  TAIL=20 run profile_8b_split "${SPLIT8B_LIMIT:-50}" $PY -m vqpipe.bench.decode_shapes --preset llama3-8b \
+    --profile-only --bits 4 --split --compiled --copy-mib 256 --out "$OUT/profile-llama3-8b-split.json"
 fi
 if want big_c4096; then
   TAIL=40 run bench_decode_8b_compiled_4096 "${BIG4096_LIMIT:-150}" $PY -m vqpipe.bench.decode_shapes --preset llama3-8b \
