@@ -298,3 +298,28 @@ def test_cli_rejects_bad_settings(tiny_source, tmp_path):
         bench_decode.parse_args(["--source", str(tiny_source), "--out", "x.json"])  # vqpipe arm without --reservoir
     args = bench_decode.parse_args(base + ["--quick", "--gen-tokens", "5"])
     assert args.gen_tokens == 5 and args.prompt_lengths == bench_decode.QUICK["prompt_lengths"] and args.warmup_tokens == 5
+
+
+def test_compiled_step_arms(tiny_source, tmp_path):
+    """The compiled-step caches run beside the eager fp cache; in float32 on the CPU they give the
+    eager texts exactly (tests/test_decode_step.py tests the step itself)."""
+    out = tmp_path / "compiled.json"
+    assert bench_decode.main(["--source", str(tiny_source), "--model", "tiny", "--weights", "full", "affine4",
+                              "--caches", "fp", "compiled", "compiled-split", "--quick", "--prompt-lengths", "40",
+                              "--gen-tokens", "6", "--repeats", "2", "--copy-mib", "16", "--gemm", "128",
+                              "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    arms = {r["arm"] for r in doc["records"]}
+    assert arms == {f"{w}/{c}" for w in ("full", "affine4") for c in ("fp", "compiled", "compiled-split")}
+    for rec in _records(doc, cache="compiled"):
+        assert "flushes" not in rec and rec["median"] > 0 and rec["kv_bytes"]["flushes"] == 0
+        if rec["phase"] == "decode":
+            assert rec["bytes_per_token"] > 0
+    checks = {(c["a"], c["b"]): c for c in doc["checks"]}
+    for w in ("full", "affine4"):
+        for c in ("compiled", "compiled-split"):
+            assert checks[(f"{w}/fp", f"{w}/{c}")]["identical"] is True
+    pairs = {(c["baseline_arm"], c["other_arm"]) for c in doc["comparisons"]}
+    assert {("full/fp", "full/compiled"), ("affine4/fp", "affine4/compiled-split")} <= pairs
+    assert bench_decode.parse_args(["--source", str(tiny_source), "--out", "x.json", "--weights", "full"]).caches == \
+        ["fp", "kivi-ref", "kivi-kernel"]  # the compiled caches only when asked for

@@ -144,3 +144,37 @@ def test_kernel_inside_compiled_step_same_tokens(tiny_llama_source, rot, mode):
         dec = _same_as_eager(model, 8192, mode=mode)
         out = dec.step(*dec.start(_prompts(8192)[2], 8))
         assert graph_ops(out[0])["by_primitive"].get("CustomKernel", 0) >= 4 * len(model.layers)
+
+
+@pytest.fixture(scope="module")
+def reservoir(tiny_source, tmp_path_factory):
+    from vqpipe.stages import pack, quantize
+
+    root = tmp_path_factory.mktemp("decode-step")
+    quantize.run(tiny_source, root / "q", bits=4, rotation="auto", progress=lambda *_: None)
+    pack.run(root / "q", root / "persist-off", False, progress=lambda *_: None)
+    return root / "persist-off"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_generate_cli_compiled_matches_mlx_lm(reservoir, capsys, mode):
+    from mlx_lm import generate as mlx_generate
+
+    from vqpipe import generate
+
+    assert generate.main(["--model", str(reservoir), "--prompt", "Hello sea", "-m", "8", "--compiled", mode]) == 0
+    out = capsys.readouterr().out
+    text = out.split("==========\n")[1].rstrip("\n")
+    model, tok = generate.load_model(reservoir)
+    prompt = generate.encode_prompt(tok, "Hello sea", True)
+    assert text == mlx_generate(model, tok, prompt, max_tokens=8)
+    assert f"Prompt: {len(prompt)} tokens" in out and f"(compiled step, {mode})" in out
+
+
+def test_generate_cli_compiled_refuses_sampling(reservoir, capsys):
+    from vqpipe import generate
+
+    for extra in (["--temp", "0.7"], ["--kv-bits", "4"]):
+        with pytest.raises(SystemExit):
+            generate.main(["--model", str(reservoir), "--prompt", "x", "--compiled", "whole", *extra])
+        assert "--compiled decodes greedily" in capsys.readouterr().err

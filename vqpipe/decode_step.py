@@ -200,6 +200,19 @@ class Decoder:
         self.position = done
         return token, mx.array(done, POSITION_DTYPE), [(c.keys, c.values) for c in caches]
 
+    def tokens(self, prompt, max_tokens, prefill_step=2048):
+        """Greedy ids one by one (for streaming), step i + 1 queued before token i is read."""
+        if int(prompt.size) + max_tokens > self.capacity:
+            raise ValueError(f"compiled decode: a {prompt.size}-token prompt and {max_tokens} new tokens need "
+                             f"{prompt.size + max_tokens} KV positions; the static cache holds {self.capacity}")
+        token, pos, state, _ = self.step(*self.start(prompt, prefill_step))
+        for i in range(max_tokens):
+            if i + 1 < max_tokens:
+                nxt, pos, state, _ = self.step(token, pos, state)
+                mx.async_eval(nxt)
+            yield int(token.item())
+            token = nxt
+
     def generate(self, prompt, max_tokens, prefill_step=2048):
         """Greedy ids of ``max_tokens`` new tokens, with the timings bench-decode records:
         ``{"prefill_s": call to first token evaluated, "decode_s": from there through

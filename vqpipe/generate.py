@@ -113,14 +113,47 @@ def encode_prompt(tokenizer, text, use_template, system_prompt=None):
     return tokenizer.encode(prompt, add_special_tokens=False)
 
 
+def compiled_generate(model, tokenizer, prompt, max_tokens, mode):
+    """Stream greedy text through decode_step, stopping at an EOS token; mlx-lm's summary lines."""
+    import time
+
+    import mlx.core as mx
+    from .decode_step import Decoder
+
+    dec = Decoder(model, len(prompt) + max_tokens, mode)
+    detok, n = tokenizer.detokenizer, 0
+    print("=" * 10)
+    t0 = time.perf_counter()
+    for tok in dec.tokens(mx.array(prompt), max_tokens):
+        if n == 0:
+            t1 = time.perf_counter()
+        if tok in tokenizer.eos_token_ids:
+            break
+        detok.add_token(tok)
+        n += 1
+        print(detok.last_segment, end="", flush=True)
+    detok.finalize()
+    t2 = time.perf_counter()
+    print(detok.last_segment)
+    print("=" * 10)
+    print(f"Prompt: {len(prompt)} tokens, {len(prompt) / (t1 - t0):.3f} tokens-per-sec")
+    print(f"Generation: {n} tokens, {n / max(t2 - t1, 1e-9):.3f} tokens-per-sec (compiled step, {mode})")
+    print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m vqpipe generate", description=__doc__.split("\n")[0])
     add_model_args(p)
     p.add_argument("--prompt", "-p", required=True, help="the prompt ('-' reads it from stdin)")
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the tokenizer's chat template (default: when the tokenizer has one)")
+    p.add_argument("--compiled", choices=("whole", "split"),
+                   help="greedy decode through vqpipe.decode_step's compiled step (docs/decode.md)")
     args = p.parse_args(argv)
     check_args(p, args)
+    if args.compiled and (args.temp != 0 or args.kv_bits is not None):
+        p.error("--compiled decodes greedily with the full-precision cache: no --temp, no --kv-bits")
     import mlx.core as mx
     from mlx_lm import generate
 
@@ -137,6 +170,8 @@ def main(argv=None):
     mx.random.seed(args.seed)
     text = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n")
     prompt = encode_prompt(tokenizer, text, use_template, args.system_prompt)
+    if args.compiled:
+        return compiled_generate(model, tokenizer, prompt, args.max_tokens, args.compiled)
     cache = make_cache(model, args)
     generate(model, tokenizer, prompt, verbose=True, max_tokens=args.max_tokens,
              sampler=make_sampler(args), prompt_cache=cache)

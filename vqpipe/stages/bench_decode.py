@@ -3,8 +3,10 @@
 Arms are ``WEIGHTS/CACHE``: weights ``full`` (the source at the compute dtype), ``vqpipe`` (the
 reservoir), ``affine4``/``affine8`` (MLX ``nn.quantize`` of the source's linear layers, group 64);
 caches ``fp`` (mlx-lm's KVCache), ``kivi-ref`` (KIVI, MLX-ops quantizer) and ``kivi-kernel`` (KIVI,
-fused Metal/CUDA kernels; only where a GPU backend exists, otherwise skipped with the reason).
-KIVI arms are built for ``full`` and ``vqpipe``; ``affine*`` run with the fp cache (roofline arms).
+fused Metal/CUDA kernels; only where a GPU backend exists, otherwise skipped with the reason), and,
+when asked for, ``compiled`` / ``compiled-split`` (an fp static KV cache decoded through
+vqpipe.decode_step's compiled step, whole or split around MLX's fused attention: docs/decode.md).
+KIVI arms are built for ``full`` and ``vqpipe``; ``affine*`` run with the fp caches (roofline arms).
 
 Per prompt length, in one process: warm-up rounds (untimed), a pilot round (untimed: peak memory
 per arm via ``mx.get_peak_memory``, token ids for the lossless checks, flush counts, the KIVI
@@ -44,7 +46,11 @@ from ..bench.env import environment
 from .bench_quality import CORPUS, eval_windows
 
 WEIGHTS = ("full", "vqpipe", "affine4", "affine8")
-CACHES = ("fp", "kivi-ref", "kivi-kernel")
+CACHES = ("fp", "kivi-ref", "kivi-kernel", "compiled", "compiled-split")
+# Caches decoded through vqpipe.decode_step (a static fp KV cache, the step compiled), by its mode;
+# not run unless asked for (--caches), since mlx-lm users decode eagerly.
+STEP_CACHES = {"compiled": "whole", "compiled-split": "split"}
+FP_CACHES = ("fp", *STEP_CACHES)  # full-precision KV: roofline arms, no KIVI flushes
 KIVI_WEIGHTS = ("full", "vqpipe")
 AFFINE_GROUP = 64
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -384,7 +390,7 @@ def plan_arms(weights, caches):
     for w in weights:
         for c in caches:
             name = arm_name(w, c)
-            if c != "fp" and w not in KIVI_WEIGHTS:
+            if c not in FP_CACHES and w not in KIVI_WEIGHTS:
                 continue  # affine weights are roofline arms: fp cache only
             if c == "kivi-kernel" and not kivi.kernels_active(None):
                 dev = mx.default_device()
@@ -405,6 +411,9 @@ def _pairs(arms, baseline):
     names = [a[0] for a in arms]
     pairs = [(baseline, n) for n in names if n != baseline]
     extra = [("full/fp", "vqpipe/fp"), ("affine4/fp", "vqpipe/fp")]
+    for c in STEP_CACHES:  # what compiling buys each weight arm, and the issue's ratios once compiled
+        extra += [(arm_name(w, "fp"), arm_name(w, c)) for w in WEIGHTS]
+        extra += [(arm_name("full", c), arm_name("vqpipe", c)), (arm_name("affine4", c), arm_name("vqpipe", c))]
     for w in KIVI_WEIGHTS:
         extra += [(arm_name(w, "fp"), arm_name(w, "kivi-ref")), (arm_name(w, "kivi-ref"), arm_name(w, "kivi-kernel"))]
     pairs += [(a, b) for a, b in extra if a in names and b in names and (a, b) not in pairs]
@@ -444,7 +453,7 @@ def _setup(args, progress):
     }
     result["settings"]["kivi_ops"] = str(args.kivi_ops) if args.kivi_ops else None
     b = SimpleNamespace(args=args, result=result, records=[], comparisons=[], amdahl=[], checks=[], runs=[],
-                        floors=[], generations=[])
+                        floors=[], generations=[], decoders={})
     _roofs_and_models(b, dtype, dev, progress)
     b.ops = None
     if args.kivi_ops:
@@ -524,13 +533,32 @@ def _call(b, L, name, w, c, k, rnd):
     """One generation of arm ``name`` on prompt ``k``, logged with its KV statistics."""
     args = b.args
     model = b.models[w]
-    cache = make_cache(model, c, args.kivi_bits, args.group_size, args.residual)
-    out = generate_once(model, L.prompts[k], cache, args.warmup_tokens if rnd == "warmup" else L.N, args.prefill_step)
-    kv = kv_stats(cache, b.kvpp)
+    n = args.warmup_tokens if rnd == "warmup" else L.N
+    if c in STEP_CACHES:
+        out, kv, kv_dtype = _call_compiled(b, L, name, model, c, k, n)
+    else:
+        cache = make_cache(model, c, args.kivi_bits, args.group_size, args.residual)
+        out = generate_once(model, L.prompts[k], cache, n, args.prefill_step)
+        kv = kv_stats(cache, b.kvpp)
+        kv_dtype = _dtype_name(cache[0].keys.dtype) if getattr(cache[0], "keys", None) is not None else None
     L.log.append({"arm": name, "context": L.P, "prompt": k, "round": rnd, "prefill_s": out["prefill_s"],
-                  "decode_s": out["decode_s"], "flushes": kv["flushes"], "ids": out["ids"], "kv": kv,
-                  "kv_dtype": _dtype_name(cache[0].keys.dtype) if getattr(cache[0], "keys", None) is not None else None})
+                  "decode_s": out["decode_s"], "flushes": kv["flushes"], "ids": out["ids"], "kv": kv, "kv_dtype": kv_dtype})
     return mx.array(out["ids"])
+
+
+def _call_compiled(b, L, name, model, c, k, n):
+    """A generation through decode_step; one Decoder (one trace) per arm and prompt length."""
+    from ..decode_step import Decoder
+
+    key = (name.removesuffix(harness.AA_SUFFIX), L.P)
+    if key not in b.decoders:
+        b.decoders[key] = Decoder(model, L.P + max(L.N, b.args.warmup_tokens), STEP_CACHES[c])
+    dec = b.decoders[key]
+    out = dec.generate(L.prompts[k], n, b.args.prefill_step)
+    used = b.kvpp * (L.P + n)
+    kv = {"offset": L.P + n, "resident_bytes": b.kvpp * dec.capacity, "compressed_bytes": used,
+          "uncompressed_bytes": used, "flushes": 0}
+    return out, kv, _dtype_name(dec.layout()[0][1])
 
 
 def _warmup_and_pilot(b, L, progress):
@@ -562,7 +590,7 @@ def _check_flushes(b, L, progress):
     args = b.args
     L.layers = {}
     for name, w, c in b.arms:
-        if c != "fp":
+        if c not in FP_CACHES:
             kv = L.pilot[name]["kv"]
             L.layers[w] = kv["layers"]
             want = kv["layers"] * (quantized_tokens(L.P + L.N, args.residual, args.group_size) // args.group_size)
@@ -639,7 +667,7 @@ def _length_records(b, L):
                    "seconds": harness.summarize(L.samples[name][phase]), "noise_floor": L.floor[phase],
                    **L.peaks[name], "model_bytes": b.weights_info[w]["model_bytes"],
                    "kv_bytes": {**L.pilot[name]["kv"], "dtype": L.pilot[name]["kv_dtype"]}}
-            if c != "fp":
+            if c not in FP_CACHES:
                 _flush_fields(b, L, rec, phase, toks)
             else:  # the roofline arms: one per weight precision, fp KV cache
                 _roofline_fields(b, L, rec, w, phase, rate)
@@ -707,6 +735,10 @@ def _check_pairs(b):
     for w in KIVI_WEIGHTS:
         pairs += [(arm_name(w, "kivi-ref"), arm_name(w, "kivi-kernel"), True, "kernels on vs off (lossless)"),
                   (arm_name(w, "fp"), arm_name(w, "kivi-ref"), False, "fp cache vs KIVI (lossy)")]
+    # Same weights, same arithmetic but for fused elementwise rounding (identical in float32, tested in
+    # tests/test_decode_step.py); recorded, not required, since bf16 fusion may round differently.
+    pairs += [(arm_name(w, "fp"), arm_name(w, c), False, "eager mlx-lm vs the compiled step (same weights)")
+              for c in STEP_CACHES for w in WEIGHTS]
     return pairs
 
 
@@ -806,7 +838,8 @@ def parse_args(argv):
     p.add_argument("--kivi-ops", help="bench-kivi JSON with per-flush kernel and reference times (for the Amdahl prediction)")
     p.add_argument("--weights", nargs="+", choices=WEIGHTS, default=list(WEIGHTS),
                    help="weight arms; the first with the fp cache is the baseline (default: all)")
-    p.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES), help="KV-cache arms (default: all)")
+    p.add_argument("--caches", nargs="+", choices=CACHES, default=[c for c in CACHES if c not in STEP_CACHES],
+                   help="KV-cache arms (default: all but the compiled-step ones: " + ", ".join(STEP_CACHES) + ")")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="compute dtype (auto: float32 on the CPU, bfloat16 on a GPU)")
     p.add_argument("--copy-mib", type=_positive, help="buffer of the copy-bandwidth measurement (default 256)")
