@@ -80,6 +80,15 @@ def test_capacity_is_exact_and_overflow_is_refused(tiny_f32):
     assert len(dec.generate(prompt, NEW, 8)["ids"]) == NEW  # exactly fills the cache
     with pytest.raises(ValueError, match="need 16 KV positions; the static cache holds 15"):
         dec.generate(prompt, NEW + 1, 8)
+    for mode in MODES:  # stepping on past the end is refused before anything is queued
+        d = Decoder(tiny_f32, 6, mode)
+        args = d.start(prompt, 8)
+        for _ in range(2):
+            args = d.step(*args)[:3]
+        with pytest.raises(ValueError, match="static KV cache full: position 6, capacity 6"):
+            d.step(*args)
+    with pytest.raises(ValueError, match="call start"):
+        Decoder(tiny_f32, 6).step(*args)
     caches = dec.new_cache()
     with pytest.raises(ValueError, match="static KV cache full: 20 positions needed, capacity 15"):
         tiny_f32(mx.zeros((1, 20), mx.int32), cache=caches)

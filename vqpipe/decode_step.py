@@ -16,6 +16,9 @@ buffers, slices them to the current length and keeps the position as a Python in
 - :class:`Decoder` owns one compiled step per model: token, position and the cache buffers in;
   the greedy next token, the next position and the updated buffers out. Nothing crosses to the
   host between steps; the caller reads token i while step i + 1 is queued (as mlx-lm does).
+  Its split mode compiles each decoder block in two parts around MLX's fused attention instead,
+  which then reads exactly the written positions and needs no mask (MLX's CUDA attention kernel
+  takes none: docs/decode.md).
 
 The model code is mlx-lm's, unchanged: full-precision, MLX affine and vqpipe layers all trace
 (vqpipe's qmv kernel is a custom-kernel primitive, which a compiled graph replays like any other).
@@ -130,10 +133,20 @@ class Decoder:
             self._parts = [_block_parts(layer, self._traced) for layer in model.layers]
             self._embed = mx.compile(model.model.embed_tokens)
             self._head = mx.compile(self._logits)
-            self.step = self._split_step
+            self._run = self._split_step
         else:
-            self.step = mx.compile(self._step) if mode == "whole" else self._step
-        self.position = None  # host copy of the next position (split mode slices by it)
+            self._run = mx.compile(self._step) if mode == "whole" else self._step
+        self.position = None  # host copy of the position the next step writes (split mode slices by it)
+
+    def step(self, token, pos, state):
+        """One token: (next token, pos + 1, buffers, logits); :meth:`start` gives the first arguments."""
+        if self.position is None:
+            raise ValueError("compiled decode: call start() before step()")
+        if self.position >= self.capacity:
+            raise ValueError(f"static KV cache full: position {self.position}, capacity {self.capacity}")
+        out = self._run(token, pos, state)
+        self.position += 1
+        return out
 
     def _traced(self):
         self.traces += 1
@@ -158,7 +171,6 @@ class Decoder:
             o = mx.fast.scaled_dot_product_attention(q, kb[..., :n, :], vb[..., :n, :], scale=scale)
             h = post(h, o)
             new.append((kb, vb))
-        self.position = n
         logits = self._head(h)
         return _greedy(logits, token), pos + 1, new, logits
 
