@@ -129,6 +129,10 @@ def measure_op(s, args):
         for b in args.bits:
             name = f"kivi{b}:{version}:w{w}c{per}"
             arms[name], caches[name] = _kivi_arm(qs, kv[b], scale, n, splits=ns, warps=w, version=version), kv[b]
+    for meta in args.meta_variants:  # other ways of passing scale and counts, default launch shape
+        for b in args.bits:
+            name = f"kivi{b}:{meta}"
+            arms[name], caches[name] = _kivi_arm(qs, kv[b], scale, n, meta=meta), kv[b]
     if args.launch_floor:
         b = args.bits[0]
         arms["launch-floor"] = lambda i: [floor_attention(qs[(i + j) % n], c, scale) for j, c in enumerate(kv[b])]
@@ -198,8 +202,10 @@ def measure_memory(model, args, kinds):
         peak = mx.get_peak_memory() - before
         held = sum(c.nbytes for c in cache)
         packed = sum(c.packed_nbytes() for c in cache if isinstance(c, PackedKIVICache))
-        rows[kind] = {"peak_bytes": peak, "cache_nbytes": held, "packed_nbytes": packed or None,
+        scratch = sum(sum(a.nbytes for a in c.scratch) for c in cache if getattr(c, "scratch", None))
+        rows[kind] = {"peak_bytes": peak, "cache_nbytes": held, "packed_nbytes": packed or None, "scratch_nbytes": scratch,
                       "seconds": time.perf_counter() - t0}
+        print(f"memory {kind}: peak {peak / 2**20:.1f} MiB, cache {held / 2**20:.1f} MiB, {rows[kind]['seconds']:.1f} s", flush=True)
         del cache
     for kind in kinds:
         rows[kind]["peak_vs_fp16"] = rows[kind]["peak_bytes"] / rows["fp16"]["peak_bytes"]
@@ -399,6 +405,8 @@ def parse_args(argv):
     p.add_argument("--mlx-bits", type=_ints, default=[8, 4, 2])
     p.add_argument("--variants", type=_variants, default=[],
                    help="extra kernels and launch shapes timed as arms at every bit width, e.g. 4x2,run2:8x2 ([version:]warps x chunks per warp)")
+    p.add_argument("--meta-variants", nargs="*", default=[], choices=decode_kernel.META_MODES,
+                   help="also time the kernel with these ways of passing scale and counts (decode_kernel.META_MODES)")
     p.add_argument("--launch-floor", action="store_true",
                    help="also time a launch with the kernel's inputs that only writes zeros (what a launch costs before any work)")
     p.add_argument("--op-from", help="a bench-kivi-attn JSON whose op rows feed the decode part's Amdahl prediction "
