@@ -261,6 +261,28 @@ def test_tiles_within_float32_bound_for_every_tile_size(hk, ratio, d, bits, g, l
     assert all(np.all(np.abs(o - outs[0]) <= 2 * tol) for o in outs)
 
 
+def test_tiles_evaluated_as_they_go_bound_the_transient(monkeypatch):
+    """The tile path evaluates its running state every EVAL_SCORES scores: the same bytes, and the
+    tiles' transients do not pile up (on MLX's CUDA backend they otherwise live until the GPU ran
+    every queued tile)."""
+    k, v = _kv(1, 2, 4096, 64, "float16", seed=5)
+    c = _filled(4, 32, 128, k, v, [4096])
+    q = mx.random.normal((1, 14, 256, 64), key=mx.random.key(5)).astype(mx.float16)
+    monkeypatch.setattr(attention, "SCORES", 1 << 17)
+    outs, peaks = [], []
+    for every in (1 << 40, 1 << 17):
+        monkeypatch.setattr(attention, "EVAL_SCORES", every)
+        mx.eval(attention.attend_tiles(q, c, 0.125, "causal"))  # warm
+        mx.synchronize()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        outs.append(attention.attend_tiles(q, c, 0.125, "causal"))
+        mx.eval(outs[-1])
+        peaks.append(mx.get_peak_memory() - base)
+    assert mx.array_equal(outs[0], outs[1])
+    assert peaks[1] * 2 < peaks[0], peaks
+
+
 def test_tiles_equal_sdpa_over_the_dequantized_cache():
     k, v = _kv(1, 2, 300, 64, "float32")
     c = _filled(4, 32, 64, k, v, [300])

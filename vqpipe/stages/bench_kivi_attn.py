@@ -186,11 +186,12 @@ def _make(model, kind):
     return make_kivi_cache(model, int(kind.removeprefix("kivi")), 32, 128, packed=True)
 
 
-def measure_memory(model, args, kinds):
+def measure_memory(model, args, kinds, rows=None, save=lambda: None):
+    """Fills ``rows`` (a dict, kind -> row) as each generation finishes, calling ``save`` after each."""
     from mlx_lm.generate import generate_step
 
     prompt = _prompt(model.args.vocab_size, args.memory_context)
-    rows = {}
+    rows = {} if rows is None else rows
     for kind in kinds:
         mx.clear_cache()
         before = mx.get_active_memory()
@@ -207,6 +208,7 @@ def measure_memory(model, args, kinds):
                       "seconds": time.perf_counter() - t0}
         print(f"memory {kind}: peak {peak / 2**20:.1f} MiB, cache {held / 2**20:.1f} MiB, {rows[kind]['seconds']:.1f} s", flush=True)
         del cache
+        save()
     for kind in kinds:
         rows[kind]["peak_vs_fp16"] = rows[kind]["peak_bytes"] / rows["fp16"]["peak_bytes"]
         rows[kind]["cache_vs_fp16"] = rows[kind]["cache_nbytes"] / rows["fp16"]["cache_nbytes"]
@@ -466,8 +468,8 @@ def main(argv=None):
         kinds = ["fp16"] + [f"kivi{b}" for b in args.bits]
         for name in args.memory_models:
             model = llama3_8b(args.llama_layers) if name == "llama3-8b" else _load_synth(name, args.work)[0]
-            rows = measure_memory(model, args, kinds)
-            result["memory"][name] = rows
+            rows = result["memory"].setdefault(name, {})
+            measure_memory(model, args, kinds, rows, lambda: _save(result, args.out))
             _save(result, args.out)
             print(f"memory {name} S={args.memory_context}: " + "; ".join(
                 f"{k} peak {r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_vs_fp16']:.3f}x), cache {r['cache_nbytes'] / 2**20:.1f} MiB ({r['cache_vs_fp16']:.3f}x)"
