@@ -552,6 +552,24 @@ def test_bench_kivi_attn_quick_runs_every_part(tmp_path, monkeypatch):
     assert all(1 <= kv[k]["nbytes_vs_packed"] < 1.5 for k in ("kivi4", "kivi2")) and kv["fp16"]["packed_nbytes"] is None
 
 
+def test_bench_kivi_floor_prefill_part_runs_on_cpu(tmp_path):
+    """The launch probe's arms need CUDA (skipped here, said so); its prefill part runs anywhere."""
+    from vqpipe.stages import bench_kivi_floor
+
+    out = tmp_path / "floor.json"
+    assert bench_kivi_floor.main(["--out", str(out), "--prefill", "300", "--chunk", "32", "--scores", "16",
+                                  "--prefill-repeats", "1"]) == 0
+    import json
+
+    d = json.loads(out.read_text())
+    assert d["op"] == [] and {(r["model"], r["bits"]) for r in d["prefill"]} == {
+        (m, b) for m in ("llama3-8b", "qwen2.5-0.5b") for b in (4, 2)}
+    assert all(r["seconds"]["n"] == 1 and r["transient_peak_bytes"] > 0 for r in d["prefill"])
+    assert attention.SCORES == 1 << 23  # restored
+    with pytest.raises(SystemExit):
+        bench_kivi_floor.parse_args(["--out", "x", "--arms", "sdpa,nope"])
+
+
 def test_bench_kivi_quality_quick(tiny_source, tmp_path):
     """bench-kivi-quality on synth:tiny, one short window: the fp cache against itself is exact,
     and every kind gets perplexity, KL and top-1 agreement."""

@@ -180,43 +180,52 @@ def measure(s, args):
 def measure_prefill(s, args):
     """One prefill chunk (``--chunk`` queries at the end of an S-token context) over packed caches,
     per layer, at each SCORES setting: the time and the peak memory of the attention alone."""
+    rows, before = [], attention.SCORES
+    try:
+        for geometry in ((HQ, HK, D, "llama3-8b"), (14, 2, 64, "qwen2.5-0.5b")):
+            rows += _prefill_rows(s, args, *geometry)
+    finally:
+        attention.SCORES = before
+    return rows
+
+
+def _prefill_rows(s, args, hq, hk, d, label):
+    """measure_prefill's rows for one geometry (hq query heads, hk KV heads, head dim d)."""
     rows = []
-    for hq, hk, d, label in ((HQ, HK, D, "llama3-8b"), (14, 2, 64, "qwen2.5-0.5b")):
-        k = mx.random.normal((1, hk, s, d)).astype(mx.float16)
-        v = mx.random.normal((1, hk, s, d)).astype(mx.float16)
-        caches = []
-        for bits in (4, 2):
-            c = PackedKIVICache(bits, 32, 128)
-            c.update_and_fetch(k, v)
-            mx.eval(c.state[:6])
-            caches.append(c)
-        del k, v
-        q = mx.random.normal((1, hq, args.chunk, d)).astype(mx.float16)
-        mx.eval(q)
-        for scores in args.scores:
-            attention.SCORES = scores
-            for c in caches:
-                out = attention.attend_tiles(q, c, d**-0.5, "causal")
-                mx.eval(out)  # warm-up
+    k = mx.random.normal((1, hk, s, d)).astype(mx.float16)
+    v = mx.random.normal((1, hk, s, d)).astype(mx.float16)
+    caches = []
+    for bits in (4, 2):
+        c = PackedKIVICache(bits, 32, 128)
+        c.update_and_fetch(k, v)
+        mx.eval(c.state[:6])
+        caches.append(c)
+    del k, v
+    q = mx.random.normal((1, hq, args.chunk, d)).astype(mx.float16)
+    mx.eval(q)
+    for scores in args.scores:
+        attention.SCORES = scores
+        for c in caches:
+            out = attention.attend_tiles(q, c, d**-0.5, "causal")
+            mx.eval(out)  # warm-up
+            mx.synchronize()
+            mx.reset_peak_memory()
+            base = mx.get_active_memory()
+            ts = []
+            for _ in range(args.prefill_repeats):
+                t0 = time.perf_counter()
+                mx.eval(attention.attend_tiles(q, c, d**-0.5, "causal"))
                 mx.synchronize()
-                mx.reset_peak_memory()
-                base = mx.get_active_memory()
-                ts = []
-                for _ in range(args.prefill_repeats):
-                    t0 = time.perf_counter()
-                    mx.eval(attention.attend_tiles(q, c, d**-0.5, "causal"))
-                    mx.synchronize()
-                    ts.append(time.perf_counter() - t0)
-                row = {"model": label, "S": s, "chunk": args.chunk, "bits": c.kv_bits, "scores": scores,
-                       "seconds": harness.summarize(ts), "transient_peak_bytes": mx.get_peak_memory() - base,
-                       "tiles": -(-c.quantized // max(32, min(attention.TILE, scores // (hq * args.chunk)) // 32 * 32)) + 1}
-                rows.append(row)
-                print(f"prefill {label} S={s} chunk={args.chunk} {c.kv_bits}-bit SCORES=2^{scores.bit_length() - 1}: "
-                      f"{row['seconds']['median'] * 1e3:.1f} ms [{row['seconds']['min'] * 1e3:.1f}-{row['seconds']['max'] * 1e3:.1f}] "
-                      f"n={len(ts)}, {row['tiles']} tiles, transient {row['transient_peak_bytes'] / 2**20:.1f} MiB", flush=True)
-        del caches
-        mx.clear_cache()
-    attention.SCORES = 1 << 23
+                ts.append(time.perf_counter() - t0)
+            row = {"model": label, "S": s, "chunk": args.chunk, "bits": c.kv_bits, "scores": scores,
+                   "seconds": harness.summarize(ts), "transient_peak_bytes": mx.get_peak_memory() - base,
+                   "tiles": -(-c.quantized // max(32, min(attention.TILE, scores // (hq * args.chunk)) // 32 * 32)) + 1}
+            rows.append(row)
+            print(f"prefill {label} S={s} chunk={args.chunk} {c.kv_bits}-bit SCORES=2^{scores.bit_length() - 1}: "
+                  f"{row['seconds']['median'] * 1e3:.1f} ms [{row['seconds']['min'] * 1e3:.1f}-{row['seconds']['max'] * 1e3:.1f}] "
+                  f"n={len(ts)}, {row['tiles']} tiles, transient {row['transient_peak_bytes'] / 2**20:.1f} MiB", flush=True)
+    del caches
+    mx.clear_cache()
     return rows
 
 
