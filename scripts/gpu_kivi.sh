@@ -7,7 +7,8 @@
 # Elsewhere (e.g. a Mac with Metal):      PYTHON=.venv/bin/python bash scripts/gpu_kivi.sh
 # STEPS picks steps (default "kernels bench generation cpu_suite"; the packed cache's steps are
 # "attn", its kernel tests, and "bench_attn", bench-kivi-attn with ATTN_ARGS, or its parts one
-# process each: "attn_op", "attn_memory", "attn_decode"); BENCH_ARGS goes to bench-kivi.
+# process each: "attn_op", "attn_memory", "attn_decode"; the launch-cost probe "floor" and, where
+# installed, "nsys" / "ncu" on it); BENCH_ARGS goes to bench-kivi.
 # Every kernel layout (kernels.LAYOUTS: "vec", the default, and "warp"; vqpipe/kivi/kernels.py) is
 # tested bit-exact in the kernels step and timed side by side in the bench step (BENCH_LAYOUTS,
 # default "vec warp"; empty: only the current layout). KERNELS_K narrows the kernels step (pytest -k;
@@ -23,8 +24,8 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 
 source scripts/gpu_env.sh
-# A fresh PTX cache, so the compile-count test sees only this run's kernels.
-MLX_PTX_CACHE_DIR=$(mktemp -d)
+# A fresh PTX cache (unless given), so the compile-count test sees only this run's kernels.
+MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$(mktemp -d)}
 export MLX_PTX_CACHE_DIR
 
 gpu_record_env "$OUT/env.txt"
@@ -74,6 +75,37 @@ if want attn_decode; then
   echo "== bench-kivi-attn decode $(since)"
   timeout ${DEC_LIMIT:-150} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_attn_decode.json" --parts decode \
     $([ -f "$OUT/kivi_attn_op.json" ] && echo --op-from "$OUT/kivi_attn_op.json") ${DEC_ARGS:-} 2>&1
+fi
+
+# The launch-cost probe (vqpipe/stages/bench_kivi_floor.py; FLOOR_ARGS), then, where the host has
+# them, the same probe under Nsight Systems (CUDA API and NVTX ranges, kernel durations; NSYS_ARGS)
+# and one decode-kernel launch under Nsight Compute (NCU_ARGS).
+if want floor; then
+  echo "== bench-kivi-floor $(since)"
+  timeout ${FLOOR_LIMIT:-90} $PY -m vqpipe.stages.bench_kivi_floor --out "$OUT/kivi_floor.json" ${FLOOR_ARGS:-} 2>&1
+fi
+if want nsys; then
+  echo "== nsys $(since)"
+  if command -v nsys >/dev/null; then
+    timeout ${NSYS_LIMIT:-60} nsys profile -t cuda,nvtx -s none --cpuctxsw=none -f true -o "$OUT/floor_nsys" \
+      $PY -m vqpipe.stages.bench_kivi_floor --out "$OUT/kivi_floor_nsys.json" ${NSYS_ARGS:---contexts 32768 --repeats 5 --warmup 2 --arms sdpa,noop1,noop11-float3,noop11,kivi4-float3,kivi4} >"$OUT/nsys_run.log" 2>&1
+    timeout ${NSYS_STATS_LIMIT:-60} nsys stats -q --report cuda_api_sum,cuda_gpu_kern_sum,nvtx_sum --format csv -o "$OUT/nsys" "$OUT/floor_nsys.nsys-rep" >/dev/null 2>&1
+    ls "$OUT" | grep nsys
+  else
+    echo "no nsys on this host ($(ls -d /usr/local/cuda*/bin 2>/dev/null | tr '\n' ' '))"
+  fi
+fi
+if want ncu; then
+  echo "== ncu $(since)"
+  if command -v ncu >/dev/null; then
+    timeout ${NCU_LIMIT:-60} ncu --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section MemoryWorkloadAnalysis -k regex:kivi_decode_attn -c 1 \
+      $PY -m vqpipe.stages.bench_kivi_floor --out "$OUT/kivi_floor_ncu.json" ${NCU_ARGS:---contexts 32768 --layers 2 --repeats 1 --warmup 0 --arms sdpa,kivi4} \
+      >"$OUT/ncu.log" 2>&1
+    tail -n 80 "$OUT/ncu.log"
+  else
+    echo "no ncu on this host"
+  fi
 fi
 
 want cpu_suite && echo "== quantizer, cache and dispatch tests on this device (kernels on by default) $(since)" &&

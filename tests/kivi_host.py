@@ -81,7 +81,7 @@ static void (*g_entry)();
 static void fiber_main() { g_entry(); g_done[g_cur] = 1; }
 static char g_stacks[256][1 << 16];
 
-// argv: B H NGC W G SC NGV RC D R NW nsplit NSMAX seed in out
+// argv: B H NGC W G SC NGV RC D R NW nsplit NSP seed in out SCALE_BITS
 template <typename T, int BITS, int G, int D, int R, int NW>
 static int run(char** argv) {
   int a[13];
@@ -89,7 +89,9 @@ static int run(char** argv) {
   const int B = a[0], H = a[1], NGC = a[2], W = a[3], SC = a[5], NGV = a[6], RC = a[7], NS = a[11], NSM = a[12];
   unsigned int seed = (unsigned int)atoi(argv[20]);
   const int HQ = H * R;
-  static int kc_shape[5], vc_shape[4], rk_shape[4];
+  static int kc_shape[5], vc_shape[4], rk_shape[4], scratch_shape[3];
+  SCALE_BITS = atoi(argv[23]);
+  scratch_shape[0] = B * H; scratch_shape[1] = NSM; scratch_shape[2] = R * (D + 2);
   kc_shape[0] = B; kc_shape[1] = H; kc_shape[2] = NGC; kc_shape[3] = W; kc_shape[4] = G;
   vc_shape[0] = B; vc_shape[1] = H; vc_shape[2] = SC; vc_shape[3] = W;
   rk_shape[0] = B; rk_shape[1] = H; rk_shape[2] = RC; rk_shape[3] = D;
@@ -105,7 +107,7 @@ static int run(char** argv) {
   vp = readv<__half>(f, (size_t)B * H * SC * NGV * 2);
   rk = readv<T>(f, (size_t)B * H * RC * D);
   rv = readv<T>(f, (size_t)B * H * RC * D);
-  meta = readv<float>(f, 3);
+  meta = readv<float>(f, 2);
   fclose(f);
   scratch.assign((size_t)B * H * NSM * R * (D + 2), NAN);
   counters.assign((size_t)B * H, 0u);
@@ -115,7 +117,7 @@ static int run(char** argv) {
     const unsigned int* vcp = vc.data(); const __half* vpp = vp.data(); const T* rkp = rk.data();
     const T* rvp = rv.data(); const float* metap = meta.data(); const float* scp = scratch.data();
     const unsigned int* cnp = counters.data(); T* outp = out.data();
-    body<T, BITS, G, D, R, NW>(qp, kcp, kpp, vcp, vpp, rkp, rvp, metap, scp, cnp, outp, kc_shape, vc_shape, rk_shape);
+    body<T, BITS, G, D, R, NW>(qp, kcp, kpp, vcp, vpp, rkp, rvp, metap, scp, cnp, outp, kc_shape, vc_shape, rk_shape, scratch_shape);
   };
   // every block, in an order shuffled by the seed
   std::vector<unsigned int> order;
@@ -159,7 +161,7 @@ static int run(char** argv) {
 }
 
 int main(int argc, char** argv) {
-  if (argc != 23) return 1;
+  if (argc != 24) return 1;
   const int dt = atoi(argv[1]), bits = atoi(argv[2]), g = atoi(argv[3]), d = atoi(argv[4]), r = atoi(argv[5]), nw = atoi(argv[6]);
 #define C(DT, TY, B_, G_, D_, R_, NW_) \
   if (dt == DT && bits == B_ && g == G_ && d == D_ && r == R_ && nw == NW_) return run<TY, B_, G_, D_, R_, NW_>(argv);
@@ -185,12 +187,14 @@ def build(directory, combos, version="v2"):
     if cxx is None:
         return None
     d = Path(directory)
-    _, header, body = decode_kernel.render("cuda", version)
+    _, header, body = decode_kernel.render("cuda", version, "small")
     fn = (
+        "static int SCALE_BITS;  // a template argument on the GPU, set from argv here\n"
         "template <typename T, int BITS, int G, int D, int R, int NW>\n"
         "static void body(const T* q, const unsigned int* kc, const __half* kp, const unsigned int* vc,\n"
         "    const __half* vp, const T* rk, const T* rv, const float* meta, const float* scratch,\n"
-        "    const unsigned int* counters, T* out, const int* kc_shape, const int* vc_shape, const int* rk_shape) {\n"
+        "    const unsigned int* counters, T* out, const int* kc_shape, const int* vc_shape, const int* rk_shape,\n"
+        "    const int* scratch_shape) {\n"
         + body
         + "\n}\n"
     )
@@ -213,7 +217,7 @@ def _raw(a):
 
 def run(exe, queries, cache, scale, splits, warps, seed=1):
     """(output [B, Hq, 1, D] as an MLX array of the cache dtype, counters after the run)."""
-    inputs, spec = decode_kernel.launch_args(queries, cache, scale, splits, warps)
+    inputs, spec = decode_kernel.launch_args(queries, cache, scale, splits, warps, "small")
     q, kc, kp, vc, vp, rk, rv, meta = inputs[:8]
     b, h, ngc, w, g = kc.shape
     d, r = rk.shape[3], queries.shape[1] // h
@@ -224,7 +228,7 @@ def run(exe, queries, cache, scale, splits, warps, seed=1):
         for a in (q, kc, kp, vc, vp, rk, rv, meta):
             f.write(_raw(a))
     args = [DTYPES[dt][0], cache.kv_bits, g, d, r, warps, b, h, ngc, w, g, vc.shape[2], vp.shape[3], rk.shape[2], d, r, warps, ns,
-            decode_kernel.NSMAX, seed, "in.bin", "out.bin"]
+            inputs[8].shape[1], seed, "in.bin", "out.bin", dict(spec["template"])["SCALE_BITS"]]
     res = subprocess.run([str(exe), *map(str, args)], cwd=work, capture_output=True, text=True, timeout=600)
     if res.returncode:
         raise RuntimeError(res.stderr)

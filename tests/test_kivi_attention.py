@@ -261,6 +261,28 @@ def test_tiles_within_float32_bound_for_every_tile_size(hk, ratio, d, bits, g, l
     assert all(np.all(np.abs(o - outs[0]) <= 2 * tol) for o in outs)
 
 
+def test_tiles_evaluated_as_they_go_bound_the_transient(monkeypatch):
+    """The tile path evaluates its running state every EVAL_SCORES scores: the same bytes, and the
+    tiles' transients do not pile up (on MLX's CUDA backend they otherwise live until the GPU ran
+    every queued tile)."""
+    k, v = _kv(1, 2, 4096, 64, "float16", seed=5)
+    c = _filled(4, 32, 128, k, v, [4096])
+    q = mx.random.normal((1, 14, 256, 64), key=mx.random.key(5)).astype(mx.float16)
+    monkeypatch.setattr(attention, "SCORES", 1 << 17)
+    outs, peaks = [], []
+    for every in (1 << 40, 1 << 17):
+        monkeypatch.setattr(attention, "EVAL_SCORES", every)
+        mx.eval(attention.attend_tiles(q, c, 0.125, "causal"))  # warm
+        mx.synchronize()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        outs.append(attention.attend_tiles(q, c, 0.125, "causal"))
+        mx.eval(outs[-1])
+        peaks.append(mx.get_peak_memory() - base)
+    assert mx.array_equal(outs[0], outs[1])
+    assert peaks[1] * 2 < peaks[0], peaks
+
+
 def test_tiles_equal_sdpa_over_the_dequantized_cache():
     k, v = _kv(1, 2, 300, 64, "float32")
     c = _filled(4, 32, 64, k, v, [300])
@@ -377,12 +399,15 @@ def test_decode_kernel_source_one_description_two_dialects():
     assert "__shfl_sync" in hc and "__ldcg" in hc and "atomicAdd" in hc
     assert "simd_shuffle" in hm and "atomic_fetch_add_explicit" in hm
     # both dialects give every token of the bodies (the current kernel and run 2's), and the same helpers
-    bodies = decode_kernel._BODY + decode_kernel._BODY_RUN2
+    bodies = decode_kernel._BODY + decode_kernel._BODY_RUN2 + "".join(decode_kernel._COUNTS.values())
     used = set(re.findall(r"\bKA_[A-Z0-9_]+\b", bodies))
     assert all(set(d["tokens"]) == used for d in decode_kernel.DIALECTS.values())
     helpers = lambda h: sorted(set(re.findall(r"\b(ka_[a-z_]+)\(", h)))  # noqa: E731
     assert helpers(hc) == helpers(hm) == helpers(bodies)
     assert decode_kernel.render("cuda", "run2")[0] != nc
+    # the launch's two ways of passing scale and counts are two kernels; the default reads 8 bytes
+    small, float3 = (decode_kernel.render("cuda", "v2", m) for m in ("small", "float3"))
+    assert small[0] == nc != float3[0] and "SCALE_BITS" in small[2] and "meta[2]" in float3[2] and "meta[2]" not in small[2]
 
 
 def test_launch_shape_per_bit_width():
@@ -398,6 +423,28 @@ def test_launch_shape_per_bit_width():
         assert spec["grid"] == (decode_kernel.default_splits(chunks, warps, per) * warps * 32, 2, 1)
         _, fixed = decode_kernel.launch_args(q, c, 0.1, splits=3, warps=2)
         assert fixed["grid"] == (3 * 64, 2, 1) and fixed["threadgroup"] == (64, 1, 1)
+
+
+def test_launch_inputs_scale_counts_and_scratch_slots():
+    """The default launch hands over 8 bytes of counts (MLX's small pool) and the scale's exact
+    float32 bits; the scratch holds a power of two of partials >= the splits, grown, never shrunk."""
+    k, v = _kv(1, 2, 700, 128, "float16")
+    c = _filled(4, 32, 128, k, v, [699, 1])
+    q = mx.zeros((1, 8, 1, 128), mx.float16)
+    inputs, spec = decode_kernel.launch_args(q, c, 128**-0.5, splits=3)
+    counts = inputs[decode_kernel.INPUTS.index("meta")]
+    assert counts.nbytes == 8 and counts.tolist() == [c.quantized, c.nres]
+    bits = dict(spec["template"])["SCALE_BITS"]
+    assert np.array([bits], np.int32).view(np.float32)[0] == np.float32(128**-0.5)
+    assert c.scratch[0].shape == (2, 8, 4 * 130)
+    decode_kernel.launch_args(q, c, 0.1, splits=9)
+    assert c.scratch[0].shape[1] == 16
+    decode_kernel.launch_args(q, c, 0.1, splits=2)
+    assert c.scratch[0].shape[1] == 16
+    decode_kernel.launch_args(q, c, 0.1, splits=decode_kernel.NSMAX)
+    assert c.scratch[0].shape[1] == decode_kernel.NSMAX
+    old, spec3 = decode_kernel.launch_args(q, c, 0.25, splits=3, meta="float3")
+    assert old[7].tolist() == [0.25, c.quantized, c.nres] and "SCALE_BITS" not in dict(spec3["template"])
 
 
 def test_kernel_geometry_limits():
@@ -451,6 +498,8 @@ def test_kernel_within_float32_bound_for_every_split_count(case):
     # two launches on one cache in one graph (they share its scratch): ordered, the same answer
     a, b = decode_kernel.decode_attention(q, c, d**-0.5), decode_kernel.decode_attention(q, c, d**-0.5)
     assert mx.array_equal(a, b)
+    # the second window's launch (scale and counts as 12 bytes of float32): the same arithmetic
+    assert mx.array_equal(decode_kernel.decode_attention(q, c, d**-0.5, meta="float3"), a)
     # through the dispatch, as mlx-lm's attention reaches it
     assert decode_kernel.applies(q, c)
     assert mx.array_equal(attention.attend(q, c, d**-0.5, None), decode_kernel.decode_attention(q, c, d**-0.5))
@@ -501,6 +550,24 @@ def test_bench_kivi_attn_quick_runs_every_part(tmp_path, monkeypatch):
     kv = json.loads(out.read_text())["kv_memory"]
     assert kv["fp16"]["peak_bytes"] > kv["fp16"]["cache_nbytes"] > kv["kivi4"]["cache_nbytes"] > kv["kivi2"]["cache_nbytes"]
     assert all(1 <= kv[k]["nbytes_vs_packed"] < 1.5 for k in ("kivi4", "kivi2")) and kv["fp16"]["packed_nbytes"] is None
+
+
+def test_bench_kivi_floor_prefill_part_runs_on_cpu(tmp_path):
+    """The launch probe's arms need CUDA (skipped here, said so); its prefill part runs anywhere."""
+    from vqpipe.stages import bench_kivi_floor
+
+    out = tmp_path / "floor.json"
+    assert bench_kivi_floor.main(["--out", str(out), "--prefill", "300", "--chunk", "32", "--scores", "16",
+                                  "--prefill-repeats", "1"]) == 0
+    import json
+
+    d = json.loads(out.read_text())
+    assert d["op"] == [] and {(r["model"], r["bits"]) for r in d["prefill"]} == {
+        (m, b) for m in ("llama3-8b", "qwen2.5-0.5b") for b in (4, 2)}
+    assert all(r["seconds"]["n"] == 1 and r["transient_peak_bytes"] > 0 for r in d["prefill"])
+    assert attention.SCORES == 1 << 23  # restored
+    with pytest.raises(SystemExit):
+        bench_kivi_floor.parse_args(["--out", "x", "--arms", "sdpa,nope"])
 
 
 def test_bench_kivi_quality_quick(tiny_source, tmp_path):

@@ -23,6 +23,12 @@ from .store import PackedKIVICache
 
 TILE = 4096  # at most this many quantized tokens dequantized at a time by the tile path
 SCORES = 1 << 23  # and at most this many float32 scores per tile (32 MiB), so prefill stays small
+# The running state is evaluated whenever this many scores were issued since the last evaluation.
+# On MLX's CUDA backend an op's inputs stay allocated until the GPU has run the graph batch holding
+# it, and the host queues batches far ahead: a 512-query chunk at 32k (Llama-3-8B geometry, 65
+# tiles) held 2.2 GB of transients on the H200, every tile's scores at once
+# (docs/results/2026-12-01-h200-kivi3). Evaluating waits for the queued work and frees them.
+EVAL_SCORES = 1 << 24
 
 
 def _tile_mask(mask, lq, offset, a, b):
@@ -85,12 +91,17 @@ def attend_tiles(queries, cache, scale, mask=None, tile=TILE):
     m = mx.full((b, hk, q.shape[2], 1), -mx.inf, mx.float32)
     l = mx.zeros_like(m)
     o = mx.zeros((b, hk, q.shape[2], res[1].shape[3]), mx.float32)
+    issued = 0
     for a in range(0, cache.quantized, tile):
         z = min(a + tile, cache.quantized)
         mt = _tile_mask(mask, lq, cache.offset, a, z)
         kc, kp = cache.kc[:, :, a // g : z // g], cache.kp[:, :, a // g : z // g]
         vc, vp = cache.vc[:, :, a:z], cache.vp[:, :, a:z]
         m, l, o = _step_codes(q, kc, kp, vc, vp, m, l, o, mt, cache.kv_bits, g)
+        issued += b * hq * lq * (z - a)
+        if issued >= EVAL_SCORES and z < cache.quantized:
+            mx.eval(m, l, o)
+            issued = 0
     if res[0].shape[2]:
         mt = _tile_mask(mask, lq, cache.offset, cache.quantized, cache.offset)
         m, l, o = _step(q, res[0].astype(mx.float32), res[1].astype(mx.float32), m, l, o, mt)

@@ -24,6 +24,8 @@ needs no clearing between launches. In float32 throughout; codes become floats e
 
 import functools
 import hashlib
+import os
+import struct
 
 import mlx.core as mx
 
@@ -66,9 +68,8 @@ _BODY = """
     const unsigned int NGC = kc_shape[2];
     const unsigned int SC = vc_shape[2];
     const unsigned int RC = rk_shape[2];
-    const float sm = meta[0];
-    const unsigned int nq = (unsigned int)meta[1];
-    const unsigned int nr = (unsigned int)meta[2];
+    @COUNTS@
+    const unsigned int NSP = scratch_shape[1];  // partials per KV head the scratch holds
     const unsigned int nqc = nq / 32u;
     const unsigned int nc = nqc + (nr + 31u) / 32u;
     const unsigned int per = (nc + nsplit - 1u) / nsplit;
@@ -316,7 +317,7 @@ _BODY = """
     }
     KA_BARRIER;
     // the block's partial: its warps merged
-    KA_DEV float* part = (KA_DEV float*)scratch + (bh * NSMAX + split) * PS;
+    KA_DEV float* part = (KA_DEV float*)scratch + (bh * NSP + split) * PS;
     for (unsigned int e = tid; e < R * (D + 2); e += NW * 32u) {
         const unsigned int r = e / (D + 2), d = e % (D + 2);
         float mx_ = ninf;
@@ -345,7 +346,7 @@ _BODY = """
         // every split's max per head, in parallel, then their weights exp(m_k - M) in shared memory,
         // then each output a sum over the splits (independent loads)
         KA_FENCE;
-        const KA_DEV float* all = (const KA_DEV float*)scratch + bh * NSMAX * PS;
+        const KA_DEV float* all = (const KA_DEV float*)scratch + bh * NSP * PS;
         KA_TG float* wts = sh;  // [nsplit][R]
         KA_TG float* mxs = sh + NSMAX * R;  // [R]
         for (unsigned int e = tid; e < nsplit * R; e += NW * 32u) {
@@ -409,9 +410,8 @@ _BODY_RUN2 = """
     const unsigned int NGC = kc_shape[2];
     const unsigned int SC = vc_shape[2];
     const unsigned int RC = rk_shape[2];
-    const float sm = meta[0];
-    const unsigned int nq = (unsigned int)meta[1];
-    const unsigned int nr = (unsigned int)meta[2];
+    @COUNTS@
+    const unsigned int NSP = scratch_shape[1];  // partials per KV head the scratch holds
     const unsigned int nqc = nq / 32u;
     const unsigned int nc = nqc + (nr + 31u) / 32u;
     const unsigned int per = (nc + nsplit - 1u) / nsplit;
@@ -615,7 +615,7 @@ _BODY_RUN2 = """
     }
     KA_BARRIER;
     // the block's partial: its warps merged
-    KA_DEV float* part = (KA_DEV float*)scratch + (bh * NSMAX + split) * PS;
+    KA_DEV float* part = (KA_DEV float*)scratch + (bh * NSP + split) * PS;
     for (unsigned int e = tid; e < R * (D + 2); e += NW * 32u) {
         const unsigned int r = e / (D + 2), d = e % (D + 2);
         float mx_ = ninf;
@@ -644,7 +644,7 @@ _BODY_RUN2 = """
         // every split's max per head, in parallel, then their weights exp(m_k - M) in shared memory,
         // then each output a sum over the splits (independent loads)
         KA_FENCE;
-        const KA_DEV float* all = (const KA_DEV float*)scratch + bh * NSMAX * PS;
+        const KA_DEV float* all = (const KA_DEV float*)scratch + bh * NSP * PS;
         KA_TG float* wts = sh;  // [nsplit][R]
         KA_TG float* mxs = sh + NSMAX * R;  // [R]
         for (unsigned int e = tid; e < nsplit * R; e += NW * 32u) {
@@ -687,6 +687,7 @@ _CUDA_HEADER = """
 __device__ __forceinline__ unsigned int ka_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
 __device__ __forceinline__ float ka_max(float a, float b) { return a > b ? a : b; }
 __device__ __forceinline__ float ka_neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float ka_bits_float(int b) { return __int_as_float(b); }
 __device__ __forceinline__ float ka_exp(float x) { return expf(x); }
 // a code < 2^23 as the mantissa of 2^23, minus 2^23: exact, and cheaper than an int-to-float
 __device__ __forceinline__ float ka_code(unsigned int c) { return __uint_as_float(0x4B000000u | c) - 8388608.0f; }
@@ -716,6 +717,7 @@ _METAL_HEADER = """
 inline unsigned int ka_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
 inline float ka_max(float a, float b) { return a > b ? a : b; }
 inline float ka_neg_inf() { return -INFINITY; }
+inline float ka_bits_float(int b) { return as_type<float>(b); }
 inline float ka_exp(float x) { return metal::precise::exp(x); }
 inline float ka_code(unsigned int c) { return as_type<float>(0x4B000000u | c) - 8388608.0f; }
 inline float ka_pow2m(unsigned int e) { return as_type<float>((127u - e) << 23); }
@@ -782,13 +784,35 @@ INPUTS = ["q", "kc", "kp", "vc", "vp", "rk", "rv", "meta", "scratch", "counters"
 
 VERSIONS = ("v2", "run2")
 
+# How the launch hands the kernel the softmax scale and the token counts (quantized, residual):
+# - "small" (the default): the scale as a template argument (its float32 bits, exact; one compile
+#   per scale, i.e. per model) and the two counts as a float32 pair, 8 bytes. MLX's CUDA allocator
+#   serves host-made arrays of at most 8 bytes from a small pool that the GPU reads in place
+#   (cudaMemAdviseSetAccessedBy).
+# - "float3" (the second H200 window's launch): [scale, quantized, residual] as float32, 12 bytes.
+#   Larger than 8 bytes, it gets its own managed allocation (cudaMallocManaged), which the host
+#   writes and the kernel then reads: a page that may migrate between host and device every launch.
+META_MODES = ("small", "float3")
+META = os.environ.get("VQPIPE_KIVI_META", "small")
+if META not in META_MODES:
+    raise ValueError(f"VQPIPE_KIVI_META={META!r}: expected one of {', '.join(META_MODES)}")
+_COUNTS = {
+    "small": "const float sm = ka_bits_float(SCALE_BITS);\n"
+    "    const unsigned int nq = (unsigned int)meta[0];\n"
+    "    const unsigned int nr = (unsigned int)meta[1];",
+    "float3": "const float sm = meta[0];\n"
+    "    const unsigned int nq = (unsigned int)meta[1];\n"
+    "    const unsigned int nr = (unsigned int)meta[2];",
+}
 
-def render(dialect, version="v2"):
+
+def render(dialect, version="v2", meta=None):
     """(name, header, body) in one dialect; the name carries a digest of the source (MLX caches
     compiled kernels by name). ``version``: "v2" (the current kernel) or "run2" (the one H200 run 2
-    tested)."""
+    tested); ``meta``: how scale and counts arrive (:data:`META_MODES`, default :data:`META`)."""
     spec = DIALECTS[dialect]
     body = {"v2": _BODY, "run2": _BODY_RUN2}[version].replace("NSMAX", str(NSMAX))
+    body = body.replace("@COUNTS@", _COUNTS[meta or META])
     for token in sorted(spec["tokens"], key=len, reverse=True):  # KA_TG before KA_T..., longest first
         body = body.replace(token, spec["tokens"][token])
     digest = hashlib.sha1((spec["header"] + body).encode()).hexdigest()[:10]
@@ -822,12 +846,13 @@ def unsupported(head_dim, value_dim, bits, group_size, ratio, warps=WARPS):
 _kernels = {}
 
 
-def _kernel(dialect, version="v2"):
-    if (dialect, version) not in _kernels:
-        name, header, body = render(dialect, version)
+def _kernel(dialect, version="v2", meta=None):
+    key = (dialect, version, meta or META)
+    if key not in _kernels:
+        name, header, body = render(*key)
         make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
-        _kernels[dialect, version] = make(name=name, input_names=INPUTS, output_names=["out"], source=body, header=header)
-    return _kernels[dialect, version]
+        _kernels[key] = make(name=name, input_names=INPUTS, output_names=["out"], source=body, header=header)
+    return _kernels[key]
 
 
 def active(use_kernels):
@@ -862,8 +887,20 @@ def default_splits(chunks, warps=WARPS, per_warp=None):
     return max(1, min(NSMAX, -(-chunks // ((per_warp or CHUNKS_PER_WARP) * warps))))
 
 
-def launch_args(queries, cache, scale, splits=None, warps=None):
-    """(inputs, launch keywords) of one call: everything :func:`decode_attention` hands MLX."""
+def _slots(ns):
+    """Partials per KV head the scratch holds for ``ns`` splits: a power of two >= 8, so the buffer
+    is reallocated a few times as the context grows (it never shrinks), not at every new split count."""
+    return min(NSMAX, max(8, 1 << (ns - 1).bit_length()))
+
+
+def scale_bits(scale):
+    """The float32 bits of ``scale`` as a signed int (a template argument; exact)."""
+    return struct.unpack("<i", struct.pack("<f", scale))[0]
+
+
+def launch_args(queries, cache, scale, splits=None, warps=None, meta=None):
+    """(inputs, launch keywords) of one call: everything :func:`decode_attention` hands MLX.
+    ``meta``: :data:`META_MODES` (default :data:`META`)."""
     rk, rv, nres = cache.residual_buffers()
     b, h, _, d = rk.shape
     r = queries.shape[1] // h
@@ -882,15 +919,21 @@ def launch_args(queries, cache, scale, splits=None, warps=None):
         ns = splits or default_splits(chunks, warps)
     if not 1 <= ns <= NSMAX:
         raise ValueError(f"splits must be in 1..{NSMAX}, got {ns}")
-    shape = (b * h, NSMAX, r * (d + 2))
-    if cache.scratch is None or cache.scratch[0].shape != shape:
+    have = None if cache.scratch is None else cache.scratch[0].shape
+    if have is None or have[0] != b * h or have[2] != r * (d + 2) or have[1] < ns:
+        shape = (b * h, _slots(ns), r * (d + 2))
         cache.scratch = (mx.zeros(shape, mx.float32), mx.zeros((b * h,), mx.uint32))
-    meta = mx.array([scale, cache.quantized, nres], mx.float32)
+    template = [("T", rk.dtype), ("BITS", bits), ("G", g), ("D", d), ("R", r), ("NW", warps)]
+    if (meta or META) == "small":
+        counts = mx.array([cache.quantized, nres], mx.float32)
+        template.append(("SCALE_BITS", scale_bits(scale)))
+    else:
+        counts = mx.array([scale, cache.quantized, nres], mx.float32)
     q = queries if queries.dtype == rk.dtype else queries.astype(rk.dtype)
-    after = cache.last_out if cache.last_out is not None else meta
-    inputs = [q, kc, kp, vc, vp, rk, rv, meta, *cache.scratch, after]
+    after = cache.last_out if cache.last_out is not None else counts
+    inputs = [q, kc, kp, vc, vp, rk, rv, counts, *cache.scratch, after]
     spec = {
-        "template": [("T", rk.dtype), ("BITS", bits), ("G", g), ("D", d), ("R", r), ("NW", warps)],
+        "template": template,
         "grid": (ns * warps * 32, b * h, 1),
         "threadgroup": (warps * 32, 1, 1),
         "output_shapes": [tuple(queries.shape)],
@@ -899,14 +942,14 @@ def launch_args(queries, cache, scale, splits=None, warps=None):
     return inputs, spec
 
 
-def decode_attention(queries, cache, scale, splits=None, warps=None, version="v2"):
+def decode_attention(queries, cache, scale, splits=None, warps=None, version="v2", meta=None):
     """softmax(q·K̂ᵀ·scale)·V̂ for queries [B, Hq, 1, D] over a :class:`PackedKIVICache`, in one
     launch. ``splits`` (blocks per KV head) and ``warps`` (per block; default
     :func:`default_shape`) change only the order of float32 sums; ``version`` picks the kernel
-    (:data:`VERSIONS`)."""
+    (:data:`VERSIONS`), ``meta`` how scale and counts reach it (:data:`META_MODES`)."""
     if cache.offset >= 2**24:
         raise ValueError("decode attention passes token counts as float32: at most 2**24 tokens")
-    inputs, spec = launch_args(queries, cache, scale, splits, warps)
-    out = _kernel(gpu.backend(), version)(inputs=inputs, **spec)[0]
+    inputs, spec = launch_args(queries, cache, scale, splits, warps, meta)
+    out = _kernel(gpu.backend(), version, meta)(inputs=inputs, **spec)[0]
     cache.last_out = out
     return out if out.dtype == queries.dtype else out.astype(queries.dtype)

@@ -129,6 +129,10 @@ def measure_op(s, args):
         for b in args.bits:
             name = f"kivi{b}:{version}:w{w}c{per}"
             arms[name], caches[name] = _kivi_arm(qs, kv[b], scale, n, splits=ns, warps=w, version=version), kv[b]
+    for meta in args.meta_variants:  # other ways of passing scale and counts, default launch shape
+        for b in args.bits:
+            name = f"kivi{b}:{meta}"
+            arms[name], caches[name] = _kivi_arm(qs, kv[b], scale, n, meta=meta), kv[b]
     if args.launch_floor:
         b = args.bits[0]
         arms["launch-floor"] = lambda i: [floor_attention(qs[(i + j) % n], c, scale) for j, c in enumerate(kv[b])]
@@ -182,11 +186,12 @@ def _make(model, kind):
     return make_kivi_cache(model, int(kind.removeprefix("kivi")), 32, 128, packed=True)
 
 
-def measure_memory(model, args, kinds):
+def measure_memory(model, args, kinds, rows=None, save=lambda: None):
+    """Fills ``rows`` (a dict, kind -> row) as each generation finishes, calling ``save`` after each."""
     from mlx_lm.generate import generate_step
 
     prompt = _prompt(model.args.vocab_size, args.memory_context)
-    rows = {}
+    rows = {} if rows is None else rows
     for kind in kinds:
         mx.clear_cache()
         before = mx.get_active_memory()
@@ -198,9 +203,12 @@ def measure_memory(model, args, kinds):
         peak = mx.get_peak_memory() - before
         held = sum(c.nbytes for c in cache)
         packed = sum(c.packed_nbytes() for c in cache if isinstance(c, PackedKIVICache))
-        rows[kind] = {"peak_bytes": peak, "cache_nbytes": held, "packed_nbytes": packed or None,
+        scratch = sum(sum(a.nbytes for a in c.scratch) for c in cache if getattr(c, "scratch", None))
+        rows[kind] = {"peak_bytes": peak, "cache_nbytes": held, "packed_nbytes": packed or None, "scratch_nbytes": scratch,
                       "seconds": time.perf_counter() - t0}
+        print(f"memory {kind}: peak {peak / 2**20:.1f} MiB, cache {held / 2**20:.1f} MiB, {rows[kind]['seconds']:.1f} s", flush=True)
         del cache
+        save()
     for kind in kinds:
         rows[kind]["peak_vs_fp16"] = rows[kind]["peak_bytes"] / rows["fp16"]["peak_bytes"]
         rows[kind]["cache_vs_fp16"] = rows[kind]["cache_nbytes"] / rows["fp16"]["cache_nbytes"]
@@ -399,6 +407,8 @@ def parse_args(argv):
     p.add_argument("--mlx-bits", type=_ints, default=[8, 4, 2])
     p.add_argument("--variants", type=_variants, default=[],
                    help="extra kernels and launch shapes timed as arms at every bit width, e.g. 4x2,run2:8x2 ([version:]warps x chunks per warp)")
+    p.add_argument("--meta-variants", nargs="*", default=[], choices=decode_kernel.META_MODES,
+                   help="also time the kernel with these ways of passing scale and counts (decode_kernel.META_MODES)")
     p.add_argument("--launch-floor", action="store_true",
                    help="also time a launch with the kernel's inputs that only writes zeros (what a launch costs before any work)")
     p.add_argument("--op-from", help="a bench-kivi-attn JSON whose op rows feed the decode part's Amdahl prediction "
@@ -458,8 +468,8 @@ def main(argv=None):
         kinds = ["fp16"] + [f"kivi{b}" for b in args.bits]
         for name in args.memory_models:
             model = llama3_8b(args.llama_layers) if name == "llama3-8b" else _load_synth(name, args.work)[0]
-            rows = measure_memory(model, args, kinds)
-            result["memory"][name] = rows
+            rows = result["memory"].setdefault(name, {})
+            measure_memory(model, args, kinds, rows, lambda: _save(result, args.out))
             _save(result, args.out)
             print(f"memory {name} S={args.memory_context}: " + "; ".join(
                 f"{k} peak {r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_vs_fp16']:.3f}x), cache {r['cache_nbytes'] / 2**20:.1f} MiB ({r['cache_vs_fp16']:.3f}x)"
