@@ -77,18 +77,18 @@ if want attn_decode; then
     $([ -f "$OUT/kivi_attn_op.json" ] && echo --op-from "$OUT/kivi_attn_op.json") ${DEC_ARGS:-} 2>&1
 fi
 
-# The launch-cost probe (vqpipe/stages/bench_kivi_floor.py; FLOOR_ARGS), then, where the host has
+# The launch-cost probe (vqpipe/bench/kivi_floor.py; FLOOR_ARGS), then, where the host has
 # them, the same probe under Nsight Systems (CUDA API and NVTX ranges, kernel durations; NSYS_ARGS)
 # and one decode-kernel launch under Nsight Compute (NCU_ARGS).
 if want floor; then
   echo "== bench-kivi-floor $(since)"
-  timeout ${FLOOR_LIMIT:-90} $PY -m vqpipe.stages.bench_kivi_floor --out "$OUT/kivi_floor.json" ${FLOOR_ARGS:-} 2>&1
+  timeout ${FLOOR_LIMIT:-90} $PY -m vqpipe.bench.kivi_floor --out "$OUT/kivi_floor.json" ${FLOOR_ARGS:-} 2>&1
 fi
 if want nsys; then
   echo "== nsys $(since)"
   if command -v nsys >/dev/null; then
     timeout ${NSYS_LIMIT:-60} nsys profile -t cuda,nvtx -s none --cpuctxsw=none -f true -o "$OUT/floor_nsys" \
-      $PY -m vqpipe.stages.bench_kivi_floor --out "$OUT/kivi_floor_nsys.json" ${NSYS_ARGS:---contexts 32768 --repeats 5 --warmup 2 --arms sdpa,noop1,noop11-float3,noop11,kivi4-float3,kivi4} >"$OUT/nsys_run.log" 2>&1
+      $PY -m vqpipe.bench.kivi_floor --out "$OUT/kivi_floor_nsys.json" ${NSYS_ARGS:---contexts 32768 --repeats 5 --warmup 2 --arms sdpa,noop1,noop11-float3,noop11,kivi4-float3,kivi4} >"$OUT/nsys_run.log" 2>&1
     timeout ${NSYS_STATS_LIMIT:-60} nsys stats -q --report cuda_api_sum,cuda_gpu_kern_sum,nvtx_sum --format csv -o "$OUT/nsys" "$OUT/floor_nsys.nsys-rep" >/dev/null 2>&1
     ls "$OUT" | grep nsys
   else
@@ -100,7 +100,7 @@ if want ncu; then
   if command -v ncu >/dev/null; then
     timeout ${NCU_LIMIT:-60} ncu --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section MemoryWorkloadAnalysis -k regex:kivi_decode_attn -c 1 \
-      $PY -m vqpipe.stages.bench_kivi_floor --out "$OUT/kivi_floor_ncu.json" ${NCU_ARGS:---contexts 32768 --layers 2 --repeats 1 --warmup 0 --arms sdpa,kivi4} \
+      $PY -m vqpipe.bench.kivi_floor --out "$OUT/kivi_floor_ncu.json" ${NCU_ARGS:---contexts 32768 --layers 2 --repeats 1 --warmup 0 --arms sdpa,kivi4} \
       >"$OUT/ncu.log" 2>&1
     tail -n 80 "$OUT/ncu.log"
   else

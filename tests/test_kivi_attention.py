@@ -554,7 +554,7 @@ def test_bench_kivi_attn_quick_runs_every_part(tmp_path, monkeypatch):
 
 def test_bench_kivi_floor_prefill_part_runs_on_cpu(tmp_path):
     """The launch probe's arms need CUDA (skipped here, said so); its prefill part runs anywhere."""
-    from vqpipe.stages import bench_kivi_floor
+    from vqpipe.bench import kivi_floor as bench_kivi_floor
 
     out = tmp_path / "floor.json"
     assert bench_kivi_floor.main(["--out", str(out), "--prefill", "300", "--chunk", "32", "--scores", "16",
