@@ -127,7 +127,8 @@ def _rotated_factors(hessian, rotation, damp):
     h = np.array(gptq.rotate_hessian(hessian, rotation), dtype=np.float32)
     u = gptq.inverse_cholesky(h, damp)
     # The scale refit minimises the same damped objective GPTQ did (a ridge towards plain least
-    # squares, so a few calibration tokens cannot pull a scale far off).
+    # squares, so a few calibration tokens cannot pull a scale far off). In place on the diagonal:
+    # adding damp * mean * I densely cost two d x d temporaries for the same float32 sums.
     np.fill_diagonal(h, h.diagonal() + np.float32(damp * max(float(np.mean(np.diag(h))), 1e-30)))
     _FACTORS[:] = [(hessian, key, (h, u))] + _FACTORS[: _KEEP - 1]
     return h, u
