@@ -176,13 +176,18 @@ def bits_per_weight(model):
 # --- metrics ------------------------------------------------------------------------------------
 
 
-def logprobs(model, tokens):
+def window_logprobs(model, tokens):
     """Log-probabilities [len, vocab] of one window, float32 numpy. The forward runs with numpy
     doing the exponentials (vqpipe/cpu_eval.py: MLX's CPU exp is ~15x slower, and its
     logsumexp is off by up to 3e-4 over a 49k vocabulary)."""
     with cpu_eval.numpy_exponentials():
         logits = model(mx.array(tokens)[None])[0]
     return cpu_eval.log_softmax(logits)
+
+
+def logprobs(model, tokens):
+    """:func:`window_logprobs` as an MLX array."""
+    return mx.array(window_logprobs(model, tokens))
 
 
 def reference(lp, path):
@@ -291,7 +296,7 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
     tmp = tempfile.TemporaryDirectory(prefix="vqpipe-quality-")
     refs, src_nll = [], []
     for i, w in enumerate(windows):
-        lp = logprobs(source, w)
+        lp = window_logprobs(source, w)
         src_nll.append(nll(lp, w))
         refs.append(reference(lp, f"{tmp.name}/ref{i}.npy"))
         del lp
@@ -323,7 +328,7 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
                     progress(f"{bits}-bit {method}: skipped ({e})")
                     continue
             model = dense_copy(model)
-            kls, top1s, nlls = zip(*(window_metrics(r, logprobs(model, w), w) for r, w in zip(refs, windows)))
+            kls, top1s, nlls = zip(*(window_metrics(r, window_logprobs(model, w), w) for r, w in zip(refs, windows)))
             rec = {"bits": bits, "method": method, "weight_rel_mse": werr,
                    "kl": summarize(kls), "kl_mean": sum(kls) / len(kls),
                    "top1": summarize(top1s), "top1_mean": sum(top1s) / len(top1s),
