@@ -196,3 +196,33 @@ def test_inverse_cholesky_is_the_upper_factor_of_the_damped_inverse():
     a = h.astype(np.float64) + 0.01 * np.mean(np.diag(h)) * np.eye(96)
     assert np.array_equal(u, np.triu(u)) and np.all(np.diag(u) > 0)
     assert np.allclose(u.T.astype(np.float64) @ u @ a, np.eye(96), atol=1e-3)
+
+
+def test_gptq_and_refit_do_not_depend_on_the_row_chunk():
+    """Rows are independent: the chunked loops (cache-sized working sets) give the same bytes."""
+    w, x = anisotropic(din=128, dout=301)
+    r = make_rotation("auto", 128, 1)
+    wr = np.array(r.apply(mx.array(w)))
+    h = np.array(gptq.rotate_hessian(mx.array(x.T @ x), r), dtype=np.float32)
+    u = gptq.inverse_cholesky(h)
+    levels = np.array([-1.5, -0.5, 0.5, 1.5], dtype=np.float32)
+    for gs in (None, 32):
+        whole = gptq.gptq(wr, u, levels, gs, rows=10**6)
+        for rows in (2, 7, 100, 128):  # 100: the last row joins the chunk before
+            part = gptq.gptq(wr, u, levels, gs, rows=rows)
+            assert np.array_equal(whole[0], part[0]) and np.array_equal(whole[1], part[1])
+        c = levels[whole[0]]
+        s = gptq.refit_steps(wr, c, gs, h, chunk=10**6)
+        for chunk in (2, 13, 100):
+            assert np.array_equal(s, gptq.refit_steps(wr, c, gs, h, chunk=chunk))
+
+
+def test_inverse_cholesky_factor():
+    _, x = anisotropic(din=96)
+    h = x.T @ x
+    h[5], h[:, 5] = 0, 0  # a dead input
+    u = gptq.inverse_cholesky(h).astype(np.float64)
+    a = h.astype(np.float64) + np.diag(np.where(np.diag(h) <= 0, 1.0, 0.0))
+    a += 0.01 * np.mean(np.diag(h)) * np.eye(96)  # the mean over every input, dead ones as 0
+    assert np.allclose(np.triu(u), u)
+    assert np.allclose(u.T @ u, np.linalg.inv(a), rtol=1e-3, atol=1e-6 * np.abs(np.linalg.inv(a)).max())

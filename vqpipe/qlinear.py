@@ -94,14 +94,21 @@ def _quantize_grouped(weight, bits, rotation, group_size, hessian, damp):
     s = gptq.refit_steps(w, c, group_size, h)
     if group_size is None:
         scales = s[:, 0].astype(np.float32)
-        w_hat = c * scales[:, None]
     else:
         if not np.all(np.abs(s) < 65504):
             raise ValueError("a group scale overflows float16; quantize this layer without --group-size")
         scales = s.astype(np.float16)
-        w_hat = c * np.repeat(scales.astype(np.float32), group_size, axis=1)
-    error = float(np.sum((w - w_hat).astype(np.float64) ** 2))
-    return mx.array(pack(idx, bits)), mx.array(scales), mx.array(unit), error
+    return mx.array(pack(idx, bits)), mx.array(scales), mx.array(unit), _squared_error(w, c, scales, group_size)
+
+
+def _squared_error(w, c, scales, group_size):
+    """||W_r - s * C[q]||^2, a chunk of rows at a time (no weight-sized float64 temporaries)."""
+    total = 0.0
+    for r0 in range(0, w.shape[0], _ROW_CHUNK):
+        s = scales[r0 : r0 + _ROW_CHUNK].astype(np.float32)
+        s = s[:, None] if group_size is None else np.repeat(s, group_size, axis=1)
+        total += float(np.sum((w[r0 : r0 + _ROW_CHUNK] - c[r0 : r0 + _ROW_CHUNK] * s).astype(np.float64) ** 2))
+    return total
 
 
 _FACTORS = []  # [(hessian, rotation state key, (h, u))]: the last few (a block's distinct inputs)
@@ -120,8 +127,9 @@ def _rotated_factors(hessian, rotation, damp):
     h = np.array(gptq.rotate_hessian(hessian, rotation), dtype=np.float32)
     u = gptq.inverse_cholesky(h, damp)
     # The scale refit minimises the same damped objective GPTQ did (a ridge towards plain least
-    # squares, so a few calibration tokens cannot pull a scale far off).
-    h = h + (damp * max(float(np.mean(np.diag(h))), 1e-30)) * np.eye(h.shape[0], dtype=np.float32)
+    # squares, so a few calibration tokens cannot pull a scale far off). In place on the diagonal:
+    # adding damp * mean * I densely cost two d x d temporaries for the same float32 sums.
+    np.fill_diagonal(h, h.diagonal() + np.float32(damp * max(float(np.mean(np.diag(h))), 1e-30)))
     _FACTORS[:] = [(hessian, key, (h, u))] + _FACTORS[: _KEEP - 1]
     return h, u
 

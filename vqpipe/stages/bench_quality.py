@@ -29,9 +29,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from .. import text
+from .. import cpu_eval, text
 from .. import record
 from .quantize import load_quantized, quantize_model
 from ..bench.env import environment
@@ -175,9 +176,18 @@ def bits_per_weight(model):
 # --- metrics ------------------------------------------------------------------------------------
 
 
+def window_logprobs(model, tokens):
+    """Log-probabilities [len, vocab] of one window, float32 numpy. The forward runs with numpy
+    doing the exponentials (vqpipe/cpu_eval.py: MLX's CPU exp is ~15x slower, and its
+    logsumexp is off by up to 3e-4 over a 49k vocabulary)."""
+    with cpu_eval.numpy_exponentials():
+        logits = model(mx.array(tokens)[None])[0]
+    return cpu_eval.log_softmax(logits)
+
+
 def logprobs(model, tokens):
-    logits = model(tokens[None])[0].astype(mx.float32)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    """:func:`window_logprobs` as an MLX array."""
+    return mx.array(window_logprobs(model, tokens))
 
 
 def reference(lp, path):
@@ -185,29 +195,28 @@ def reference(lp, path):
     (file of p = exp(log p_source), float32, sum_v p log p per position, argmax per position).
     The exponential over the vocabulary is most of a metric's cost: per arm only sum_v p log q
     (one dot product a position) is left."""
-    p = mx.exp(lp)
-    negent = (p[:, None, :] @ lp[:, :, None]).reshape(-1)
-    arg = mx.argmax(lp, axis=-1)
-    mx.eval(p, negent, arg)
-    mx.save(path, p)
-    return path, negent, arg
+    lp = np.asarray(lp, dtype=np.float32)
+    p = np.exp(lp)
+    negent = np.einsum("ij,ij->i", p, lp, dtype=np.float64)
+    np.save(path, p)
+    return path, negent, lp.argmax(axis=-1)
 
 
 def window_metrics(ref, lp, tokens):
     """(KL(source || arm) per token, top-1 agreement, NLL of the next token) for one window;
     ``ref`` from :func:`reference`. KL = sum_v p (log p - log q) per position, averaged."""
     path, negent, arg = ref
-    p = mx.load(path)
-    kl = mx.mean(negent - (p[:, None, :] @ lp[:, :, None]).reshape(-1))
-    top1 = mx.mean(arg == mx.argmax(lp, axis=-1))
-    nll = -mx.mean(mx.take_along_axis(lp[:-1], tokens[1:, None], axis=-1))
-    mx.eval(kl, top1, nll)
-    return kl.item(), top1.item(), nll.item()
+    lp = np.asarray(lp, dtype=np.float32)
+    p = np.load(path)
+    kl = float(np.mean(negent - np.einsum("ij,ij->i", p, lp, dtype=np.float64)))
+    top1 = float(np.mean(arg == lp.argmax(axis=-1)))
+    return kl, top1, nll(lp, tokens)
 
 
 def nll(lp, tokens):
-    out = -mx.mean(mx.take_along_axis(lp[:-1], tokens[1:, None], axis=-1))
-    return out.item()
+    """Mean negative log-likelihood of each next token (float64 sum)."""
+    lp, tokens = np.asarray(lp, dtype=np.float32), np.asarray(tokens)
+    return float(-np.mean(lp[np.arange(len(tokens) - 1), tokens[1:]], dtype=np.float64))
 
 
 def ppl_record(nlls):
@@ -248,16 +257,16 @@ def dense_copy(model):
 
 
 def generations(model, tok, prompts, max_tokens):
-    from mlx_lm import generate
+    """Greedy continuations of the chat prompts, all prompts in one batch (mlx-lm's batch_generate:
+    one pass over the weights per step for every prompt; greedy decoding of a 135M model on the
+    CPU is bound by reading the weights, so this is 1.6x cheaper than one prompt at a time)."""
+    from mlx_lm.generate import batch_generate
 
-    out = []
-    for p in prompts:
-        if getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-        else:
-            ids = tok.encode(p)
-        out.append(generate(model, tok, ids, max_tokens=max_tokens, verbose=False))
-    return out
+    if not prompts:
+        return []
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+           if getattr(tok, "chat_template", None) else tok.encode(p) for p in prompts]
+    return list(batch_generate(model, tok, ids, max_tokens=max_tokens).texts)
 
 
 def shard_windows(n_windows, shard):
@@ -287,7 +296,7 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
     tmp = tempfile.TemporaryDirectory(prefix="vqpipe-quality-")
     refs, src_nll = [], []
     for i, w in enumerate(windows):
-        lp = logprobs(source, w)
+        lp = window_logprobs(source, w)
         src_nll.append(nll(lp, w))
         refs.append(reference(lp, f"{tmp.name}/ref{i}.npy"))
         del lp
@@ -319,7 +328,7 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
                     progress(f"{bits}-bit {method}: skipped ({e})")
                     continue
             model = dense_copy(model)
-            kls, top1s, nlls = zip(*(window_metrics(r, logprobs(model, w), w) for r, w in zip(refs, windows)))
+            kls, top1s, nlls = zip(*(window_metrics(r, window_logprobs(model, w), w) for r, w in zip(refs, windows)))
             rec = {"bits": bits, "method": method, "weight_rel_mse": werr,
                    "kl": summarize(kls), "kl_mean": sum(kls) / len(kls),
                    "top1": summarize(top1s), "top1_mean": sum(top1s) / len(top1s),
@@ -363,6 +372,7 @@ def load_fp32(path):
 
 def agreement(ref_lp, lp):
     """(mean KL(ref || q) over tokens, top-1 agreement) for one window."""
+    ref_lp, lp = mx.array(ref_lp), mx.array(lp)
     kl = mx.mean(mx.sum(mx.exp(ref_lp) * (ref_lp - lp), axis=-1))
     top1 = mx.mean(mx.argmax(ref_lp, axis=-1) == mx.argmax(lp, axis=-1))
     mx.eval(kl, top1)

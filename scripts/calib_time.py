@@ -1,0 +1,75 @@
+"""Time calibrated quantization (quantize_model with GPTQ) and split its CPU seconds by phase.
+
+    python scripts/calib_time.py --source results/models/qwen2.5-0.5b/source --windows 2 [--bits 4]
+
+One run in this process (run it in a fresh one; the pipeline's BLAS setup: `source scripts/env.sh`
+or `env $(python -m vqpipe.blas --env)`). Prints wall and CPU seconds (user + system) of
+quantize_model and the CPU seconds spent inside: the calibration forward passes with moment
+collection, the rotated factorisation (R H R^T, Cholesky, triangular inverse), the GPTQ column
+loop, the H-weighted scale refit, and the tied head's layer as a whole. CPU seconds are the figure
+to quote on a shared machine (wall time grows with the load, CPU time much less).
+"""
+
+import argparse
+import json
+import resource
+import time
+
+
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def timed(acc, key, fn):
+    def wrapper(*a, **k):
+        t = cpu()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[key] = acc.get(key, 0.0) + cpu() - t
+    return wrapper
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--source", required=True)
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--windows", type=int, default=2, help="calibration windows of --length tokens")
+    p.add_argument("--length", type=int, default=512)
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--rotation", default="auto")
+    p.add_argument("--sequential", action="store_true", help="sequential moments (default: full precision)")
+    args = p.parse_args()
+
+    from mlx_lm.utils import load
+
+    from vqpipe import calibrate, gptq, qlinear
+    from vqpipe.quantize import quantize_model
+    from vqpipe.stages.quantize import calibration_tokens
+
+    acc = {}
+    gptq.gptq = timed(acc, "gptq column loop", gptq.gptq)
+    gptq.refit_steps = timed(acc, "scale refit", gptq.refit_steps)
+    qlinear._rotated_factors = timed(acc, "factorisation (R H R^T, Cholesky, inverse)", qlinear._rotated_factors)
+    calibrate.collect = timed(acc, "forward passes + moments", calibrate.collect)
+    t0, c0 = time.perf_counter(), cpu()
+    model, tok = load(args.source, lazy=True)
+    tokens, _ = calibration_tokens(tok, "text", args.windows, args.length, 0)
+    load_cpu = cpu() - c0
+    layers = []
+    t1, c1 = time.perf_counter(), cpu()
+    records = quantize_model(model, args.bits, args.rotation, 0, embeddings=True, dtype=None,
+                             group_size=args.group_size, calibration=tokens, sequential=args.sequential,
+                             progress=layers.append)
+    wall, cpus = time.perf_counter() - t1, cpu() - c1
+    head = [r for r in records if r["kind"] == "embedding"]
+    out = {"source": args.source, "bits": args.bits, "calibration_tokens": int(tokens.size),
+           "load_cpu_s": load_cpu, "quantize_model_wall_s": wall, "quantize_model_cpu_s": cpus,
+           "phases_cpu_s": acc, "head_layer_wall_s": head[0]["seconds"] if head else None,
+           "layers": len(records), "load_avg_1min": open("/proc/loadavg").read().split()[0]}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""numpy exponentials for CPU evaluation: the same attention, SwiGLU and log-softmax as MLX's, to rounding."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from vqpipe import cpu_eval
+
+
+def qkv(n=7, s=7, hq=6, hk=2, d=16, seed=0):
+    k = mx.random.key(seed)
+    kq, kk, kv = mx.random.split(k, 3)
+    return (mx.random.normal((2, hq, n, d), key=kq), mx.random.normal((2, hk, s, d), key=kk),
+            mx.random.normal((2, hk, s, d), key=kv))
+
+
+@pytest.mark.parametrize("mask", ["causal", None, "bool", "additive"])
+@pytest.mark.parametrize("n,s", [(7, 7), (1, 9), (3, 9)])
+def test_attention_matches_mlx(mask, n, s):
+    q, k, v = qkv(n, s)
+    m = mask
+    if mask == "bool":
+        m = mx.array(np.random.default_rng(1).random((2, 1, n, s)) > 0.3) | mx.eye(n, s, k=s - n, dtype=mx.bool_)
+    elif mask == "additive":
+        m = mx.array(np.random.default_rng(2).normal(size=(n, s)).astype(np.float32))
+    if mask == "causal" and n > s:
+        pytest.skip("causal needs n <= s")
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=m)
+    got = cpu_eval.attention(q, k, v, 0.3, m)
+    assert got.dtype == q.dtype and got.shape == want.shape
+    assert mx.abs(got - want).max().item() < 1e-5
+
+
+def test_swiglu_and_log_softmax():
+    g, x = mx.random.normal((5, 33)) * 4, mx.random.normal((5, 33))
+    assert mx.abs(cpu_eval.swiglu(g, x) - nn.silu(g) * x).max().item() < 1e-5
+    logits = np.random.default_rng(0).normal(0, 6, (4, 49152)).astype(np.float32)
+    z = logits.astype(np.float64)
+    want = z - z.max(-1, keepdims=True)
+    want -= np.log(np.exp(want).sum(-1, keepdims=True))
+    assert np.abs(cpu_eval.log_softmax(mx.array(logits)) - want).max() < 2e-5
+
+
+def test_patch_is_scoped_and_the_forward_agrees():
+    from mlx_lm.models import llama
+
+    from test_reservoir import make_model
+
+    model, _ = make_model({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                           "num_attention_heads": 4, "num_key_value_heads": 2})
+    tokens = mx.array([[1, 5, 9, 2, 77, 31, 4, 100]])
+    want = model(tokens)
+    sdpa, glu = mx.fast.scaled_dot_product_attention, llama.swiglu
+    with cpu_eval.numpy_exponentials():
+        assert mx.fast.scaled_dot_product_attention is cpu_eval.attention and llama.swiglu is cpu_eval.swiglu
+        got = model(tokens)
+    assert mx.fast.scaled_dot_product_attention is sdpa and llama.swiglu is glu
+    assert mx.abs(got - want).max().item() < 1e-4 * max(1.0, mx.abs(want).max().item())
+    with pytest.raises(ValueError, match="sinks"):
+        cpu_eval.attention(*qkv(), 0.3, None, sinks=mx.zeros((6,)))

@@ -1,0 +1,93 @@
+"""Evaluation forward passes on the CPU with numpy doing the exponentials.
+
+MLX's CPU backend evaluates exp, sigmoid and softmax at 15-20 ns an element (one core, this
+machine; numpy's vectorised float32 exp: about 1 ns). In a 512-token SmolLM2 window that is most
+of the forward pass: the attention softmax (30 layers x 9 heads x 512 x 512 entries), SiLU in the
+MLP and the log-softmax over the 49,152-entry vocabulary took 2.2 of 4.0 CPU-s, the matmuls 1.2.
+Inside :func:`numpy_exponentials` the attention (mx.fast.scaled_dot_product_attention, which on
+the CPU is the plain matmul-softmax-matmul anyway) and mlx-lm's SwiGLU run in numpy; everything
+else stays MLX. Float32 throughout; the results differ from MLX's in rounding only
+(tests/test_cpu_eval.py bounds it). Meant for bench-quality's dense float32 evaluation copies,
+not for the quantized forward the artifacts' reference logits come from.
+"""
+
+import contextlib
+
+import mlx.core as mx
+import numpy as np
+
+
+def _np(x):
+    return np.asarray(x.astype(mx.float32) if x.dtype != mx.float32 else x)
+
+
+def softmax_(s):
+    """Softmax over the last axis, in place (float32 numpy)."""
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return s
+
+
+def attention(queries, keys, values, scale, mask=None, sinks=None):
+    """softmax(scale q k^T + mask) v with grouped KV heads: [B, Hq, L, D] x [B, Hk, S, D]."""
+    if sinks is not None:
+        raise ValueError("attention sinks are not supported by the numpy attention")
+    dtype = queries.dtype
+    q, k, v = _np(queries), _np(keys), _np(values)
+    b, hq, n, d = q.shape
+    hk, s_len = k.shape[1], k.shape[2]
+    q = q.reshape(b, hk, hq // hk, n, d) * np.float32(scale)
+    s = q @ k[:, :, None].swapaxes(-1, -2)  # [B, Hk, rep, L, S]
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        s += np.triu(np.full((n, s_len), -np.inf, dtype=np.float32), k=s_len - n + 1)
+    elif mask is not None:
+        m = np.asarray(mask)
+        m = m.reshape(m.shape[:-3] + (1,) * (5 - m.ndim) + m.shape[-3:]) if m.ndim >= 3 else m
+        if m.dtype == np.bool_:
+            s = np.where(m, s, np.float32(-np.inf))
+        else:
+            s += m.astype(np.float32)
+    out = softmax_(s) @ v[:, :, None]
+    return mx.array(out.reshape(b, hq, n, d)).astype(dtype)
+
+
+def swiglu(gate, x):
+    """silu(gate) * x = gate * x / (1 + exp(-gate))."""
+    g = _np(gate)
+    out = np.exp(-g)
+    out += 1
+    np.divide(g, out, out=out)
+    out *= _np(x)
+    return mx.array(out).astype(gate.dtype)
+
+
+def log_softmax(logits):
+    """(log-probabilities, float32 numpy) of [..., V] MLX logits."""
+    z = np.array(_np(logits), dtype=np.float32)
+    z -= z.max(axis=-1, keepdims=True)
+    z -= np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    return z
+
+
+@contextlib.contextmanager
+def numpy_exponentials():
+    """Within: MLX's scaled dot-product attention and mlx-lm's swiglu (llama, qwen2 and every
+    other model module that imported it) computed with numpy. Not thread-safe (it patches module
+    attributes); restored on exit."""
+    import sys
+
+    patched = [(mx.fast, "scaled_dot_product_attention", attention)]
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and getattr(module, "swiglu", None) is not None:
+            patched.append((module, "swiglu", swiglu))
+    saved = [(m, a, getattr(m, a)) for m, a, _ in patched]
+    try:
+        for m, a, f in patched:
+            setattr(m, a, f)
+        yield
+    finally:
+        for m, a, f in saved:
+            setattr(m, a, f)
