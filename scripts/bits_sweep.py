@@ -14,7 +14,8 @@ assembly of cached layers: one forward pass per arm, no quantization.
 ``eval`` assembles arms and measures them on windows of the eval split (``--split eval``) or of
 the calibration split (``--split calibration``, another seed than the moments': for choosing an
 allocation without looking at the evaluation text). An arm is ``NAME=BASE[,REGEX=BITS...]``:
-BASE is a width or ``fp`` (the source's weights), each REGEX (re.search on the layer name) sets
+BASE is a width or ``fp`` (the source's weights) or ``WIDTH@DIR`` (from the cache in DIR, e.g. one
+made with other moments), each REGEX (re.search on the layer name) sets
 the width of the layers it matches, later ones win. Bits per weight are over every weight matrix.
 """
 
@@ -46,6 +47,7 @@ def cache(args):
     from vqpipe.stages import calibrate as mom
 
     stored, _ = mom.load(args.moments)
+    args.group_size = args.group_size or None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for bits in args.bits:
@@ -54,7 +56,7 @@ def cache(args):
         layer_bits = None
         if bits not in (2, 3, 4):  # a width only a layer may have: every layer gets it
             layer_bits = [{"match": ".", "bits": bits}]
-        records = quantize_model(model, 4 if layer_bits else bits, "auto", 0, embeddings=True, group_size=64,
+        records = quantize_model(model, 4 if layer_bits else bits, "auto", 0, embeddings=True, group_size=args.group_size,
                                  moments=stored, fuse=False, layer_bits=layer_bits)
         modules = dict(model.named_modules())
         weights, info = {}, {}
@@ -135,11 +137,13 @@ def evaluate(args):
                 upd.append((n + ".weight", orig[n]))
                 stored += 16 * infos[4][n]["weights"]
                 continue
-            b = int(b)
-            if b not in loaded:
-                loaded[b] = mx.load(str(cdir / f"b{b}.safetensors"))
-            upd.append((n + ".weight", loaded[b][n]))
-            stored += infos[b][n]["stored_bits"]
+            b, _, where = b.partition("@")  # WIDTH@DIR: that width from another cache
+            b, where = int(b), Path(where) if where else cdir
+            if (b, where) not in loaded:
+                loaded[b, where] = (mx.load(str(where / f"b{b}.safetensors")),
+                                    json.loads((where / f"b{b}.json").read_text()))
+            upd.append((n + ".weight", loaded[b, where][0][n]))
+            stored += loaded[b, where][1][n]["stored_bits"]
         source.load_weights(upd, strict=False)
         t0 = time.perf_counter()
         kls, top1s, nlls = zip(*(window_metrics(r, logprobs(source, w), w) for r, w in zip(refs, wins)))
@@ -150,10 +154,65 @@ def evaluate(args):
         print(f"{name:28s} bpw {row['bpw']:.3f}  ppl {row['ppl']:7.2f}  KL {row['kl']['median']:.4f} "
               f"[{row['kl']['min']:.4f}-{row['kl']['max']:.4f}] mean {row['kl_mean']:.4f}  top1 {row['top1']:.3f}"
               f"  ({time.perf_counter() - t0:.0f}s)", flush=True)
+        if args.out:  # after every arm: a long sweep stopped early keeps what it measured
+            Path(args.out).write_text(json.dumps({"split": args.split, "windows": len(wins), "length": args.length,
+                                                  "source_nll": src_nll, "rows": rows}, indent=1))
     source.load_weights([(n + ".weight", w) for n, w in orig.items()], strict=False)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"split": args.split, "windows": len(wins), "length": args.length,
-                                              "source_nll": src_nll, "rows": rows}, indent=1))
+
+
+TYPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def plan(args):
+    """Rules for ``layer_bits`` from measured gains: the KL saved by +1 bit on every layer of one
+    type (arms named after the type, e.g. ``v_proj``), on every layer of one block (``blkL``) and
+    on the head (``head``), each against the arm ``all{base}``. A (type, block) layer's gain is
+    modelled as separable, G_type * B_block / sum(B): the per-type and per-block measurements are
+    its margins (37 arms instead of 210). A second extra bit is worth ``decay`` times the first
+    (KL falls about 3.8x per bit, measured: docs/quality.md). Greedy on gain per bit."""
+    from vqpipe import allocate
+
+    saved = {}  # arm -> KL saved against the all{base} arm of the same file (same windows)
+    for f in args.gains:
+        rows = {r["arm"]: r for r in json.loads(Path(f).read_text())["rows"]}
+        ref = rows[f"all{args.base}"]["kl_mean"]
+        saved.update({a: ref - r["kl_mean"] for a, r in rows.items()})
+        base = ref
+    info = json.loads((Path(args.cache) / f"b{args.base}.json").read_text())
+    gain_t = {t: saved[t] for t in TYPES}
+    blocks = sorted(int(k[3:]) for k in saved if re.fullmatch(r"blk\d+", k))
+    gain_b = {b: max(saved[f"blk{b}"], 0.0) for b in blocks}
+    total_b = sum(gain_b.values())
+    weights = {n: v["weights"] for n, v in info.items()}
+    all_w = sum(weights.values())
+    gains, costs, unit = {}, {}, {}
+    for n, w in weights.items():
+        m = re.search(r"layers\.(\d+)\..*\.(\w+)$", n)
+        if m:
+            g = gain_t[m.group(2)] * gain_b[int(m.group(1))] / total_b
+        elif "head" in saved and n.endswith("embed_tokens"):
+            g = saved["head"]
+        else:
+            continue
+        for k in range(1, args.max_add + 1):
+            gains[n, k] = g * args.decay ** (k - 1)
+            costs[n, k] = w / all_w  # one more bit on these weights, in bits per weight of the model
+            unit[n, k] = n
+    chosen = allocate.greedy(gains, costs, args.budget)
+    add = {}
+    for n, k in chosen:  # a second bit is only taken after the first (its gain is smaller)
+        add[n] = max(add.get(n, 0), k)
+    rules = []
+    for k in sorted(set(add.values())):
+        for t in TYPES:
+            ls = sorted(int(re.search(r"layers\.(\d+)\.", n).group(1)) for n, a in add.items() if a == k and n.endswith(t))
+            if ls:
+                rules.append({"match": rf"layers\.({'|'.join(map(str, ls))})\..*{t}$", "add": k})
+        if any(a == k and n.endswith("embed_tokens") for n, a in add.items()):
+            rules.append({"match": "embed_tokens", "add": k})
+    spent = sum(costs[c] for c in chosen)
+    print(f"predicted KL saved {sum(gains[c] for c in chosen):.4f} of {base:.4f} for {spent:.4f} extra bits per weight")
+    print(json.dumps(rules))
 
 
 def main(argv=None):
@@ -163,6 +222,7 @@ def main(argv=None):
     c.add_argument("--source", required=True)
     c.add_argument("--moments", required=True)
     c.add_argument("--bits", type=int, nargs="+", default=[3, 4, 5, 6, 8])
+    c.add_argument("--group-size", type=int, default=64, help="0: one scale per row")
     c.add_argument("--out", required=True)
     e = sub.add_parser("eval")
     e.add_argument("--source", required=True)
@@ -173,8 +233,15 @@ def main(argv=None):
     e.add_argument("--split", choices=("eval", "calibration"), default="eval")
     e.add_argument("--seed", type=int, default=1, help="calibration split: window seed (the moments use 0)")
     e.add_argument("--out", default=None)
+    a = sub.add_parser("plan")
+    a.add_argument("--gains", nargs="+", required=True, help="eval JSONs with the all{base}, type, blkL (and head) arms")
+    a.add_argument("--cache", required=True)
+    a.add_argument("--base", type=int, default=4)
+    a.add_argument("--budget", type=float, required=True, help="extra bits per weight to spend")
+    a.add_argument("--max-add", type=int, default=2)
+    a.add_argument("--decay", type=float, default=1 / 3.8)
     args = p.parse_args(argv)
-    cache(args) if args.cmd == "cache" else evaluate(args)
+    {"cache": cache, "eval": evaluate, "plan": plan}[args.cmd](args)
 
 
 if __name__ == "__main__":
