@@ -144,3 +144,22 @@ def test_quantize_cli_rejects_bad_layer_bits(tmp_path, capsys):
 
     assert stage.main(["--source", str(tmp_path), "--out", str(tmp_path / "o"), "--layer-bits", "{v_proj"]) == 2
     assert "--layer-bits is not JSON" in capsys.readouterr().err
+
+
+def test_widths_without_a_decode_kernel_run_dense(mixed, monkeypatch):
+    """qmv covers 2/3/4/8 bits: where it would launch, 5- and 6-bit layers (and fused groups of
+    them) take the dense path instead of failing in the kernel's argument check."""
+    from vqpipe import qmv
+
+    model, _, _ = mixed
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    wide = next(m for n, m in layers.items() if m.bits == 5)  # a down_proj at 3 + 2 bits
+    narrow = next(m for n, m in layers.items() if m.bits == 3 and n.endswith("o_proj"))
+    x = mx.random.normal((1, wide.in_features))
+    want = np.array(wide(x))
+    launched = []
+    monkeypatch.setattr(qmv, "dispatch", lambda x: "cuda")
+    monkeypatch.setattr(qmv, "launch", lambda *a, **k: launched.append(a[5]) or mx.zeros((1, a[2].shape[0])))
+    assert np.array_equal(np.array(wide(x)), want) and launched == []
+    narrow(mx.random.normal((1, narrow.in_features)))
+    assert launched == [3]
