@@ -352,8 +352,8 @@ def test_wrong_magic_and_foreign_files(good, tmp_path):
 
 
 def test_wrong_version(good, tmp_path):
-    expect_error(variant(tmp_path, good, "v3.vqres", lambda d: reprefix(d, version=3)),
-                 "unsupported reservoir format version 3")
+    expect_error(variant(tmp_path, good, "v4.vqres", lambda d: reprefix(d, version=4)),
+                 "unsupported reservoir format version 4")
     # A flipped version field without a matching prefix checksum is caught too.
     def raw_version(d):
         d[8:12] = struct.pack("<I", 99)
@@ -385,7 +385,7 @@ def first_layer(h):
     (lambda h: h["blobs"][0].update(nbytes=h["blobs"][0]["nbytes"] + 4), "needs .* bytes"),
     (lambda h: h["blobs"][0].update(offset=-1), "blob 0 entry is invalid"),
     (lambda h: h["blobs"][0].update(kind="pickle"), "blob 0 entry is invalid"),
-    (lambda h: first_layer(h).update(bits=5), "invalid bits"),
+    (lambda h: first_layer(h).update(bits=7), "invalid bits"),
     (lambda h: first_layer(h).update(bits=2), "tensor 'packed'"),
     (lambda h: first_layer(h).update(out_features=7), "tensor 'packed'"),
     (lambda h: first_layer(h)["rotation"].update(kind="eval"), "unknown rotation kind"),
@@ -394,7 +394,7 @@ def first_layer(h):
     (lambda h: first_layer(h)["tensors"]["packed"].update(dtype="object"), "unknown dtype"),
     (lambda h: first_layer(h)["tensors"]["packed"].update(blob=10**6), "no valid blob index"),
     (lambda h: first_layer(h).update({"class": "os.system"}), "no known class"),
-    (lambda h: h.update(format_version=3), "unsupported header"),
+    (lambda h: h.update(format_version=4), "unsupported header"),
     (lambda h: h.update(format_version=2), "format_version 2 but the prefix says 1"),
     (lambda h: first_layer(h).update(group_size=7), "group_size 7 does not divide"),
     (lambda h: first_layer(h).update(group_size=4), "tensor 'scales'"),

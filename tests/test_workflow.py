@@ -373,6 +373,8 @@ def bare(tmp_path_factory):
         ("models: {tiny: {source: 'synth:tiny'}}\n", "bits"),
         ("models: {tiny: {source: 'synth:tiny'}}\nbits: [4]\nquantize: {group_size: 48}\n", "group_size"),
         ("models: {tiny: {source: 'synth:tiny', quantize: {calibration: {text: wiki}}}}\nbits: [4]\n", "text"),
+        ("models: {tiny: {source: 'synth:tiny'}}\nbits: [4]\nquantize: {layer_bits: [{match: v, bits: 7}]}\n",
+         "layer_bits"),
     ],
 )
 def test_bad_config_fails_naming_the_key(bare, config, key):
@@ -410,6 +412,20 @@ def test_calibration_options_reach_the_command(bare):
     assert len(tiny) == 1 and len(llama) == 1
     assert "--group-size 64 --calibration text --calib-windows 4 --calib-length 512" in tiny[0]
     assert "--group-size" not in llama[0] and "--calibration" not in llama[0]
+
+
+def test_layer_bits_reach_the_command(bare):
+    """Mixed-width rules (vqpipe/allocate.py) become one quoted JSON flag of that model's quantize jobs."""
+    (bare / "config" / "lb.yaml").write_text(
+        "models:\n  tiny: {source: 'synth:tiny', quantize: {layer_bits: [{match: 'v_proj$', add: 1}]}}\n"
+        "  tiny-llama: {source: 'synth:tiny-llama'}\nbits: [4]\npersist_rotation: [true]\n")
+    out = smk(bare, "-n", "-p", "--configfile", "config/lb.yaml").stdout
+    commands = [line for line in out.splitlines() if " -m vqpipe quantize " in line and "/b4-auto " in line]
+    tiny = [c for c in commands if "models/tiny/source" in c]
+    llama = [c for c in commands if "models/tiny-llama/source" in c]
+    assert len(tiny) == 1 and len(llama) == 1
+    assert """--layer-bits '[{"match":"v_proj$","add":1}]'""" in tiny[0]
+    assert "--layer-bits" not in llama[0]
 
 
 def test_full_precision_calibration_runs_once_per_model(bare):

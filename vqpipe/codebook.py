@@ -10,7 +10,9 @@ from functools import lru_cache
 
 import numpy as np
 
-BITS = (2, 3, 4)
+BITS = (2, 3, 4)  # a model's base width (the pipeline's bits)
+# a single layer's width: a mixed allocation gives sensitive layers more (vqpipe/allocate.py)
+LAYER_BITS = (2, 3, 4, 5, 6, 8)
 _GRID = 1 << 19
 
 
@@ -62,15 +64,15 @@ def lloyd_max(pdf, levels, support, tol=1e-12, max_iter=20000):
     return x, float(mse)
 
 
-def check_bits(bits):
-    if bits not in BITS:
-        raise ValueError(f"unsupported bits {bits!r}; choose one of {BITS}")
+def check_bits(bits, allowed=BITS):
+    if bits not in allowed:
+        raise ValueError(f"unsupported bits {bits!r}; choose one of {allowed}")
 
 
 @lru_cache(maxsize=None)
 def codebook(bits, dim):
     """Sorted Lloyd-Max levels (float64, sqrt(dim)-scaled units) for rotated rows of length dim."""
-    check_bits(bits)
+    check_bits(bits, LAYER_BITS)
     if dim >= 3:
         levels, _ = lloyd_max(sphere_pdf(dim), 1 << bits, float(np.sqrt(dim)))
     else:

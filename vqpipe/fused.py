@@ -80,7 +80,7 @@ class FusedGroup:
 
     def compute(self, x):
         """Every sibling's output for ``x``, in sibling order."""
-        dialect = qmv.dispatch(x)
+        dialect = qmv.dispatch(x) if self.bits in qmv.BITS else None  # 5/6-bit groups run dense
         if dialect is not None:  # one launch: rotation in its prologue, one output per sibling
             return qmv.launch(dialect, x, self.packed, self.scales, self.codebook, self.bits, self.bias,
                               self.group_size, self.rotation, self.splits)

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import qmv
 from . import rotation as rot
-from .codebook import boundaries, check_bits, codebook
+from .codebook import LAYER_BITS, boundaries, check_bits, codebook
 from .bitpack import pack, unpack
 
 _ROW_CHUNK = 8192  # rows quantized at a time: bounds temporaries for 150k-row embeddings
@@ -32,7 +32,7 @@ def quantize_weight(weight, bits, rotation, group_size=None, hessian=None, damp=
     ``squared_error`` is ||W - W_hat||^2, computed in the rotated space (R is orthogonal).
     Without ``group_size`` and ``hessian`` this is the data-free per-row method, unchanged.
     """
-    check_bits(bits)
+    check_bits(bits, LAYER_BITS)
     if group_size is not None or hessian is not None:
         return _quantize_grouped(weight, bits, rotation, group_size, hessian, damp)
     out_features, in_features = weight.shape
@@ -212,7 +212,8 @@ class QuantizedLinear(nn.Module):
         # Decode (a few rows of x) on a GPU: the fused mat-vec reads the packed weights once
         # (vqpipe/qmv.py). Deterministic, but not bit-identical to the dense path below, which is
         # what runs everywhere else (the CPU, prefill, the switch off) exactly as before.
-        dialect = qmv.dispatch(x)
+        # (the kernel covers qmv.BITS; a layer of a mixed allocation at 5 or 6 bits runs dense)
+        dialect = qmv.dispatch(x) if self.bits in qmv.BITS else None
         if dialect is not None:
             # self[...]: nn.Module's attribute lookup costs ~0.4 us a time, and this runs per layer per token
             # the kernel rotates x in its prologue where it can (else MLX ops rotate it first)

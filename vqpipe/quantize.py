@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from . import allocate
 from .codebook import check_bits
 from .fused import fuse_model, rotation_owner
 from .qlinear import QuantizedEmbedding, QuantizedLinear
@@ -67,7 +68,7 @@ def _targets(model, embeddings, lm_head):
 
 def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_head=True,
                    dtype=mx.float32, progress=None, group_size=None, calibration=None, damp=None,
-                   fuse=True, sequential=True, moments=None):
+                   fuse=True, sequential=True, moments=None, layer_bits=None):
     """Quantize ``model`` in place, one layer at a time; returns per-layer records.
 
     Every nn.Linear (and affine nn.QuantizedLinear, dequantized first) becomes a QuantizedLinear.
@@ -76,7 +77,8 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     that many rotated entries of a row its own scale. ``calibration`` (int tokens [n, length])
     turns on GPTQ with input second moments collected block by block (vqpipe/calibrate.py).
     ``moments`` ({name: (key, H)}, vqpipe/stages/calibrate.py) gives GPTQ stored full-precision moments
-    instead (no forward pass). ``dtype=None`` keeps each tensor that is not quantized in its source dtype. Linears that read
+    instead (no forward pass). ``layer_bits`` (rules [{match, add|bits}], vqpipe/allocate.py) gives
+    the layers they match their own width; the others get ``bits``. ``dtype=None`` keeps each tensor that is not quantized in its source dtype. Linears that read
     the same activation (q/k/v, gate/up) share one rotation (the seed of the first:
     vqpipe/fused.py), and with ``fuse`` they are computed as one (rows concatenated), as the
     loaders do, so the reference logits come from the same code path.
@@ -87,6 +89,7 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     targets = _targets(model, embeddings, lm_head)
     if not any(kind == "linear" for _, _, kind in targets):
         raise ValueError(f"model {type(model).__name__} has no nn.Linear layers to quantize")
+    layer_bits = allocate.resolve(layer_bits or [], [n for n, _, kind in targets if kind != "dense-embedding"], bits)
     # Keep names only: holding the source modules would keep every evaluated source weight alive.
     targets = [(name, kind) for name, _, kind in targets]
     modules = dict(model.named_modules())
@@ -111,7 +114,7 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
             # an embedding gets group scales only as a calibrated tied head (vqpipe/calibrate.py)
             gs = group_size if kind == "linear" or hessian is not None else None
             # one seed for the linears reading one activation: they can share its rotation
-            new = cls.from_linear(module, bits, r, layer_seed(seed, rotation_owner(name)), weight=weight,
+            new = cls.from_linear(module, layer_bits.get(name, bits), r, layer_seed(seed, rotation_owner(name)), weight=weight,
                                   group_size=gs, hessian=hessian, damp=damp)
             if kind == "embedding":
                 new.out_dtype = keep
@@ -120,7 +123,7 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
             mx.eval(new.parameters())
             total = _sum_squares(weight)
             record = {
-                "name": name, "kind": kind, "shape": list(weight.shape), "rotation": new.rotation.kind,
+                "name": name, "kind": kind, "shape": list(weight.shape), "bits": new.bits, "rotation": new.rotation.kind,
                 "group_size": gs, "calibrated": hessian is not None,
                 "squared_error": new.squared_error, "weight_sq": total,
                 "rel_mse": new.squared_error / max(total, 1e-30), "seconds": time.perf_counter() - t0,

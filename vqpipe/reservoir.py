@@ -27,7 +27,7 @@ import numpy as np
 import xxhash
 
 from . import __version__, zerocopy
-from .codebook import BITS
+from .codebook import BITS, LAYER_BITS
 from .fsutil import atomic_path
 from .bitpack import words_per_row
 from .prefault import Prefault
@@ -35,10 +35,12 @@ from .rotation import hadamard_supported
 
 FILE_NAME = "model.vqres"
 MAGIC = b"\x89VQRES\r\n"
-VERSION = 2
+VERSION = 3
 # Version 2 adds per-group scales (a layer's "group_size"); a file is written as version 1 when no
 # layer has them, so per-row reservoirs are byte-identical to what earlier vqpipe wrote.
-READS = (1, 2)
+# Version 3 adds layer widths beyond the model widths 2/3/4 (codebook.LAYER_BITS: a mixed
+# allocation, vqpipe/allocate.py); written only when a layer has one, so nothing else changes.
+READS = (1, 2, 3)
 # magic, version, flags, header length, header xxh3, data offset, file size, prefix xxh3 (of bytes 0-47).
 _PREFIX = struct.Struct("<8sIIQQQQQ")
 PREFIX_SIZE = 64
@@ -177,6 +179,8 @@ def build_header(metas, arrays, params, persist_rotation, config=None):
 
 
 def _version_for(metas):
+    if any(m.get("bits") not in BITS for m in metas.values()):
+        return 3
     return 2 if any(m.get("group_size") is not None for m in metas.values()) else 1
 
 
@@ -307,7 +311,7 @@ def _check_layer(path, name, meta, blobs):
     for k in ("in_features", "out_features"):
         if not _is_int(meta.get(k), 1) or meta[k] > MAX_DIM:
             _fail(path, f"malformed header: {where} has invalid {k}")
-    if meta.get("bits") not in BITS or not isinstance(meta.get("has_bias"), bool):
+    if meta.get("bits") not in LAYER_BITS or not isinstance(meta.get("has_bias"), bool):
         _fail(path, f"malformed header: {where} has invalid bits or has_bias")
     gs = meta.get("group_size")
     if gs is not None and not (_is_int(gs, 1) and meta["in_features"] % gs == 0):
@@ -371,6 +375,9 @@ def _check_header(path, h, size, data_offset):
         _check_layer(path, name, meta, blobs)
         if meta.get("group_size") is not None and h["format_version"] < 2:
             _fail(path, f"malformed header: layer {name!r} has group scales in a version 1 file")
+        if meta["bits"] not in BITS and h["format_version"] < 3:
+            _fail(path, f"malformed header: layer {name!r} has {meta['bits']} bits in a version "
+                        f"{h['format_version']} file (version 3 and later)")
     for name, spec in h["params"].items():
         _check_spec(path, f"param {name!r}", spec, blobs)
 

@@ -135,7 +135,7 @@ def calibration_tokens(tokenizer, text="none", windows=16, length=512, seed=0):
 
 def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=True, dtype="source",
         progress=print, group_size=None, calibration="none", calib_windows=16, calib_length=512,
-        calib_seed=0, damp=None, moments=None, sequential=True):
+        calib_seed=0, damp=None, moments=None, sequential=True, layer_bits=None):
     from mlx_lm.utils import load
 
     if dtype not in DTYPES:
@@ -162,12 +162,13 @@ def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=Tru
         calib["sequential"] = sequential
     t0 = time.perf_counter()
     records = quantize_model(model, bits, rotation, seed, embeddings, lm_head, DTYPES[dtype], progress,
-                             group_size, tokens, damp, moments=stored, sequential=sequential)
+                             group_size, tokens, damp, moments=stored, sequential=sequential,
+                             layer_bits=layer_bits)
     seconds = time.perf_counter() - t0
     info = {
         "vqpipe_version": __version__, "source": str(source), "bits": bits, "rotation": rotation,
         "seed": seed, "embeddings": embeddings, "lm_head": lm_head, "dtype": dtype,
-        "group_size": group_size, "calibration": calib, "damp": damp,
+        "group_size": group_size, "calibration": calib, "damp": damp, "layer_bits": layer_bits or [],
         "quantize_seconds": seconds, "peak_rss_bytes": peak_rss_bytes(), "records": records,
     }
     save_quantized(model, tokenizer, source, out, info)
@@ -200,14 +201,22 @@ def main(argv=None):
     p.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=True,
                    help="with --calibration: each block's moments from the already quantized blocks (default); "
                    "--no-sequential: from the full-precision model (one forward pass per block fewer)")
+    p.add_argument("--layer-bits", default=None, metavar="JSON",
+                   help='mixed widths (vqpipe/allocate.py): a JSON list of rules {"match": REGEX, "add": N} '
+                   '(N bits over --bits) or {"match": REGEX, "bits": N} for the layers whose names match')
     p.add_argument("--moments", default=None, metavar="DIR",
                    help="GPTQ with the full-precision moments of a calibrate-stage artifact (no forward pass)")
     args = p.parse_args(argv)
     try:
+        layer_bits = None if args.layer_bits is None else json.loads(args.layer_bits)
+    except ValueError as e:
+        print(f"vqpipe quantize: error: --layer-bits is not JSON: {e}", file=sys.stderr)
+        return 2
+    try:
         run(args.source, args.out, args.bits, args.rotation, args.seed, args.embeddings, args.lm_head, args.dtype,
             group_size=args.group_size, calibration=args.calibration, calib_windows=args.calib_windows,
             calib_length=args.calib_length, calib_seed=args.calib_seed, damp=args.damp, moments=args.moments,
-            sequential=args.sequential)
+            sequential=args.sequential, layer_bits=layer_bits)
     except (ValueError, OSError) as e:  # OSError: e.g. disk full, named with its path
         where = "" if isinstance(e, ValueError) or e.filename else f"writing {args.out}: "
         print(f"vqpipe quantize: error: {where}{e}", file=sys.stderr)

@@ -5,7 +5,9 @@ import ast
 import functools
 import importlib
 import importlib.metadata
+import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -186,6 +188,9 @@ def quantize_flags(model):
     group = quantize_option(model, "group_size")
     if group is not None:
         flags += f" --group-size {group}"
+    rules = quantize_option(model, "layer_bits")
+    if rules:
+        flags += " --layer-bits " + shlex.quote(json.dumps(rules, separators=(",", ":")))
     cal = quantize_option(model, "calibration")
     if stored_moments(model):
         flags += f" --moments {MOMENTS.format(model=model)} --damp {cal['damp']}"

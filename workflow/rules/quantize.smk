@@ -22,6 +22,7 @@ rule quantize:
         dtype=config["quantize"]["dtype"],
         blas=BLAS,
         group_size=lambda w: quantize_option(w.model, "group_size"),
+        layer_bits=lambda w: quantize_option(w.model, "layer_bits"),
         calibration=lambda w: quantize_option(w.model, "calibration"),
         flags=lambda w: quantize_flags(w.model),
     log:
