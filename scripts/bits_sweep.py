@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vqpipe import text  # noqa: E402
 from vqpipe.bench.harness import summarize  # noqa: E402
-from vqpipe.stages.bench_quality import load_source, logprobs, nll, reference, window_metrics  # noqa: E402
+from vqpipe.stages.bench_quality import load_source, logprobs, source_references, window_metrics  # noqa: E402
 
 
 def stored_bits(layer):
@@ -114,11 +114,7 @@ def evaluate(args):
     source, tok = load_source(args.source)
     wins = windows_for(tok, args)
     tmp = tempfile.TemporaryDirectory(prefix="bits-sweep-")
-    refs, src_nll = [], []
-    for i, w in enumerate(wins):
-        lp = logprobs(source, w)
-        src_nll.append(nll(lp, w))
-        refs.append(reference(lp, f"{tmp.name}/ref{i}.npy"))
+    refs, src_nll = source_references(source, wins, tmp.name)
     print(f"source: ppl {math.exp(sum(src_nll) / len(src_nll)):.2f} ({len(wins)} {args.split} windows x {args.length})",
           flush=True)
     infos = {int(p.stem[1:]): json.loads(p.read_text()) for p in cdir.glob("b*.json")}

@@ -16,7 +16,7 @@ from vqpipe.quantize import quantize_model
 from vqpipe.stages import bench_quality as q
 
 from test_reservoir import make_model
-from test_tied_head import CALIB, TIED, TOKENS
+from test_tied_head import CALIB, TIED, TOKENS, assert_round_trip
 
 NAMES = ["model.embed_tokens", "model.layers.0.self_attn.v_proj", "model.layers.0.mlp.down_proj",
          "model.layers.1.self_attn.v_proj", "model.layers.1.mlp.down_proj"]
@@ -103,14 +103,7 @@ def test_mixed_widths_fuse_only_equal_siblings_and_match_unfused(mixed):
 
 def test_mixed_reservoir_round_trip_is_bit_exact(mixed, tmp_path):
     model, config, _ = mixed
-    want = np.array(model(TOKENS))
-    for persist in (True, False):
-        path = tmp_path / f"p{persist}" / R.FILE_NAME
-        path.parent.mkdir()
-        (path.parent / "config.json").write_text(json.dumps(config))
-        R.save_reservoir(model, path, persist_rotation=persist)
-        assert R.read_header(path)["format_version"] == 3  # widths beyond 2/3/4
-        assert np.array(R.load_reservoir(path)(TOKENS)).tobytes() == want.tobytes()
+    assert_round_trip(model, config, tmp_path, format_version=3)  # widths beyond 2/3/4
 
 
 def test_a_wide_layer_in_an_older_version_file_is_refused(mixed, tmp_path):

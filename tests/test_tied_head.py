@@ -23,6 +23,18 @@ TOKENS = mx.array([[1, 5, 9, 2, 77, 31, 4, 100]], dtype=mx.int32)
 INVERSE_CHOLESKY = gptq.inverse_cholesky
 
 
+
+def assert_round_trip(model, config, tmp_path, format_version):
+    """Pack ``model`` in both persist_rotation modes: the header's version, bit-exact logits."""
+    want = np.array(model(TOKENS))
+    for persist in (True, False):
+        path = tmp_path / f"p{persist}" / R.FILE_NAME
+        path.parent.mkdir()
+        (path.parent / "config.json").write_text(json.dumps(config))
+        R.save_reservoir(model, path, persist_rotation=persist)
+        assert R.read_header(path)["format_version"] == format_version
+        assert np.array(R.load_reservoir(path)(TOKENS)).tobytes() == want.tobytes()
+
 def test_tied_head_detection():
     tied, _ = make_model(TIED)
     untied, _ = make_model({**TIED, "tie_word_embeddings": False})
@@ -39,14 +51,7 @@ def test_tied_head_is_calibrated_with_group_scales(tmp_path):
     # The lookup serves the same codes and scales as the head.
     rows = np.array(emb(mx.array([3, 200])))
     assert np.allclose(rows, np.array(emb.dequantized_weight())[[3, 200]], atol=1e-6)
-    want = np.array(model(TOKENS))
-    for persist in (True, False):
-        path = tmp_path / f"p{persist}" / R.FILE_NAME
-        path.parent.mkdir()
-        (path.parent / "config.json").write_text(json.dumps(config))
-        R.save_reservoir(model, path, persist_rotation=persist)
-        assert R.read_header(path)["format_version"] == 2
-        assert np.array(R.load_reservoir(path)(TOKENS)).tobytes() == want.tobytes()
+    assert_round_trip(model, config, tmp_path, format_version=2)
 
 
 def test_calibrated_tied_head_lowers_head_error():

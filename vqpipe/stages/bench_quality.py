@@ -219,6 +219,20 @@ def nll(lp, tokens):
     return float(-np.mean(lp[np.arange(len(tokens) - 1), tokens[1:]], dtype=np.float64))
 
 
+def source_references(source, windows, tmpdir):
+    """(per-window reference probabilities, per-window NLL) of the source model.
+
+    The probabilities are float32 files in ``tmpdir`` (memory-mapped when read): in memory,
+    20 x 512 x 49152 of them are 2 GB per process."""
+    refs, nlls = [], []
+    for i, w in enumerate(windows):
+        lp = window_logprobs(source, w)
+        nlls.append(nll(lp, w))
+        refs.append(reference(lp, f"{tmpdir}/ref{i}.npy"))
+        del lp
+    return refs, nlls
+
+
 def ppl_record(nlls):
     return {"ppl": summarize([math.exp(x) for x in nlls]), "ppl_mean": math.exp(sum(nlls) / len(nlls)),
             "nll_mean": sum(nlls) / len(nlls)}
@@ -291,15 +305,8 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
     index = shard_windows(n_windows, shard)
     windows = [text.eval_windows(tok, n_windows, length)[i] for i in index]
     prompts = prompts if shard[0] == 0 else ()
-    # The source's probabilities, float32, one file per window in a temporary directory: in
-    # memory, 20 x 512 x 49152 of them are 2 GB per process.
     tmp = tempfile.TemporaryDirectory(prefix="vqpipe-quality-")
-    refs, src_nll = [], []
-    for i, w in enumerate(windows):
-        lp = window_logprobs(source, w)
-        src_nll.append(nll(lp, w))
-        refs.append(reference(lp, f"{tmp.name}/ref{i}.npy"))
-        del lp
+    refs, src_nll = source_references(source, windows, tmp.name)
     src = {"method": "source", **ppl_record(src_nll), "per_window": {"index": index, "nll": src_nll},
            "bpw": bits_per_weight(source), **source_info(path), "tokens": len(windows) * length}
     progress(f"source perplexity {src['ppl']['median']:.2f} (median of {len(windows)} windows x {length})")
