@@ -25,6 +25,7 @@ token evaluated (mlx-lm's ``prompt_progress_callback(total, total)`` fires right
 """
 
 import argparse
+import gc
 import hashlib
 import json
 import math
@@ -573,6 +574,9 @@ def _warmup_and_pilot(b, L, progress):
     progress(f"P={P}: pilot round (prompt {k_pilot}): peak memory, token ids, flush counts")
     L.peaks = {}
     for name, w, c in b.arms:
+        # Collect the previous calls' cyclic garbage first: freed during this call, it would
+        # make the call's own peak come out below what was allocated before it.
+        gc.collect()
         mx.synchronize()
         start = mx.get_active_memory()
         peak = harness.measure_peak(lambda: _call(b, L, name, w, c, k_pilot, "pilot"))
