@@ -400,30 +400,30 @@ def test_default_config_fans_out(bare):
     assert stats["report"] == 1
 
 
-def test_calibration_options_reach_the_command(bare):
-    """A per-model quantize override becomes flags of that model's quantize job only."""
-    (bare / "config" / "cal.yaml").write_text(
-        "models:\n  tiny: {source: 'synth:tiny', quantize: {group_size: 64, calibration: {text: text, windows: 4}}}\n"
+def quantize_commands(bare, name, tiny_quantize):
+    """The b4 quantize commands a dry run plans for tiny (with ``tiny_quantize`` as its per-model
+    quantize override) and for tiny-llama (none): one each."""
+    (bare / "config" / f"{name}.yaml").write_text(
+        f"models:\n  tiny: {{source: 'synth:tiny', quantize: {tiny_quantize}}}\n"
         "  tiny-llama: {source: 'synth:tiny-llama'}\nbits: [4]\npersist_rotation: [true]\n")
-    out = smk(bare, "-n", "-p", "--configfile", "config/cal.yaml").stdout
+    out = smk(bare, "-n", "-p", "--configfile", f"config/{name}.yaml").stdout
     commands = [line for line in out.splitlines() if " -m vqpipe quantize " in line and "/b4-auto " in line]
     tiny = [c for c in commands if "models/tiny/source" in c]
     llama = [c for c in commands if "models/tiny-llama/source" in c]
     assert len(tiny) == 1 and len(llama) == 1
+    return tiny, llama
+
+
+def test_calibration_options_reach_the_command(bare):
+    """A per-model quantize override becomes flags of that model's quantize job only."""
+    tiny, llama = quantize_commands(bare, "cal", "{group_size: 64, calibration: {text: text, windows: 4}}")
     assert "--group-size 64 --calibration text --calib-windows 4 --calib-length 512" in tiny[0]
     assert "--group-size" not in llama[0] and "--calibration" not in llama[0]
 
 
 def test_layer_bits_reach_the_command(bare):
     """Mixed-width rules (vqpipe/allocate.py) become one quoted JSON flag of that model's quantize jobs."""
-    (bare / "config" / "lb.yaml").write_text(
-        "models:\n  tiny: {source: 'synth:tiny', quantize: {layer_bits: [{match: 'v_proj$', add: 1}]}}\n"
-        "  tiny-llama: {source: 'synth:tiny-llama'}\nbits: [4]\npersist_rotation: [true]\n")
-    out = smk(bare, "-n", "-p", "--configfile", "config/lb.yaml").stdout
-    commands = [line for line in out.splitlines() if " -m vqpipe quantize " in line and "/b4-auto " in line]
-    tiny = [c for c in commands if "models/tiny/source" in c]
-    llama = [c for c in commands if "models/tiny-llama/source" in c]
-    assert len(tiny) == 1 and len(llama) == 1
+    tiny, llama = quantize_commands(bare, "lb", "{layer_bits: [{match: 'v_proj$', add: 1}]}")
     assert """--layer-bits '[{"match":"v_proj$","add":1}]'""" in tiny[0]
     assert "--layer-bits" not in llama[0]
 
