@@ -7,8 +7,9 @@
 # Elsewhere (e.g. a Mac with Metal):      PYTHON=.venv/bin/python bash scripts/gpu_kivi.sh
 # STEPS picks steps (default "kernels bench generation cpu_suite"; the packed cache's steps are
 # "attn", its kernel tests, and "bench_attn", bench-kivi-attn with ATTN_ARGS, or its parts one
-# process each: "attn_op", "attn_memory", "attn_decode"; the launch-cost probe "floor" and, where
-# installed, "nsys" / "ncu" on it); BENCH_ARGS goes to bench-kivi.
+# process each: "attn_op", "attn_memory", "attn_decode"; "pick_shape" exports the fastest v3 launch
+# shapes of attn_op's run and "attn_op2" runs the op part again (OP2_ARGS) with them; the launch-cost
+# probe "floor" and, where installed, "nsys" / "ncu" on it); BENCH_ARGS goes to bench-kivi.
 # Every kernel layout (kernels.LAYOUTS: "vec", the default, and "warp"; vqpipe/kivi/kernels.py) is
 # tested bit-exact in the kernels step and timed side by side in the bench step (BENCH_LAYOUTS,
 # default "vec warp"; empty: only the current layout). KERNELS_K narrows the kernels step (pytest -k;
@@ -67,6 +68,28 @@ if want attn_op; then
   echo "== bench-kivi-attn op $(since)"
   timeout ${OP_LIMIT:-170} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_attn_op.json" --parts op ${OP_ARGS:-} 2>&1
 fi
+# The fastest v3 launch shape per bit width in the op part's JSON (its largest context), exported as
+# VQPIPE_KIVI_V3_SHAPE<bits> for the steps after it (decode_kernel.V3_SHAPES).
+if want pick_shape && [ -f "$OUT/kivi_attn_op.json" ]; then
+  echo "== pick the v3 launch shape $(since)"
+  eval "$($PY - "$OUT/kivi_attn_op.json" <<'EOF'
+import json, re, sys
+row = max(json.load(open(sys.argv[1]))["op"], key=lambda r: r["S"])
+for bits in (4, 2):
+    arms = {k: a["median"] for k, a in row["arms"].items() if re.fullmatch(rf"kivi{bits}:v3:w\d+c\d+pf\dmb\d+", k)}
+    if arms:
+        best = min(arms, key=arms.get)
+        w, c, pf, mb = re.fullmatch(r"kivi\d:v3:w(\d+)c(\d+)pf(\d)mb(\d+)", best).groups()
+        print(f"export VQPIPE_KIVI_V3_SHAPE{bits}={w}x{c}:pf{pf}:mb{mb}")
+EOF
+)"
+  env | grep VQPIPE_KIVI_V3_SHAPE | tee "$OUT/picked_shape.txt"
+fi
+# A second op run (OP2_ARGS) after the pick, so its default arms use the picked shapes.
+if want attn_op2; then
+  echo "== bench-kivi-attn op, picked shapes $(since)"
+  timeout ${OP2_LIMIT:-120} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_attn_op2.json" --parts op ${OP2_ARGS:-} 2>&1
+fi
 if want attn_memory; then
   echo "== bench-kivi-attn memory $(since)"
   timeout ${MEM_LIMIT:-110} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_attn_memory.json" --parts memory ${MEM_ARGS:-} 2>&1
@@ -74,7 +97,7 @@ fi
 if want attn_decode; then
   echo "== bench-kivi-attn decode $(since)"
   timeout ${DEC_LIMIT:-150} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_attn_decode.json" --parts decode \
-    $([ -f "$OUT/kivi_attn_op.json" ] && echo --op-from "$OUT/kivi_attn_op.json") ${DEC_ARGS:-} 2>&1
+    $(for f in kivi_attn_op2.json kivi_attn_op.json; do [ -f "$OUT/$f" ] && echo --op-from "$OUT/$f" && break; done) ${DEC_ARGS:-} 2>&1
 fi
 
 # The launch-cost probe (vqpipe/bench/kivi_floor.py; FLOOR_ARGS), then, where the host has

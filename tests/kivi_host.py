@@ -29,6 +29,7 @@ template <typename U> static inline U __ldcg(const U* p) { return *p; }
 static inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { unsigned int o = *p; *p = o + v; return o; }
 static inline unsigned int atomicExch(unsigned int* p, unsigned int v) { unsigned int o = *p; *p = v; return o; }
 static inline void __threadfence() {}
+static inline __half __ushort_as_half(unsigned short b) { __half h; h.b = b; return h; }
 struct Dim3 { unsigned int x, y; };
 static Dim3 blockIdx, gridDim, threadIdx;
 static ucontext_t g_main, g_ctx[256];
@@ -82,7 +83,7 @@ static void fiber_main() { g_entry(); g_done[g_cur] = 1; }
 static char g_stacks[256][1 << 16];
 
 // argv: B H NGC W G SC NGV RC D R NW nsplit NSP seed in out SCALE_BITS
-template <typename T, int BITS, int G, int D, int R, int NW>
+template <typename T, int BITS, int G, int D, int R, int NW, int PF>
 static int run(char** argv) {
   int a[13];
   for (int i = 0; i < 13; ++i) a[i] = atoi(argv[7 + i]);
@@ -117,7 +118,7 @@ static int run(char** argv) {
     const unsigned int* vcp = vc.data(); const __half* vpp = vp.data(); const T* rkp = rk.data();
     const T* rvp = rv.data(); const float* metap = meta.data(); const float* scp = scratch.data();
     const unsigned int* cnp = counters.data(); T* outp = out.data();
-    body<T, BITS, G, D, R, NW>(qp, kcp, kpp, vcp, vpp, rkp, rvp, metap, scp, cnp, outp, kc_shape, vc_shape, rk_shape, scratch_shape);
+    body<T, BITS, G, D, R, NW, PF>(qp, kcp, kpp, vcp, vpp, rkp, rvp, metap, scp, cnp, outp, kc_shape, vc_shape, rk_shape, scratch_shape);
   };
   // every block, in an order shuffled by the seed
   std::vector<unsigned int> order;
@@ -161,10 +162,11 @@ static int run(char** argv) {
 }
 
 int main(int argc, char** argv) {
-  if (argc != 24) return 1;
+  if (argc != 25) return 1;
   const int dt = atoi(argv[1]), bits = atoi(argv[2]), g = atoi(argv[3]), d = atoi(argv[4]), r = atoi(argv[5]), nw = atoi(argv[6]);
-#define C(DT, TY, B_, G_, D_, R_, NW_) \
-  if (dt == DT && bits == B_ && g == G_ && d == D_ && r == R_ && nw == NW_) return run<TY, B_, G_, D_, R_, NW_>(argv);
+  const int pf = atoi(argv[24]);
+#define C(DT, TY, B_, G_, D_, R_, NW_, PF_) \
+  if (dt == DT && bits == B_ && g == G_ && d == D_ && r == R_ && nw == NW_ && pf == PF_) return run<TY, B_, G_, D_, R_, NW_, PF_>(argv);
   HOST_COMBOS
   fprintf(stderr, "combination not compiled\n");
   return 1;
@@ -180,9 +182,10 @@ def _types_shim():
     return _HOST_SHIM.split("struct Dim3")[0]  # includes, half/bf16 types, conversions, _rn ops
 
 
-def build(directory, combos, version="v2"):
-    """Compile the kernel (``version``, decode_kernel.VERSIONS) for ``combos`` [(dtype, bits, G, D,
-    R, NW)]; the executable's path, or None without a C++ compiler."""
+def build(directory, combos, version=None):
+    """Compile the kernel (``version``, decode_kernel.VERSIONS, default the current one) for
+    ``combos`` [(dtype, bits, G, D, R, NW, PF)] (PF: v3's loads ahead, 0 or 1, unused by the others);
+    the executable's path, or None without a C++ compiler."""
     cxx = shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         return None
@@ -190,7 +193,7 @@ def build(directory, combos, version="v2"):
     _, header, body = decode_kernel.render("cuda", version, "small")
     fn = (
         "static int SCALE_BITS;  // a template argument on the GPU, set from argv here\n"
-        "template <typename T, int BITS, int G, int D, int R, int NW>\n"
+        "template <typename T, int BITS, int G, int D, int R, int NW, int PF>\n"
         "static void body(const T* q, const unsigned int* kc, const __half* kp, const unsigned int* vc,\n"
         "    const __half* vp, const T* rk, const T* rv, const float* meta, const float* scratch,\n"
         "    const unsigned int* counters, T* out, const int* kc_shape, const int* vc_shape, const int* rk_shape,\n"
@@ -198,7 +201,7 @@ def build(directory, combos, version="v2"):
         + body
         + "\n}\n"
     )
-    combos_src = " ".join(f"C({DTYPES[dt][0]}, {DTYPES[dt][1]}, {b}, {g}, {dd}, {r}, {nw})" for dt, b, g, dd, r, nw in combos)
+    combos_src = " ".join(f"C({DTYPES[dt][0]}, {DTYPES[dt][1]}, {b}, {g}, {dd}, {r}, {nw}, {pf})" for dt, b, g, dd, r, nw, pf in combos)
     src = _types_shim() + _SHIM + header + fn + _MAIN.replace("HOST_COMBOS", combos_src)
     (d / "attn.cpp").write_text(src)
     r = subprocess.run(
@@ -215,9 +218,9 @@ def _raw(a):
     return np.array(a.view(view)).tobytes()
 
 
-def run(exe, queries, cache, scale, splits, warps, seed=1):
+def run(exe, queries, cache, scale, splits, warps, seed=1, ahead=0):
     """(output [B, Hq, 1, D] as an MLX array of the cache dtype, counters after the run)."""
-    inputs, spec = decode_kernel.launch_args(queries, cache, scale, splits, warps, "small")
+    inputs, spec, _ = decode_kernel.launch_args(queries, cache, scale, splits, warps, "small", ahead=ahead)
     q, kc, kp, vc, vp, rk, rv, meta = inputs[:8]
     b, h, ngc, w, g = kc.shape
     d, r = rk.shape[3], queries.shape[1] // h
@@ -228,7 +231,7 @@ def run(exe, queries, cache, scale, splits, warps, seed=1):
         for a in (q, kc, kp, vc, vp, rk, rv, meta):
             f.write(_raw(a))
     args = [DTYPES[dt][0], cache.kv_bits, g, d, r, warps, b, h, ngc, w, g, vc.shape[2], vp.shape[3], rk.shape[2], d, r, warps, ns,
-            inputs[8].shape[1], seed, "in.bin", "out.bin", dict(spec["template"])["SCALE_BITS"]]
+            inputs[8].shape[1], seed, "in.bin", "out.bin", dict(spec["template"])["SCALE_BITS"], ahead]
     res = subprocess.run([str(exe), *map(str, args)], cwd=work, capture_output=True, text=True, timeout=600)
     if res.returncode:
         raise RuntimeError(res.stderr)

@@ -6,6 +6,7 @@ files, trim, sizes, generation (same tokens as the reference cache), and the CUD
 decode kernel run on the host (tests/kivi_host.py). GPU (``gpu`` marker): the kernel itself.
 """
 
+import argparse
 import itertools
 import re
 import warnings
@@ -369,7 +370,7 @@ HOST_CASES = [
 
 @pytest.fixture(scope="module")
 def host_attn(tmp_path_factory):
-    combos = sorted({(dt, b, g, d, r, w) for dt, b, g, d, _, r, _, _, w, _ in HOST_CASES})
+    combos = sorted({(dt, b, g, d, r, w, pf) for dt, b, g, d, _, r, _, _, w, _ in HOST_CASES for pf in (0, 1)})
     exe = kivi_host.build(tmp_path_factory.mktemp("kivi_attn_host"), combos)
     if exe is None:
         pytest.skip("no C++ compiler for the host run of the CUDA rendering")
@@ -384,10 +385,11 @@ def test_cuda_rendering_on_host_within_float32_bound(host_attn, case):
     assert c.quantized == max(0, (s - res) // g * g)
     q = (mx.random.normal((1, hk * ratio, 1, d), key=mx.random.key(s)) * 1.5).astype(getattr(mx, dt))
     outs = []
-    for ns in splits:
-        out, counters = kivi_host.run(host_attn, q, c, d**-0.5, ns, warps, seed=ns + 1)
+    # every split count with the loads a chunk ahead, the first also without
+    for ns, ahead in [(ns, 1) for ns in splits] + [(splits[0], 0)]:
+        out, counters = kivi_host.run(host_attn, q, c, d**-0.5, ns, warps, seed=ns + 1, ahead=ahead)
         assert not counters.any(), "the last block resets its counter"
-        assert_within(out, q, c, d**-0.5, None, f"splits {ns}")
+        assert_within(out, q, c, d**-0.5, None, f"splits {ns} ahead {ahead}")
         outs.append(np.array(out.astype(mx.float32)))
     want, tol = reference(q, c, d**-0.5)
     assert all(np.all(np.abs(o - outs[0]) <= 2 * tol + 2 * _ulp(want, dt)) for o in outs)
@@ -398,31 +400,43 @@ def test_decode_kernel_source_one_description_two_dialects():
     assert "KA_" not in bc + bm and nc != nm and nc.startswith("kivi_decode_attn_")
     assert "__shfl_sync" in hc and "__ldcg" in hc and "atomicAdd" in hc
     assert "simd_shuffle" in hm and "atomic_fetch_add_explicit" in hm
-    # both dialects give every token of the bodies (the current kernel and run 2's), and the same helpers
-    bodies = decode_kernel._BODY + decode_kernel._BODY_RUN2 + "".join(decode_kernel._COUNTS.values())
+    # every version's body uses the same tokens, which both dialects give, and the same helpers
+    bodies = decode_kernel._BODY_V3 + decode_kernel._BODY + decode_kernel._BODY_RUN2 + "".join(decode_kernel._COUNTS.values())
     used = set(re.findall(r"\bKA_[A-Z0-9_]+\b", bodies))
     assert all(set(d["tokens"]) == used for d in decode_kernel.DIALECTS.values())
     helpers = lambda h: sorted(set(re.findall(r"\b(ka_[a-z_]+)\(", h)))  # noqa: E731
     assert helpers(hc) == helpers(hm) == helpers(bodies)
-    assert decode_kernel.render("cuda", "run2")[0] != nc
+    names = {decode_kernel.render("cuda", v)[0] for v in decode_kernel.VERSIONS}
+    assert len(names) == len(decode_kernel.VERSIONS) and nc == decode_kernel.render("cuda", decode_kernel.VERSION)[0]
     # the launch's two ways of passing scale and counts are two kernels; the default reads 8 bytes
-    small, float3 = (decode_kernel.render("cuda", "v2", m) for m in ("small", "float3"))
+    small, float3 = (decode_kernel.render("cuda", None, m) for m in ("small", "float3"))
     assert small[0] == nc != float3[0] and "SCALE_BITS" in small[2] and "meta[2]" in float3[2] and "meta[2]" not in small[2]
+    # what MLX gets is minified (it rebuilds the source string every call): no comments, no indentation
+    assert "//" not in hc + bc and not any(line.startswith(" ") for line in (hc + bc).splitlines())
+    # launch bounds ride in the CUDA header (MLX writes "__global__ void name(...)" after it)
+    bounded = decode_kernel.render("cuda", "v3", None, 8, 3)
+    assert bounded[1].startswith("#undef __global__\n#define __global__ __location__(global) __launch_bounds__(256, 3)\n")
+    assert bounded[0] != nc and bounded[2] == bc and decode_kernel.render("metal", "v3", None, 8, 3) == (nm, hm, bm)
 
 
 def test_launch_shape_per_bit_width():
-    """The default launch: 4-warp blocks at 2 bits, 8-warp at 4; splits from the chunks each warp takes."""
+    """The default launch per kernel version and bit width; splits from the chunks each warp takes;
+    v3's template carries its loads-ahead flag."""
     k, v = _kv(1, 2, 4133, 128, "float16")
     q = mx.zeros((1, 8, 1, 128), mx.float16)
     for bits in (2, 4):
         c = _filled(bits, 32, 128, k, v, [4132, 1])
-        warps, per = decode_kernel.default_shape(bits)
-        _, spec = decode_kernel.launch_args(q, c, 0.1)
         chunks = c.quantized // 32 + -(-c.nres // 32)
-        assert spec["threadgroup"] == (warps * 32, 1, 1) and warps == {2: 4, 4: 8}[bits]
-        assert spec["grid"] == (decode_kernel.default_splits(chunks, warps, per) * warps * 32, 2, 1)
-        _, fixed = decode_kernel.launch_args(q, c, 0.1, splits=3, warps=2)
+        for version in decode_kernel.VERSIONS:
+            shape = decode_kernel.default_shape(bits, version)
+            _, spec, got = decode_kernel.launch_args(q, c, 0.1, version=version)
+            assert got == shape and spec["threadgroup"] == (shape.warps * 32, 1, 1)
+            assert spec["grid"] == (decode_kernel.default_splits(chunks, shape.warps, shape.per_warp) * shape.warps * 32, 2, 1)
+            assert ("PF", shape.ahead) in spec["template"] if version == "v3" else "PF" not in dict(spec["template"])
+        assert decode_kernel.default_shape(bits, "v2") == ((4, 2, 0, 0) if bits == 2 else (8, 4, 0, 0))
+        _, fixed, shape = decode_kernel.launch_args(q, c, 0.1, splits=3, warps=2, ahead=0, minblocks=5)
         assert fixed["grid"] == (3 * 64, 2, 1) and fixed["threadgroup"] == (64, 1, 1)
+        assert shape == (2, decode_kernel.CHUNKS_PER_WARP, 0, 5) and ("PF", 0) in fixed["template"]
 
 
 def test_launch_inputs_scale_counts_and_scratch_slots():
@@ -431,7 +445,7 @@ def test_launch_inputs_scale_counts_and_scratch_slots():
     k, v = _kv(1, 2, 700, 128, "float16")
     c = _filled(4, 32, 128, k, v, [699, 1])
     q = mx.zeros((1, 8, 1, 128), mx.float16)
-    inputs, spec = decode_kernel.launch_args(q, c, 128**-0.5, splits=3)
+    inputs, spec, _ = decode_kernel.launch_args(q, c, 128**-0.5, splits=3)
     counts = inputs[decode_kernel.INPUTS.index("meta")]
     assert counts.nbytes == 8 and counts.tolist() == [c.quantized, c.nres]
     bits = dict(spec["template"])["SCALE_BITS"]
@@ -443,7 +457,7 @@ def test_launch_inputs_scale_counts_and_scratch_slots():
     assert c.scratch[0].shape[1] == 16
     decode_kernel.launch_args(q, c, 0.1, splits=decode_kernel.NSMAX)
     assert c.scratch[0].shape[1] == decode_kernel.NSMAX
-    old, spec3 = decode_kernel.launch_args(q, c, 0.25, splits=3, meta="float3")
+    old, spec3, _ = decode_kernel.launch_args(q, c, 0.25, splits=3, meta="float3")
     assert old[7].tolist() == [0.25, c.quantized, c.nres] and "SCALE_BITS" not in dict(spec3["template"])
 
 
@@ -500,6 +514,12 @@ def test_kernel_within_float32_bound_for_every_split_count(case):
     assert mx.array_equal(a, b)
     # the second window's launch (scale and counts as 12 bytes of float32): the same arithmetic
     assert mx.array_equal(decode_kernel.decode_attention(q, c, d**-0.5, meta="float3"), a)
+    # v3 with the loads not ahead, with registers capped (spilling), and the second window's v2:
+    # the same sums in other orders
+    for kw in ({"version": "v3", "ahead": 0}, {"version": "v3", "ahead": 1, "minblocks": 2}, {"version": "v2"}):
+        other = decode_kernel.decode_attention(q, c, d**-0.5, warps=warps, **kw)
+        assert_within(other, q, c, d**-0.5, None, f"{kw} warps {warps}")
+        assert np.all(np.abs(np.array(other.astype(mx.float32)) - outs[0]) <= 2 * tol + 2 * _ulp(want, dt))
     # through the dispatch, as mlx-lm's attention reaches it
     assert decode_kernel.applies(q, c)
     assert mx.array_equal(attention.attend(q, c, d**-0.5, None), decode_kernel.decode_attention(q, c, d**-0.5))
@@ -532,10 +552,10 @@ def test_bench_kivi_attn_quick_runs_every_part(tmp_path, monkeypatch):
     monkeypatch.setattr(decode_kernel, "active", lambda use_kernels=None: use_kernels is not False)
     monkeypatch.setattr(decode_kernel, "decode_attention", lambda q, c, scale, **kw: attention.attend_tiles(q, c, scale))
     out = tmp_path / "a.json"
-    assert bench_kivi_attn.main(["--out", str(out), "--quick", "--variants", "2x1,run2:8x2", "--work", str(tmp_path / "m")]) == 0
+    assert bench_kivi_attn.main(["--out", str(out), "--quick", "--variants", "2x1,run2:8x2,v3:4x2:pf1:mb3", "--work", str(tmp_path / "m")]) == 0
     doc = json.loads(out.read_text())
     (op,) = doc["op"]
-    variants = {f"kivi{b}:{v}" for b in (4, 2) for v in ("v2:w2c1", "run2:w8c2")}
+    variants = {f"kivi{b}:{v}" for b in (4, 2) for v in ("v2:w2c1", "run2:w8c2", "v3:w4c2pf1mb3")}
     assert set(op["arms"]) == {"fp16-sdpa", "mlx-q4", "kivi4", "kivi2"} | variants and op["noise_floor"] >= 0
     assert set(op["kernel_vs_tiles_max_abs"]) == {"kivi4", "kivi2"} | variants
     assert all(v > 0 for v in op["build_seconds_per_layer"].values())
@@ -545,6 +565,10 @@ def test_bench_kivi_attn_quick_runs_every_part(tmp_path, monkeypatch):
     (dec,) = doc["decode"]
     assert {"fp16", "kivi4", "kivi2"} <= set(dec["arms"]) and dec["arms"]["kivi4"]["tok_per_s_median"] > 0
     assert bench_kivi_attn.amdahl(10.0, 32, 0.1, 0.05) == pytest.approx(10 / 8.4)
+    assert bench_kivi_attn._variants("v3:8x2:pf1") == [("v3", decode_kernel.Shape(8, 2, 1, 0))]
+    for bad in ("v3:8", "v3:8x2:pf2", "v9:8x2", "8x2:zz1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench_kivi_attn._variants(bad)
     # the KV-side memory part: every kind's peak and sizes, packed caches against their theory
     assert bench_kivi_attn.main(["--out", str(out), "--quick", "--parts", "kvmemory"]) == 0
     kv = json.loads(out.read_text())["kv_memory"]

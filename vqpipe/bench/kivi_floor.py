@@ -13,7 +13,9 @@ step as a decode step runs them, interleaved in one process with an A/A copy of 
   (12-byte float32 counts) — that window's floor; ``noop11``: the same with the current 8-byte
   counts; ``noop11-fixed``: the 11 inputs made once per layer, reused every step;
 - ``kivi4-float3`` / ``kivi4``: the decode kernel with each way of passing the counts;
-  ``kivi4-compiled``: the current launch inside ``mx.compile``.
+  ``kivi4-compiled``: the current launch inside ``mx.compile``; ``kivi4-v2``: the second window's
+  kernel (decode_kernel version "v2") with the current launch, ``kivi4-v2-full`` the same with its
+  source unminified (comments and indentation: MLX rebuilds the source string every call).
 
 Per arm and sample: ``build`` (Python builds the step's graph, no evaluation), ``dispatch`` (build
 plus ``mx.async_eval``: everything the host does before waiting) and ``total`` (through
@@ -70,16 +72,16 @@ def _compiled_call(kern, spec, inputs):
     return _compiled[key](*inputs)
 
 
-def _kivi(q, c, scale, meta=None, compiled=False):
-    inputs, spec = decode_kernel.launch_args(q, c, scale, meta=meta)
-    kern = decode_kernel._kernel("cuda", "v2", meta)
+def _kivi(q, c, scale, meta=None, compiled=False, version=None, minify=True):
+    inputs, spec, shape = decode_kernel.launch_args(q, c, scale, meta=meta, version=version)
+    kern = decode_kernel._kernel("cuda", version, meta, shape.warps, shape.minblocks, minify)
     out = _compiled_call(kern, spec, inputs) if compiled else kern(inputs=inputs, **spec)[0]
     c.last_out = out
     return out
 
 
 def _noop11(q, c, scale, meta=None):
-    inputs, _ = decode_kernel.launch_args(q, c, scale, meta=meta)
+    inputs = decode_kernel.launch_args(q, c, scale, meta=meta)[0]
     out = _noop_call(inputs, q)
     c.last_out = out
     return out
@@ -115,6 +117,8 @@ def _arms(fp, kv, qs, scale, names):
         "noop11-fixed": lambda i: [_noop_call([q(i, j)] + fixed[j][1:], q(i, j)) for j in range(len(kv))],
         "kivi4-float3": lambda i: [_kivi(q(i, j), c, scale, "float3") for j, c in enumerate(kv)],
         "kivi4": lambda i: [_kivi(q(i, j), c, scale) for j, c in enumerate(kv)],
+        "kivi4-v2": lambda i: [_kivi(q(i, j), c, scale, version="v2") for j, c in enumerate(kv)],
+        "kivi4-v2-full": lambda i: [_kivi(q(i, j), c, scale, version="v2", minify=False) for j, c in enumerate(kv)],
         "kivi4-compiled": lambda i: [_kivi(q(i, j), c, scale, compiled=True) for j, c in enumerate(kv)],
     }
     return {k: v for k, v in arms.items() if k in names}
@@ -229,7 +233,8 @@ def _prefill_rows(s, args, hq, hk, d, label):
     return rows
 
 
-ARMS = ("sdpa", "add", "noop1", "noop1-compiled", "noop11-float3", "noop11", "noop11-fixed", "kivi4-float3", "kivi4", "kivi4-compiled")
+ARMS = ("sdpa", "add", "noop1", "noop1-compiled", "noop11-float3", "noop11", "noop11-fixed", "kivi4-float3", "kivi4", "kivi4-v2",
+        "kivi4-v2-full", "kivi4-compiled")
 
 
 def parse_args(argv):

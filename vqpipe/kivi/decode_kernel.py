@@ -26,6 +26,7 @@ import functools
 import hashlib
 import os
 import struct
+import typing
 
 import mlx.core as mx
 
@@ -681,6 +682,320 @@ _BODY_RUN2 = """
     }
 """
 
+# v3 (this window): v2's arithmetic with the loads restructured for latency. Nsight Compute on v2
+# (third H200 window): 25 % occupancy, warps waiting 51 % of their time on their own global loads.
+# Here a chunk's loads (key words and parameters, value words, the value parameters of the lane's
+# token) are all issued at once, one round trip per chunk instead of three; with PF = 1 they are
+# issued one chunk ahead (registers double-buffered), so a chunk's arithmetic covers the next one's
+# latency. The value parameters go through shared memory (one load per token, not per token and
+# word), and p and those parameters reuse the folded query's shared memory (it is dead by then).
+_BODY_V3 = """
+    constexpr unsigned int W = D * BITS / 32;  // words per token
+    constexpr unsigned int CPW = 32 / BITS;  // codes per word
+    constexpr unsigned int MASK = (1u << BITS) - 1u;
+    constexpr unsigned int LOW = 23 / BITS < CPW ? 23 / BITS : CPW;  // fields read in place (see v2)
+    constexpr unsigned int P = 32 / W;  // tokens per pass of the values loop
+    constexpr unsigned int DL = D / 32;  // channels per lane in per-channel loops
+    constexpr unsigned int RP = (R + 3) / 4 * 4;  // query heads padded to float4
+    constexpr unsigned int NGV = (D + G - 1) / G;
+    constexpr unsigned int PS = R * (D + 2);  // one partial: acc[R][D], m[R], l[R]
+    constexpr unsigned int AHEAD = PF;  // chunks whose loads are in flight ahead of the arithmetic
+    // shared: the scaled query [D][RP]; per warp its folded query [D][RP], which after the scores
+    // holds p [32][RP] and the value parameters [32][NGV]; after the loop the warps' partials, at
+    // the end the final merge's weights
+    constexpr unsigned int PV = 32 * (RP + NGV);
+    constexpr unsigned int WS = D * RP > PV ? D * RP : PV;
+    constexpr unsigned int SHQ = D * RP + NW * WS;
+    constexpr unsigned int SHA = SHQ > NW * PS ? SHQ : NW * PS;
+    constexpr unsigned int SHB = (NSMAX + 1) * R + 3;
+    constexpr unsigned int SH = SHA > SHB ? SHA : SHB;
+    KA_SHARED float4 sh4[SH / 4];
+    KA_SHARED unsigned int last;
+    KA_TG float* sh = (KA_TG float*)sh4;
+
+    const unsigned int tid = KA_THREAD;
+    const unsigned int lane = tid % 32u;
+    const unsigned int warp = tid / 32u;
+    const unsigned int split = KA_BLOCK_X;
+    const unsigned int nsplit = KA_NBLOCKS_X;
+    const unsigned int bh = KA_BLOCK_Y;  // b * H + h
+    const unsigned int NGC = kc_shape[2];
+    const unsigned int SC = vc_shape[2];
+    const unsigned int RC = rk_shape[2];
+    @COUNTS@
+    const unsigned int NSP = scratch_shape[1];  // partials per KV head the scratch holds
+    const unsigned int nqc = nq / 32u;
+    const unsigned int nc = nqc + (nr + 31u) / 32u;
+    const unsigned int per = (nc + nsplit - 1u) / nsplit;
+    const unsigned int c0 = split * per;
+    const unsigned int c1 = ka_umin(c0 + per, nc);
+    const float ninf = ka_neg_inf();
+
+    KA_TG float* qsh = sh;  // [D][RP]: the query times the softmax scale, every head of the group
+    KA_TG float* qs = sh + D * RP + warp * WS;  // [D][RP]: this warp's folded query
+    KA_TG float* ps = qs;  // [32][RP]: p of the chunk's tokens (after the scores)
+    KA_TG unsigned int* vps = (KA_TG unsigned int*)(qs + 32 * RP);  // [32][NGV]: their value parameters
+    for (unsigned int e = tid; e < D * RP; e += NW * 32u) {
+        const unsigned int d = e / RP, r = e % RP;
+        qsh[e] = r < R ? static_cast<float>(q[(bh * R + r) * D + d]) * sm : 0.0f;
+    }
+    KA_BARRIER;
+    float m[R], lsum[R], zacc[R], acc[R][CPW];
+    KA_UNROLL
+    for (unsigned int r = 0; r < R; ++r) {
+        m[r] = ninf;
+        lsum[r] = 0.0f;
+        zacc[r] = 0.0f;
+        KA_UNROLL
+        for (unsigned int c = 0; c < CPW; ++c) {
+            acc[r][c] = 0.0f;
+        }
+    }
+    const unsigned int vw = lane % W;  // values loop: this lane's word
+    const unsigned int vj = lane / W;  // and its first token
+    const unsigned int jj = (vw * CPW) / G;  // its value group
+
+    // a chunk's loads: key words (lane = token), key parameters (lane = channel), value words
+    // (lane = word vw of tokens vj, vj + P, ...), value parameters (lane = token)
+    unsigned int kw[W], kq[DL], vv[W], vq[NGV];  // the chunk the arithmetic works on
+    unsigned int nkw[W], nkq[DL], nvv[W], nvq[NGV];  // the chunk whose loads were issued last
+    for (unsigned int it = 0;; ++it) {
+        const unsigned int cl = c0 + warp + it * NW;  // the chunk whose loads this pass issues
+        if (AHEAD) {
+            KA_UNROLL
+            for (unsigned int i = 0; i < W; ++i) {
+                kw[i] = nkw[i];
+                vv[i] = nvv[i];
+            }
+            KA_UNROLL
+            for (unsigned int i = 0; i < DL; ++i) {
+                kq[i] = nkq[i];
+            }
+            KA_UNROLL
+            for (unsigned int i = 0; i < NGV; ++i) {
+                vq[i] = nvq[i];
+            }
+        }
+        if (cl < c1 && cl < nqc) {
+            const unsigned int g = cl * 32u / G;
+            const KA_DEV unsigned int* kb = kc + ((bh * NGC + g) * W) * G + (cl * 32u + lane) % G;
+            KA_UNROLL
+            for (unsigned int w = 0; w < W; ++w) {
+                nkw[w] = kb[w * G];
+            }
+            KA_UNROLL
+            for (unsigned int i = 0; i < DL; ++i) {
+                nkq[i] = ka_pair_bits(kp, (bh * NGC + g) * D + lane + 32u * i);
+            }
+            const KA_DEV unsigned int* vb = vc + (bh * SC + cl * 32u + vj) * W + vw;
+            KA_UNROLL
+            for (unsigned int i = 0; i < W; ++i) {
+                nvv[i] = vb[i * P * W];
+            }
+            KA_UNROLL
+            for (unsigned int j = 0; j < NGV; ++j) {
+                nvq[j] = ka_pair_bits(vp, (bh * SC + cl * 32u + lane) * NGV + j);
+            }
+        }
+        if (!AHEAD) {
+            KA_UNROLL
+            for (unsigned int i = 0; i < W; ++i) {
+                kw[i] = nkw[i];
+                vv[i] = nvv[i];
+            }
+            KA_UNROLL
+            for (unsigned int i = 0; i < DL; ++i) {
+                kq[i] = nkq[i];
+            }
+            KA_UNROLL
+            for (unsigned int i = 0; i < NGV; ++i) {
+                vq[i] = nvq[i];
+            }
+        }
+        if (it < AHEAD) {
+            continue;
+        }
+        const unsigned int c = cl - AHEAD * NW;  // the chunk the arithmetic works on
+        if (c >= c1) {
+            break;
+        }
+        const bool quant = c < nqc;
+        const unsigned int t0 = c * 32u;
+        float bias[R];
+        KA_UNROLL
+        for (unsigned int r = 0; r < R; ++r) {
+            bias[r] = 0.0f;
+        }
+        KA_SYNCWARP;  // the previous chunk is done with p and the value parameters (qs's memory)
+        KA_UNROLL
+        for (unsigned int i = 0; i < DL; ++i) {
+            const unsigned int d = lane + 32u * i;
+            const unsigned int cc = d % CPW;
+            const float2 kpar = ka_unpair(kq[i]);
+            const float f = quant ? ka_pow2m(cc < LOW ? cc * BITS : (cc - LOW) * BITS) : 1.0f;
+            const float s = quant ? kpar.x * f : 1.0f;
+            const float z = quant ? kpar.y : 0.0f;
+            const KA_TG float4* qa = (const KA_TG float4*)(qsh + d * RP);
+            KA_TG float4* qo = (KA_TG float4*)(qs + d * RP);
+            KA_UNROLL
+            for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
+                const float4 a = qa[r4];
+                qo[r4] = ka_f4(a.x * s, a.y * s, a.z * s, a.w * s);
+                const float av[4] = {a.x, a.y, a.z, a.w};
+                KA_UNROLL
+                for (unsigned int k = 0; k < 4; ++k) {
+                    if (4 * r4 + k < R) {
+                        bias[4 * r4 + k < R ? 4 * r4 + k : 0] += av[k] * z;
+                    }
+                }
+            }
+        }
+        if (quant) {
+            KA_UNROLL
+            for (unsigned int r = 0; r < R; ++r) {
+                KA_UNROLL
+                for (unsigned int o = 16; o > 0; o /= 2) {
+                    bias[r] += ka_shfl_xor(bias[r], o);
+                }
+            }
+        }
+        KA_SYNCWARP;
+        // scores: lane = token t0 + lane
+        float s[RP];
+        KA_UNROLL
+        for (unsigned int r = 0; r < RP; ++r) {
+            s[r] = r < R ? bias[r < R ? r : 0] : 0.0f;
+        }
+        const unsigned int rt = t0 + lane - nq;  // residual token (residual chunks only)
+        const bool valid = quant || rt < nr;
+        if (quant) {
+            KA_UNROLL
+            for (unsigned int w = 0; w < W; ++w) {
+                const unsigned int hi = kw[w] >> (LOW * BITS);
+                KA_UNROLL
+                for (unsigned int cc = 0; cc < CPW; ++cc) {
+                    const float x = cc < LOW ? ka_code(kw[w] & (MASK << (cc * BITS))) : ka_code(hi & (MASK << ((cc - LOW) * BITS)));
+                    const KA_TG float4* f = (const KA_TG float4*)(qs + (w * CPW + cc) * RP);
+                    KA_UNROLL
+                    for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
+                        const float4 v = f[r4];
+                        s[4 * r4] += v.x * x;
+                        s[4 * r4 + 1] += v.y * x;
+                        s[4 * r4 + 2] += v.z * x;
+                        s[4 * r4 + 3] += v.w * x;
+                    }
+                }
+            }
+        } else if (valid) {
+            const KA_DEV T* kr = rk + (bh * RC + rt) * D;
+            KA_UNROLL_4
+            for (unsigned int d = 0; d < D; ++d) {
+                const float x = static_cast<float>(kr[d]);
+                const KA_TG float4* f = (const KA_TG float4*)(qs + d * RP);
+                KA_UNROLL
+                for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
+                    const float4 v = f[r4];
+                    s[4 * r4] += v.x * x;
+                    s[4 * r4 + 1] += v.y * x;
+                    s[4 * r4 + 2] += v.z * x;
+                    s[4 * r4 + 3] += v.w * x;
+                }
+            }
+        }
+        // online softmax over the chunk, as v2
+        bool grows = false;
+        KA_UNROLL
+        for (unsigned int r = 0; r < R; ++r) {
+            grows = grows || (valid && s[r] > m[r]);
+        }
+        if (ka_any(grows)) {
+            KA_UNROLL
+            for (unsigned int r = 0; r < R; ++r) {
+                float cm = valid ? s[r] : ninf;
+                KA_UNROLL
+                for (unsigned int o = 16; o > 0; o /= 2) {
+                    cm = ka_max(cm, ka_shfl_xor(cm, o));
+                }
+                const float mn = ka_max(m[r], cm);
+                const float alpha = ka_exp(m[r] - mn);  // 0 on the first chunk (m = -inf)
+                lsum[r] *= alpha;
+                zacc[r] *= alpha;
+                KA_UNROLL
+                for (unsigned int cc = 0; cc < CPW; ++cc) {
+                    acc[r][cc] *= alpha;
+                }
+                m[r] = mn;
+            }
+        }
+        KA_SYNCWARP;  // every lane is done with the folded query: p and the parameters take its place
+        KA_TG float4* po = (KA_TG float4*)(ps + lane * RP);
+        KA_UNROLL
+        for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
+            float pv4[4];
+            KA_UNROLL
+            for (unsigned int k = 0; k < 4; ++k) {
+                const unsigned int r = 4 * r4 + k < R ? 4 * r4 + k : 0;
+                pv4[k] = valid && 4 * r4 + k < R ? ka_exp(s[4 * r4 + k] - m[r]) : 0.0f;
+                lsum[r] += 4 * r4 + k < R ? pv4[k] : 0.0f;
+            }
+            po[r4] = ka_f4(pv4[0], pv4[1], pv4[2], pv4[3]);
+        }
+        if (quant) {
+            KA_UNROLL
+            for (unsigned int j = 0; j < NGV; ++j) {
+                vps[lane * NGV + j] = vq[j];
+            }
+        }
+        KA_SYNCWARP;
+        // p·V: lane (vw, vj) takes word vw of tokens vj, vj + P, ...
+        KA_UNROLL
+        for (unsigned int i = 0; i < W; ++i) {
+            const unsigned int tl = i * P + vj;
+            float pt[RP];
+            const KA_TG float4* pin = (const KA_TG float4*)(ps + tl * RP);
+            KA_UNROLL
+            for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
+                const float4 v = pin[r4];
+                pt[4 * r4] = v.x;
+                pt[4 * r4 + 1] = v.y;
+                pt[4 * r4 + 2] = v.z;
+                pt[4 * r4 + 3] = v.w;
+            }
+            if (quant) {
+                const unsigned int word = vv[i];
+                const float2 vpar = ka_unpair(vps[tl * NGV + jj]);
+                const unsigned int hi = word >> (LOW * BITS);
+                float pv[R];
+                KA_UNROLL
+                for (unsigned int r = 0; r < R; ++r) {
+                    pv[r] = pt[r] * vpar.x;
+                    zacc[r] += pt[r] * vpar.y;
+                }
+                KA_UNROLL
+                for (unsigned int cc = 0; cc < CPW; ++cc) {
+                    const float x = cc < LOW ? ka_code(word & (MASK << (cc * BITS))) : ka_code(hi & (MASK << ((cc - LOW) * BITS)));
+                    KA_UNROLL
+                    for (unsigned int r = 0; r < R; ++r) {
+                        acc[r][cc] += pv[r] * x;
+                    }
+                }
+            } else if (t0 + tl - nq < nr) {
+                const KA_DEV T* vr = rv + (bh * RC + t0 + tl - nq) * D + vw * CPW;
+                KA_UNROLL
+                for (unsigned int cc = 0; cc < CPW; ++cc) {
+                    // times 2^off, which the final scaling of acc undoes (exactly: powers of two)
+                    const float x = static_cast<float>(vr[cc]) * ka_pow2(cc < LOW ? cc * BITS : (cc - LOW) * BITS);
+                    KA_UNROLL
+                    for (unsigned int r = 0; r < R; ++r) {
+                        acc[r][cc] += pt[r] * x;
+                    }
+                }
+            }
+        }
+    }
+"""
+_BODY_V3 += _BODY[_BODY.index("    // the warp's totals"):]
+
 # NVRTC may contract a*b+c into FMAs here: unlike the quantizer, attention is only held to the
 # float32 accumulation bound, which contraction keeps.
 _CUDA_HEADER = """
@@ -698,6 +1013,14 @@ __device__ __forceinline__ float4 ka_f4(float a, float b, float c, float d) { re
 // a float16 (scale, zero) pair, one 4-byte load
 __device__ __forceinline__ float2 ka_pair(const __half* p, unsigned int i) {
     return __half22float2(reinterpret_cast<const __half2*>(p)[i]);
+}
+// the same pair's 4 bytes as loaded, and as floats (registers in flight hold the smaller form)
+__device__ __forceinline__ unsigned int ka_pair_bits(const __half* p, unsigned int i) {
+    return reinterpret_cast<const unsigned int*>(p)[i];
+}
+__device__ __forceinline__ float2 ka_unpair(unsigned int u) {
+    return make_float2(static_cast<float>(__ushort_as_half((unsigned short)(u & 0xffffu))),
+                       static_cast<float>(__ushort_as_half((unsigned short)(u >> 16))));
 }
 __device__ __forceinline__ bool ka_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
 __device__ __forceinline__ float ka_shfl_xor(float v, unsigned int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
@@ -724,6 +1047,8 @@ inline float ka_pow2m(unsigned int e) { return as_type<float>((127u - e) << 23);
 inline float ka_pow2(unsigned int e) { return as_type<float>((127u + e) << 23); }
 inline float4 ka_f4(float a, float b, float c, float d) { return float4(a, b, c, d); }
 inline float2 ka_pair(const device half* p, unsigned int i) { return float2(((const device half2*)p)[i]); }
+inline unsigned int ka_pair_bits(const device half* p, unsigned int i) { return ((const device unsigned int*)p)[i]; }
+inline float2 ka_unpair(unsigned int u) { return float2(as_type<half2>(u)); }
 inline bool ka_any(bool p) { return metal::simd_any(p); }
 inline float ka_shfl_xor(float v, unsigned int m) { return metal::simd_shuffle_xor(v, ushort(m)); }
 inline float ka_shfl(float v, unsigned int src) { return metal::simd_shuffle(v, ushort(src)); }
@@ -782,7 +1107,11 @@ DIALECTS = {
 INPUTS = ["q", "kc", "kp", "vc", "vp", "rk", "rv", "meta", "scratch", "counters", "after"]
 
 
-VERSIONS = ("v2", "run2")
+VERSIONS = ("v3", "v2", "run2")
+# the kernel a launch uses unless told (VQPIPE_KIVI_DECODE): v3 unless the GPU says otherwise
+VERSION = os.environ.get("VQPIPE_KIVI_DECODE", "v3")
+if VERSION not in VERSIONS:
+    raise ValueError(f"VQPIPE_KIVI_DECODE={VERSION!r}: expected one of {', '.join(VERSIONS)}")
 
 # How the launch hands the kernel the softmax scale and the token counts (quantized, residual):
 # - "small" (the default): the scale as a template argument (its float32 bits, exact; one compile
@@ -806,29 +1135,54 @@ _COUNTS = {
 }
 
 
-def render(dialect, version="v2", meta=None):
+def _minified(src):
+    """``src`` without comments, indentation and blank lines. MLX's cuda_kernel rebuilds the whole
+    kernel source string on every call (mlx/backend/cuda/custom_kernel.cpp, build_kernel) before it
+    looks the compiled kernel up by name, so the source's length is host time per launch."""
+    lines = (line.split("//")[0].strip() for line in src.splitlines())
+    return "\n".join(line for line in lines if line) + "\n"
+
+
+# __launch_bounds__ through the header: MLX writes the kernel's "__global__ void name(...)" itself,
+# after the header, and __global__ is a macro (crt/host_defines.h: __location__(global)), so the
+# header can redefine it to carry the bounds, the one way to set them through mx.fast.cuda_kernel.
+_BOUNDS = "#undef __global__\n#define __global__ __location__(global) __launch_bounds__({threads}, {blocks})\n"
+
+
+def render(dialect, version=None, meta=None, warps=WARPS, minblocks=0, minify=True):
     """(name, header, body) in one dialect; the name carries a digest of the source (MLX caches
-    compiled kernels by name). ``version``: "v2" (the current kernel) or "run2" (the one H200 run 2
-    tested); ``meta``: how scale and counts arrive (:data:`META_MODES`, default :data:`META`)."""
+    compiled kernels by name). ``version``: :data:`VERSIONS` (default :data:`VERSION`); ``meta``:
+    how scale and counts arrive (:data:`META_MODES`, default :data:`META`); ``minblocks`` > 0
+    (CUDA only): __launch_bounds__(32 * warps, minblocks), registers capped so that many blocks of
+    ``warps`` warps fit an SM; ``minify``: strip comments and indentation (:func:`_minified`)."""
     spec = DIALECTS[dialect]
-    body = {"v2": _BODY, "run2": _BODY_RUN2}[version].replace("NSMAX", str(NSMAX))
+    body = {"v3": _BODY_V3, "v2": _BODY, "run2": _BODY_RUN2}[version or VERSION].replace("NSMAX", str(NSMAX))
     body = body.replace("@COUNTS@", _COUNTS[meta or META])
     for token in sorted(spec["tokens"], key=len, reverse=True):  # KA_TG before KA_T..., longest first
         body = body.replace(token, spec["tokens"][token])
-    digest = hashlib.sha1((spec["header"] + body).encode()).hexdigest()[:10]
-    return f"kivi_decode_attn_{digest}", spec["header"], body
+    header = spec["header"]
+    if minblocks and dialect == "cuda":
+        header = _BOUNDS.format(threads=32 * warps, blocks=minblocks) + header
+    if minify:
+        header, body = _minified(header), _minified(body)
+    digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
+    return f"kivi_decode_attn_{digest}", header, body
 
 
-def shared_floats(head_dim, ratio, warps=WARPS):
-    """Floats of shared memory the current kernel declares (its SH)."""
+def shared_floats(head_dim, ratio, warps=WARPS, group_size=32, version=None):
+    """Floats of shared memory a kernel version declares (its SH)."""
     rp = -(-ratio // 4) * 4
-    shq = head_dim * rp + warps * (head_dim + 32) * rp
+    if (version or VERSION) == "v3":
+        shq = head_dim * rp + warps * max(head_dim * rp, 32 * (rp + -(-head_dim // group_size)))
+    else:
+        shq = head_dim * rp + warps * (head_dim + 32) * rp
     return max(shq, warps * ratio * (head_dim + 2), (NSMAX + 1) * ratio + 3)
 
 
 @functools.lru_cache(maxsize=256)  # asked per layer and step; the answer depends on these ints only
-def unsupported(head_dim, value_dim, bits, group_size, ratio, warps=WARPS):
-    """Why the kernel cannot serve this geometry (a sentence), or None."""
+def unsupported(head_dim, value_dim, bits, group_size, ratio, warps=None, version=None):
+    """Why the kernel cannot serve this geometry (a sentence), or None. ``warps``: per block
+    (default: the launch shape's, :func:`default_shape`)."""
     w = head_dim * bits // 32
     if value_dim != head_dim:
         return f"keys and values have different head dims ({head_dim}, {value_dim})"
@@ -838,7 +1192,8 @@ def unsupported(head_dim, value_dim, bits, group_size, ratio, warps=WARPS):
         return f"group_size {group_size} is not a multiple of 32 (the kernel's chunk)"
     if not 1 <= ratio <= 8:
         return f"{ratio} query heads per KV head (the kernel serves 1 to 8)"
-    if 4 * shared_floats(head_dim, ratio, warps) > 48 * 1024:
+    warps = warps or default_shape(bits, version).warps
+    if 4 * (shared_floats(head_dim, ratio, warps, group_size, version) + 1) > 48 * 1024:
         return f"shared memory over 48 KiB ({warps} warps, D {head_dim}, {ratio} query heads per KV head)"
     return None
 
@@ -846,10 +1201,10 @@ def unsupported(head_dim, value_dim, bits, group_size, ratio, warps=WARPS):
 _kernels = {}
 
 
-def _kernel(dialect, version="v2", meta=None):
-    key = (dialect, version, meta or META)
+def _kernel(dialect, version=None, meta=None, warps=WARPS, minblocks=0, minify=True):
+    key = (dialect, version or VERSION, meta or META, warps if minblocks else 0, minblocks, minify)
     if key not in _kernels:
-        name, header, body = render(*key)
+        name, header, body = render(dialect, key[1], key[2], warps, minblocks, minify)
         make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
         _kernels[key] = make(name=name, input_names=INPUTS, output_names=["out"], source=body, header=header)
     return _kernels[key]
@@ -874,12 +1229,42 @@ def applies(queries, cache, use_kernels=None):
 CHUNKS_PER_WARP = 2
 
 
-def default_shape(bits):
-    """(warps per block, chunks per warp) of a launch. From the H200 op benchmark at 32k
-    (docs/results/2026-12-01-h200-kivi2): at 2 bits the kernel needs 159 registers per thread, so
-    only one 8-warp block fits an SM and 4-warp blocks were 1.23x faster (beyond the 9 % floor); at
-    4 bits 8 x 4 was the fastest shape, by less than the floor."""
-    return (4, 2) if bits == 2 else (8, 4)
+class Shape(typing.NamedTuple):
+    """How a launch is laid out: warps per block, chunks per warp (sets the splits), chunks whose
+    loads run ahead of the arithmetic (v3's PF, 0 or 1) and the blocks per SM that
+    __launch_bounds__ asks the compiler to fit (0: no bounds)."""
+
+    warps: int
+    per_warp: int
+    ahead: int = 0
+    minblocks: int = 0
+
+
+def default_shape(bits, version=None):
+    """The launch shape of a kernel version at a bit width. v2, from the H200 op benchmark at 32k
+    (docs/results/2026-12-01-h200-kivi2): 4 x 2 at 2 bits (its registers let one 8-warp block fit an
+    SM), 8 x 4 at 4 bits. v3: see docs/kivi.md (fourth H200 window)."""
+    if (version or VERSION) == "v3":
+        return V3_SHAPES.get(bits, V3_SHAPES[4])
+    return Shape(4, 2) if bits == 2 else Shape(8, 4)
+
+
+def parse_shape(text):
+    """"8x2" or "8x2:pf1:mb2" (warps x chunks per warp, loads ahead, launch-bounds blocks) -> Shape."""
+    head, *rest = text.split(":")
+    try:
+        w, per = (int(x) for x in head.split("x"))
+        opts = {x[:2]: int(x[2:]) for x in rest}
+    except ValueError:
+        raise ValueError(f"launch shape {text!r}: expected WARPSxCHUNKS[:pfN][:mbN]") from None
+    if set(opts) - {"pf", "mb"} or opts.get("pf", 0) not in (0, 1) or not 1 <= w <= 32 or per < 1:
+        raise ValueError(f"launch shape {text!r}: expected WARPSxCHUNKS[:pfN][:mbN], pf 0 or 1")
+    return Shape(w, per, opts.get("pf", 0), opts.get("mb", 0))
+
+
+# v3's launch per bit width; VQPIPE_KIVI_V3_SHAPE<bits> (e.g. "8x2:pf1") replaces one, for the benchmark
+V3_SHAPES = {2: Shape(4, 2, 1, 0), 4: Shape(4, 2, 1, 0), 8: Shape(4, 2, 1, 0)}
+V3_SHAPES.update({b: parse_shape(os.environ[f"VQPIPE_KIVI_V3_SHAPE{b}"]) for b in (2, 4, 8) if f"VQPIPE_KIVI_V3_SHAPE{b}" in os.environ})
 
 
 def default_splits(chunks, warps=WARPS, per_warp=None):
@@ -898,13 +1283,28 @@ def scale_bits(scale):
     return struct.unpack("<i", struct.pack("<f", scale))[0]
 
 
-def launch_args(queries, cache, scale, splits=None, warps=None, meta=None):
-    """(inputs, launch keywords) of one call: everything :func:`decode_attention` hands MLX.
-    ``meta``: :data:`META_MODES` (default :data:`META`)."""
+def launch_shape(bits, version=None, warps=None, ahead=None, minblocks=None):
+    """The default shape of ``version`` at ``bits`` with the given fields replaced; ``warps`` given
+    alone keeps the default chunks per warp of an explicit warp count (CHUNKS_PER_WARP)."""
+    shape = default_shape(bits, version)
+    if warps is not None:
+        shape = shape._replace(warps=warps, per_warp=CHUNKS_PER_WARP)
+    if ahead is not None:
+        shape = shape._replace(ahead=ahead)
+    if minblocks is not None:
+        shape = shape._replace(minblocks=minblocks)
+    return shape
+
+
+def launch_args(queries, cache, scale, splits=None, warps=None, meta=None, version=None, ahead=None, minblocks=None):
+    """(inputs, launch keywords) of one call: everything :func:`decode_attention` hands MLX but the
+    kernel object (:func:`_kernel` with the spec's "shape"). ``meta``: :data:`META_MODES` (default
+    :data:`META`)."""
     rk, rv, nres = cache.residual_buffers()
     b, h, _, d = rk.shape
     r = queries.shape[1] // h
     g, bits = cache.group_size, cache.kv_bits
+    version = version or VERSION
     if cache.kc is None:  # nothing quantized yet: one zero group stands in for the buffers
         w = d * bits // 32
         kc, kp = mx.zeros((b, h, 1, w, g), mx.uint32), mx.zeros((b, h, 1, d, 2), mx.float16)
@@ -912,18 +1312,16 @@ def launch_args(queries, cache, scale, splits=None, warps=None, meta=None):
     else:
         kc, kp, vc, vp = cache.kc, cache.kp, cache.vc, cache.vp
     chunks = cache.quantized // 32 + -(-nres // 32)
-    if warps is None:
-        warps, per_warp = default_shape(bits)
-        ns = splits or default_splits(chunks, warps, per_warp)
-    else:
-        ns = splits or default_splits(chunks, warps)
+    shape = launch_shape(bits, version, warps, ahead, minblocks)
+    ns = splits or default_splits(chunks, shape.warps, shape.per_warp)
     if not 1 <= ns <= NSMAX:
         raise ValueError(f"splits must be in 1..{NSMAX}, got {ns}")
     have = None if cache.scratch is None else cache.scratch[0].shape
     if have is None or have[0] != b * h or have[2] != r * (d + 2) or have[1] < ns:
-        shape = (b * h, _slots(ns), r * (d + 2))
-        cache.scratch = (mx.zeros(shape, mx.float32), mx.zeros((b * h,), mx.uint32))
-    template = [("T", rk.dtype), ("BITS", bits), ("G", g), ("D", d), ("R", r), ("NW", warps)]
+        cache.scratch = (mx.zeros((b * h, _slots(ns), r * (d + 2)), mx.float32), mx.zeros((b * h,), mx.uint32))
+    template = [("T", rk.dtype), ("BITS", bits), ("G", g), ("D", d), ("R", r), ("NW", shape.warps)]
+    if version == "v3":
+        template.append(("PF", shape.ahead))
     if (meta or META) == "small":
         counts = mx.array([cache.quantized, nres], mx.float32)
         template.append(("SCALE_BITS", scale_bits(scale)))
@@ -934,22 +1332,24 @@ def launch_args(queries, cache, scale, splits=None, warps=None, meta=None):
     inputs = [q, kc, kp, vc, vp, rk, rv, counts, *cache.scratch, after]
     spec = {
         "template": template,
-        "grid": (ns * warps * 32, b * h, 1),
-        "threadgroup": (warps * 32, 1, 1),
+        "grid": (ns * shape.warps * 32, b * h, 1),
+        "threadgroup": (shape.warps * 32, 1, 1),
         "output_shapes": [tuple(queries.shape)],
         "output_dtypes": [rk.dtype],
     }
-    return inputs, spec
+    return inputs, spec, shape
 
 
-def decode_attention(queries, cache, scale, splits=None, warps=None, version="v2", meta=None):
+def decode_attention(queries, cache, scale, splits=None, warps=None, version=None, meta=None, ahead=None, minblocks=None):
     """softmax(q·K̂ᵀ·scale)·V̂ for queries [B, Hq, 1, D] over a :class:`PackedKIVICache`, in one
-    launch. ``splits`` (blocks per KV head) and ``warps`` (per block; default
-    :func:`default_shape`) change only the order of float32 sums; ``version`` picks the kernel
-    (:data:`VERSIONS`), ``meta`` how scale and counts reach it (:data:`META_MODES`)."""
+    launch. ``splits`` (blocks per KV head), ``warps`` (per block), ``ahead`` and ``minblocks``
+    (:class:`Shape`; defaults :func:`default_shape`) change only the order of float32 sums;
+    ``version`` picks the kernel (:data:`VERSIONS`), ``meta`` how scale and counts reach it
+    (:data:`META_MODES`)."""
     if cache.offset >= 2**24:
         raise ValueError("decode attention passes token counts as float32: at most 2**24 tokens")
-    inputs, spec = launch_args(queries, cache, scale, splits, warps, meta)
-    out = _kernel(gpu.backend(), version, meta)(inputs=inputs, **spec)[0]
+    version = version or VERSION
+    inputs, spec, shape = launch_args(queries, cache, scale, splits, warps, meta, version, ahead, minblocks)
+    out = _kernel(gpu.backend(), version, meta, shape.warps, shape.minblocks)(inputs=inputs, **spec)[0]
     cache.last_out = out
     return out if out.dtype == queries.dtype else out.astype(queries.dtype)

@@ -85,7 +85,7 @@ def floor_attention(queries, cache, scale):
     if not _floor:
         _floor.append(mx.fast.cuda_kernel(name="kivi_decode_floor", input_names=decode_kernel.INPUTS,
                                           output_names=["out"], source=_FLOOR_BODY))
-    inputs, spec = decode_kernel.launch_args(queries, cache, scale)
+    inputs, spec, _ = decode_kernel.launch_args(queries, cache, scale)
     out = _floor[0](inputs=inputs, template=[("T", spec["output_dtypes"][0])], grid=(-(-queries.size // 256) * 256, 1, 1),
                     threadgroup=(256, 1, 1), output_shapes=spec["output_shapes"], output_dtypes=spec["output_dtypes"])[0]
     cache.last_out = out
@@ -124,11 +124,12 @@ def measure_op(s, args):
     for b in args.bits:
         arms[f"kivi{b}"], caches[f"kivi{b}"] = _kivi_arm(qs, kv[b], scale, n), kv[b]
     chunks = kv[args.bits[0]][0].quantized // 32 + -(-kv[args.bits[0]][0].nres // 32)
-    for version, w, per in args.variants:  # other kernels and launch shapes, at every bit width
-        ns = decode_kernel.default_splits(chunks, w, per)
+    for version, sh in args.variants:  # other kernels and launch shapes, at every bit width
+        ns = decode_kernel.default_splits(chunks, sh.warps, sh.per_warp)
         for b in args.bits:
-            name = f"kivi{b}:{version}:w{w}c{per}"
-            arms[name], caches[name] = _kivi_arm(qs, kv[b], scale, n, splits=ns, warps=w, version=version), kv[b]
+            name = f"kivi{b}:{version}:w{sh.warps}c{sh.per_warp}" + (f"pf{sh.ahead}mb{sh.minblocks}" if version == "v3" else "")
+            arms[name], caches[name] = _kivi_arm(qs, kv[b], scale, n, splits=ns, warps=sh.warps, version=version,
+                                                 ahead=sh.ahead, minblocks=sh.minblocks), kv[b]
     for meta in args.meta_variants:  # other ways of passing scale and counts, default launch shape
         for b in args.bits:
             name = f"kivi{b}:{meta}"
@@ -384,17 +385,20 @@ def _ints(text):
 
 
 def _variants(text):
-    """"8x2,run2:8x2" -> [("v2", 8, 2), ("run2", 8, 2)]: [kernel version:]warps per block x chunks per warp."""
+    """"8x2,run2:8x2,v3:4x2:pf1:mb3" -> [(version, Shape), ...]: [kernel version:]warps x chunks per
+    warp[:pf loads ahead][:mb launch-bounds blocks per SM] (decode_kernel.parse_shape); version
+    default v2."""
     out = []
     for x in (x.strip() for x in text.split(",")):
         if not x:
             continue
-        version, _, shape = x.rpartition(":")
-        version = version or "v2"
-        if version not in decode_kernel.VERSIONS:
-            raise argparse.ArgumentTypeError(f"unknown kernel version {version!r} (known: {', '.join(decode_kernel.VERSIONS)})")
-        w, per = (int(y) for y in shape.split("x"))
-        out.append((version, w, per))
+        version, shape = ("v2", x) if x.split(":")[0] not in decode_kernel.VERSIONS else x.split(":", 1)
+        if not shape or shape.split(":")[0].count("x") != 1:
+            raise argparse.ArgumentTypeError(f"variant {x!r}: expected [version:]WxC[:pfN][:mbN] (versions: {', '.join(decode_kernel.VERSIONS)})")
+        try:
+            out.append((version, decode_kernel.parse_shape(shape)))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     return out
 
 
@@ -406,7 +410,8 @@ def parse_args(argv):
     p.add_argument("--bits", type=_ints, default=[4, 2])
     p.add_argument("--mlx-bits", type=_ints, default=[8, 4, 2])
     p.add_argument("--variants", type=_variants, default=[],
-                   help="extra kernels and launch shapes timed as arms at every bit width, e.g. 4x2,run2:8x2 ([version:]warps x chunks per warp)")
+                   help="extra kernels and launch shapes timed as arms at every bit width, e.g. 4x2,run2:8x2,v3:4x2:pf1:mb3 "
+                   "([version:]warps x chunks per warp[:pf loads ahead][:mb launch-bounds blocks]; version default v2)")
     p.add_argument("--meta-variants", nargs="*", default=[], choices=decode_kernel.META_MODES,
                    help="also time the kernel with these ways of passing scale and counts (decode_kernel.META_MODES)")
     p.add_argument("--launch-floor", action="store_true",
