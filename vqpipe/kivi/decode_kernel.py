@@ -874,7 +874,7 @@ _BODY_V3 = """
                 const unsigned int hi = kw[w] >> (LOW * BITS);
                 KA_UNROLL
                 for (unsigned int cc = 0; cc < CPW; ++cc) {
-                    const float x = cc < LOW ? ka_code(kw[w] & (MASK << (cc * BITS))) : ka_code(hi & (MASK << ((cc - LOW) * BITS)));
+                    const float x = cc < LOW ? ka_field(kw[w], MASK << (cc * BITS)) : ka_field(hi, MASK << ((cc - LOW) * BITS));
                     const KA_TG float4* f = (const KA_TG float4*)(qs + (w * CPW + cc) * RP);
                     KA_UNROLL
                     for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
@@ -973,7 +973,7 @@ _BODY_V3 = """
                 }
                 KA_UNROLL
                 for (unsigned int cc = 0; cc < CPW; ++cc) {
-                    const float x = cc < LOW ? ka_code(word & (MASK << (cc * BITS))) : ka_code(hi & (MASK << ((cc - LOW) * BITS)));
+                    const float x = cc < LOW ? ka_field(word, MASK << (cc * BITS)) : ka_field(hi, MASK << ((cc - LOW) * BITS));
                     KA_UNROLL
                     for (unsigned int r = 0; r < R; ++r) {
                         acc[r][cc] += pv[r] * x;
@@ -1006,6 +1006,18 @@ __device__ __forceinline__ float ka_bits_float(int b) { return __int_as_float(b)
 __device__ __forceinline__ float ka_exp(float x) { return expf(x); }
 // a code < 2^23 as the mantissa of 2^23, minus 2^23: exact, and cheaper than an int-to-float
 __device__ __forceinline__ float ka_code(unsigned int c) { return __uint_as_float(0x4B000000u | c) - 8388608.0f; }
+// the field ``mask`` of ``w`` in place, as ka_code reads it: (w & mask) | 2^23's bits is one LOP3
+// with the mask as its immediate and 2^23's bits in a register; written in C, ptxas emits two LOP3s
+// (two immediates), one more instruction per code
+__device__ __forceinline__ float ka_field(unsigned int w, unsigned int mask) {
+#ifdef __CUDA_ARCH__
+    unsigned int r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "r"(mask), "r"(0x4B000000u));
+    return __uint_as_float(r) - 8388608.0f;
+#else
+    return __uint_as_float(0x4B000000u | (w & mask)) - 8388608.0f;
+#endif
+}
 // 2^-e and 2^e (e < 127), exact
 __device__ __forceinline__ float ka_pow2m(unsigned int e) { return __uint_as_float((127u - e) << 23); }
 __device__ __forceinline__ float ka_pow2(unsigned int e) { return __uint_as_float((127u + e) << 23); }
@@ -1043,6 +1055,7 @@ inline float ka_neg_inf() { return -INFINITY; }
 inline float ka_bits_float(int b) { return as_type<float>(b); }
 inline float ka_exp(float x) { return metal::precise::exp(x); }
 inline float ka_code(unsigned int c) { return as_type<float>(0x4B000000u | c) - 8388608.0f; }
+inline float ka_field(unsigned int w, unsigned int mask) { return as_type<float>(0x4B000000u | (w & mask)) - 8388608.0f; }
 inline float ka_pow2m(unsigned int e) { return as_type<float>((127u - e) << 23); }
 inline float ka_pow2(unsigned int e) { return as_type<float>((127u + e) << 23); }
 inline float4 ka_f4(float a, float b, float c, float d) { return float4(a, b, c, d); }
