@@ -947,47 +947,46 @@ _BODY_V3 = """
             }
         }
         KA_SYNCWARP;
-        // p·V: lane (vw, vj) takes word vw of tokens vj, vj + P, ...
-        KA_UNROLL
-        for (unsigned int i = 0; i < W; ++i) {
-            const unsigned int tl = i * P + vj;
-            float pt[RP];
-            const KA_TG float4* pin = (const KA_TG float4*)(ps + tl * RP);
+        // p·V: lane (vw, vj) takes word vw of tokens vj, vj + P, ...; the branch outside the loop,
+        // so the compiler schedules across tokens
+        if (quant) {
             KA_UNROLL
-            for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
-                const float4 v = pin[r4];
-                pt[4 * r4] = v.x;
-                pt[4 * r4 + 1] = v.y;
-                pt[4 * r4 + 2] = v.z;
-                pt[4 * r4 + 3] = v.w;
-            }
-            if (quant) {
-                const unsigned int word = vv[i];
+            for (unsigned int i = 0; i < W; ++i) {
+                const unsigned int tl = i * P + vj;
+                const float4 p4 = ((const KA_TG float4*)(ps + tl * RP))[0];
                 const float2 vpar = ka_unpair(vps[tl * NGV + jj]);
-                const unsigned int hi = word >> (LOW * BITS);
+                const unsigned int hi = vv[i] >> (LOW * BITS);
                 float pv[R];
                 KA_UNROLL
                 for (unsigned int r = 0; r < R; ++r) {
-                    pv[r] = pt[r] * vpar.x;
-                    zacc[r] += pt[r] * vpar.y;
+                    const float pr = r % 4 == 0 ? p4.x : r % 4 == 1 ? p4.y : r % 4 == 2 ? p4.z : p4.w;
+                    const float pt = r < 4 ? pr : ps[tl * RP + r];
+                    pv[r] = pt * vpar.x;
+                    zacc[r] += pt * vpar.y;
                 }
                 KA_UNROLL
                 for (unsigned int cc = 0; cc < CPW; ++cc) {
-                    const float x = cc < LOW ? ka_field(word, MASK << (cc * BITS)) : ka_field(hi, MASK << ((cc - LOW) * BITS));
+                    const float x = cc < LOW ? ka_field(vv[i], MASK << (cc * BITS)) : ka_field(hi, MASK << ((cc - LOW) * BITS));
                     KA_UNROLL
                     for (unsigned int r = 0; r < R; ++r) {
                         acc[r][cc] += pv[r] * x;
                     }
                 }
-            } else if (t0 + tl - nq < nr) {
-                const KA_DEV T* vr = rv + (bh * RC + t0 + tl - nq) * D + vw * CPW;
-                KA_UNROLL
-                for (unsigned int cc = 0; cc < CPW; ++cc) {
-                    // times 2^off, which the final scaling of acc undoes (exactly: powers of two)
-                    const float x = static_cast<float>(vr[cc]) * ka_pow2(cc < LOW ? cc * BITS : (cc - LOW) * BITS);
+            }
+        } else {
+            KA_UNROLL
+            for (unsigned int i = 0; i < W; ++i) {
+                const unsigned int tl = i * P + vj;
+                if (t0 + tl - nq < nr) {
+                    const KA_DEV T* vr = rv + (bh * RC + t0 + tl - nq) * D + vw * CPW;
                     KA_UNROLL
-                    for (unsigned int r = 0; r < R; ++r) {
-                        acc[r][cc] += pt[r] * x;
+                    for (unsigned int cc = 0; cc < CPW; ++cc) {
+                        // times 2^off, which the final scaling of acc undoes (exactly: powers of two)
+                        const float x = static_cast<float>(vr[cc]) * ka_pow2(cc < LOW ? cc * BITS : (cc - LOW) * BITS);
+                        KA_UNROLL
+                        for (unsigned int r = 0; r < R; ++r) {
+                            acc[r][cc] += ps[tl * RP + r] * x;
+                        }
                     }
                 }
             }
