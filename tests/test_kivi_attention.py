@@ -461,6 +461,25 @@ def test_launch_inputs_scale_counts_and_scratch_slots():
     assert old[7].tolist() == [0.25, c.quantized, c.nres] and "SCALE_BITS" not in dict(spec3["template"])
 
 
+def test_launch_keywords_kept_while_they_hold():
+    """The launch keywords are kept on the cache and rebuilt when anything they follow changes."""
+    k, v = _kv(1, 2, 700, 128, "float16")
+    c = _filled(4, 32, 128, k, v, [699, 1])
+    q = mx.zeros((1, 8, 1, 128), mx.float16)
+    _, spec, _ = decode_kernel.launch_args(q, c, 0.1)
+    assert decode_kernel.launch_args(q, c, 0.1)[1] is spec
+    other = decode_kernel.launch_args(q, c, 0.2)[1]
+    assert other is not spec and dict(other["template"])["SCALE_BITS"] == decode_kernel.scale_bits(0.2)
+    assert decode_kernel.launch_args(q, c, 0.2, version="v2")[1]["template"] != other["template"]
+    before = decode_kernel.launch_args(q, c, 0.1)[1]["grid"]
+    c.update_and_fetch(k[:, :, :200], v[:, :, :200])
+    inputs, grown, shape = decode_kernel.launch_args(q, c, 0.1)
+    chunks = c.quantized // 32 + -(-c.nres // 32)
+    assert grown["grid"][0] == decode_kernel.default_splits(chunks, shape.warps, shape.per_warp) * shape.warps * 32 != before[0]
+    assert inputs[decode_kernel.INPUTS.index("meta")].tolist() == [c.quantized, c.nres]
+    assert c.scratch[0].shape[1] >= grown["grid"][0] // (shape.warps * 32)
+
+
 def test_kernel_geometry_limits():
     assert decode_kernel.unsupported(128, 128, 4, 32, 4) is None
     assert decode_kernel.unsupported(128, 128, 2, 32, 8) is None

@@ -1308,40 +1308,19 @@ def launch_shape(bits, version=None, warps=None, ahead=None, minblocks=None):
     return shape
 
 
-def launch_args(queries, cache, scale, splits=None, warps=None, meta=None, version=None, ahead=None, minblocks=None):
-    """(inputs, launch keywords) of one call: everything :func:`decode_attention` hands MLX but the
-    kernel object (:func:`_kernel` with the spec's "shape"). ``meta``: :data:`META_MODES` (default
-    :data:`META`)."""
-    rk, rv, nres = cache.residual_buffers()
+def _launch_spec(queries, rk, bits, g, scale, chunks, splits, warps, meta, version, ahead, minblocks):
+    """(launch keywords, Shape, splits): what a launch takes that changes only with the counts'
+    chunk total (every 32 tokens) or the call's settings; :func:`launch_args` keeps the last one."""
     b, h, _, d = rk.shape
-    r = queries.shape[1] // h
-    g, bits = cache.group_size, cache.kv_bits
-    version = version or VERSION
-    if cache.kc is None:  # nothing quantized yet: one zero group stands in for the buffers
-        w = d * bits // 32
-        kc, kp = mx.zeros((b, h, 1, w, g), mx.uint32), mx.zeros((b, h, 1, d, 2), mx.float16)
-        vc, vp = mx.zeros((b, h, g, w), mx.uint32), mx.zeros((b, h, g, -(-d // g), 2), mx.float16)
-    else:
-        kc, kp, vc, vp = cache.kc, cache.kp, cache.vc, cache.vp
-    chunks = cache.quantized // 32 + -(-nres // 32)
     shape = launch_shape(bits, version, warps, ahead, minblocks)
     ns = splits or default_splits(chunks, shape.warps, shape.per_warp)
     if not 1 <= ns <= NSMAX:
         raise ValueError(f"splits must be in 1..{NSMAX}, got {ns}")
-    have = None if cache.scratch is None else cache.scratch[0].shape
-    if have is None or have[0] != b * h or have[2] != r * (d + 2) or have[1] < ns:
-        cache.scratch = (mx.zeros((b * h, _slots(ns), r * (d + 2)), mx.float32), mx.zeros((b * h,), mx.uint32))
-    template = [("T", rk.dtype), ("BITS", bits), ("G", g), ("D", d), ("R", r), ("NW", shape.warps)]
+    template = [("T", rk.dtype), ("BITS", bits), ("G", g), ("D", d), ("R", queries.shape[1] // h), ("NW", shape.warps)]
     if version == "v3":
         template.append(("PF", shape.ahead))
-    if (meta or META) == "small":
-        counts = mx.array([cache.quantized, nres], mx.float32)
+    if meta == "small":
         template.append(("SCALE_BITS", scale_bits(scale)))
-    else:
-        counts = mx.array([scale, cache.quantized, nres], mx.float32)
-    q = queries if queries.dtype == rk.dtype else queries.astype(rk.dtype)
-    after = cache.last_out if cache.last_out is not None else counts
-    inputs = [q, kc, kp, vc, vp, rk, rv, counts, *cache.scratch, after]
     spec = {
         "template": template,
         "grid": (ns * shape.warps * 32, b * h, 1),
@@ -1349,7 +1328,40 @@ def launch_args(queries, cache, scale, splits=None, warps=None, meta=None, versi
         "output_shapes": [tuple(queries.shape)],
         "output_dtypes": [rk.dtype],
     }
-    return inputs, spec, shape
+    return spec, shape, ns
+
+
+def launch_args(queries, cache, scale, splits=None, warps=None, meta=None, version=None, ahead=None, minblocks=None):
+    """(inputs, launch keywords, Shape) of one call: everything :func:`decode_attention` hands MLX
+    but the kernel object. ``meta``: :data:`META_MODES` (default :data:`META`). The keywords are
+    kept on the cache and reused while nothing they depend on changes (host time per launch)."""
+    rk, rv, nres = cache.residual_buffers()
+    b, h, _, d = rk.shape
+    g, bits = cache.group_size, cache.kv_bits
+    version, meta = version or VERSION, meta or META
+    if cache.kc is None:  # nothing quantized yet: one zero group stands in for the buffers
+        w = d * bits // 32
+        kc, kp = mx.zeros((b, h, 1, w, g), mx.uint32), mx.zeros((b, h, 1, d, 2), mx.float16)
+        vc, vp = mx.zeros((b, h, g, w), mx.uint32), mx.zeros((b, h, g, -(-d // g), 2), mx.float16)
+    else:
+        kc, kp, vc, vp = cache.kc, cache.kp, cache.vc, cache.vp
+    chunks = cache.quantized // 32 + -(-nres // 32)
+    key = (queries.shape, queries.dtype, rk.shape, rk.dtype, scale, chunks, splits, warps, meta, version, ahead, minblocks)
+    memo = cache.launch_memo
+    if memo is None or memo[0] != key:
+        memo = cache.launch_memo = (key, _launch_spec(queries, rk, bits, g, scale, chunks, splits, warps, meta, version, ahead, minblocks))
+    spec, shape, ns = memo[1]
+    r = queries.shape[1] // h
+    have = None if cache.scratch is None else cache.scratch[0].shape
+    if have is None or have[0] != b * h or have[2] != r * (d + 2) or have[1] < ns:
+        cache.scratch = (mx.zeros((b * h, _slots(ns), r * (d + 2)), mx.float32), mx.zeros((b * h,), mx.uint32))
+    if meta == "small":
+        counts = mx.array([cache.quantized, nres], mx.float32)
+    else:
+        counts = mx.array([scale, cache.quantized, nres], mx.float32)
+    q = queries if queries.dtype == rk.dtype else queries.astype(rk.dtype)
+    after = cache.last_out if cache.last_out is not None else counts
+    return [q, kc, kp, vc, vp, rk, rv, counts, *cache.scratch, after], spec, shape
 
 
 def decode_attention(queries, cache, scale, splits=None, warps=None, version=None, meta=None, ahead=None, minblocks=None):

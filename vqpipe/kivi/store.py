@@ -35,6 +35,7 @@ class PackedKIVICache(_BaseCache):
     _rk = _rv = None
     scratch = None
     last_out = None
+    launch_memo = None
     nres = 0
     offset = 0
     quantized = 0
@@ -52,6 +53,7 @@ class PackedKIVICache(_BaseCache):
         self.nres = self.offset = self.quantized = self.flushes = 0
         self.scratch = None  # the decode kernel's per-cache work buffers (decode_kernel.py)
         self.last_out = None  # its last output, which orders the next launch after it
+        self.launch_memo = None  # the decode launch's keywords, reused while they hold
 
     # --- storage ---------------------------------------------------------------------------
     # The residual lives in a buffer of capacity >= R + G, the newest tokens written in place
@@ -172,7 +174,7 @@ class PackedKIVICache(_BaseCache):
 
     @state.setter
     def state(self, v):
-        self.scratch = self.last_out = None
+        self.scratch = self.last_out = self.launch_memo = None
         if not v:
             self.kc = self.kp = self.vc = self.vp = self._rk = self._rv = None
             self.nres = self.offset = self.quantized = self.flushes = 0
