@@ -46,17 +46,41 @@ def source(version, dtype, bits, g, d, r, warps, extra=(), minblocks=0):
             + "\n  ".join(consts) + "\n" + body + "\n}\n}\n")
 
 
-def ptxas(src, arch="sm_90"):
+def ptxas(src, arch="sm_90", nvdisasm=None):
     with tempfile.TemporaryDirectory() as t:
         (Path(t) / "k.cu").write_text(src)
         r = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-std=c++17", "-Xptxas", "-v", "k.cu", "-o", "k.cubin"], cwd=t,
                            capture_output=True, text=True)
+        sass = subprocess.run([nvdisasm, "-c", "k.cubin"], cwd=t, capture_output=True, text=True).stdout if nvdisasm and not r.returncode else ""
     if r.returncode:
         raise RuntimeError(r.stderr[-3000:])
     regs = int(re.search(r"Used (\d+) registers", r.stderr).group(1))
     spill = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", r.stderr)] or [0, 0]
     smem = re.search(r"(\d+) bytes smem", r.stderr)
-    return {"registers": regs, "spill_stores": spill[0], "spill_loads": spill[1], "smem": int(smem.group(1)) if smem else 0}
+    out = {"registers": regs, "spill_stores": spill[0], "spill_loads": spill[1], "smem": int(smem.group(1)) if smem else 0}
+    if sass:
+        out.update(sass_blocks(sass))
+    return out
+
+
+def sass_blocks(sass):
+    """Instruction count, the largest basic blocks with arithmetic (instructions, FFMAs), and the
+    quantized-code round trips a chunk waits on in line: blocks whose FFMAs sit with plain 32-bit
+    global loads (LDG.E: code words and parameter pairs; the residual's are .U16, the final merge's
+    .STRONG.GPU). v2's values loop is one such block per unrolled token-word, each load followed by
+    the arithmetic that needs it."""
+    blocks, label = {}, "entry"
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if m:
+            blocks.setdefault(label, []).append(m.group(1))
+        elif re.match(r"\.L_x_\d+:", line.strip()):
+            label = line.strip()
+    math = [b for b in blocks.values() if any("FFMA" in x for x in b)]
+    code_ld = lambda b: sum(bool(re.search(r"\bLDG\.E\s", x)) for x in b)  # noqa: E731
+    return {"sass_instructions": sum(len(b) for b in blocks.values()),
+            "largest_math_blocks": sorted(((len(b), sum("FFMA" in x for x in b)) for b in math), reverse=True)[:3],
+            "in_line_load_blocks": sum(code_ld(b) > 0 for b in math)}
 
 
 def blocks_per_sm(regs, smem, warps):
@@ -77,6 +101,7 @@ def main(argv=None):
     p.add_argument("--extra", nargs="*", default=[], help="more constants NAME=VALUE (v3: PF=0 or 1)")
     p.add_argument("--minblocks", type=int, nargs="+", default=[0], help="__launch_bounds__ blocks per SM (0: none)")
     p.add_argument("--print", action="store_true", help="print the source")
+    p.add_argument("--nvdisasm", help="path of nvdisasm: also count the SASS (pip package nvidia-cuda-nvdisasm)")
     a = p.parse_args(argv)
     extra = [tuple(x.split("=")) for x in a.extra]
     for bits in a.bits:
@@ -84,10 +109,14 @@ def main(argv=None):
             src = source(a.version, a.dtype, bits, a.group_size, a.head_dim, a.ratio, w, extra, mb)
             if a.print:
                 print(src)
-            rep = ptxas(src)
+            rep = ptxas(src, nvdisasm=a.nvdisasm)
             nb = blocks_per_sm(rep["registers"], rep["smem"], w)
-            print(f"{a.version} {a.dtype} bits {bits} D {a.head_dim} R {a.ratio} warps {w} minblocks {mb} {' '.join(a.extra)}: {rep['registers']} registers, "
-                  f"spills {rep['spill_stores']}/{rep['spill_loads']} B, smem {rep['smem']} B -> {nb} blocks/SM, {nb * w} warps/SM")
+            line = (f"{a.version} {a.dtype} bits {bits} D {a.head_dim} R {a.ratio} warps {w} minblocks {mb} {' '.join(a.extra)}: {rep['registers']} registers, "
+                    f"spills {rep['spill_stores']}/{rep['spill_loads']} B, smem {rep['smem']} B -> {nb} blocks/SM, {nb * w} warps/SM")
+            if "sass_instructions" in rep:
+                line += (f"; SASS {rep['sass_instructions']}, largest blocks (instructions, FFMA) {rep['largest_math_blocks']}, "
+                         f"{rep['in_line_load_blocks']} blocks with code loads among their FFMAs")
+            print(line)
 
 
 if __name__ == "__main__":

@@ -569,12 +569,19 @@ def test_bench_kivi_attn_quick_runs_every_part(tmp_path, monkeypatch):
     from vqpipe.stages import bench_kivi_attn
 
     monkeypatch.setattr(decode_kernel, "active", lambda use_kernels=None: use_kernels is not False)
-    monkeypatch.setattr(decode_kernel, "decode_attention", lambda q, c, scale, **kw: attention.attend_tiles(q, c, scale))
+    def stand_in(q, c, scale, **kw):  # the tile path; a launch-bounds variant "fails to compile"
+        if kw.get("minblocks") == 5:
+            raise RuntimeError("nvrtc: stand-in compile error")
+        return attention.attend_tiles(q, c, scale)
+
+    monkeypatch.setattr(decode_kernel, "decode_attention", stand_in)
     out = tmp_path / "a.json"
-    assert bench_kivi_attn.main(["--out", str(out), "--quick", "--variants", "2x1,run2:8x2,v3:4x2:pf1:mb3", "--work", str(tmp_path / "m")]) == 0
+    assert bench_kivi_attn.main(["--out", str(out), "--quick", "--variants", "2x1,run2:8x2,v3:4x2:pf1:mb3,v3:8x2:mb5",
+                                 "--work", str(tmp_path / "m")]) == 0
     doc = json.loads(out.read_text())
     (op,) = doc["op"]
     variants = {f"kivi{b}:{v}" for b in (4, 2) for v in ("v2:w2c1", "run2:w8c2", "v3:w4c2pf1mb3")}
+    assert set(op["failed_arms"]) == {"kivi4:v3:w8c2pf0mb5", "kivi2:v3:w8c2pf0mb5"}
     assert set(op["arms"]) == {"fp16-sdpa", "mlx-q4", "kivi4", "kivi2"} | variants and op["noise_floor"] >= 0
     assert set(op["kernel_vs_tiles_max_abs"]) == {"kivi4", "kivi2"} | variants
     assert all(v > 0 for v in op["build_seconds_per_layer"].values())
