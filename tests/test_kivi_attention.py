@@ -461,6 +461,61 @@ def test_launch_inputs_scale_counts_and_scratch_slots():
     assert old[7].tolist() == [0.25, c.quantized, c.nres] and "SCALE_BITS" not in dict(spec3["template"])
 
 
+def test_precompiled_kernel_source():
+    """v3 as one translation unit for mx.fast.precompiled_cuda_kernel: sizes and scale as scalar
+    parameters, no MLX shape arguments or counts array, launch bounds written plainly; it compiles
+    with NVRTC where the library is found (the PTX carries the entry and the bounds)."""
+    shape = decode_kernel.Shape(8, 2, 1, 2)
+    name, src = decode_kernel.render_precompiled(mx.float16, 4, 32, 128, 4, shape)
+    assert f'extern "C" __global__ void __launch_bounds__(256, 2) {name}(' in src and name.startswith("kivi_decode_pre_")
+    assert "_shape" not in src and "meta[" not in src and "KA_" not in src and "//" not in src
+    assert "const unsigned int NSP, const float sm)" in src and "using T = __half;" in src and "constexpr int PF = 1;" in src
+    other = decode_kernel.render_precompiled(mx.float16, 4, 32, 128, 4, shape._replace(minblocks=0))
+    assert other[0] != name and "__launch_bounds__(256) " in other[1]
+    assert decode_kernel.PRE_INPUTS == ["q", "kc", "kp", "vc", "vp", "rk", "rv", "scratch", "counters", "after"]
+    from vqpipe.kivi import nvrtc
+
+    try:
+        nvrtc.library()
+    except RuntimeError:
+        pytest.skip("no NVRTC library here")
+    ptx = nvrtc.ptx(src, name, "compute_90", decode_kernel._cuda_include())
+    assert f".entry {name}(".encode() in ptx and b".maxntid 256" in ptx and b".minnctapersm 2" in ptx
+
+
+def test_precompiled_launch_arguments(monkeypatch):
+    """What the precompiled launch hands MLX (recorded, no GPU): the arrays in the kernel's order,
+    the sizes and scale as scalars, the cuda_kernel launch's grid; the PTX once, in a warm-up
+    launch that is evaluated, then empty bytes (MLX keeps the module by name)."""
+    from vqpipe.kivi import nvrtc
+
+    calls, outs = [], []
+
+    def fake(**kw):
+        calls.append(kw)
+        outs.append(mx.zeros(kw["output_shapes"][0], kw["output_dtypes"][0]))
+        return [outs[-1]]
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", fake)
+    monkeypatch.setattr(nvrtc, "ptx", lambda src, name, arch, options=(): b"PTX\0")
+    monkeypatch.setattr(decode_kernel, "_pre_loaded", {})
+    k, v = _kv(1, 2, 700, 128, "float16")
+    c = _filled(4, 32, 128, k, v, [699, 1])
+    q = mx.zeros((1, 8, 1, 128), mx.float16)
+    decode_kernel.decode_precompiled(q, c, 0.125)
+    decode_kernel.decode_precompiled(q, c, 0.125)
+    warm, first, second = calls
+    assert warm["compiled_source"] == b"PTX\0" and warm["scalars"][:2] == [0, 0]
+    assert first["compiled_source"] == second["compiled_source"] == b"" and first["name"] == warm["name"]
+    _, spec, _ = decode_kernel.launch_args(q, c, 0.125, version="v3")
+    rk, rv, nres = c.residual_buffers()
+    assert first["scalars"] == [c.quantized, nres, c.kc.shape[2], c.vc.shape[2], rk.shape[2], c.scratch[0].shape[1], 0.125]
+    assert first["grid"] == spec["grid"] and first["threadgroup"] == spec["threadgroup"]
+    arrays = first["inputs"]
+    assert len(arrays) == len(decode_kernel.PRE_INPUTS) and arrays[1] is c.kc and arrays[5] is rk and arrays[7] is c.scratch[0]
+    assert second["inputs"][-1] is outs[1] and c.last_out is outs[2]  # each launch ordered after the cache's last
+
+
 def test_launch_keywords_kept_while_they_hold():
     """The launch keywords are kept on the cache and rebuilt when anything they follow changes."""
     k, v = _kv(1, 2, 700, 128, "float16")
@@ -535,7 +590,8 @@ def test_kernel_within_float32_bound_for_every_split_count(case):
     assert mx.array_equal(decode_kernel.decode_attention(q, c, d**-0.5, meta="float3"), a)
     # v3 with the loads not ahead, with registers capped (spilling), and the second window's v2:
     # the same sums in other orders
-    for kw in ({"version": "v3", "ahead": 0}, {"version": "v3", "ahead": 1, "minblocks": 2}, {"version": "v2"}):
+    for kw in ({"version": "v3", "ahead": 0}, {"version": "v3", "ahead": 1, "minblocks": 2}, {"version": "v2"},
+               {"version": "v3", "launch": "precompiled"}):
         other = decode_kernel.decode_attention(q, c, d**-0.5, warps=warps, **kw)
         assert_within(other, q, c, d**-0.5, None, f"{kw} warps {warps}")
         assert np.all(np.abs(np.array(other.astype(mx.float32)) - outs[0]) <= 2 * tol + 2 * _ulp(want, dt))

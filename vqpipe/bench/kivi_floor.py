@@ -15,7 +15,9 @@ step as a decode step runs them, interleaved in one process with an A/A copy of 
 - ``kivi4-float3`` / ``kivi4``: the decode kernel with each way of passing the counts;
   ``kivi4-compiled``: the current launch inside ``mx.compile``; ``kivi4-v2``: the second window's
   kernel (decode_kernel version "v2") with the current launch, ``kivi4-v2-full`` the same with its
-  source unminified (comments and indentation: MLX rebuilds the source string every call).
+  source unminified (comments and indentation: MLX rebuilds the source string every call);
+  ``kivi4-pre``: the current kernel through ``mx.fast.precompiled_cuda_kernel`` (sizes and scale
+  as scalar arguments, no counts array, no source string per call).
 
 Per arm and sample: ``build`` (Python builds the step's graph, no evaluation), ``dispatch`` (build
 plus ``mx.async_eval``: everything the host does before waiting) and ``total`` (through
@@ -118,6 +120,7 @@ def _arms(fp, kv, qs, scale, names):
         "kivi4-float3": lambda i: [_kivi(q(i, j), c, scale, "float3") for j, c in enumerate(kv)],
         "kivi4": lambda i: [_kivi(q(i, j), c, scale) for j, c in enumerate(kv)],
         "kivi4-v2": lambda i: [_kivi(q(i, j), c, scale, version="v2") for j, c in enumerate(kv)],
+        "kivi4-pre": lambda i: [decode_kernel.decode_precompiled(q(i, j), c, scale) for j, c in enumerate(kv)],
         "kivi4-v2-full": lambda i: [_kivi(q(i, j), c, scale, version="v2", minify=False) for j, c in enumerate(kv)],
         "kivi4-compiled": lambda i: [_kivi(q(i, j), c, scale, compiled=True) for j, c in enumerate(kv)],
     }
@@ -234,7 +237,7 @@ def _prefill_rows(s, args, hq, hk, d, label):
 
 
 ARMS = ("sdpa", "add", "noop1", "noop1-compiled", "noop11-float3", "noop11", "noop11-fixed", "kivi4-float3", "kivi4", "kivi4-v2",
-        "kivi4-v2-full", "kivi4-compiled")
+        "kivi4-v2-full", "kivi4-pre", "kivi4-compiled")
 
 
 def parse_args(argv):

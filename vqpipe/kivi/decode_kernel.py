@@ -25,6 +25,7 @@ needs no clearing between launches. In float32 throughout; codes become floats e
 import functools
 import hashlib
 import os
+import re
 import struct
 import typing
 
@@ -1331,10 +1332,13 @@ def _launch_spec(queries, rk, bits, g, scale, chunks, splits, warps, meta, versi
     return spec, shape, ns
 
 
-def launch_args(queries, cache, scale, splits=None, warps=None, meta=None, version=None, ahead=None, minblocks=None):
+def launch_args(queries, cache, scale, splits=None, warps=None, meta=None, version=None, ahead=None, minblocks=None,
+                counts=True):
     """(inputs, launch keywords, Shape) of one call: everything :func:`decode_attention` hands MLX
     but the kernel object. ``meta``: :data:`META_MODES` (default :data:`META`). The keywords are
-    kept on the cache and reused while nothing they depend on changes (host time per launch)."""
+    kept on the cache and reused while nothing they depend on changes (host time per launch).
+    ``counts=False`` (the precompiled launch, which takes them as scalars): no counts array, None
+    in its place."""
     rk, rv, nres = cache.residual_buffers()
     b, h, _, d = rk.shape
     g, bits = cache.group_size, cache.kv_bits
@@ -1355,24 +1359,132 @@ def launch_args(queries, cache, scale, splits=None, warps=None, meta=None, versi
     have = None if cache.scratch is None else cache.scratch[0].shape
     if have is None or have[0] != b * h or have[2] != r * (d + 2) or have[1] < ns:
         cache.scratch = (mx.zeros((b * h, _slots(ns), r * (d + 2)), mx.float32), mx.zeros((b * h,), mx.uint32))
-    if meta == "small":
+    if not counts:
+        counts = None
+    elif meta == "small":
         counts = mx.array([cache.quantized, nres], mx.float32)
     else:
         counts = mx.array([scale, cache.quantized, nres], mx.float32)
     q = queries if queries.dtype == rk.dtype else queries.astype(rk.dtype)
-    after = cache.last_out if cache.last_out is not None else counts
+    after = cache.last_out if cache.last_out is not None else (q if counts is None else counts)
     return [q, kc, kp, vc, vp, rk, rv, counts, *cache.scratch, after], spec, shape
 
 
-def decode_attention(queries, cache, scale, splits=None, warps=None, version=None, meta=None, ahead=None, minblocks=None):
+# --- the precompiled launch (opt-in: launch="precompiled" or VQPIPE_KIVI_LAUNCH=precompiled) ---------
+# mx.fast.precompiled_cuda_kernel takes PTX and scalar arguments: the sizes and the scale arrive as
+# kernel parameters (no counts array, no shape arguments), nothing rebuilds a source string per call,
+# and __launch_bounds__ is written plainly. MLX keeps a loaded module by name and reads the PTX only
+# on a miss (mlx/backend/cuda/jit_module.cpp, get_jit_module), so after one warm-up launch per
+# kernel the calls hand it empty bytes instead of copying the PTX twice per call. Untested on a GPU.
+LAUNCH_MODES = ("mlx", "precompiled")
+LAUNCH = os.environ.get("VQPIPE_KIVI_LAUNCH", "mlx")
+if LAUNCH not in LAUNCH_MODES:
+    raise ValueError(f"VQPIPE_KIVI_LAUNCH={LAUNCH!r}: expected one of {', '.join(LAUNCH_MODES)}")
+
+# the lines of v3's body that read sizes from MLX's shape arguments and the counts array; in the
+# precompiled kernel these names are its parameters
+_SIZES_MLX = """    const unsigned int NGC = kc_shape[2];
+    const unsigned int SC = vc_shape[2];
+    const unsigned int RC = rk_shape[2];
+    @COUNTS@
+    const unsigned int NSP = scratch_shape[1];  // partials per KV head the scratch holds
+"""
+_PRE_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
+_PRE_SIGNATURE = """extern "C" __global__ void __launch_bounds__({bounds}) {name}(
+    const T* q, const unsigned int* kc, const __half* kp, const unsigned int* vc, const __half* vp,
+    const T* rk, const T* rv, const float* scratch, const unsigned int* counters, const T* after, T* out,
+    const unsigned int nq, const unsigned int nr, const unsigned int NGC, const unsigned int SC,
+    const unsigned int RC, const unsigned int NSP, const float sm) {{
+"""
+
+
+# the precompiled kernel's array parameters, in order: INPUTS less the counts array
+PRE_INPUTS = [n for n in INPUTS if n != "meta"]
+
+
+def render_precompiled(dtype, bits, g, d, r, shape):
+    """(name, source) of v3 as one CUDA translation unit for ``mx.fast.precompiled_cuda_kernel``:
+    the template arguments as constants, the sizes and scale as parameters."""
+    body = _BODY_V3.replace(_SIZES_MLX, "").replace("NSMAX", str(NSMAX))
+    for token in sorted(DIALECTS["cuda"]["tokens"], key=len, reverse=True):
+        body = body.replace(token, DIALECTS["cuda"]["tokens"][token])
+    consts = "".join(f"constexpr int {k} = {v};\n" for k, v in
+                     (("BITS", bits), ("G", g), ("D", d), ("R", r), ("NW", shape.warps), ("PF", shape.ahead)))
+    bounds = f"{32 * shape.warps}, {shape.minblocks}" if shape.minblocks else f"{32 * shape.warps}"
+    head = f"#include <cuda_fp16.h>\n#include <cuda_bf16.h>\nusing T = {_PRE_TYPES[dtype]};\n{consts}" + _CUDA_HEADER
+    digest = hashlib.sha1((head + bounds + body).encode()).hexdigest()[:10]
+    name = f"kivi_decode_pre_{digest}"
+    return name, _minified(head + _PRE_SIGNATURE.format(bounds=bounds, name=name) + body + "}\n")
+
+
+def _cuda_include():
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"  # as MLX's JIT looks
+    return [f"--include-path={home}/include"]
+
+
+_pre_loaded = {}  # name -> PTX bytes, once its module is loaded
+
+
+def _arch():
+    """PTX target: the device's "sm_XY" where MLX reports one, else compute_80 (the driver compiles
+    PTX for the device it loads on)."""
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    m = re.fullmatch(r"(?:sm|compute)_(\d+)a?", str(info.get("architecture", "")))
+    return f"compute_{m.group(1) if m else '80'}"
+
+
+def _precompiled(dtype, bits, g, d, r, shape):
+    """(name, PTX) of a precompiled kernel, compiled and its module loaded on first use: one warm-up
+    launch on zero buffers with no tokens (it writes 0/0 to a throwaway output), evaluated."""
+    from . import nvrtc
+
+    name, src = render_precompiled(dtype, bits, g, d, r, shape)
+    if name not in _pre_loaded:
+        ptx = nvrtc.ptx(src, name, _arch(), _cuda_include())
+        w, ngv = d * bits // 32, -(-d // g)
+        z = lambda s, t: mx.zeros(s, t)  # noqa: E731
+        q = z((1, r, 1, d), dtype)
+        inputs = [q, z((1, 1, 1, w, g), mx.uint32), z((1, 1, 1, d, 2), mx.float16), z((1, 1, g, w), mx.uint32),
+                  z((1, 1, g, ngv, 2), mx.float16), z((1, 1, 32, d), dtype), z((1, 1, 32, d), dtype),
+                  z((1, 8, r * (d + 2)), mx.float32), z((1,), mx.uint32), q]
+        out = mx.fast.precompiled_cuda_kernel(name=name, compiled_source=ptx, inputs=inputs, output_shapes=[q.shape],
+                                              output_dtypes=[dtype], scalars=[0, 0, 1, g, 32, 8, 1.0],
+                                              grid=(32 * shape.warps, 1, 1), threadgroup=(32 * shape.warps, 1, 1))
+        mx.eval(out)
+        _pre_loaded[name] = ptx
+    return name
+
+
+def decode_precompiled(queries, cache, scale, splits=None, warps=None, ahead=None, minblocks=None):
+    """v3 through ``mx.fast.precompiled_cuda_kernel``: the same kernel body and arithmetic as
+    :func:`decode_attention`'s v3 launch (the same sums), sizes and scale as scalars."""
+    inputs, spec, shape = launch_args(queries, cache, scale, splits, warps, "small", "v3", ahead, minblocks, counts=False)
+    rk = inputs[5]
+    t = dict(spec["template"])
+    name = _precompiled(rk.dtype, t["BITS"], t["G"], t["D"], t["R"], shape)
+    scalars = [cache.quantized, cache.residual_buffers()[2], inputs[1].shape[2], inputs[3].shape[2], rk.shape[2],
+               inputs[8].shape[1], float(scale)]
+    arrays = [x for n, x in zip(INPUTS, inputs) if n != "meta"]
+    out = mx.fast.precompiled_cuda_kernel(name=name, compiled_source=b"", inputs=arrays, output_shapes=spec["output_shapes"],
+                                          output_dtypes=spec["output_dtypes"], scalars=scalars, grid=spec["grid"],
+                                          threadgroup=spec["threadgroup"])[0]
+    cache.last_out = out
+    return out if out.dtype == queries.dtype else out.astype(queries.dtype)
+
+
+def decode_attention(queries, cache, scale, splits=None, warps=None, version=None, meta=None, ahead=None, minblocks=None,
+                     launch=None):
     """softmax(q·K̂ᵀ·scale)·V̂ for queries [B, Hq, 1, D] over a :class:`PackedKIVICache`, in one
     launch. ``splits`` (blocks per KV head), ``warps`` (per block), ``ahead`` and ``minblocks``
     (:class:`Shape`; defaults :func:`default_shape`) change only the order of float32 sums;
     ``version`` picks the kernel (:data:`VERSIONS`), ``meta`` how scale and counts reach it
-    (:data:`META_MODES`)."""
+    (:data:`META_MODES`), ``launch`` (:data:`LAUNCH_MODES`, default :data:`LAUNCH`) whether v3
+    goes through ``mx.fast.cuda_kernel`` or a precompiled launch (:func:`decode_precompiled`)."""
     if cache.offset >= 2**24:
         raise ValueError("decode attention passes token counts as float32: at most 2**24 tokens")
     version = version or VERSION
+    if (launch or LAUNCH) == "precompiled" and version == "v3" and meta is None and gpu.backend() == "cuda":
+        return decode_precompiled(queries, cache, scale, splits, warps, ahead, minblocks)
     inputs, spec, shape = launch_args(queries, cache, scale, splits, warps, meta, version, ahead, minblocks)
     out = _kernel(gpu.backend(), version, meta, shape.warps, shape.minblocks)(inputs=inputs, **spec)[0]
     cache.last_out = out
