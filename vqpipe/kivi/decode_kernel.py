@@ -1467,7 +1467,7 @@ def decode_precompiled(queries, cache, scale, splits=None, warps=None, ahead=Non
     arrays = [x for n, x in zip(INPUTS, inputs) if n != "meta"]
     out = mx.fast.precompiled_cuda_kernel(name=name, compiled_source=b"", inputs=arrays, output_shapes=spec["output_shapes"],
                                           output_dtypes=spec["output_dtypes"], scalars=scalars, grid=spec["grid"],
-                                          threadgroup=spec["threadgroup"])[0]
+                                          threadgroup=spec["threadgroup"], ensure_row_contiguous=True)[0]
     cache.last_out = out
     return out if out.dtype == queries.dtype else out.astype(queries.dtype)
 
