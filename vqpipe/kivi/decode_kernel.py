@@ -1277,7 +1277,8 @@ def parse_shape(text):
 
 # v3's launch per bit width; VQPIPE_KIVI_V3_SHAPE<bits> (e.g. "8x2:pf1") replaces one, for the benchmark
 V3_SHAPES = {2: Shape(4, 2, 1, 0), 4: Shape(4, 2, 1, 0), 8: Shape(4, 2, 1, 0)}
-V3_SHAPES.update({b: parse_shape(os.environ[f"VQPIPE_KIVI_V3_SHAPE{b}"]) for b in (2, 4, 8) if f"VQPIPE_KIVI_V3_SHAPE{b}" in os.environ})
+V3_SHAPES.update({b: parse_shape(os.environ[f"VQPIPE_KIVI_V3_SHAPE{b}"])
+                  for b in (2, 4, 8) if f"VQPIPE_KIVI_V3_SHAPE{b}" in os.environ})
 
 
 def default_splits(chunks, warps=WARPS, per_warp=None):
@@ -1353,7 +1354,8 @@ def launch_args(queries, cache, scale, splits=None, warps=None, meta=None, versi
     key = (queries.shape, queries.dtype, rk.shape, rk.dtype, scale, chunks, splits, warps, meta, version, ahead, minblocks)
     memo = cache.launch_memo
     if memo is None or memo[0] != key:
-        memo = cache.launch_memo = (key, _launch_spec(queries, rk, bits, g, scale, chunks, splits, warps, meta, version, ahead, minblocks))
+        spec = _launch_spec(queries, rk, bits, g, scale, chunks, splits, warps, meta, version, ahead, minblocks)
+        memo = cache.launch_memo = (key, spec)
     spec, shape, ns = memo[1]
     r = queries.shape[1] // h
     have = None if cache.scratch is None else cache.scratch[0].shape
