@@ -469,7 +469,7 @@ def test_precompiled_kernel_source():
     name, src = decode_kernel.render_precompiled(mx.float16, 4, 32, 128, 4, shape)
     assert f'extern "C" __global__ void __launch_bounds__(256, 2) {name}(' in src and name.startswith("kivi_decode_pre_")
     assert "_shape" not in src and "meta[" not in src and "KA_" not in src and "//" not in src
-    assert "const unsigned int NSP, const float sm)" in src and "using T = __half;" in src and "constexpr int PF = 1;" in src
+    assert "const unsigned int NSP, const int sm_bits)" in src and "using T = __half;" in src and "constexpr int PF = 1;" in src
     other = decode_kernel.render_precompiled(mx.float16, 4, 32, 128, 4, shape._replace(minblocks=0))
     assert other[0] != name and "__launch_bounds__(256) " in other[1]
     assert decode_kernel.PRE_INPUTS == ["q", "kc", "kp", "vc", "vp", "rk", "rv", "scratch", "counters", "after"]
@@ -509,7 +509,9 @@ def test_precompiled_launch_arguments(monkeypatch):
     assert first["compiled_source"] == second["compiled_source"] == b"" and first["name"] == warm["name"]
     _, spec, _ = decode_kernel.launch_args(q, c, 0.125, version="v3")
     rk, rv, nres = c.residual_buffers()
-    assert first["scalars"] == [c.quantized, nres, c.kc.shape[2], c.vc.shape[2], rk.shape[2], c.scratch[0].shape[1], 0.125]
+    assert first["scalars"] == [c.quantized, nres, c.kc.shape[2], c.vc.shape[2], rk.shape[2], c.scratch[0].shape[1],
+                                decode_kernel.scale_bits(0.125)]
+    assert all(type(x) is int for x in first["scalars"] + warm["scalars"])  # MLX's binding takes no Python float
     assert first["grid"] == spec["grid"] and first["threadgroup"] == spec["threadgroup"]
     arrays = first["inputs"]
     assert len(arrays) == len(decode_kernel.PRE_INPUTS) and arrays[1] is c.kc and arrays[5] is rk and arrays[7] is c.scratch[0]

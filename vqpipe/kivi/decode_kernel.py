@@ -1396,7 +1396,8 @@ _PRE_SIGNATURE = """extern "C" __global__ void __launch_bounds__({bounds}) {name
     const T* q, const unsigned int* kc, const __half* kp, const unsigned int* vc, const __half* vp,
     const T* rk, const T* rv, const float* scratch, const unsigned int* counters, const T* after, T* out,
     const unsigned int nq, const unsigned int nr, const unsigned int NGC, const unsigned int SC,
-    const unsigned int RC, const unsigned int NSP, const float sm) {{
+    const unsigned int RC, const unsigned int NSP, const int sm_bits) {{
+    const float sm = __int_as_float(sm_bits);
 """
 
 
@@ -1450,7 +1451,7 @@ def _precompiled(dtype, bits, g, d, r, shape):
                   z((1, 1, g, ngv, 2), mx.float16), z((1, 1, 32, d), dtype), z((1, 1, 32, d), dtype),
                   z((1, 8, r * (d + 2)), mx.float32), z((1,), mx.uint32), q]
         out = mx.fast.precompiled_cuda_kernel(name=name, compiled_source=ptx, inputs=inputs, output_shapes=[q.shape],
-                                              output_dtypes=[dtype], scalars=[0, 0, 1, g, 32, 8, 1.0],
+                                              output_dtypes=[dtype], scalars=[0, 0, 1, g, 32, 8, scale_bits(1.0)],
                                               grid=(32 * shape.warps, 1, 1), threadgroup=(32 * shape.warps, 1, 1))
         mx.eval(out)
         _pre_loaded[name] = ptx
@@ -1464,8 +1465,10 @@ def decode_precompiled(queries, cache, scale, splits=None, warps=None, ahead=Non
     rk = inputs[5]
     t = dict(spec["template"])
     name = _precompiled(rk.dtype, t["BITS"], t["G"], t["D"], t["R"], shape)
+    # the scale as its float32 bits: MLX 0.32.4's binding refuses a Python float scalar ("Invalid
+    # scalar argument type. Received float", H200, fourth window)
     scalars = [cache.quantized, cache.residual_buffers()[2], inputs[1].shape[2], inputs[3].shape[2], rk.shape[2],
-               inputs[8].shape[1], float(scale)]
+               inputs[8].shape[1], scale_bits(scale)]
     arrays = [x for n, x in zip(INPUTS, inputs) if n != "meta"]
     out = mx.fast.precompiled_cuda_kernel(name=name, compiled_source=b"", inputs=arrays, output_shapes=spec["output_shapes"],
                                           output_dtypes=spec["output_dtypes"], scalars=scalars, grid=spec["grid"],
