@@ -1256,7 +1256,9 @@ class Shape(typing.NamedTuple):
 def default_shape(bits, version=None):
     """The launch shape of a kernel version at a bit width. v2, from the H200 op benchmark at 32k
     (docs/results/2026-12-01-h200-kivi2): 4 x 2 at 2 bits (its registers let one 8-warp block fit an
-    SM), 8 x 4 at 4 bits. v3: see docs/kivi.md (fourth H200 window)."""
+    SM), 8 x 4 at 4 bits. v3, the fastest of seven shapes at 32k on the H200
+    (docs/results/2026-12-01-h200-kivi4): 8 x 4 with the loads not ahead at 4 bits (128 registers,
+    16 warps per SM), 4 x 4 with the loads one chunk ahead at 2 bits; 8 bits untimed, as 4."""
     if (version or VERSION) == "v3":
         return V3_SHAPES.get(bits, V3_SHAPES[4])
     return Shape(4, 2) if bits == 2 else Shape(8, 4)
@@ -1276,7 +1278,7 @@ def parse_shape(text):
 
 
 # v3's launch per bit width; VQPIPE_KIVI_V3_SHAPE<bits> (e.g. "8x2:pf1") replaces one, for the benchmark
-V3_SHAPES = {2: Shape(4, 2, 1, 0), 4: Shape(4, 2, 1, 0), 8: Shape(4, 2, 1, 0)}
+V3_SHAPES = {2: Shape(4, 4, 1, 0), 4: Shape(8, 4, 0, 0), 8: Shape(8, 4, 0, 0)}
 V3_SHAPES.update({b: parse_shape(os.environ[f"VQPIPE_KIVI_V3_SHAPE{b}"])
                   for b in (2, 4, 8) if f"VQPIPE_KIVI_V3_SHAPE{b}" in os.environ})
 
@@ -1374,10 +1376,11 @@ def launch_args(queries, cache, scale, splits=None, warps=None, meta=None, versi
 
 # --- the precompiled launch (opt-in: launch="precompiled" or VQPIPE_KIVI_LAUNCH=precompiled) ---------
 # mx.fast.precompiled_cuda_kernel takes PTX and scalar arguments: the sizes and the scale arrive as
-# kernel parameters (no counts array, no shape arguments), nothing rebuilds a source string per call,
-# and __launch_bounds__ is written plainly. MLX keeps a loaded module by name and reads the PTX only
-# on a miss (mlx/backend/cuda/jit_module.cpp, get_jit_module), so after one warm-up launch per
-# kernel the calls hand it empty bytes instead of copying the PTX twice per call. Untested on a GPU.
+# kernel parameters (no counts array, no shape arguments) and __launch_bounds__ is written plainly.
+# It takes the PTX on every call (217 kB for v3 at 4 bits): MLX names the loaded module after a hash
+# of it, so a call with other bytes (the fourth window tried empty ones after a warm-up launch) is
+# a miss and fails to load ("Binary format ... is not recognized", H200). Whether it is still
+# cheaper on the host than cuda_kernel's per-call source build is unmeasured.
 LAUNCH_MODES = ("mlx", "precompiled")
 LAUNCH = os.environ.get("VQPIPE_KIVI_LAUNCH", "mlx")
 if LAUNCH not in LAUNCH_MODES:
@@ -1425,7 +1428,7 @@ def _cuda_include():
     return [f"--include-path={home}/include"]
 
 
-_pre_loaded = {}  # name -> PTX bytes, once its module is loaded
+_pre_ptx = {}  # name -> PTX bytes
 
 
 def _arch():
@@ -1437,25 +1440,13 @@ def _arch():
 
 
 def _precompiled(dtype, bits, g, d, r, shape):
-    """(name, PTX) of a precompiled kernel, compiled and its module loaded on first use: one warm-up
-    launch on zero buffers with no tokens (it writes 0/0 to a throwaway output), evaluated."""
+    """(name, PTX) of a precompiled kernel, compiled with NVRTC on first use."""
     from . import nvrtc
 
     name, src = render_precompiled(dtype, bits, g, d, r, shape)
-    if name not in _pre_loaded:
-        ptx = nvrtc.ptx(src, name, _arch(), _cuda_include())
-        w, ngv = d * bits // 32, -(-d // g)
-        z = lambda s, t: mx.zeros(s, t)  # noqa: E731
-        q = z((1, r, 1, d), dtype)
-        inputs = [q, z((1, 1, 1, w, g), mx.uint32), z((1, 1, 1, d, 2), mx.float16), z((1, 1, g, w), mx.uint32),
-                  z((1, 1, g, ngv, 2), mx.float16), z((1, 1, 32, d), dtype), z((1, 1, 32, d), dtype),
-                  z((1, 8, r * (d + 2)), mx.float32), z((1,), mx.uint32), q]
-        out = mx.fast.precompiled_cuda_kernel(name=name, compiled_source=ptx, inputs=inputs, output_shapes=[q.shape],
-                                              output_dtypes=[dtype], scalars=[0, 0, 1, g, 32, 8, scale_bits(1.0)],
-                                              grid=(32 * shape.warps, 1, 1), threadgroup=(32 * shape.warps, 1, 1))
-        mx.eval(out)
-        _pre_loaded[name] = ptx
-    return name
+    if name not in _pre_ptx:
+        _pre_ptx[name] = nvrtc.ptx(src, name, _arch(), _cuda_include())
+    return name, _pre_ptx[name]
 
 
 def decode_precompiled(queries, cache, scale, splits=None, warps=None, ahead=None, minblocks=None):
@@ -1464,13 +1455,13 @@ def decode_precompiled(queries, cache, scale, splits=None, warps=None, ahead=Non
     inputs, spec, shape = launch_args(queries, cache, scale, splits, warps, "small", "v3", ahead, minblocks, counts=False)
     rk = inputs[5]
     t = dict(spec["template"])
-    name = _precompiled(rk.dtype, t["BITS"], t["G"], t["D"], t["R"], shape)
+    name, ptx = _precompiled(rk.dtype, t["BITS"], t["G"], t["D"], t["R"], shape)
     # the scale as its float32 bits: MLX 0.32.4's binding refuses a Python float scalar ("Invalid
     # scalar argument type. Received float", H200, fourth window)
     scalars = [cache.quantized, cache.residual_buffers()[2], inputs[1].shape[2], inputs[3].shape[2], rk.shape[2],
                inputs[8].shape[1], scale_bits(scale)]
     arrays = [x for n, x in zip(INPUTS, inputs) if n != "meta"]
-    out = mx.fast.precompiled_cuda_kernel(name=name, compiled_source=b"", inputs=arrays, output_shapes=spec["output_shapes"],
+    out = mx.fast.precompiled_cuda_kernel(name=name, compiled_source=ptx, inputs=arrays, output_shapes=spec["output_shapes"],
                                           output_dtypes=spec["output_dtypes"], scalars=scalars, grid=spec["grid"],
                                           threadgroup=spec["threadgroup"], ensure_row_contiguous=True)[0]
     cache.last_out = out
