@@ -20,6 +20,11 @@ its warps (shared memory), writes its partial (max, sum, accumulator per head) t
 scratch buffer and counts itself done; the last block of a KV head merges all splits
 (log-sum-exp weights) and writes the output. The counter is reset by that block, so the scratch
 needs no clearing between launches. In float32 throughout; codes become floats exactly.
+
+Versions (:data:`VERSIONS`): "v3", the default, does the above with all of a chunk's global loads
+issued before its arithmetic (optionally a chunk ahead); "v2" (the same arithmetic, loads next to
+their use: one round trip per token-word in its values loop, docs/kivi.md) and "run2" are kept to
+be timed side by side.
 """
 
 import functools
