@@ -149,9 +149,14 @@ class Driver:
         self.cu.cuFuncGetAttribute(ctypes.byref(regs), 4, fn)  # CU_FUNC_ATTRIBUTE_NUM_REGS
         return fn, regs.value
 
+    @staticmethod
+    def params(args):
+        """The kernelParams array for a list of ctypes values (returned with them: keep both alive)."""
+        return (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args]), args
+
     def launch(self, fn, grid, block, args):
-        """``args``: a list of ctypes values (kept alive by the caller)."""
-        ptrs = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        """``args``: a list of ctypes values, or what :meth:`params` returned (cheaper per launch)."""
+        ptrs = args[0] if isinstance(args, tuple) else self.params(args)[0]
         _ok(self.cu.cuLaunchKernel(fn, *grid, *block, 0, None, ptrs, None), "cuLaunchKernel")
 
     def sync(self):
@@ -162,9 +167,13 @@ class Driver:
         _ok(self.cu.cuEventCreate(ctypes.byref(ev), 0), "cuEventCreate")
         return ev
 
-    def elapsed(self, run):
-        """Seconds of GPU time between two events around ``run()`` (which only enqueues work)."""
+    def elapsed(self, run, busy=None):
+        """Seconds of GPU time between two events around ``run()`` (which only enqueues work). With
+        ``busy`` (a function enqueueing a long kernel), the GPU works on that while the host enqueues
+        ``run``'s launches, so host launch overhead cannot leave gaps between them."""
         a, b = self.event(), self.event()
+        if busy is not None:
+            busy()
         self.cu.cuEventRecord(a, None)
         run()
         self.cu.cuEventRecord(b, None)
