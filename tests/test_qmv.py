@@ -641,6 +641,8 @@ static float g_xchg[8][32];
 inline unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
 inline float qmv_inv_sqrt(float v) { return 1.0f / std::sqrt(v); }
 inline unsigned int qmv_log2(unsigned int v) { return (unsigned int)__builtin_ctz(v); }
+struct float2 { float x, y; };
+inline float2 qmv_f2(float a, float b) { return float2{a, b}; }
 inline float qmv_shfl_xor(float v, int m) {
   unsigned int w = t_rw * g_KS + t_ks;
   g_xchg[w][t_lane] = v;

@@ -89,6 +89,9 @@ _SOURCE = """
     constexpr int NST = XCAP > 0 ? 2 : RING;             // ring stages (the prologue needs the shared memory)
     constexpr int SLOT = R * NTB * VW;                  // words per ring stage
     QMV_SHARED float cb_s[NLEV];
+    // 2 bits: a pair table, entry e = (C[e & 3], C[e >> 2]) for the 4-bit field e of two neighbouring
+    // values: one 8-byte lookup per two values (16 entries of 8 bytes: distinct banks, no conflicts)
+    QMV_SHARED float2 cb2_s[BITS == 2 ? 16 : 1];
     QMV_SHARED float red_s[4 * R * MT];
     // The ring: every lane's packed words for its next NST - 1 chunks (R rows each), copied from global
     // memory asynchronously; a lane reads back only what it requested itself, so no barrier guards it
@@ -142,6 +145,9 @@ _SOURCE = """
     }
     for (unsigned int i = tid; i < (unsigned int)NLEV; i += NT) {
         cb_s[i] = static_cast<float>(codebook[i]);
+    }
+    if (BITS == 2 && tid < 16u) {
+        cb2_s[tid] = qmv_f2(static_cast<float>(codebook[tid & 3u]), static_cast<float>(codebook[tid >> 2]));
     }
     // Prologue (XCAP > 0): xr = (L (x) S_B / sqrt(B)) (sd * x) for each row, x viewed as A x B
     // (S_B the Sylvester Hadamard matrix, B a power of two; L an A x A matrix: MLX's Hadamard base
@@ -281,12 +287,24 @@ _SOURCE = """
                     for (int m = 0; m < MT; ++m) {
                         part[m] = 0.0f;
                     }
-                    QMV_UNROLL
-                    for (int t = 0; t < SC; ++t) {
-                        const float w = cb_s[qmv_index<BITS, PER>(win[r], h * SC + t)];
+                    if (BITS == 2) {  // the same products in the same order, two values per lookup
                         QMV_UNROLL
-                        for (int m = 0; m < MT; ++m) {
-                            part[m] += w * xv[m][t];
+                        for (int t = 0; t < SC; t += 2) {
+                            const float2 w2 = cb2_s[qmv_index<4, 8>(win[r], (h * SC + t) / 2)];
+                            QMV_UNROLL
+                            for (int m = 0; m < MT; ++m) {
+                                part[m] += w2.x * xv[m][t];
+                                part[m] += w2.y * xv[m][t + 1];
+                            }
+                        }
+                    } else {
+                        QMV_UNROLL
+                        for (int t = 0; t < SC; ++t) {
+                            const float w = cb_s[qmv_index<BITS, PER>(win[r], h * SC + t)];
+                            QMV_UNROLL
+                            for (int m = 0; m < MT; ++m) {
+                                part[m] += w * xv[m][t];
+                            }
                         }
                     }
                     QMV_UNROLL
@@ -412,6 +430,7 @@ __device__ __forceinline__ unsigned int qmv_umin(unsigned int a, unsigned int b)
 __device__ __forceinline__ float qmv_inv_sqrt(float v) { return 1.0f / sqrtf(v); }  // IEEE sqrt and division
 __device__ __forceinline__ unsigned int qmv_log2(unsigned int v) { return (unsigned int)(__ffs((int)v) - 1); }  // v a power of two
 __device__ __forceinline__ float qmv_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+__device__ __forceinline__ float2 qmv_f2(float a, float b) { return make_float2(a, b); }
 
 // Codebook index of value v (a compile-time constant once unrolled) of a chunk held in words w[]:
 // 2/4/8 bits never straddle a word; a 3-bit value may straddle two (bits 30-32, 62-64 of the chunk).
@@ -514,6 +533,7 @@ inline unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a 
 inline float qmv_inv_sqrt(float v) { return 1.0f / metal::precise::sqrt(v); }
 inline unsigned int qmv_log2(unsigned int v) { return metal::ctz(v); }
 inline float qmv_shfl_xor(float v, int m) { return metal::simd_shuffle_xor(v, ushort(m)); }
+inline float2 qmv_f2(float a, float b) { return float2(a, b); }
 
 template <int BITS, int PER>
 inline unsigned int qmv_index(const thread unsigned int* w, int v) {
