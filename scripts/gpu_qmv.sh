@@ -29,19 +29,19 @@ since() { echo "($(( $(date +%s) - t0 )) s)"; }
 STEPS=${STEPS:-gpu_time tests bench bench_bits cpu_tests}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 BASE=""
-[ -f vqpipe/qmv_v5.py ] && BASE="qmv_v5:0:0"
+[ -f vqpipe/qmv_v5.py ] && BASE="qmv_v5"
 
 if want gpu_time; then
   echo "== qmv GPU time outside MLX $(since)"
   timeout "${TIME_LIMIT:-120}" $PY -m vqpipe.bench.qmv_gpu_time --out "$OUT/gpu-time.json" \
-    --variants qmv:4:0 $BASE qmv:3:0 qmv:2:0 qmv:4:1056 \
+    --variants qmv:auto:0 $BASE qmv:4:0 qmv:3:0 qmv:2:0 qmv:auto:1056 qmv:4:792 \
     --cases l3-qkv:4:1 l3-gateup:4:1 l3-down:4:1 l3-lm_head:4:1 ${TIME_ARGS:-} 2>&1 | tee "$OUT/gpu-time.log"
 fi
 
 if want gpu_time_bits; then
   echo "== qmv GPU time, 2/3 bits and M > 1 $(since)"
   timeout "${TIME_BITS_LIMIT:-120}" $PY -m vqpipe.bench.qmv_gpu_time --out "$OUT/gpu-time-bits.json" \
-    --variants qmv:4:0 $BASE --cases l3-gateup:4:1 l3-gateup:3:1 l3-gateup:2:1 l3-lm_head:4:1 l3-lm_head:3:1 \
+    --variants qmv:auto:0 $BASE qmv:0:0 qmv:4:0 --cases l3-gateup:4:1 l3-gateup:3:1 l3-gateup:2:1 l3-lm_head:4:1 l3-lm_head:3:1 \
     l3-lm_head:2:1 l3-gateup:4:4 l3-gateup:4:8 l3-down:4:8 ${TIME_BITS_ARGS:-} 2>&1 | tee "$OUT/gpu-time-bits.log"
 fi
 

@@ -184,7 +184,7 @@ def test_launch_template_holds_no_shape():
     specs = [_spec(i, o) for i, o in shapes]
     assert all(s["template"] == specs[0]["template"] for s in specs)
     assert specs[0]["template"] == [("T", mx.bfloat16), ("BT", mx.bfloat16), ("ST", mx.float32), ("BITS", 4),
-                                    ("MT", 1), ("GS", 0), ("XCAP", 0), ("RING", qmv.STAGES)]
+                                    ("MT", 1), ("GS", 0), ("XCAP", 0), ("RING", 0)]
     assert len({s["grid"] for s in specs}) >= 10  # the grid follows the shape, the kernel does not
     for s in specs:
         tx, ks, rw = s["threadgroup"]
@@ -672,6 +672,18 @@ inline void qmv_fetch(unsigned int* dst, const uint32_t* p, unsigned int row0, u
     for (int w = 0; w < VW; ++w) dst[r * NTB * VW + w] = (unsigned int)w < left ? p[row + c * VW + w] : 0u;
   }
 }
+template <int VW, int R>
+inline void qmv_load_rows(unsigned int (*dst)[VW], const uint32_t* p, unsigned int row0, unsigned int c, unsigned int OUT,
+                          unsigned int WPR, bool valid, unsigned int NCH, bool vec) {
+  valid = valid && row0 < OUT && c < NCH;
+  for (int r = 0; r < R; ++r) {
+    const unsigned int off = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR + c * VW;
+    if (valid && VW == 4 && vec && (((unsigned long long)(p + off) & 15ull) != 0ull)) {
+      fprintf(stderr, "misaligned vector load\n"); abort();
+    }
+    for (int w = 0; w < VW; ++w) dst[r][w] = (valid && c * VW + (unsigned int)w < WPR) ? p[off + w] : 0u;
+  }
+}
 template <int N>
 inline void qmv_async_wait() {}
 template <int VW>
@@ -759,7 +771,7 @@ def host_kernel(tmp_path_factory):
            "int x_ndim, const uint32_t* packed, const int* packed_shape, const float* scales, const int* scales_shape, "
            "const float* codebook, const float* bias, int bias_ndim, const float* rot_s, const float* rot_l, "
            "const int* rot_l_shape, const int* seg, float* out0, float* out1, float* out2) {\n using T = float;\n"
-           " constexpr int RING = 3;\n"
+           " constexpr int RING = MT <= 2 ? 0 : 3;\n"  # registers, and a ring whose 3 slots wrap unevenly
            + body + "}\n" + _HOST_MAIN)
     d = tmp_path_factory.mktemp("qmv_host")
     (d / "k.cpp").write_text(src)

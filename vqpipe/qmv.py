@@ -58,10 +58,23 @@ MAX_BLOCKS = 2048  # threadgroups at most; more row sets are taken grid-stride (
 # 2 per SM of an H200 (132 SMs). bench-qmv on the H200: 264 beat 528 and 1056 on every shape
 # (8B q|k|v 61 / 81 / 133 us; docs/qmv.md).
 MAX_BLOCKS_ROT = int(os.environ.get("VQPIPE_QMV_ROT_BLOCKS", "264"))
-# Ring stages (chunks per lane requested ahead + 1; docs/qmv.md), CUDA: 8 KiB of shared memory each
-# per 128-thread threadgroup. Metal has 32 KiB of threadgroup memory in all, so 2 there.
-STAGES = int(os.environ.get("VQPIPE_QMV_STAGES", "4"))
-DIALECT_STAGES = {"metal": 2}
+# How the next chunks' packed words wait (template argument RING, docs/qmv.md): 0 = in registers, one
+# chunk ahead; 2..4 = a ring of that many stages in shared memory (8 KiB each per 128-thread
+# threadgroup, RING - 1 chunks ahead, filled by cp.async on CUDA). None = by M: registers up to
+# MT = 2 (64-86 registers at M = 1), the 4-stage ring from MT = 4 (registers alone would need 255
+# and spill at 2 bits x MT = 8). VQPIPE_QMV_STAGES=N (or qmv.ring_stages(N)) forces one. Metal has
+# 32 KiB of threadgroup memory in all: at most 2 stages there.
+STAGES = int(os.environ["VQPIPE_QMV_STAGES"]) if os.environ.get("VQPIPE_QMV_STAGES") else None
+RING_CHOICES = (0, 2, 3, 4)
+DIALECT_MAX_STAGES = {"metal": 2}
+
+
+def ring_for(mt, stages=None, dialect="cuda"):
+    """The RING template argument for MT activation rows (see STAGES)."""
+    ring = (0 if mt <= 2 else 4) if stages is None else int(stages)
+    if ring not in RING_CHOICES:
+        raise ValueError(f"qmv: ring stages must be one of {RING_CHOICES} (or None: by M), got {stages!r}")
+    return min(ring, DIALECT_MAX_STAGES.get(dialect, 4)) if ring else 0
 GROUP_SIZES = (32, 64, 128, 256)  # per-group scale layouts the kernel takes (besides per row)
 SCALE_DTYPES = (mx.float16, mx.float32)
 
@@ -86,7 +99,9 @@ _SOURCE = """
     constexpr int NG = (GS > 0 && VPC > GS) ? VPC / GSD : 1;  // scale groups a chunk spans (GS >= 32)
     constexpr int XC = XCAP > 0 ? XCAP : 1;
     constexpr int NTB = 128;                            // threads per threadgroup: KS x RW = 4 warps
-    constexpr int NST = XCAP > 0 ? 2 : RING;             // ring stages (the prologue needs the shared memory)
+    // RING = 0: no ring, the next chunk's words are loaded into registers (one chunk ahead); else
+    // ring stages (2 with the prologue, which needs the shared memory)
+    constexpr int NST = RING == 0 ? 1 : (XCAP > 0 ? 2 : RING);
     constexpr int SLOT = R * NTB * VW;                  // words per ring stage
     QMV_SHARED float cb_s[NLEV];
     // 2 bits: a pair table, entry e = (C[e & 3], C[e >> 2]) for the 4-bit field e of two neighbouring
@@ -95,7 +110,7 @@ _SOURCE = """
     QMV_SHARED float red_s[4 * R * MT];
     // The ring: every lane's packed words for its next NST - 1 chunks (R rows each), copied from global
     // memory asynchronously; a lane reads back only what it requested itself, so no barrier guards it
-    QMV_SHARED16 unsigned int ring_s[NST * SLOT];
+    QMV_SHARED16 unsigned int ring_s[RING == 0 ? 4 : NST * SLOT];
     // XCAP > 0: the activation rows rotated in the prologue, float, 4 pad floats per 32 (qmv_xi), so
     // the lanes' 16-byte reads at a stride of one chunk fall in distinct banks
     QMV_SHARED16 float xs_s[XC];
@@ -135,6 +150,12 @@ _SOURCE = """
     // Items 0 .. NST - 2 are requested before the codebook fill and the prologue; afterwards each step
     // requests the item NST - 1 ahead, across row sets: loads stay in flight through the reductions.
     unsigned int pj = 0u, pi = 0u;                      // the next item to request
+    unsigned int cur[R][VW];                            // RING = 0: item k's words
+    if (RING == 0) {
+        qmv_load_rows<VW, R>(cur, packed, ((QMV_BLOCK + pj * QMV_BLOCKS) * RW + rw) * R, c0, OUT, WPR, NJ > 0u, NCH,
+                             wvec);
+        if (++pi == NI) { pi = 0u; ++pj; }
+    }
     QMV_UNROLL
     for (int s = 0; s + 1 < NST; ++s) {
         const unsigned int prow0 = ((QMV_BLOCK + pj * QMV_BLOCKS) * RW + rw) * R;
@@ -236,15 +257,20 @@ _SOURCE = """
     }
     unsigned int slot = 0u, i = 0u, j = 0u;             // item k's ring slot, step and round
     for (unsigned int k = 0; k < NK; ++k) {
-        qmv_async_wait<NST - 2>();                      // item k has landed (at most NST - 2 pending)
-        {   // request item k + NST - 1 into the slot item k - 1 used (read back a step ago)
+        unsigned int nxt[R][VW];                        // RING = 0: item k + 1's words, requested now
+        if (RING == 0) {
+            qmv_load_rows<VW, R>(nxt, packed, ((QMV_BLOCK + pj * QMV_BLOCKS) * RW + rw) * R, c0 + pi * STRIDE, OUT, WPR,
+                                 pj < NJ, NCH, wvec);
+        } else {
+            qmv_async_wait<(NST > 1 ? NST - 2 : 0)>();  // item k has landed (at most NST - 2 pending)
+            // request item k + NST - 1 into the slot item k - 1 used (read back a step ago)
             const unsigned int ps = slot == 0u ? (unsigned int)NST - 1u : slot - 1u;
             const unsigned int prow0 = ((QMV_BLOCK + pj * QMV_BLOCKS) * RW + rw) * R;
             const unsigned int pc = c0 + pi * STRIDE;
             qmv_fetch<VW, R, NTB>(ring + ps * SLOT, packed, prow0, pc, OUT, WPR, pj < NJ && prow0 < OUT && pc < NCH,
                                   wvec);
-            if (++pi == NI) { pi = 0u; ++pj; }
         }
+        if (++pi == NI) { pi = 0u; ++pj; }
         const unsigned int set0 = (QMV_BLOCK + j * QMV_BLOCKS) * RW;  // this round's first row set
         const unsigned int row0 = (set0 + rw) * R;
         const unsigned int c = c0 + i * STRIDE;
@@ -253,7 +279,14 @@ _SOURCE = """
             unsigned int win[R][VW];
             QMV_UNROLL
             for (int r = 0; r < R; ++r) {
-                qmv_ring_read<VW>(win[r], ring + (slot * R + (unsigned int)r) * (NTB * VW));
+                if (RING == 0) {
+                    QMV_UNROLL
+                    for (int w = 0; w < VW; ++w) {
+                        win[r][w] = cur[r][w];
+                    }
+                } else {
+                    qmv_ring_read<VW>(win[r], ring + (slot * R + (unsigned int)r) * (NTB * VW));
+                }
             }
             float sg[R][NG];
             if (GS > 0) {
@@ -319,6 +352,15 @@ _SOURCE = """
             }
         }
         slot = slot + 1u == (unsigned int)NST ? 0u : slot + 1u;
+        if (RING == 0) {
+            QMV_UNROLL
+            for (int r = 0; r < R; ++r) {
+                QMV_UNROLL
+                for (int w = 0; w < VW; ++w) {
+                    cur[r][w] = nxt[r][w];
+                }
+            }
+        }
         if (++i < NI) {
             continue;
         }
@@ -472,6 +514,27 @@ __device__ __forceinline__ void qmv_fetch(unsigned int* dst, const unsigned int*
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
+// RING = 0: the same R rows x VW words into registers: one 16-byte load per row where rows are
+// 16-byte aligned (vec), else VW 4-byte loads; zeros where !valid, c >= NCH or past the row's end.
+template <int VW, int R>
+__device__ __forceinline__ void qmv_load_rows(unsigned int (*dst)[VW], const unsigned int* p, unsigned int row0,
+                                              unsigned int c, unsigned int OUT, unsigned int WPR, bool valid,
+                                              unsigned int NCH, bool vec) {
+    valid = valid && row0 < OUT && c < NCH;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const unsigned int off = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR + c * VW;
+        if (valid && VW == 4 && vec) {
+            const uint4 v = *reinterpret_cast<const uint4*>(p + off);
+            dst[r][0] = v.x; dst[r][1] = v.y; dst[r][2] = v.z; dst[r][3] = v.w;
+        } else {
+#pragma unroll
+            for (int w = 0; w < VW; ++w) {
+                dst[r][w] = (valid && c * VW + (unsigned int)w < WPR) ? p[off + w] : 0u;
+            }
+        }
+    }
+}
 template <int N>
 __device__ __forceinline__ void qmv_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 // This lane's VW words of one ring slot (16-byte aligned when VW = 4).
@@ -556,6 +619,17 @@ inline void qmv_fetch(threadgroup unsigned int* dst, const device uint32_t* p, u
         const unsigned int left = valid ? WPR - c * VW : 0u;
         for (int w = 0; w < VW; ++w) {
             dst[r * NTB * VW + w] = (unsigned int)w < left ? p[row + c * VW + w] : 0u;
+        }
+    }
+}
+template <int VW, int R>
+inline void qmv_load_rows(thread unsigned int (*dst)[VW], const device uint32_t* p, unsigned int row0, unsigned int c,
+                          unsigned int OUT, unsigned int WPR, bool valid, unsigned int NCH, bool vec) {
+    valid = valid && row0 < OUT && c < NCH;
+    for (int r = 0; r < R; ++r) {
+        const unsigned int off = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR + c * VW;
+        for (int w = 0; w < VW; ++w) {
+            dst[r][w] = (valid && c * VW + (unsigned int)w < WPR) ? p[off + w] : 0u;
         }
     }
 }
@@ -758,7 +832,7 @@ def check_args(in_features, m, packed_shape, packed_dtype, scales_shape, codeboo
 @functools.lru_cache(maxsize=1024)
 def launch_spec(x_shape, packed_shape, scales_shape, codebook_size, bias_shape, bits, dtype, bias_dtype=None,
                 packed_dtype=mx.uint32, group_size=None, scales_dtype=mx.float32, xcap=0, splits=None,
-                max_blocks=None, stages=None):
+                max_blocks=None, stages=None, dialect="cuda"):
     """Validate one call (ValueError naming the problem) and return its template arguments, grid,
     threadgroup and output shape (cached: per call this is one dict lookup; read-only). Only the
     template arguments select a compiled kernel, and they hold no shape: M enters as MT, M rounded
@@ -788,7 +862,7 @@ def launch_spec(x_shape, packed_shape, scales_shape, codebook_size, bias_shape, 
     return {
         "template": [("T", dtype), ("BT", dtype if bias_dtype is None else bias_dtype), ("ST", scales_dtype),
                      ("BITS", int(bits)), ("MT", _pow2_ceil(m)), ("GS", int(group_size or 0)), ("XCAP", int(xcap)),
-                     ("RING", int(stages or STAGES))],
+                     ("RING", ring_for(_pow2_ceil(m), stages, dialect))],
         "grid": (32 * blocks, ks, rw),
         "threadgroup": (32, ks, rw),
         "output_shapes": [lead + (b - a,) for a, b in zip([0] + ends, ends)],
@@ -861,11 +935,12 @@ def block_limit(max_blocks):
 
 @contextlib.contextmanager
 def ring_stages(stages):
-    """``with qmv.ring_stages(n): ...``: CUDA launches use an n-stage ring (n - 1 chunks ahead)."""
+    """``with qmv.ring_stages(n): ...``: launches keep the next chunks in registers (n = 0) or in an
+    n-stage ring (n - 1 chunks ahead); None restores the choice by M."""
     global STAGES
-    if not 2 <= int(stages) <= 4:
-        raise ValueError(f"qmv: ring stages must be 2..4 (8 KiB of shared memory each), got {stages!r}")
-    previous, STAGES = STAGES, int(stages)
+    if stages is not None and stages not in RING_CHOICES:
+        raise ValueError(f"qmv: ring stages must be one of {RING_CHOICES} (or None: by M), got {stages!r}")
+    previous, STAGES = STAGES, stages
     try:
         yield
     finally:
@@ -946,7 +1021,7 @@ def _prepare(key, dialect, bits, rotation):
     spec = launch_spec(x_shape, p_shape, s_shape, math.prod(c_shape), None if b_sig is None else b_sig[0], bits,
                        x_dtype, None if b_sig is None else b_sig[1], p_dtype, group_size,
                        mx.float32 if cast_scales else s_dtype, xcap, splits, max_blocks_rot if xcap else max_blocks,
-                       DIALECT_STAGES.get(dialect, stages))
+                       stages, dialect)
     _instances.add((dialect, len(spec["output_shapes"]), *(str(v) for _, v in spec["template"])))
     seg = mx.array(list(splits) if splits else [0], mx.int32)
     _prepared[key] = entry = (spec, cast_scales, c_dtype != mx.float32, xcap > 0, seg)

@@ -12,11 +12,11 @@ Arms per shape, interleaved (A B C ... A B C ...), with an A/A copy of the first
 
 - ``copy``: cuMemcpyDtoD of 1 GiB (bytes read + written, as bench-qmv's copy figure);
 - ``read``: a plain 16-byte-load read of the same packed bytes (what streaming them can cost);
-- one arm per kernel variant ``MODULE:STAGES:BLOCKS`` (``qmv`` the current one, ``qmv_v5`` a saved
-  earlier revision; 0 = default), each checked against a float64 evaluation of the formula on 512
-  rows before timing.
+- one arm per kernel variant ``MODULE:RING:BLOCKS`` (``qmv`` the current one, ``qmv_v5`` a saved
+  earlier revision; RING ``auto`` = qmv's choice by M, 0 = registers, 2..4 ring stages; BLOCKS 0 =
+  the default cap), each checked against a float64 evaluation of the formula on 512 rows first.
 
-    python -m vqpipe.bench.qmv_gpu_time --out FILE.json [--variants qmv:4:0 qmv:2:0 qmv_v5:0:0]
+    python -m vqpipe.bench.qmv_gpu_time --out FILE.json [--variants qmv:0:0 qmv:4:0 qmv_v5]
 """
 
 import argparse
@@ -76,13 +76,14 @@ def unpack_rows(words, bits, n_in):
 
 class Variant:
     def __init__(self, text, drv, cache):
-        mod, stages, blocks = (text.split(":") + ["0", "0"])[:3]
+        mod, stages, blocks = (text.split(":") + ["auto", "0"])[:3]
         self.name, self.mod = text, importlib.import_module(f"vqpipe.{mod}")
-        self.stages, self.blocks, self.drv, self.cache = int(stages) or None, int(blocks) or None, drv, cache
+        self.stages = None if stages in ("", "auto") else int(stages)
+        self.blocks, self.drv, self.cache = int(blocks) or None, drv, cache
 
     def spec(self, x_shape, p_shape, s_shape, bits, mx):
         kw = {"max_blocks": self.blocks}
-        if self.stages:
+        if self.stages is not None:
             kw["stages"] = self.stages
         return self.mod.launch_spec(x_shape, p_shape, s_shape, 1 << bits, None, bits, mx.bfloat16, **kw)
 
@@ -227,7 +228,7 @@ def copy_bandwidth(drv, pool, repeats):
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m vqpipe.bench.qmv_gpu_time", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--variants", nargs="+", default=["qmv:4:0", "qmv:3:0", "qmv:2:0"])
+    p.add_argument("--variants", nargs="+", default=["qmv:auto:0", "qmv:0:0", "qmv:4:0"])
     p.add_argument("--cases", nargs="+", default=["l3-qkv:4:1", "l3-gateup:4:1", "l3-down:4:1", "l3-lm_head:4:1"],
                    help="SHAPE:BITS:M")
     p.add_argument("--calls", type=int, default=24, help="launches per timed sample")

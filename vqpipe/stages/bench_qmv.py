@@ -12,7 +12,8 @@ from memory instead of hitting the L2 cache; capped at ``--max-pool`` copies):
 - ``vq-kernel``: ``QuantizedLinear`` with the kernel (rotation, then the fused mat-vec);
 - ``vq-core``: the fused mat-vec alone on an already rotated activation;
 - ``vq-core-N`` (``--core-blocks N ...``): ``vq-core`` with at most N threadgroups;
-- ``vq-core-stN`` (``--core-stages N ...``): ``vq-core`` with an N-stage ring (N - 1 chunks ahead);
+- ``vq-core-stN`` (``--core-stages N ...``): ``vq-core`` with an N-stage ring (N - 1 chunks ahead; 0:
+  the next chunk in registers);
 - ``vq-rot-N`` (``--prologue-blocks N ...``): the layer with the rotation in the kernel's prologue,
   at most N threadgroups (each redoes the rotation, then takes row sets grid-stride).
 
@@ -290,8 +291,8 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--core-blocks", type=int, nargs="*", default=[], metavar="N",
                    help="add a vq-core-N arm per N: the kernel on a rotated input, <= N threadgroups")
-    p.add_argument("--core-stages", type=int, nargs="*", default=[], choices=(2, 3, 4), metavar="N",
-                   help="add a vq-core-stN arm per N: the kernel on a rotated input with an N-stage ring")
+    p.add_argument("--core-stages", type=int, nargs="*", default=[], choices=qmv.RING_CHOICES, metavar="N",
+                   help="add a vq-core-stN arm per N: the kernel on a rotated input with an N-stage ring (0: registers)")
     p.add_argument("--prologue-blocks", type=int, nargs="*", default=[], metavar="N",
                    help="add a vq-rot-N arm per N: the rotation in the kernel's prologue, <= N threadgroups")
     p.add_argument("--copy-mib", type=int, default=1024, help="buffer for the copy-bandwidth measurement")
