@@ -9,31 +9,28 @@ and optional bias b, and the rotated activation xr (M rows, M small: decode has 
 The dense path rebuilds the whole weight C[q] (out x in) on every call; the kernel reads each packed
 word once and never materialises the weight, so a decode step costs about the packed bytes.
 
-Layout (see docs/qmv.md):
+Layout (revision 6, see docs/qmv.md):
 
-- A lane's unit of work is one *chunk*: the 32-bit window holding 8 values (3 and 4 bits), 16 values
-  (2 bits) or 4 values (8 bits). For 2/4/8 bits that is exactly word c of the row; a 3-bit chunk is
-  bits [24c, 24c + 24) of the row's stream and may straddle two words. Consecutive lanes take
-  consecutive chunks, so both the packed words (128 B per row per warp step) and the activation
-  (8 values per lane, contiguous across lanes) are read coalesced.
-- One warp (SIMD group) owns R = 4 rows: the activation chunk it loads is reused for the 4 rows.
-  U = 4 warp steps per iteration; the first iteration's words are requested before the codebook
-  barrier, and every iteration requests the next one's before computing, so a warp keeps up to
-  2 x U x R words per lane in flight (bandwidth, not arithmetic, bounds this kernel).
-- KS warps (1, 2, 4 or 8) split the chunks of the same 4 rows when there are few rows or long rows
-  (e.g. the 4864 -> 896 down projection); their partial sums meet in shared memory and are added in
-  warp order. KS is chosen per shape at launch time and reaches the kernel as the threadgroup's y
-  size, so it is not a template argument.
-- The codebook (2**bits floats) sits in shared memory: with at most 32 levels every level has its
-  own bank, so the per-value lookups never conflict.
-- float32 accumulation: each lane sums its chunks in a fixed order, then a 5-step xor-shuffle
-  butterfly, then the KS partials in warp order, then * s[o] (+ b[o]) and one cast to x's dtype.
-  No atomics: the result is deterministic (same bytes every run on the same device), but it is not
-  bit-identical to the dense path (which works in x's dtype, codebook included).
+- A lane's unit of work is one *chunk* of a row: 4 packed words (16 bytes: 64, 32 or 16 values at
+  2, 4, 8 bits) or 3 words (32 values) at 3 bits. Consecutive lanes take consecutive chunks, so the
+  packed words (16-byte loads where rows are 16-byte aligned) and the activation are read coalesced.
+- One warp owns R = 4 rows and reuses each activation load for them; KS warps (1, 2 or 4) split the
+  chunks of the same rows when rows are few or long (their partials meet in shared memory, in warp
+  order). Threadgroups are always 128 threads (KS x RW = 4 warps).
+- Each warp walks one flat list of items (row set, chunk step), row sets taken grid-stride, and
+  requests the packed words of the next item(s) before computing the current one, across row-set
+  boundaries: into registers (RING = 0, one item ahead) or into a per-lane ring in shared memory
+  (RING = 2..4 stages, filled by cp.async on CUDA, RING - 1 items ahead). With KS = 1 no barrier
+  runs after the codebook fill: the lanes write their rows straight after the butterfly.
+- The codebook sits in shared memory, one bank per level (no conflicts); at 2 bits a 16-entry
+  pair table (C[e & 3], C[e >> 2]) gives two values per 8-byte lookup.
+- float32 accumulation in a fixed order (per lane, 5-step xor butterfly, KS partials in warp order),
+  then * s[o] (+ b[o]) and one cast to x's dtype: deterministic, not bit-identical to the dense path
+  (which works in x's dtype, codebook included).
 
 Shapes reach the kernel at run time (``x_shape``, ``packed_shape``, ``bias_ndim``); the template
-arguments are x's dtype, the bias dtype, bits and M rounded up to 1, 2, 4 or 8, so the number of
-compiled kernels is bounded and does not grow with the layer shapes.
+arguments are dtypes, bits, M rounded up to 1, 2, 4 or 8, the group size, the prologue's shared
+floats and RING, so the number of compiled kernels is bounded and does not grow with the shapes.
 """
 
 import contextlib
@@ -86,8 +83,10 @@ BITS = (2, 3, 4, 8)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 # The kernel description. Compile-time names (from MLX's template arguments): T (x dtype), BT (bias
-# dtype; only keeps kernels with different bias signatures apart in MLX's by-name cache), BITS, MT.
-# Dialect tokens QMV_* are substituted in Python; helpers qmv_* come from the dialect header.
+# dtype; only keeps kernels with different bias signatures apart in MLX's by-name cache), ST (scale
+# dtype), BITS, MT, GS (group size, 0 = per row), XCAP (prologue floats, 0 = none), RING (0 =
+# registers, else ring stages). Dialect tokens QMV_* are substituted in Python (QMV_EPILOGUE by
+# body_source); helpers qmv_* come from the dialect header.
 _SOURCE = """
     constexpr int R = 4;                                // rows per warp
     constexpr int VW = (BITS == 3) ? 3 : 4;             // packed words per lane chunk (12 or 16 bytes)
