@@ -673,35 +673,16 @@ inline void qmv_fetch(unsigned int* dst, const uint32_t* p, unsigned int row0, u
   }
 }
 template <int VW, int R>
-inline void qmv_rows_at(unsigned int* off, unsigned int row0, unsigned int c, unsigned int OUT, unsigned int WPR) {
-  for (int r = 0; r < R; ++r) off[r] = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR + c * VW;
-}
-template <int VW, int R>
-inline void qmv_load_at(unsigned int (*dst)[VW], const uint32_t* p, const unsigned int* off, bool valid,
-                        unsigned int left, bool vec) {
+inline void qmv_load_rows(unsigned int (*dst)[VW], const uint32_t* p, unsigned int row0, unsigned int c, unsigned int OUT,
+                          unsigned int WPR, bool valid, unsigned int NCH, bool vec) {
+  valid = valid && row0 < OUT && c < NCH;
   for (int r = 0; r < R; ++r) {
-    if (valid && VW == 4 && vec && (((unsigned long long)(p + off[r]) & 15ull) != 0ull)) {
+    const unsigned int off = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR + c * VW;
+    if (valid && VW == 4 && vec && (((unsigned long long)(p + off) & 15ull) != 0ull)) {
       fprintf(stderr, "misaligned vector load\n"); abort();
     }
-    for (int w = 0; w < VW; ++w) dst[r][w] = (valid && (unsigned int)w < left) ? p[off[r] + w] : 0u;
+    for (int w = 0; w < VW; ++w) dst[r][w] = (valid && c * VW + (unsigned int)w < WPR) ? p[off + w] : 0u;
   }
-}
-// CUDA's __byte_perm, and the CUDA dialect's 4-bit lookup through it, as written there
-inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
-  const unsigned long long v = ((unsigned long long)y << 32) | x;
-  unsigned int r = 0;
-  for (int k = 0; k < 4; ++k) r |= (unsigned int)((v >> (8 * ((s >> (4 * k)) & 7u))) & 0xffu) << (8 * k);
-  return r;
-}
-template <int BITS, int PER>
-inline float qmv_lookup(const float* cb, const unsigned int* w, int v) {
-  if (BITS == 4) {
-    const unsigned int x = w[v / 8];
-    const unsigned int t = (v & 1) ? ((x >> 2) & 0x3c3c3c3cu) : ((x << 2) & 0x3c3c3c3cu);
-    const unsigned int off = __byte_perm(t, 0u, 0x4440u | (unsigned int)((v % 8) / 2));
-    return *reinterpret_cast<const float*>(reinterpret_cast<const char*>(cb) + off);
-  }
-  return cb[qmv_index<BITS, PER>(w, v)];
 }
 template <int N>
 inline void qmv_async_wait() {}

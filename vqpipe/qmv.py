@@ -149,25 +149,11 @@ _SOURCE = """
     // Items 0 .. NST - 2 are requested before the codebook fill and the prologue; afterwards each step
     // requests the item NST - 1 ahead, across row sets: loads stay in flight through the reductions.
     unsigned int pj = 0u, pi = 0u;                      // the next item to request
-    // RING = 0: a fetch cursor, the next item's first row, chunk and word offsets in its R rows: one add
-    // per row per step, recomputed once per round (address arithmetic was ~1.3 instructions per value)
-    unsigned int prow = (QMV_BLOCK * RW + rw) * R, pcc = c0, poff[R];
-    qmv_rows_at<VW, R>(poff, prow, c0, OUT, WPR);
     unsigned int cur[R][VW];                            // RING = 0: item k's words
     if (RING == 0) {
-        qmv_load_at<VW, R>(cur, packed, poff, NJ > 0u && prow < OUT && c0 < NCH, WPR - qmv_umin(c0 * VW, WPR), wvec);
-        if (++pi == NI) {
-            pi = 0u;
-            ++pj;
-            prow += QMV_BLOCKS * RW * (unsigned int)R;
-            qmv_rows_at<VW, R>(poff, prow, c0, OUT, WPR);
-        } else {
-            pcc += STRIDE;
-            QMV_UNROLL
-            for (int r = 0; r < R; ++r) {
-                poff[r] += STRIDE * VW;
-            }
-        }
+        qmv_load_rows<VW, R>(cur, packed, ((QMV_BLOCK + pj * QMV_BLOCKS) * RW + rw) * R, c0, OUT, WPR, NJ > 0u, NCH,
+                             wvec);
+        if (++pi == NI) { pi = 0u; ++pj; }
     }
     QMV_UNROLL
     for (int s = 0; s + 1 < NST; ++s) {
@@ -272,7 +258,8 @@ _SOURCE = """
     for (unsigned int k = 0; k < NK; ++k) {
         unsigned int nxt[R][VW];                        // RING = 0: item k + 1's words, requested now
         if (RING == 0) {
-            qmv_load_at<VW, R>(nxt, packed, poff, pj < NJ && prow < OUT && pcc < NCH, WPR - qmv_umin(pcc * VW, WPR), wvec);
+            qmv_load_rows<VW, R>(nxt, packed, ((QMV_BLOCK + pj * QMV_BLOCKS) * RW + rw) * R, c0 + pi * STRIDE, OUT, WPR,
+                                 pj < NJ, NCH, wvec);
         } else {
             qmv_async_wait<(NST > 1 ? NST - 2 : 0)>();  // item k has landed (at most NST - 2 pending)
             // request item k + NST - 1 into the slot item k - 1 used (read back a step ago)
@@ -282,21 +269,7 @@ _SOURCE = """
             qmv_fetch<VW, R, NTB>(ring + ps * SLOT, packed, prow0, pc, OUT, WPR, pj < NJ && prow0 < OUT && pc < NCH,
                                   wvec);
         }
-        if (++pi == NI) {
-            pi = 0u;
-            ++pj;
-            if (RING == 0) {
-                prow += QMV_BLOCKS * RW * (unsigned int)R;
-                pcc = c0;
-                qmv_rows_at<VW, R>(poff, prow, c0, OUT, WPR);
-            }
-        } else if (RING == 0) {
-            pcc += STRIDE;
-            QMV_UNROLL
-            for (int r = 0; r < R; ++r) {
-                poff[r] += STRIDE * VW;
-            }
-        }
+        if (++pi == NI) { pi = 0u; ++pj; }
         const unsigned int set0 = (QMV_BLOCK + j * QMV_BLOCKS) * RW;  // this round's first row set
         const unsigned int row0 = (set0 + rw) * R;
         const unsigned int c = c0 + i * STRIDE;
@@ -359,7 +332,7 @@ _SOURCE = """
                     } else {
                         QMV_UNROLL
                         for (int t = 0; t < SC; ++t) {
-                            const float w = qmv_lookup<BITS, PER>(cb_s, win[r], h * SC + t);
+                            const float w = cb_s[qmv_index<BITS, PER>(win[r], h * SC + t)];
                             QMV_UNROLL
                             for (int m = 0; m < MT; ++m) {
                                 part[m] += w * xv[m][t];
@@ -540,51 +513,26 @@ __device__ __forceinline__ void qmv_fetch(unsigned int* dst, const unsigned int*
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
-// RING = 0: word offsets of chunk c in rows row0 .. row0 + R - 1 (the last row repeated past OUT),
-// and those R x VW words into registers: one 16-byte load per row where rows are 16-byte aligned
-// (vec), else VW 4-byte loads, the words past the row's end (left <= w) as zero; zeros if !valid.
+// RING = 0: the same R rows x VW words into registers: one 16-byte load per row where rows are
+// 16-byte aligned (vec), else VW 4-byte loads; zeros where !valid, c >= NCH or past the row's end.
 template <int VW, int R>
-__device__ __forceinline__ void qmv_rows_at(unsigned int* off, unsigned int row0, unsigned int c, unsigned int OUT,
-                                            unsigned int WPR) {
+__device__ __forceinline__ void qmv_load_rows(unsigned int (*dst)[VW], const unsigned int* p, unsigned int row0,
+                                              unsigned int c, unsigned int OUT, unsigned int WPR, bool valid,
+                                              unsigned int NCH, bool vec) {
+    valid = valid && row0 < OUT && c < NCH;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        off[r] = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR + c * VW;
-    }
-}
-template <int VW, int R>
-__device__ __forceinline__ void qmv_load_at(unsigned int (*dst)[VW], const unsigned int* p, const unsigned int* off,
-                                            bool valid, unsigned int left, bool vec) {
-    if (VW == 4 && vec) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (valid) {
-                v = *reinterpret_cast<const uint4*>(p + off[r]);
-            }
+        const unsigned int off = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR + c * VW;
+        if (valid && VW == 4 && vec) {
+            const uint4 v = *reinterpret_cast<const uint4*>(p + off);
             dst[r][0] = v.x; dst[r][1] = v.y; dst[r][2] = v.z; dst[r][3] = v.w;
-        }
-        return;
-    }
+        } else {
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-#pragma unroll
-        for (int w = 0; w < VW; ++w) {
-            dst[r][w] = (valid && (unsigned int)w < left) ? p[off[r] + w] : 0u;
+            for (int w = 0; w < VW; ++w) {
+                dst[r][w] = (valid && c * VW + (unsigned int)w < WPR) ? p[off + w] : 0u;
+            }
         }
     }
-}
-// Level of value v of a chunk held in words w[]. At 4 bits the byte offsets of the levels come two
-// operations per 4 values (even values: the bytes of (w << 2) & 0x3c3c3c3c, odd: (w >> 2) & ...)
-// and one byte select each, instead of a shift and a mask per value.
-template <int BITS, int PER>
-__device__ __forceinline__ float qmv_lookup(const float* cb, const unsigned int* w, int v) {
-    if (BITS == 4) {
-        const unsigned int x = w[v / 8];
-        const unsigned int t = (v & 1) ? ((x >> 2) & 0x3c3c3c3cu) : ((x << 2) & 0x3c3c3c3cu);
-        const unsigned int off = __byte_perm(t, 0u, 0x4440u | (unsigned int)((v % 8) / 2));
-        return *reinterpret_cast<const float*>(reinterpret_cast<const char*>(cb) + off);
-    }
-    return cb[qmv_index<BITS, PER>(w, v)];
 }
 template <int N>
 __device__ __forceinline__ void qmv_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
@@ -674,23 +622,15 @@ inline void qmv_fetch(threadgroup unsigned int* dst, const device uint32_t* p, u
     }
 }
 template <int VW, int R>
-inline void qmv_rows_at(thread unsigned int* off, unsigned int row0, unsigned int c, unsigned int OUT, unsigned int WPR) {
+inline void qmv_load_rows(thread unsigned int (*dst)[VW], const device uint32_t* p, unsigned int row0, unsigned int c,
+                          unsigned int OUT, unsigned int WPR, bool valid, unsigned int NCH, bool vec) {
+    valid = valid && row0 < OUT && c < NCH;
     for (int r = 0; r < R; ++r) {
-        off[r] = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR + c * VW;
-    }
-}
-template <int VW, int R>
-inline void qmv_load_at(thread unsigned int (*dst)[VW], const device uint32_t* p, const thread unsigned int* off,
-                        bool valid, unsigned int left, bool vec) {
-    for (int r = 0; r < R; ++r) {
+        const unsigned int off = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR + c * VW;
         for (int w = 0; w < VW; ++w) {
-            dst[r][w] = (valid && (unsigned int)w < left) ? p[off[r] + w] : 0u;
+            dst[r][w] = (valid && c * VW + (unsigned int)w < WPR) ? p[off + w] : 0u;
         }
     }
-}
-template <int BITS, int PER>
-inline float qmv_lookup(const threadgroup float* cb, const thread unsigned int* w, int v) {
-    return cb[qmv_index<BITS, PER>(w, v)];
 }
 template <int N>
 inline void qmv_async_wait() {}
