@@ -771,7 +771,7 @@ def host_kernel(tmp_path_factory):
            "int x_ndim, const uint32_t* packed, const int* packed_shape, const float* scales, const int* scales_shape, "
            "const float* codebook, const float* bias, int bias_ndim, const float* rot_s, const float* rot_l, "
            "const int* rot_l_shape, const int* seg, float* out0, float* out1, float* out2) {\n using T = float;\n"
-           " constexpr int RING = MT <= 2 ? 0 : 3;\n"  # registers, and a ring whose 3 slots wrap unevenly
+           " constexpr int RING = MT <= 4 ? 0 : 3;\n"  # registers, and a ring whose 3 slots wrap unevenly
            + body + "}\n" + _HOST_MAIN)
     d = tmp_path_factory.mktemp("qmv_host")
     (d / "k.cpp").write_text(src)

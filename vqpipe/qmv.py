@@ -58,9 +58,10 @@ MAX_BLOCKS_ROT = int(os.environ.get("VQPIPE_QMV_ROT_BLOCKS", "264"))
 # How the next chunks' packed words wait (template argument RING, docs/qmv.md): 0 = in registers, one
 # chunk ahead; 2..4 = a ring of that many stages in shared memory (8 KiB each per 128-thread
 # threadgroup, RING - 1 chunks ahead, filled by cp.async on CUDA). None = by M: registers up to
-# MT = 2 (64-86 registers at M = 1), the 4-stage ring from MT = 4 (registers alone would need 255
-# and spill at 2 bits x MT = 8). VQPIPE_QMV_STAGES=N (or qmv.ring_stages(N)) forces one. Metal has
-# 32 KiB of threadgroup memory in all: at most 2 stages there.
+# MT = 4, the 4-stage ring at MT = 8 (registers alone need 255 there and spill at 2 bits). On the
+# H200 (docs/results/2026-12-01-h200-qmv2) registers beat every ring at M = 1 (8B gate|up 32.9 us
+# against 35.9-41.6) and M = 4 (63.4 against 69.6); at M = 8 they tie (113.1). VQPIPE_QMV_STAGES=N
+# (or qmv.ring_stages(N)) forces one. Metal has 32 KiB of threadgroup memory: at most 2 stages.
 STAGES = int(os.environ["VQPIPE_QMV_STAGES"]) if os.environ.get("VQPIPE_QMV_STAGES") else None
 RING_CHOICES = (0, 2, 3, 4)
 DIALECT_MAX_STAGES = {"metal": 2}
@@ -68,7 +69,7 @@ DIALECT_MAX_STAGES = {"metal": 2}
 
 def ring_for(mt, stages=None, dialect="cuda"):
     """The RING template argument for MT activation rows (see STAGES)."""
-    ring = (0 if mt <= 2 else 4) if stages is None else int(stages)
+    ring = (0 if mt <= 4 else 4) if stages is None else int(stages)
     if ring not in RING_CHOICES:
         raise ValueError(f"qmv: ring stages must be one of {RING_CHOICES} (or None: by M), got {stages!r}")
     return min(ring, DIALECT_MAX_STAGES.get(dialect, 4)) if ring else 0
