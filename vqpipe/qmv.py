@@ -50,7 +50,7 @@ from .bitpack import unpack, words_per_row
 MAX_M = 8  # rows of x (prod of its leading dims) the kernel takes; more -> the dense path
 ROWS = 4  # output rows per warp (R); must match "constexpr int R" in _SOURCE
 TARGET_WARPS = 4096  # enough warps to fill an H200 (132 SMs x ~32 resident warps)
-MAX_BLOCKS = 2048  # threadgroups at most; more row sets are taken grid-stride (not tuned)
+MAX_BLOCKS = 2048  # threadgroups at most, more row sets grid-stride (H200: 1056 was slower at gate|up and head)
 # With the rotation in the prologue every threadgroup redoes it, so fewer, longer-lived threadgroups:
 # 2 per SM of an H200 (132 SMs). bench-qmv on the H200: 264 beat 528 and 1056 on every shape
 # (8B q|k|v 61 / 81 / 133 us; docs/qmv.md).
