@@ -5,8 +5,11 @@
 # On the team's NVIDIA host (MLX CUDA backend, offline), after staging the runtime bundle
 # (docs/kivi.md, "Running on a GPU"):   bash scripts/gpu_qmv.sh
 # Elsewhere (e.g. a Mac with Metal):      PYTHON=.venv/bin/python bash scripts/gpu_qmv.sh
-# STEPS picks steps (default "tests bench bench_bits cpu_tests"); BENCH_ARGS goes to bench-qmv;
-# bench_bits times 2 and 3 bits on three large shapes.
+# STEPS picks steps (default "gpu_time tests bench bench_bits cpu_tests"); BENCH_ARGS goes to bench-qmv;
+# bench_bits times 2 and 3 bits on three large shapes. gpu_time: the kernel's GPU time per launch
+# outside MLX (vqpipe/bench/qmv_gpu_time.py: CUDA events, copy and plain-read arms in the same
+# process) at the Llama-3-8B shapes, 4 bits, M = 1, against an earlier revision if vqpipe/qmv_v5.py
+# is there (`git show b6db116:vqpipe/qmv.py > vqpipe/qmv_v5.py`); gpu_time_bits: 2/3 bits and M = 4/8.
 # Results go to $OUT (default results/gpu_qmv): env.txt, qmv_tests.log, bench.log, bench-qmv.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,8 +26,24 @@ gpu_record_env "$OUT/env.txt"
 
 t0=$(date +%s)
 since() { echo "($(( $(date +%s) - t0 )) s)"; }
-STEPS=${STEPS:-tests bench bench_bits cpu_tests}
+STEPS=${STEPS:-gpu_time tests bench bench_bits cpu_tests}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
+BASE=""
+[ -f vqpipe/qmv_v5.py ] && BASE="qmv_v5"
+
+if want gpu_time; then
+  echo "== qmv GPU time outside MLX $(since)"
+  timeout "${TIME_LIMIT:-120}" $PY -m vqpipe.bench.qmv_gpu_time --out "$OUT/gpu-time.json" \
+    --variants qmv:auto:0 $BASE qmv:4:0 qmv:3:0 qmv:2:0 qmv:auto:1056 qmv:4:792 \
+    --cases l3-qkv:4:1 l3-gateup:4:1 l3-down:4:1 l3-lm_head:4:1 ${TIME_ARGS:-} 2>&1 | tee "$OUT/gpu-time.log"
+fi
+
+if want gpu_time_bits; then
+  echo "== qmv GPU time, 2/3 bits and M > 1 $(since)"
+  timeout "${TIME_BITS_LIMIT:-120}" $PY -m vqpipe.bench.qmv_gpu_time --out "$OUT/gpu-time-bits.json" \
+    --variants qmv:auto:0 $BASE qmv:0:0 qmv:4:0 --cases l3-gateup:4:1 l3-gateup:3:1 l3-gateup:2:1 l3-lm_head:4:1 l3-lm_head:3:1 \
+    l3-lm_head:2:1 l3-gateup:4:4 l3-gateup:4:8 l3-down:4:8 ${TIME_BITS_ARGS:-} 2>&1 | tee "$OUT/gpu-time-bits.log"
+fi
 
 if want tests; then
   echo "== qmv GPU tests $(since)"

@@ -154,10 +154,10 @@ def test_one_description_two_dialects():
     for dialect, body in (("cuda", b_cuda), ("metal", b_metal)):
         for token, text in sorted(qmv.DIALECTS[dialect]["tokens"].items(), key=lambda kv: -len(kv[1])):
             body = body.replace(text, token)
-        assert body == qmv.minify(qmv._SOURCE.replace("QMV_STORE", qmv.store_code(1)))
+        assert body == qmv.minify(qmv.body_source(1))
     # minified: no comments, no indentation, no blank lines; the code lines themselves unchanged
     assert "//" not in b_cuda + h_cuda and "\n\n" not in b_cuda and not b_cuda.startswith(" ")
-    code = [ln.split("//")[0].strip() for ln in qmv._SOURCE.splitlines()]
+    code = [ln.split("//")[0].strip() for ln in qmv.body_source(1).splitlines()]
     assert b_metal.count("\n") == sum(1 for ln in code if ln)
     # one kernel per output count, each with its own name (MLX caches by name)
     assert len({qmv.render("cuda", n)[0] for n in (1, 2, 3)}) == 3
@@ -184,11 +184,11 @@ def test_launch_template_holds_no_shape():
     specs = [_spec(i, o) for i, o in shapes]
     assert all(s["template"] == specs[0]["template"] for s in specs)
     assert specs[0]["template"] == [("T", mx.bfloat16), ("BT", mx.bfloat16), ("ST", mx.float32), ("BITS", 4),
-                                    ("MT", 1), ("GS", 0), ("XCAP", 0)]
+                                    ("MT", 1), ("GS", 0), ("XCAP", 0), ("RING", 0)]
     assert len({s["grid"] for s in specs}) >= 10  # the grid follows the shape, the kernel does not
     for s in specs:
         tx, ks, rw = s["threadgroup"]
-        assert tx == 32 and ks in (1, 2, 4, 8) and 4 <= ks * rw <= 8
+        assert tx == 32 and ks in (1, 2, 4) and ks * rw == 4  # 128 threads: the ring is sized for them
         assert s["grid"][1:] == (ks, rw) and s["grid"][0] % 32 == 0
     # M enters as MT = next power of two; the bias dtype only where a layer has one
     assert [_spec(896, 896, m)["template"][4][1] for m in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
@@ -416,10 +416,10 @@ def test_unaligned_activation_takes_the_scalar_path(dt):
     assert _same_bytes(a, b)
 
 
-PROLOGUE_CONFIGS = [("hadamard", 896, 4, 1152, 1, "bfloat16", (896, 1024)), ("kron", 4864, 4, 896, 1, "bfloat16", None),
-                    ("hadamard", 4096, 4, 6144, 1, "float16", (4096, 5120)), ("hadamard", 4096, 3, 512, 2, "float32", None),
+PROLOGUE_CONFIGS = [("hadamard", 896, 4, 1152, 1, "bfloat16", (896, 1024)), ("kron", 1472, 4, 896, 1, "bfloat16", None),
+                    ("hadamard", 4096, 4, 6144, 1, "float16", (4096, 5120)), ("hadamard", 2048, 3, 512, 2, "float32", None),
                     ("kron", 1472, 2, 300, 1, "bfloat16", (100,)), ("hadamard", 768, 4, 64, 4, "float32", (32, 48)),
-                    ("kron", 4864, 4, 200, 1, "float32", (150,))]
+                    ("kron", 2432, 4, 200, 1, "float32", (150,))]
 
 
 def test_prologue_only_where_verified():
@@ -428,6 +428,18 @@ def test_prologue_only_where_verified():
     assert all(qmv.prologue_allowed(b, m) for b in (2, 3, 4) for m in (1, 2, 4))
     assert not qmv.prologue_allowed(8, 1) and not qmv.prologue_allowed(4, 8)
     assert all(qmv.prologue_allowed(c[2], c[4]) for c in PROLOGUE_CONFIGS)
+
+
+def test_prologue_configs_fit_the_shared_memory():
+    """The GPU prologue tests must run the prologue, not the MLX-op fallback: their staged rows fit
+    a bucket (with the ring's 2 stages beside it); qwen's 4864-wide down_proj (10944 floats) does not."""
+    from vqpipe.rotation import make_rotation
+
+    for kind, n_in, bits, _, m, _, _ in PROLOGUE_CONFIGS:
+        a = qmv.rotation_operands(make_rotation(kind, n_in, seed=7))[1].shape[0]
+        assert qmv.prologue_floats(bits, n_in, m, a) <= qmv.MAX_XCAP["cuda"] == max(qmv.XCAP_BUCKETS)
+    assert qmv.prologue_floats(4, 4864, 1, 19) > qmv.MAX_XCAP["cuda"]
+    assert qmv.prologue_floats(4, 4096, 1, 1) <= qmv.MAX_XCAP["cuda"]  # the 8B q|k|v and gate|up inputs
 
 
 @pytest.mark.gpu
@@ -629,6 +641,8 @@ static float g_xchg[8][32];
 inline unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
 inline float qmv_inv_sqrt(float v) { return 1.0f / std::sqrt(v); }
 inline unsigned int qmv_log2(unsigned int v) { return (unsigned int)__builtin_ctz(v); }
+struct float2 { float x, y; };
+inline float2 qmv_f2(float a, float b) { return float2{a, b}; }
 inline float qmv_shfl_xor(float v, int m) {
   unsigned int w = t_rw * g_KS + t_ks;
   g_xchg[w][t_lane] = v;
@@ -644,15 +658,39 @@ inline unsigned int qmv_index(const unsigned int* w, int v) {
   if (sh + 3 <= 32) return (w[j] >> sh) & 7u;
   return ((w[j] >> sh) | (w[j + 1] << (32 - sh))) & 7u;
 }
-// the "vector" branch is the same words read as one 16-byte block (checked for alignment like the GPU)
-template <int VW>
-inline void qmv_load_words(unsigned int* dst, const uint32_t* p, unsigned int off, unsigned int left, bool valid, bool vec) {
-  if (valid && VW == 4 && vec) {
-    if (((unsigned long long)(p + off) & 15ull) != 0ull) { fprintf(stderr, "misaligned vector load\n"); abort(); }
-    for (int j = 0; j < 4; ++j) dst[j] = p[off + j];
-    return;
+// The ring's copies are synchronous here (the wait is nothing); the "vector" branch is checked for
+// alignment like the GPU's 16-byte copies.
+template <int VW, int R, int NTB>
+inline void qmv_fetch(unsigned int* dst, const uint32_t* p, unsigned int row0, unsigned int c, unsigned int OUT,
+                      unsigned int WPR, bool valid, bool vec) {
+  for (int r = 0; r < R; ++r) {
+    const unsigned int row = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR;
+    const unsigned int left = valid ? WPR - c * VW : 0u;
+    if (VW == 4 && vec && valid && (((unsigned long long)(p + row + c * VW) & 15ull) != 0ull)) {
+      fprintf(stderr, "misaligned vector copy\n"); abort();
+    }
+    for (int w = 0; w < VW; ++w) dst[r * NTB * VW + w] = (unsigned int)w < left ? p[row + c * VW + w] : 0u;
   }
-  for (int j = 0; j < VW; ++j) dst[j] = (valid && (unsigned int)j < left) ? p[off + j] : 0u;
+}
+template <int VW, int R>
+inline void qmv_load_rows(unsigned int (*dst)[VW], const uint32_t* p, unsigned int row0, unsigned int c, unsigned int OUT,
+                          unsigned int WPR, bool valid, unsigned int NCH, bool vec) {
+  valid = valid && row0 < OUT && c < NCH;
+  for (int r = 0; r < R; ++r) {
+    const unsigned int off = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR + c * VW;
+    if (valid && VW == 4 && vec && (((unsigned long long)(p + off) & 15ull) != 0ull)) {
+      fprintf(stderr, "misaligned vector load\n"); abort();
+    }
+    for (int w = 0; w < VW; ++w) dst[r][w] = (valid && c * VW + (unsigned int)w < WPR) ? p[off + w] : 0u;
+  }
+}
+template <int N>
+inline void qmv_async_wait() {}
+template <int VW>
+inline void qmv_ring_read(unsigned int* dst, const unsigned int* src) {
+  for (int w = 0; w < VW; ++w) {
+    dst[w] = src[w];
+  }
 }
 #define QMV_LOAD_X(dst, p, vec) for (int t_ = 0; t_ < SC; ++t_) { (dst)[t_] = (p)[t_]; }
 #define QMV_X_ALIGNED(p) false
@@ -709,9 +747,9 @@ int main(int argc, char** argv) {
   C(2, 1, 0, 0) C(2, 4, 0, 0) C(3, 1, 0, 0) C(3, 2, 0, 0) C(3, 4, 0, 0) C(4, 1, 0, 0) C(4, 2, 0, 0) C(4, 4, 0, 0) C(4, 8, 0, 0)
   C(8, 1, 0, 0) C(8, 4, 0, 0) C(4, 1, 32, 0) C(4, 2, 128, 0) C(2, 1, 32, 0) C(2, 4, 32, 0) C(2, 4, 64, 0)
   C(3, 1, 64, 0) C(3, 2, 256, 0) C(8, 1, 32, 0) C(4, 8, 256, 0)
-  C(4, 1, 0, 2048) C(4, 1, 0, 11264) C(4, 2, 0, 4096) C(3, 1, 0, 2048) C(2, 4, 64, 8192) C(4, 1, 64, 1024)
-  C(4, 1, 0, 8192) C(2, 1, 0, 2048) C(8, 2, 0, 4096) C(4, 8, 0, 11264)
-  C(2, 2, 64, 8192) C(4, 2, 0, 8192) C(2, 1, 0, 1024) C(8, 2, 0, 2048) C(4, 1, 32, 1024) C(8, 2, 0, 1024) C(8, 4, 0, 1024)
+  C(4, 1, 0, 2048) C(4, 1, 0, 4096) C(4, 1, 0, 7168) C(4, 2, 0, 4096) C(3, 1, 0, 2048) C(2, 4, 64, 7168) C(4, 1, 64, 1024)
+  C(4, 1, 0, 7168) C(2, 1, 0, 2048) C(8, 2, 0, 4096) C(4, 8, 0, 7168)
+  C(2, 2, 64, 7168) C(4, 2, 0, 7168) C(2, 1, 0, 1024) C(8, 2, 0, 2048) C(4, 1, 32, 1024) C(8, 2, 0, 1024) C(8, 4, 0, 1024)
   return 1;
 }
 """
@@ -725,7 +763,7 @@ def host_kernel(tmp_path_factory):
     cxx = shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler for the host rendering of the kernel")
-    body = qmv._SOURCE.replace("QMV_STORE", qmv.store_code(3))  # single outputs: seg = [OUT, OUT]
+    body = qmv.body_source(3)  # single outputs: seg = [OUT, OUT]
     for token, text in _HOST_TOKENS.items():
         body = re.sub(rf"\b{token}\b", text, body)
     body = qmv.minify(body)  # the form MLX is given (comments and indentation stripped)
@@ -733,6 +771,7 @@ def host_kernel(tmp_path_factory):
            "int x_ndim, const uint32_t* packed, const int* packed_shape, const float* scales, const int* scales_shape, "
            "const float* codebook, const float* bias, int bias_ndim, const float* rot_s, const float* rot_l, "
            "const int* rot_l_shape, const int* seg, float* out0, float* out1, float* out2) {\n using T = float;\n"
+           " constexpr int RING = MT <= 4 ? 0 : 3;\n"  # registers, and a ring whose 3 slots wrap unevenly
            + body + "}\n" + _HOST_MAIN)
     d = tmp_path_factory.mktemp("qmv_host")
     (d / "k.cpp").write_text(src)
@@ -821,7 +860,7 @@ def _host_check(host_kernel, bits, n_in, n_out, m, gs, rotation=None, splits=Non
 
 @pytest.mark.parametrize("kind, n_in, bits, n_out, m, gs, splits", [
     ("hadamard", 896, 4, 37, 1, 0, None), ("hadamard", 896, 4, 1152, 1, 0, (896, 1024)),
-    ("kron", 4864, 4, 9, 1, 0, None), ("hadamard", 4096, 4, 13, 1, 0, (5,)), ("hadamard", 768, 3, 11, 1, 0, None),
+    ("kron", 1472, 4, 9, 1, 0, None), ("hadamard", 4096, 4, 13, 1, 0, (5,)), ("hadamard", 768, 3, 11, 1, 0, None),
     ("kron", 1472, 2, 7, 2, 64, (3, 5)), ("hadamard", 96, 4, 5, 1, 32, None), ("hadamard", 1024, 4, 9, 2, 0, (4,)),
     ("hadamard", 256, 2, 6, 1, 0, None), ("kron", 320, 8, 6, 2, 0, None), ("hadamard", 1536, 4, 21, 2, 0, (8, 16)),
     # 8 bits, 48 inputs: a row of 48 staged floats is 16 mod 32, two rows must not overlap
@@ -834,7 +873,7 @@ def test_kernel_prologue_rotation_and_outputs_on_cpu(host_kernel, kind, n_in, bi
 
 
 @pytest.mark.parametrize("kind, n_in, bits, n_out, m, splits, blocks", [
-    ("hadamard", 896, 4, 61, 1, (20, 40), 2), ("kron", 4864, 4, 37, 1, None, 3), ("hadamard", 768, 3, 45, 1, (9,), 2),
+    ("hadamard", 896, 4, 61, 1, (20, 40), 2), ("kron", 1472, 4, 37, 1, None, 3), ("hadamard", 768, 3, 45, 1, (9,), 2),
     ("hadamard", 1024, 2, 70, 1, None, 3),
 ])
 def test_kernel_prologue_with_grid_stride_on_cpu(host_kernel, monkeypatch, kind, n_in, bits, n_out, m, splits, blocks):

@@ -9,31 +9,28 @@ and optional bias b, and the rotated activation xr (M rows, M small: decode has 
 The dense path rebuilds the whole weight C[q] (out x in) on every call; the kernel reads each packed
 word once and never materialises the weight, so a decode step costs about the packed bytes.
 
-Layout (see docs/qmv.md):
+Layout (revision 6, see docs/qmv.md):
 
-- A lane's unit of work is one *chunk*: the 32-bit window holding 8 values (3 and 4 bits), 16 values
-  (2 bits) or 4 values (8 bits). For 2/4/8 bits that is exactly word c of the row; a 3-bit chunk is
-  bits [24c, 24c + 24) of the row's stream and may straddle two words. Consecutive lanes take
-  consecutive chunks, so both the packed words (128 B per row per warp step) and the activation
-  (8 values per lane, contiguous across lanes) are read coalesced.
-- One warp (SIMD group) owns R = 4 rows: the activation chunk it loads is reused for the 4 rows.
-  U = 4 warp steps per iteration; the first iteration's words are requested before the codebook
-  barrier, and every iteration requests the next one's before computing, so a warp keeps up to
-  2 x U x R words per lane in flight (bandwidth, not arithmetic, bounds this kernel).
-- KS warps (1, 2, 4 or 8) split the chunks of the same 4 rows when there are few rows or long rows
-  (e.g. the 4864 -> 896 down projection); their partial sums meet in shared memory and are added in
-  warp order. KS is chosen per shape at launch time and reaches the kernel as the threadgroup's y
-  size, so it is not a template argument.
-- The codebook (2**bits floats) sits in shared memory: with at most 32 levels every level has its
-  own bank, so the per-value lookups never conflict.
-- float32 accumulation: each lane sums its chunks in a fixed order, then a 5-step xor-shuffle
-  butterfly, then the KS partials in warp order, then * s[o] (+ b[o]) and one cast to x's dtype.
-  No atomics: the result is deterministic (same bytes every run on the same device), but it is not
-  bit-identical to the dense path (which works in x's dtype, codebook included).
+- A lane's unit of work is one *chunk* of a row: 4 packed words (16 bytes: 64, 32 or 16 values at
+  2, 4, 8 bits) or 3 words (32 values) at 3 bits. Consecutive lanes take consecutive chunks, so the
+  packed words (16-byte loads where rows are 16-byte aligned) and the activation are read coalesced.
+- One warp owns R = 4 rows and reuses each activation load for them; KS warps (1, 2 or 4) split the
+  chunks of the same rows when rows are few or long (their partials meet in shared memory, in warp
+  order). Threadgroups are always 128 threads (KS x RW = 4 warps).
+- Each warp walks one flat list of items (row set, chunk step), row sets taken grid-stride, and
+  requests the packed words of the next item(s) before computing the current one, across row-set
+  boundaries: into registers (RING = 0, one item ahead) or into a per-lane ring in shared memory
+  (RING = 2..4 stages, filled by cp.async on CUDA, RING - 1 items ahead). With KS = 1 no barrier
+  runs after the codebook fill: the lanes write their rows straight after the butterfly.
+- The codebook sits in shared memory, one bank per level (no conflicts); at 2 bits a 16-entry
+  pair table (C[e & 3], C[e >> 2]) gives two values per 8-byte lookup.
+- float32 accumulation in a fixed order (per lane, 5-step xor butterfly, KS partials in warp order),
+  then * s[o] (+ b[o]) and one cast to x's dtype: deterministic, not bit-identical to the dense path
+  (which works in x's dtype, codebook included).
 
 Shapes reach the kernel at run time (``x_shape``, ``packed_shape``, ``bias_ndim``); the template
-arguments are x's dtype, the bias dtype, bits and M rounded up to 1, 2, 4 or 8, so the number of
-compiled kernels is bounded and does not grow with the layer shapes.
+arguments are dtypes, bits, M rounded up to 1, 2, 4 or 8, the group size, the prologue's shared
+floats and RING, so the number of compiled kernels is bounded and does not grow with the shapes.
 """
 
 import contextlib
@@ -53,11 +50,29 @@ from .bitpack import unpack, words_per_row
 MAX_M = 8  # rows of x (prod of its leading dims) the kernel takes; more -> the dense path
 ROWS = 4  # output rows per warp (R); must match "constexpr int R" in _SOURCE
 TARGET_WARPS = 4096  # enough warps to fill an H200 (132 SMs x ~32 resident warps)
-MAX_BLOCKS = 2048  # threadgroups at most; more row sets are taken grid-stride (not tuned)
+MAX_BLOCKS = 2048  # threadgroups at most, more row sets grid-stride (H200: 1056 was slower at gate|up and head)
 # With the rotation in the prologue every threadgroup redoes it, so fewer, longer-lived threadgroups:
 # 2 per SM of an H200 (132 SMs). bench-qmv on the H200: 264 beat 528 and 1056 on every shape
 # (8B q|k|v 61 / 81 / 133 us; docs/qmv.md).
 MAX_BLOCKS_ROT = int(os.environ.get("VQPIPE_QMV_ROT_BLOCKS", "264"))
+# How the next chunks' packed words wait (template argument RING, docs/qmv.md): 0 = in registers, one
+# chunk ahead; 2..4 = a ring of that many stages in shared memory (8 KiB each per 128-thread
+# threadgroup, RING - 1 chunks ahead, filled by cp.async on CUDA). None = by M: registers up to
+# MT = 4, the 4-stage ring at MT = 8 (registers alone need 255 there and spill at 2 bits). On the
+# H200 (docs/results/2026-12-01-h200-qmv2) registers beat every ring at M = 1 (8B gate|up 32.9 us
+# against 35.9-41.6) and M = 4 (63.4 against 69.6); at M = 8 they tie (113.1). VQPIPE_QMV_STAGES=N
+# (or qmv.ring_stages(N)) forces one. Metal has 32 KiB of threadgroup memory: at most 2 stages.
+STAGES = int(os.environ["VQPIPE_QMV_STAGES"]) if os.environ.get("VQPIPE_QMV_STAGES") else None
+RING_CHOICES = (0, 2, 3, 4)
+DIALECT_MAX_STAGES = {"metal": 2}
+
+
+def ring_for(mt, stages=None, dialect="cuda"):
+    """The RING template argument for MT activation rows (see STAGES)."""
+    ring = (0 if mt <= 4 else 4) if stages is None else int(stages)
+    if ring not in RING_CHOICES:
+        raise ValueError(f"qmv: ring stages must be one of {RING_CHOICES} (or None: by M), got {stages!r}")
+    return min(ring, DIALECT_MAX_STAGES.get(dialect, 4)) if ring else 0
 GROUP_SIZES = (32, 64, 128, 256)  # per-group scale layouts the kernel takes (besides per row)
 SCALE_DTYPES = (mx.float16, mx.float32)
 
@@ -69,8 +84,10 @@ BITS = (2, 3, 4, 8)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 # The kernel description. Compile-time names (from MLX's template arguments): T (x dtype), BT (bias
-# dtype; only keeps kernels with different bias signatures apart in MLX's by-name cache), BITS, MT.
-# Dialect tokens QMV_* are substituted in Python; helpers qmv_* come from the dialect header.
+# dtype; only keeps kernels with different bias signatures apart in MLX's by-name cache), ST (scale
+# dtype), BITS, MT, GS (group size, 0 = per row), XCAP (prologue floats, 0 = none), RING (0 =
+# registers, else ring stages). Dialect tokens QMV_* are substituted in Python (QMV_EPILOGUE by
+# body_source); helpers qmv_* come from the dialect header.
 _SOURCE = """
     constexpr int R = 4;                                // rows per warp
     constexpr int VW = (BITS == 3) ? 3 : 4;             // packed words per lane chunk (12 or 16 bytes)
@@ -81,8 +98,19 @@ _SOURCE = """
     constexpr int GSD = GS > 0 ? GS : 1;
     constexpr int NG = (GS > 0 && VPC > GS) ? VPC / GSD : 1;  // scale groups a chunk spans (GS >= 32)
     constexpr int XC = XCAP > 0 ? XCAP : 1;
+    constexpr int NTB = 128;                            // threads per threadgroup: KS x RW = 4 warps
+    // RING = 0: no ring, the next chunk's words are loaded into registers (one chunk ahead); else
+    // ring stages (2 with the prologue, which needs the shared memory)
+    constexpr int NST = RING == 0 ? 1 : (XCAP > 0 ? 2 : RING);
+    constexpr int SLOT = R * NTB * VW;                  // words per ring stage
     QMV_SHARED float cb_s[NLEV];
-    QMV_SHARED float red_s[8 * R * MT];
+    // 2 bits: a pair table, entry e = (C[e & 3], C[e >> 2]) for the 4-bit field e of two neighbouring
+    // values: one 8-byte lookup per two values (16 entries of 8 bytes: distinct banks, no conflicts)
+    QMV_SHARED float2 cb2_s[BITS == 2 ? 16 : 1];
+    QMV_SHARED float red_s[4 * R * MT];
+    // The ring: every lane's packed words for its next NST - 1 chunks (R rows each), copied from global
+    // memory asynchronously; a lane reads back only what it requested itself, so no barrier guards it
+    QMV_SHARED16 unsigned int ring_s[RING == 0 ? 4 : NST * SLOT];
     // XCAP > 0: the activation rows rotated in the prologue, float, 4 pad floats per 32 (qmv_xi), so
     // the lanes' 16-byte reads at a stride of one chunk fall in distinct banks
     QMV_SHARED16 float xs_s[XC];
@@ -111,19 +139,36 @@ _SOURCE = """
     const bool wvec = VW == 4 && (WPR & 3u) == 0u && QMV_W_ALIGNED(packed);
     const bool xvec = QMV_X_ALIGNED(x);
 
-    // The first row set's first chunk is requested before the codebook fill and the prologue.
-    unsigned int win[R][VW];
-    {
-        const unsigned int row0 = (QMV_BLOCK * RW + rw) * R;
-        const unsigned int c = ks * 32u + lane;
-        QMV_UNROLL
-        for (int r = 0; r < R; ++r) {
-            const unsigned int b = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR;
-            qmv_load_words<VW>(win[r], packed, b + c * VW, WPR - c * VW, row0 < OUT && c < NCH, wvec);
-        }
+    // This warp's work: NJ rounds (row sets taken grid-stride; the same count for every warp of a
+    // block, so the barriers below are uniform) of NI chunk steps; item k = round k / NI, step k % NI.
+    const unsigned int groups = (row_sets + RW - 1u) / RW;
+    const unsigned int NJ = QMV_BLOCK < groups ? (groups - 1u - QMV_BLOCK) / QMV_BLOCKS + 1u : 0u;
+    const unsigned int NI = (NCH + STRIDE - 1u) / STRIDE;
+    const unsigned int NK = NJ * NI;
+    const unsigned int c0 = ks * 32u + lane;
+    auto ring = ring_s + tid * VW;                                 // slot s, row r: ring[(s * R + r) * NTB * VW ...]
+    // Items 0 .. NST - 2 are requested before the codebook fill and the prologue; afterwards each step
+    // requests the item NST - 1 ahead, across row sets: loads stay in flight through the reductions.
+    unsigned int pj = 0u, pi = 0u;                      // the next item to request
+    unsigned int cur[R][VW];                            // RING = 0: item k's words
+    if (RING == 0) {
+        qmv_load_rows<VW, R>(cur, packed, ((QMV_BLOCK + pj * QMV_BLOCKS) * RW + rw) * R, c0, OUT, WPR, NJ > 0u, NCH,
+                             wvec);
+        if (++pi == NI) { pi = 0u; ++pj; }
+    }
+    QMV_UNROLL
+    for (int s = 0; s + 1 < NST; ++s) {
+        const unsigned int prow0 = ((QMV_BLOCK + pj * QMV_BLOCKS) * RW + rw) * R;
+        const unsigned int pc = c0 + pi * STRIDE;
+        qmv_fetch<VW, R, NTB>(ring + (unsigned int)s * SLOT, packed, prow0, pc, OUT, WPR,
+                              pj < NJ && prow0 < OUT && pc < NCH, wvec);
+        if (++pi == NI) { pi = 0u; ++pj; }
     }
     for (unsigned int i = tid; i < (unsigned int)NLEV; i += NT) {
         cb_s[i] = static_cast<float>(codebook[i]);
+    }
+    if (BITS == 2 && tid < 16u) {
+        cb2_s[tid] = qmv_f2(static_cast<float>(codebook[tid & 3u]), static_cast<float>(codebook[tid >> 2]));
     }
     // Prologue (XCAP > 0): xr = (L (x) S_B / sqrt(B)) (sd * x) for each row, x viewed as A x B
     // (S_B the Sylvester Hadamard matrix, B a power of two; L an A x A matrix: MLX's Hadamard base
@@ -202,80 +247,90 @@ _SOURCE = """
     }
     QMV_BARRIER;
 
-    // Row sets are taken grid-stride, so the codebook fill and the prologue are paid once per block.
-    for (unsigned int set0 = QMV_BLOCK * RW; set0 < row_sets; set0 += QMV_BLOCKS * RW) {
+    float acc[R][MT];
+    QMV_UNROLL
+    for (int r = 0; r < R; ++r) {
+        QMV_UNROLL
+        for (int m = 0; m < MT; ++m) {
+            acc[r][m] = 0.0f;
+        }
+    }
+    unsigned int slot = 0u, i = 0u, j = 0u;             // item k's ring slot, step and round
+    for (unsigned int k = 0; k < NK; ++k) {
+        unsigned int nxt[R][VW];                        // RING = 0: item k + 1's words, requested now
+        if (RING == 0) {
+            qmv_load_rows<VW, R>(nxt, packed, ((QMV_BLOCK + pj * QMV_BLOCKS) * RW + rw) * R, c0 + pi * STRIDE, OUT, WPR,
+                                 pj < NJ, NCH, wvec);
+        } else {
+            qmv_async_wait<(NST > 1 ? NST - 2 : 0)>();  // item k has landed (at most NST - 2 pending)
+            // request item k + NST - 1 into the slot item k - 1 used (read back a step ago)
+            const unsigned int ps = slot == 0u ? (unsigned int)NST - 1u : slot - 1u;
+            const unsigned int prow0 = ((QMV_BLOCK + pj * QMV_BLOCKS) * RW + rw) * R;
+            const unsigned int pc = c0 + pi * STRIDE;
+            qmv_fetch<VW, R, NTB>(ring + ps * SLOT, packed, prow0, pc, OUT, WPR, pj < NJ && prow0 < OUT && pc < NCH,
+                                  wvec);
+        }
+        if (++pi == NI) { pi = 0u; ++pj; }
+        const unsigned int set0 = (QMV_BLOCK + j * QMV_BLOCKS) * RW;  // this round's first row set
         const unsigned int row0 = (set0 + rw) * R;
+        const unsigned int c = c0 + i * STRIDE;
         // uniform per warp: all 32 lanes share row0, so whole warps skip and the shuffles stay full
-        const bool active = row0 < OUT;
-        unsigned int base[R];
-        QMV_UNROLL
-        for (int r = 0; r < R; ++r) {
-            // a partial last row set re-reads the last row; those sums are never written
-            base[r] = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR;
-        }
-        // win[] holds this row set's first chunk already: requested before the barrier (the first
-        // row set) or during the previous row set's last chunk (the later ones)
-        float acc[R][MT];
-        QMV_UNROLL
-        for (int r = 0; r < R; ++r) {
+        if (row0 < OUT && c < NCH) {
+            unsigned int win[R][VW];
             QMV_UNROLL
-            for (int m = 0; m < MT; ++m) {
-                acc[r][m] = 0.0f;
-            }
-        }
-        if (active) {
-            for (unsigned int c = ks * 32u + lane; c < NCH; c += STRIDE) {
-                // the next chunk's words are requested before this one is computed: loads in flight
-                unsigned int nxt[R][VW];
-                const unsigned int cn = c + STRIDE;
-                if (cn < NCH) {
+            for (int r = 0; r < R; ++r) {
+                if (RING == 0) {
                     QMV_UNROLL
-                    for (int r = 0; r < R; ++r) {
-                        qmv_load_words<VW>(nxt[r], packed, base[r] + cn * VW, WPR - cn * VW, true, wvec);
+                    for (int w = 0; w < VW; ++w) {
+                        win[r][w] = cur[r][w];
                     }
                 } else {
-                    // past this row set's last chunk: the next row set's first one (grid-stride), so
-                    // its loads are in flight through the reduction and the barrier
-                    const unsigned int nrow0 = row0 + QMV_BLOCKS * RW * (unsigned int)R;
-                    const unsigned int c0 = ks * 32u + lane;
+                    qmv_ring_read<VW>(win[r], ring + (slot * R + (unsigned int)r) * (NTB * VW));
+                }
+            }
+            float sg[R][NG];
+            if (GS > 0) {
+                QMV_UNROLL
+                for (int r = 0; r < R; ++r) {
+                    const unsigned int o = qmv_umin(row0 + (unsigned int)r, OUT - 1u);
                     QMV_UNROLL
-                    for (int r = 0; r < R; ++r) {
-                        const unsigned int nb = qmv_umin(nrow0 + (unsigned int)r, OUT - 1u) * WPR;
-                        qmv_load_words<VW>(nxt[r], packed, nb + c0 * VW, WPR - c0 * VW, nrow0 < OUT && c0 < NCH, wvec);
+                    for (int g = 0; g < NG; ++g) {
+                        // chunks in the zero padding past in_features reuse the last group
+                        sg[r][g] = static_cast<float>(scales[o * G + qmv_umin((c * VPC) / GSD + g, G - 1u)]);
                     }
                 }
-                float sg[R][NG];
-                if (GS > 0) {
-                    QMV_UNROLL
-                    for (int r = 0; r < R; ++r) {
-                        const unsigned int o = qmv_umin(row0 + (unsigned int)r, OUT - 1u);
-                        QMV_UNROLL
-                        for (int k = 0; k < NG; ++k) {
-                            // chunks in the zero padding past in_features reuse the last group
-                            sg[r][k] = static_cast<float>(scales[o * G + qmv_umin((c * VPC) / GSD + k, G - 1u)]);
-                        }
+            }
+            QMV_UNROLL
+            for (int h = 0; h < VPC / SC; ++h) {
+                float xv[MT][SC];
+                QMV_UNROLL
+                for (int m = 0; m < MT; ++m) {
+                    // rows past M repeat the last row; their sums are never written
+                    const unsigned int mm = qmv_umin((unsigned int)m, M - 1u);
+                    if (XCAP > 0) {
+                        QMV_LOAD_XS(xv[m], xs_s + xoff + mm * ((PIN + 31u) / 32u * 36u) + qmv_xi(c * VPC + h * SC));
+                    } else {
+                        QMV_LOAD_X(xv[m], x + mm * PIN + c * VPC + h * SC, xvec);
                     }
                 }
                 QMV_UNROLL
-                for (int h = 0; h < VPC / SC; ++h) {
-                    float xv[MT][SC];
+                for (int r = 0; r < R; ++r) {
+                    float part[MT];
                     QMV_UNROLL
                     for (int m = 0; m < MT; ++m) {
-                        // rows past M repeat the last row; their sums are never written
-                        const unsigned int mm = qmv_umin((unsigned int)m, M - 1u);
-                        if (XCAP > 0) {
-                            QMV_LOAD_XS(xv[m], xs_s + xoff + mm * ((PIN + 31u) / 32u * 36u) + qmv_xi(c * VPC + h * SC));
-                        } else {
-                            QMV_LOAD_X(xv[m], x + mm * PIN + c * VPC + h * SC, xvec);
-                        }
+                        part[m] = 0.0f;
                     }
-                    QMV_UNROLL
-                    for (int r = 0; r < R; ++r) {
-                        float part[MT];
+                    if (BITS == 2) {  // the same products in the same order, two values per lookup
                         QMV_UNROLL
-                        for (int m = 0; m < MT; ++m) {
-                            part[m] = 0.0f;
+                        for (int t = 0; t < SC; t += 2) {
+                            const float2 w2 = cb2_s[qmv_index<4, 8>(win[r], (h * SC + t) / 2)];
+                            QMV_UNROLL
+                            for (int m = 0; m < MT; ++m) {
+                                part[m] += w2.x * xv[m][t];
+                                part[m] += w2.y * xv[m][t + 1];
+                            }
                         }
+                    } else {
                         QMV_UNROLL
                         for (int t = 0; t < SC; ++t) {
                             const float w = cb_s[qmv_index<BITS, PER>(win[r], h * SC + t)];
@@ -284,36 +339,62 @@ _SOURCE = """
                                 part[m] += w * xv[m][t];
                             }
                         }
-                        QMV_UNROLL
-                        for (int m = 0; m < MT; ++m) {
-                            if (GS > 0) {
-                                acc[r][m] += sg[r][NG > 1 ? (h * SC) / GSD : 0] * part[m];
-                            } else {
-                                acc[r][m] += part[m];
-                            }
+                    }
+                    QMV_UNROLL
+                    for (int m = 0; m < MT; ++m) {
+                        if (GS > 0) {
+                            acc[r][m] += sg[r][NG > 1 ? (h * SC) / GSD : 0] * part[m];
+                        } else {
+                            acc[r][m] += part[m];
                         }
                     }
                 }
+            }
+        }
+        slot = slot + 1u == (unsigned int)NST ? 0u : slot + 1u;
+        if (RING == 0) {
+            QMV_UNROLL
+            for (int r = 0; r < R; ++r) {
                 QMV_UNROLL
-                for (int r = 0; r < R; ++r) {
-                    QMV_UNROLL
-                    for (int j = 0; j < VW; ++j) {
-                        win[r][j] = nxt[r][j];
-                    }
+                for (int w = 0; w < VW; ++w) {
+                    cur[r][w] = nxt[r][w];
                 }
             }
+        }
+        if (++i < NI) {
+            continue;
+        }
+        // the round's last step: reduce the R x MT sums, then write them (warp-uniform branch)
+        i = 0u;
+        ++j;
+        QMV_UNROLL
+        for (int r = 0; r < R; ++r) {
+            QMV_UNROLL
+            for (int m = 0; m < MT; ++m) {
+                float v = acc[r][m];
+                QMV_UNROLL
+                for (int s = 16; s > 0; s /= 2) {
+                    v += qmv_shfl_xor(v, s);
+                }
+                acc[r][m] = v;
+            }
+        }
+        if (KS == 1u) {
+            // no other warp holds a part of these rows: lane r * MT + m writes (row r, activation m)
+            float sum = 0.0f;
             QMV_UNROLL
             for (int r = 0; r < R; ++r) {
                 QMV_UNROLL
                 for (int m = 0; m < MT; ++m) {
-                    float v = acc[r][m];
-                    QMV_UNROLL
-                    for (int s = 16; s > 0; s /= 2) {
-                        v += qmv_shfl_xor(v, s);
-                    }
-                    acc[r][m] = v;
+                    sum = lane == (unsigned int)(r * MT + m) ? acc[r][m] : sum;
+                    acc[r][m] = 0.0f;
                 }
             }
+            const unsigned int r = lane / MT, m = lane % MT, o = row0 + r;
+            if (lane < (unsigned int)(R * MT) && o < OUT && m < M) {
+                QMV_EPILOGUE
+            }
+        } else {
             if (lane == 0u) {
                 QMV_UNROLL
                 for (int r = 0; r < R; ++r) {
@@ -323,31 +404,32 @@ _SOURCE = """
                     }
                 }
             }
-        }
-        QMV_BARRIER;
-        // one thread per (row set, row, m): the KS partials in warp order, then scale, bias, one cast
-        if (tid < RW * R * MT) {
-            const unsigned int srw = tid / (R * MT);
-            const unsigned int r = (tid / MT) % R;
-            const unsigned int m = tid % MT;
-            const unsigned int o = (set0 + srw) * R + r;
-            if (o < OUT && m < M) {
-                float s = red_s[((srw * KS) * R + r) * MT + m];
-                for (unsigned int k = 1; k < KS; ++k) {
-                    s += red_s[((srw * KS + k) * R + r) * MT + m];
+            QMV_UNROLL
+            for (int r = 0; r < R; ++r) {
+                QMV_UNROLL
+                for (int m = 0; m < MT; ++m) {
+                    acc[r][m] = 0.0f;
                 }
-                if (GS == 0) {
-                    s *= static_cast<float>(scales[o]);
-                }
-                if (has_bias) {
-                    s += static_cast<float>(bias[o]);
-                }
-                const T v = static_cast<T>(s);
-                QMV_STORE
             }
+            QMV_BARRIER;
+            // one thread per (row set, row, m): the KS partials in warp order
+            if (tid < RW * R * MT) {
+                const unsigned int srw = tid / (R * MT);
+                const unsigned int r = (tid / MT) % R;
+                const unsigned int m = tid % MT;
+                const unsigned int o = (set0 + srw) * R + r;
+                if (o < OUT && m < M) {
+                    float sum = red_s[((srw * KS) * R + r) * MT + m];
+                    for (unsigned int q = 1; q < KS; ++q) {
+                        sum += red_s[((srw * KS + q) * R + r) * MT + m];
+                    }
+                    QMV_EPILOGUE
+                }
+            }
+            QMV_BARRIER;  // red_s is reused by the next round
         }
-        QMV_BARRIER;  // red_s is reused by the next row set
     }
+    qmv_async_wait<0>();                                // nothing left in flight at exit
 """
 
 INPUT_NAMES = ["x", "packed", "scales", "codebook", "bias", "rot_s", "rot_l", "seg"]
@@ -356,6 +438,19 @@ MAX_OUTPUTS = 3  # q|k|v: one launch writes up to 3 outputs (rows split at `seg`
 
 def output_names(n):
     return [f"out{k}" for k in range(n)]
+
+
+def epilogue_code(n):
+    """The epilogue for row o and activation row m of the float32 sum ``sum``: the row scale, the
+    bias, one cast, the store into n outputs split at seg."""
+    return ("{ float s_ = sum; if (GS == 0) { s_ *= static_cast<float>(scales[o]); } "
+            "if (has_bias) { s_ += static_cast<float>(bias[o]); } const T v = static_cast<T>(s_); "
+            + store_code(n) + " }")
+
+
+def body_source(n):
+    """The kernel description with the epilogue for n outputs, dialect tokens still in place."""
+    return _SOURCE.replace("QMV_EPILOGUE", epilogue_code(n))
 
 
 def store_code(n):
@@ -377,6 +472,7 @@ __device__ __forceinline__ unsigned int qmv_umin(unsigned int a, unsigned int b)
 __device__ __forceinline__ float qmv_inv_sqrt(float v) { return 1.0f / sqrtf(v); }  // IEEE sqrt and division
 __device__ __forceinline__ unsigned int qmv_log2(unsigned int v) { return (unsigned int)(__ffs((int)v) - 1); }  // v a power of two
 __device__ __forceinline__ float qmv_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+__device__ __forceinline__ float2 qmv_f2(float a, float b) { return make_float2(a, b); }
 
 // Codebook index of value v (a compile-time constant once unrolled) of a chunk held in words w[]:
 // 2/4/8 bits never straddle a word; a 3-bit value may straddle two (bits 30-32, 62-64 of the chunk).
@@ -392,19 +488,66 @@ __device__ __forceinline__ unsigned int qmv_index(const unsigned int* w, int v) 
     return ((w[j] >> sh) | (w[j + 1] << (32 - sh))) & 7u;
 }
 
-// VW packed words from p[off...] (zeros where !valid; words past the row's end, left <= j, as zero):
-// one 16-byte load where rows are 16-byte aligned (vec), else VW coalesced 4-byte loads.
+// The ring (docs/qmv.md): R rows x VW packed words of one chunk, copied global -> shared without
+// passing through registers (cp.async, Ampere and later), zeros where !valid or past the row's end;
+// one 16-byte copy per row where rows are 16-byte aligned (vec), else VW 4-byte copies. Each call
+// is one commit group; qmv_async_wait<N> waits until at most N groups of this thread are pending.
+template <int VW, int R, int NTB>
+__device__ __forceinline__ void qmv_fetch(unsigned int* dst, const unsigned int* p, unsigned int row0, unsigned int c,
+                                          unsigned int OUT, unsigned int WPR, bool valid, bool vec) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const unsigned int row = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR;
+        const unsigned int left = valid ? WPR - c * VW : 0u;       // words of this row from the chunk on
+        const unsigned int* src = p + row + (valid ? c * VW : 0u);  // a valid address even when nothing is read
+        const unsigned int sa = (unsigned int)__cvta_generic_to_shared(dst + r * NTB * VW);
+        if (VW == 4 && vec) {
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(sa), "l"(src),
+                         "r"(left >= 4u ? 16u : 0u) : "memory");
+        } else {
+#pragma unroll
+            for (int w = 0; w < VW; ++w) {
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(sa + 4u * w),
+                             "l"(src + ((unsigned int)w < left ? w : 0)), "r"((unsigned int)w < left ? 4u : 0u) : "memory");
+            }
+        }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+// RING = 0: the same R rows x VW words into registers: one 16-byte load per row where rows are
+// 16-byte aligned (vec), else VW 4-byte loads; zeros where !valid, c >= NCH or past the row's end.
+template <int VW, int R>
+__device__ __forceinline__ void qmv_load_rows(unsigned int (*dst)[VW], const unsigned int* p, unsigned int row0,
+                                              unsigned int c, unsigned int OUT, unsigned int WPR, bool valid,
+                                              unsigned int NCH, bool vec) {
+    valid = valid && row0 < OUT && c < NCH;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const unsigned int off = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR + c * VW;
+        if (valid && VW == 4 && vec) {
+            const uint4 v = *reinterpret_cast<const uint4*>(p + off);
+            dst[r][0] = v.x; dst[r][1] = v.y; dst[r][2] = v.z; dst[r][3] = v.w;
+        } else {
+#pragma unroll
+            for (int w = 0; w < VW; ++w) {
+                dst[r][w] = (valid && c * VW + (unsigned int)w < WPR) ? p[off + w] : 0u;
+            }
+        }
+    }
+}
+template <int N>
+__device__ __forceinline__ void qmv_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+// This lane's VW words of one ring slot (16-byte aligned when VW = 4).
 template <int VW>
-__device__ __forceinline__ void qmv_load_words(unsigned int* dst, const unsigned int* p, unsigned int off, unsigned int left,
-                                               bool valid, bool vec) {
-    if (valid && VW == 4 && vec) {
-        const uint4 v = *reinterpret_cast<const uint4*>(p + off);
+__device__ __forceinline__ void qmv_ring_read(unsigned int* dst, const unsigned int* src) {
+    if (VW == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(src);
         dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
         return;
     }
 #pragma unroll
-    for (int j = 0; j < VW; ++j) {
-        dst[j] = (valid && (unsigned int)j < left) ? p[off + j] : 0u;
+    for (int w = 0; w < VW; ++w) {
+        dst[w] = src[w];
     }
 }
 
@@ -453,6 +596,7 @@ inline unsigned int qmv_umin(unsigned int a, unsigned int b) { return a < b ? a 
 inline float qmv_inv_sqrt(float v) { return 1.0f / metal::precise::sqrt(v); }
 inline unsigned int qmv_log2(unsigned int v) { return metal::ctz(v); }
 inline float qmv_shfl_xor(float v, int m) { return metal::simd_shuffle_xor(v, ushort(m)); }
+inline float2 qmv_f2(float a, float b) { return float2(a, b); }
 
 template <int BITS, int PER>
 inline unsigned int qmv_index(const thread unsigned int* w, int v) {
@@ -466,11 +610,35 @@ inline unsigned int qmv_index(const thread unsigned int* w, int v) {
     return ((w[j] >> sh) | (w[j + 1] << (32 - sh))) & 7u;
 }
 
+// The ring's copies are plain (synchronous) here: the wait is then nothing.
+template <int VW, int R, int NTB>
+inline void qmv_fetch(threadgroup unsigned int* dst, const device uint32_t* p, unsigned int row0, unsigned int c,
+                      unsigned int OUT, unsigned int WPR, bool valid, bool vec) {
+    for (int r = 0; r < R; ++r) {
+        const unsigned int row = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR;
+        const unsigned int left = valid ? WPR - c * VW : 0u;
+        for (int w = 0; w < VW; ++w) {
+            dst[r * NTB * VW + w] = (unsigned int)w < left ? p[row + c * VW + w] : 0u;
+        }
+    }
+}
+template <int VW, int R>
+inline void qmv_load_rows(thread unsigned int (*dst)[VW], const device uint32_t* p, unsigned int row0, unsigned int c,
+                          unsigned int OUT, unsigned int WPR, bool valid, unsigned int NCH, bool vec) {
+    valid = valid && row0 < OUT && c < NCH;
+    for (int r = 0; r < R; ++r) {
+        const unsigned int off = qmv_umin(row0 + (unsigned int)r, OUT - 1u) * WPR + c * VW;
+        for (int w = 0; w < VW; ++w) {
+            dst[r][w] = (valid && c * VW + (unsigned int)w < WPR) ? p[off + w] : 0u;
+        }
+    }
+}
+template <int N>
+inline void qmv_async_wait() {}
 template <int VW>
-inline void qmv_load_words(thread unsigned int* dst, const device uint32_t* p, unsigned int off, unsigned int left,
-                           bool valid, bool vec) {
-    for (int j = 0; j < VW; ++j) {
-        dst[j] = (valid && (unsigned int)j < left) ? p[off + j] : 0u;
+inline void qmv_ring_read(thread unsigned int* dst, const threadgroup unsigned int* src) {
+    for (int w = 0; w < VW; ++w) {
+        dst[w] = src[w];
     }
 }
 #define QMV_LOAD_X(dst, p, vec) for (int t_ = 0; t_ < SC; ++t_) { (dst)[t_] = static_cast<float>((p)[t_]); }
@@ -536,7 +704,7 @@ def render(dialect, outputs=1):
     The name carries a digest of the source: MLX caches compiled kernels (in memory and as PTX on
     disk) by name alone."""
     spec = DIALECTS[dialect]
-    body = _SOURCE.replace("QMV_STORE", store_code(outputs))
+    body = body_source(outputs)
     for token, text in spec["tokens"].items():
         body = re.sub(rf"\b{token}\b", text, body)
     header, body = minify(spec["header"]), minify(body)
@@ -664,7 +832,7 @@ def check_args(in_features, m, packed_shape, packed_dtype, scales_shape, codeboo
 @functools.lru_cache(maxsize=1024)
 def launch_spec(x_shape, packed_shape, scales_shape, codebook_size, bias_shape, bits, dtype, bias_dtype=None,
                 packed_dtype=mx.uint32, group_size=None, scales_dtype=mx.float32, xcap=0, splits=None,
-                max_blocks=None):
+                max_blocks=None, stages=None, dialect="cuda"):
     """Validate one call (ValueError naming the problem) and return its template arguments, grid,
     threadgroup and output shape (cached: per call this is one dict lookup; read-only). Only the
     template arguments select a compiled kernel, and they hold no shape: M enters as MT, M rounded
@@ -680,9 +848,9 @@ def launch_spec(x_shape, packed_shape, scales_shape, codebook_size, bias_shape, 
     row_sets = -(-out_features // ROWS)
     # Split rows over more warps only while there are too few warps to fill the GPU, and never so
     # far that a warp has less than one chunk step of work.
-    cap = _pow2_floor(min(8, max(1, steps)))
+    cap = _pow2_floor(min(4, max(1, steps)))
     ks = min(cap, _pow2_ceil(-(-TARGET_WARPS // row_sets)))
-    rw = max(1, 4 // ks)  # row sets per threadgroup: 128 threads, 256 when KS = 8
+    rw = 4 // ks  # row sets per threadgroup: always 128 threads (the ring is sized for them)
     if max_blocks is None:
         max_blocks = MAX_BLOCKS_ROT if xcap else MAX_BLOCKS
     blocks = min(-(-row_sets // rw), max_blocks)
@@ -693,7 +861,8 @@ def launch_spec(x_shape, packed_shape, scales_shape, codebook_size, bias_shape, 
     lead = tuple(x_shape[:-1])
     return {
         "template": [("T", dtype), ("BT", dtype if bias_dtype is None else bias_dtype), ("ST", scales_dtype),
-                     ("BITS", int(bits)), ("MT", _pow2_ceil(m)), ("GS", int(group_size or 0)), ("XCAP", int(xcap))],
+                     ("BITS", int(bits)), ("MT", _pow2_ceil(m)), ("GS", int(group_size or 0)), ("XCAP", int(xcap)),
+                     ("RING", ring_for(_pow2_ceil(m), stages, dialect))],
         "grid": (32 * blocks, ks, rw),
         "threadgroup": (32, ks, rw),
         "output_shapes": [lead + (b - a,) for a, b in zip([0] + ends, ends)],
@@ -733,8 +902,11 @@ def quantized_matvec(xr, packed, scales, codebook, bits, bias=None, use_kernels=
     return launch(backend(), xr, packed, scales, codebook, bits, bias, group_size)
 
 
-XCAP_BUCKETS = (1024, 2048, 4096, 8192, 11264)  # floats of shared memory for the staged activation
-MAX_XCAP = {"cuda": 11264, "metal": 7168}  # 44 KiB (under CUDA's 48 KiB static limit); Metal has 32 KiB
+XCAP_BUCKETS = (1024, 2048, 4096, 7168)  # floats of shared memory for the staged activation
+# With the prologue the ring keeps 2 stages (16 KiB): 28 KiB + 16 + 1.5 stay under CUDA's 48 KiB static
+# limit; Metal has 32 KiB. (A 4096-wide row at M = 1 needs 4608 floats; qwen's 4864-wide down_proj,
+# 10944, no longer fits and is rotated by MLX ops first.)
+MAX_XCAP = {"cuda": 7168, "metal": 2048}
 MAX_ROT_A = 64  # the prologue's dense factor L is at most this many rows (A MACs per element)
 # Off by default: on the H200 every threadgroup redoing the rotation cost more than the MLX ops it
 # saves (docs/qmv.md, "Prologue rotation"), e.g. 174 us against 52 us for the kernel alone at 4096 -> 6144.
@@ -759,6 +931,20 @@ def block_limit(max_blocks):
         yield
     finally:
         MAX_BLOCKS = previous
+
+
+@contextlib.contextmanager
+def ring_stages(stages):
+    """``with qmv.ring_stages(n): ...``: launches keep the next chunks in registers (n = 0) or in an
+    n-stage ring (n - 1 chunks ahead); None restores the choice by M."""
+    global STAGES
+    if stages is not None and stages not in RING_CHOICES:
+        raise ValueError(f"qmv: ring stages must be one of {RING_CHOICES} (or None: by M), got {stages!r}")
+    previous, STAGES = STAGES, stages
+    try:
+        yield
+    finally:
+        STAGES = previous
 
 
 @contextlib.contextmanager
@@ -824,7 +1010,7 @@ _prepared = {}  # argument signature -> (spec, cast scales, cast codebook, rotat
 
 def _prepare(key, dialect, bits, rotation):
     (x_shape, x_dtype, p_shape, p_dtype, s_shape, s_dtype, c_shape, c_dtype, b_sig, _, _, group_size, _, splits,
-     max_blocks, max_blocks_rot) = key
+     max_blocks, max_blocks_rot, stages) = key
     cast_scales = s_dtype not in SCALE_DTYPES  # e.g. bfloat16 scales: one cast to float32 per call
     m = math.prod(x_shape[:-1])
     ops = rotation_operands(rotation) if rotation is not None and _rotate_in_kernel and prologue_allowed(bits, m) else None
@@ -834,7 +1020,8 @@ def _prepare(key, dialect, bits, rotation):
         xcap = next((c for c in XCAP_BUCKETS if c >= need and c <= MAX_XCAP[dialect]), 0)
     spec = launch_spec(x_shape, p_shape, s_shape, math.prod(c_shape), None if b_sig is None else b_sig[0], bits,
                        x_dtype, None if b_sig is None else b_sig[1], p_dtype, group_size,
-                       mx.float32 if cast_scales else s_dtype, xcap, splits, max_blocks_rot if xcap else max_blocks)
+                       mx.float32 if cast_scales else s_dtype, xcap, splits, max_blocks_rot if xcap else max_blocks,
+                       stages, dialect)
     _instances.add((dialect, len(spec["output_shapes"]), *(str(v) for _, v in spec["template"])))
     seg = mx.array(list(splits) if splits else [0], mx.int32)
     _prepared[key] = entry = (spec, cast_scales, c_dtype != mx.float32, xcap > 0, seg)
@@ -851,7 +1038,7 @@ def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=Non
     rkey = None if rotation is None else (rotation.kind, rotation.dim, rotation.seed, _rotate_in_kernel)
     key = (x.shape, x.dtype, packed.shape, packed.dtype, scales.shape, scales.dtype, codebook.shape,
            codebook.dtype, None if bias is None else (bias.shape, bias.dtype), bits, dialect, group_size, rkey,
-           None if splits is None else tuple(splits), MAX_BLOCKS, MAX_BLOCKS_ROT)
+           None if splits is None else tuple(splits), MAX_BLOCKS, MAX_BLOCKS_ROT, STAGES)
     entry = _prepared.get(key) or _prepare(key, dialect, int(bits), rotation)
     spec, cast_scales, cast_codebook, in_kernel, seg = entry
     if in_kernel:

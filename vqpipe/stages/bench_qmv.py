@@ -12,6 +12,8 @@ from memory instead of hitting the L2 cache; capped at ``--max-pool`` copies):
 - ``vq-kernel``: ``QuantizedLinear`` with the kernel (rotation, then the fused mat-vec);
 - ``vq-core``: the fused mat-vec alone on an already rotated activation;
 - ``vq-core-N`` (``--core-blocks N ...``): ``vq-core`` with at most N threadgroups;
+- ``vq-core-stN`` (``--core-stages N ...``): ``vq-core`` with an N-stage ring (N - 1 chunks ahead; 0:
+  the next chunk in registers);
 - ``vq-rot-N`` (``--prologue-blocks N ...``): the layer with the rotation in the kernel's prologue,
   at most N threadgroups (each redoes the rotation, then takes row sets grid-stride).
 
@@ -70,7 +72,7 @@ MODES = ("isolated", "chained", "independent")
 SUBJECT = "vq-kernel"
 
 
-def arm_bytes(in_features, out_features, bits, itemsize, m=1, prologue_blocks=(), core_blocks=()):
+def arm_bytes(in_features, out_features, bits, itemsize, m=1, prologue_blocks=(), core_blocks=(), core_stages=()):
     """Fewest bytes one call must move, per arm: weights as stored + activation in + output out."""
     io = m * (in_features + out_features) * itemsize
     packed = out_features * words_per_row(in_features, bits) * 4 + out_features * 4 + (4 << bits)
@@ -84,6 +86,7 @@ def arm_bytes(in_features, out_features, bits, itemsize, m=1, prologue_blocks=()
         "vq-core": packed + io,
         **{f"vq-rot-{n}": packed + io for n in prologue_blocks},
         **{f"vq-core-{n}": packed + io for n in core_blocks},
+        **{f"vq-core-st{n}": packed + io for n in core_stages},
     }
 
 
@@ -148,6 +151,8 @@ def make_arms(pool, xin, args, with_kernel):
         arms["vq-core"] = (vq_core, "vq", "xr")
         for n in args.core_blocks:
             arms[f"vq-core-{n}"] = (_core_arm(n, bits), "vq", "xr")
+        for n in args.core_stages:
+            arms[f"vq-core-st{n}"] = (_stages_arm(n, bits), "vq", "xr")
         for n in args.prologue_blocks:
             arms[f"vq-rot-{n}"] = (_prologue_arm(n), "vq", "x")
     return arms
@@ -156,6 +161,14 @@ def make_arms(pool, xin, args, with_kernel):
 def _core_arm(max_blocks, bits):
     def vq_core(layer, xr):
         with qmv.block_limit(max_blocks):
+            return qmv.quantized_matvec(xr, layer.packed, layer.scales, layer.codebook, bits, use_kernels=True)
+
+    return vq_core
+
+
+def _stages_arm(stages, bits):
+    def vq_core(layer, xr):
+        with qmv.ring_stages(stages):
             return qmv.quantized_matvec(xr, layer.packed, layer.scales, layer.codebook, bits, use_kernels=True)
 
     return vq_core
@@ -197,7 +210,8 @@ def measure(name, in_features, out_features, args, copy_bps, with_kernel):
     arms = make_arms(pool, xin, args, with_kernel)
     subject = SUBJECT if with_kernel else "vq-ref"
     dtype = getattr(mx, args.dtype)
-    nbytes = arm_bytes(in_features, out_features, args.bits, dtype.size, args.m, args.prologue_blocks, args.core_blocks)
+    nbytes = arm_bytes(in_features, out_features, args.bits, dtype.size, args.m, args.prologue_blocks, args.core_blocks,
+                       args.core_stages)
     check = None
     if with_kernel:  # kernel and dense path on the same input before anything is timed
         try:
@@ -207,6 +221,10 @@ def measure(name, in_features, out_features, args, copy_bps, with_kernel):
             for arm in (a for a in arms if a.startswith("vq-rot-")):
                 rot = arms[arm][0](pool["vq"][0], xin["x"][0]).astype(mx.float32)
                 check[f"{arm} max_abs_diff_vs_ref"] = mx.max(mx.abs(rot - ref)).item()
+            core = arms["vq-core"][0](pool["vq"][0], xin["xr"][0])
+            for arm in (a for a in arms if a.startswith("vq-core-")):  # the ring depth, the grid: same sums
+                other = arms[arm][0](pool["vq"][0], xin["xr"][0])
+                check[f"{arm} same bytes as vq-core"] = bool(mx.array_equal(other, core).item())
         except Exception as e:  # keep the other arms' figures; the error goes into the JSON
             check = {"kernel_error": repr(e)}
             print(f"bench-qmv: kernel failed on {name}: {e!r}", file=sys.stderr, flush=True)
@@ -273,6 +291,8 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--core-blocks", type=int, nargs="*", default=[], metavar="N",
                    help="add a vq-core-N arm per N: the kernel on a rotated input, <= N threadgroups")
+    p.add_argument("--core-stages", type=int, nargs="*", default=[], choices=qmv.RING_CHOICES, metavar="N",
+                   help="add a vq-core-stN arm per N: the kernel on a rotated input with an N-stage ring (0: registers)")
     p.add_argument("--prologue-blocks", type=int, nargs="*", default=[], metavar="N",
                    help="add a vq-rot-N arm per N: the rotation in the kernel's prologue, <= N threadgroups")
     p.add_argument("--copy-mib", type=int, default=1024, help="buffer for the copy-bandwidth measurement")

@@ -1,0 +1,71 @@
+"""CPU checks of the qmv GPU-time harness (vqpipe/bench/qmv_gpu_time.py, vqpipe/bench/cuda_time.py).
+
+The harness launches the kernel through the CUDA driver with MLX's parameter list rebuilt by hand;
+nothing here needs a GPU: the wrapper it generates must have the parameters, in the order, that
+its argument list fills, for every template the timing uses, and its float64 check must read the
+packed words and bfloat16 values as vqpipe writes them.
+"""
+
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from vqpipe import qmv
+from vqpipe.bench import cuda_time as ct
+from vqpipe.bench import qmv_gpu_time as gt
+from vqpipe.bitpack import pack, words_per_row
+
+INPUTS = [("x", "bfloat16", 3), ("packed", "uint32", 2), ("scales", "float32", 1), ("codebook", "float32", 1),
+          ("bias", "bfloat16", 2), ("rot_s", "float32", 2), ("rot_l", "float32", 2), ("seg", "int32", 1)]
+
+
+def _params(src):
+    head = re.search(r"void \w+\(\n(.*?)\) \{", src, re.S).group(1)
+    return [p.strip().split()[-1] for p in head.split(",\n")]
+
+
+@pytest.mark.parametrize("bits, m, stages", [(4, 1, None), (2, 1, 0), (3, 4, None), (4, 8, 3), (8, 2, 2)])
+def test_wrapper_parameters_match_the_argument_list(bits, m, stages):
+    n_in, n_out = 4096, 6144
+    spec = qmv.launch_spec((1, m, n_in), (n_out, words_per_row(n_in, bits)), (n_out,), 1 << bits, None, bits,
+                           mx.bfloat16, stages=stages)
+    name, header, body = qmv.render("cuda", 1)
+    src = ct.kernel_source(name, header, body, INPUTS, [("out0", "bfloat16")],
+                           [(k, gt._dtype_name(v)) for k, v in spec["template"]])
+    # MLX's rule (custom_kernel.cpp): NAME_shape / NAME_ndim parameters for the names the body uses
+    assert _params(src) == ["x", "x_shape", "x_ndim", "packed", "packed_shape", "scales", "scales_shape", "codebook",
+                            "bias", "bias_ndim", "rot_s", "rot_l", "rot_l_shape", "seg", "out0"]
+    bufs = dict.fromkeys(("x", "packed", "scales", "codebook", "bias", "rot_s", "rot_l", "seg", "out"), 0)
+    wpr = words_per_row(n_in, bits)
+    args = gt.kernel_args(src, bufs, (1, m, n_in), (n_out, wpr), (n_out,))
+    assert len(args) == 15
+    shapes = [a for a in args if isinstance(a, ct.ctypes.Array)]
+    assert [list(a)[:3] for a in shapes] == [[1, m, n_in], [n_out, wpr, 0], [n_out, 0, 0], [1, 1, 0]]
+    assert f"constexpr int RING = {qmv.ring_for(spec['template'][4][1], stages)};" in src
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_unpack_rows_reads_vqpipe_packing(bits):
+    q = np.random.default_rng(bits).integers(0, 1 << bits, (7, 100))
+    words = np.array(pack(mx.array(q.astype(np.uint32)), bits)).view(np.uint32)
+    assert np.array_equal(gt.unpack_rows(words, bits, 100), q)
+
+
+def test_bf16_conversion_rounds_as_mlx():
+    x = np.random.default_rng(0).standard_normal(4096).astype(np.float32) * 3
+    want = np.array(mx.array(x).astype(mx.bfloat16).astype(mx.float32))
+    assert np.array_equal(gt.bf16_value(gt.bf16_bits(x)), want)
+
+
+def test_ring_choice():
+    assert [qmv.ring_for(mt) for mt in (1, 2, 4, 8)] == [0, 0, 0, 4]
+    assert qmv.ring_for(8, dialect="metal") == 2 and qmv.ring_for(1, 3) == 3
+    with pytest.raises(ValueError, match="ring stages"):
+        qmv.ring_for(1, 1)
+    with pytest.raises(ValueError, match="ring stages"), qmv.ring_stages(5):
+        pass
+    with qmv.ring_stages(3):
+        assert qmv.STAGES == 3
+    assert qmv.STAGES is None or qmv.STAGES == int(__import__("os").environ["VQPIPE_QMV_STAGES"])
