@@ -19,6 +19,7 @@ all or none with a bias. Artifacts made before siblings shared a seed simply sta
 
 import mlx.core as mx
 
+from . import fold as fold_signs
 from . import qmv
 from .qlinear import QuantizedEmbedding, QuantizedLinear, dense_forward
 
@@ -74,9 +75,14 @@ class FusedGroup:
             layer.rotation = self.rotation  # equal content (checked); one object, one cast cache
             mx.eval(layer.parameters())
             start = stop
+        self.stored = (self.rotation, self.scales, self.bias)  # what vqpipe/fold.py may replace at run time
         self.slot = {id(layer): k for k, layer in enumerate(layers)}
         self.size = len(layers)
         self._x, self._outs, self._left = None, None, 0
+
+    def restore(self):
+        """The stored rotation, scales and bias again (undoes vqpipe/fold.py)."""
+        self.rotation, self.scales, self.bias = self.stored
 
     def compute(self, x):
         """Every sibling's output for ``x``, in sibling order."""
@@ -98,8 +104,10 @@ class FusedGroup:
         return out
 
 
-def fuse_model(model):
-    """Install a FusedGroup on every set of compatible siblings; returns the number of groups."""
+def fuse_model(model, fold=None):
+    """Install a FusedGroup on every set of compatible siblings; returns the number of new groups.
+    ``fold`` (default: ``vqpipe.fold.default()``, on): then fold the shared rotations' signs into
+    the layers before them (vqpipe/fold.py: exact, runtime only)."""
     modules = dict(model.named_modules())
     count = 0
     for name, module in modules.items():
@@ -119,11 +127,14 @@ def fuse_model(model):
             for m in layers:
                 object.__setattr__(m, "_fused", fused)
             count += 1
+    if fold if fold is not None else fold_signs.default():
+        fold_signs.fold_model(model)
     return count
 
 
 def unfuse_model(model):
     """Back to one computation per layer (the arrays stay views; the results are the same)."""
+    fold_signs.unfold_model(model)
     for _, m in model.named_modules():
         if isinstance(m, QuantizedLinear) and m.__dict__.get("_fused") is not None:
             object.__setattr__(m, "_fused", None)

@@ -213,15 +213,17 @@ class QuantizedLinear(nn.Module):
         # (vqpipe/qmv.py). Deterministic, but not bit-identical to the dense path below, which is
         # what runs everywhere else (the CPU, prefill, the switch off) exactly as before.
         # (the kernel covers qmv.BITS; a layer of a mixed allocation at 5 or 6 bits runs dense)
+        # x already carries the rotation's signs where vqpipe/fold.py folded them into the layer before
+        rotation = self.__dict__.get("_rotation") or self.rotation
         dialect = qmv.dispatch(x) if self.bits in qmv.BITS else None
         if dialect is not None:
             # self[...]: nn.Module's attribute lookup costs ~0.4 us a time, and this runs per layer per token
             # the kernel rotates x in its prologue where it can (else MLX ops rotate it first)
             return qmv.launch(
                 dialect, x, self["packed"], self["scales"], self["codebook"], self.bits, self.get("bias"),
-                self.group_size, self.rotation,
+                self.group_size, rotation,
             )
-        return dense_forward(self.rotation.apply(x), self.packed, self.scales, self.codebook, self.bits,
+        return dense_forward(rotation.apply(x), self.packed, self.scales, self.codebook, self.bits,
                              self.get("bias"), self.group_size)
 
     def to_state(self):
