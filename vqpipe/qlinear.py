@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import qmv
+from . import dequant, qmv
 from . import rotation as rot
 from .codebook import LAYER_BITS, boundaries, check_bits, codebook
 from .bitpack import pack, unpack
@@ -146,12 +146,14 @@ def dense_forward(xr, packed, scales, codebook, bits, bias=None, group_size=None
     """The dense path from the rotated input: rebuild C[q] in x's dtype, one matmul, scales, bias.
     Per-row scales multiply the matmul's output (the formula the artifacts' reference logits were
     made with); per-group scales multiply the rebuilt weight."""
-    dt = xr.dtype
-    w = codebook.astype(dt)[unpack(packed, bits, xr.shape[-1])]
+    dt, n = xr.dtype, xr.shape[-1]
+    w = dequant.codes_to_values(packed, codebook, bits, n, dt)  # no uint32 temporaries (vqpipe/dequant.py)
     if scales.ndim == 1:
         y = (xr @ w.T) * scales.astype(dt)
-    else:
-        y = xr @ (w * expand_scales(scales.astype(dt), group_size, xr.shape[-1])).T
+    else:  # the same products as w * repeat(scales), without a weight-sized repeat of the scales
+        rows, g = scales.shape
+        w = (w.reshape(rows, g, group_size) * scales.astype(dt)[:, :, None]).reshape(rows, n)
+        y = xr @ w.T
     return y if bias is None else y + bias.astype(dt)
 
 
@@ -287,7 +289,7 @@ class QuantizedEmbedding(QuantizedLinear):
 
     def __call__(self, ids):
         flat = ids.reshape(-1)
-        rows = self.codebook[unpack(self.packed[flat], self.bits, self.in_features)]
+        rows = dequant.codes_to_values(self.packed[flat], self.codebook, self.bits, self.in_features, self.codebook.dtype)
         if self.group_size is None:
             rows = self.rotation.apply_transpose(rows) * self.scales[flat][:, None]
         else:  # group scales live in the rotated basis: scale, then rotate back
