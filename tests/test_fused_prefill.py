@@ -92,3 +92,27 @@ def test_prefill_logits_and_tokens_unchanged(tiny_llama_source, tiny_source, bit
             want = np.array(model(x))
         assert got.tobytes() == want.tobytes()  # the same weights: the same bytes, not just close
         assert len(set(np.argmax(got[0], axis=-1).tolist())) > 3
+
+
+def test_decode_shapes_ab_arms_on_cpu(tmp_path):
+    """bench/decode_shapes's A/B arms: the old weight rebuild (+u) and the unfolded model (-nofold)
+    give the same ids as vqpipe-b4; the unfolded step has 3 primitives more per layer."""
+    import json
+
+    from vqpipe.bench import decode_shapes
+
+    out = tmp_path / "ab.json"
+    with mx.stream(mx.cpu):
+        assert decode_shapes.main(["--preset", "tiny-llama", "--out", str(out), "--bits", "4", "--unpack-bits", "4",
+                                   "--unfolded-bits", "4", "--prompt-lengths", "16", "--gen-tokens", "3",
+                                   "--repeats", "2", "--copy-mib", "16"]) == 0
+    doc = json.loads(out.read_text())
+    assert {r["arm"] for r in doc["records"]} == {"bf16", "affine4", "vqpipe-b4", "vqpipe-b4+u", "vqpipe-b4-nofold"}
+    prof = doc["step_profile"]
+    layers = doc["config"]["num_hidden_layers"]
+    assert prof["vqpipe-b4-nofold"]["ops"] - prof["vqpipe-b4"]["ops"] == 3 * layers
+    exact = [t for t in doc["texts"] if t.get("what", "").startswith("exact")]
+    assert {t["b"] for t in exact} == {"vqpipe-b4+u", "vqpipe-b4-nofold"}
+    assert all(t["identical_ids"] == t["pairs"] == 2 for t in exact)
+    pairs = {(c["baseline_arm"], c["other_arm"]) for c in doc["comparisons"]}
+    assert {("vqpipe-b4", "vqpipe-b4+u"), ("vqpipe-b4", "vqpipe-b4-nofold")} <= pairs
