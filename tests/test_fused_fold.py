@@ -122,6 +122,24 @@ def test_unfold_refold_and_weight_reload(tiny_llama_source):
     assert np.array(got(x)).tobytes() == np.array(ref(x)).tobytes()
 
 
+def test_layers_called_alone_keep_their_meaning(tiny_llama_source):
+    """Only inputs made by a folded norm drop the signs: a projection (or the MLP) called on any
+    other array computes what the unfolded one does."""
+    ref, got = _pair(tiny_llama_source, 4)
+    a, b = ref.model.layers[1], got.model.layers[1]
+    assert isinstance(b.mlp, fold.SignedMLP) and not isinstance(a.mlp, fold.SignedMLP)
+    x = mx.random.normal((1, 3, 512), key=mx.random.key(9))
+    h = mx.random.normal((1, 3, 1472), key=mx.random.key(10))
+    pairs = [(a.self_attn.q_proj(x), b.self_attn.q_proj(x)), (a.mlp.up_proj(x), b.mlp.up_proj(x)),
+             (a.mlp.gate_proj(x), b.mlp.gate_proj(x)), (a.mlp.down_proj(h), b.mlp.down_proj(h)), (a.mlp(x), b.mlp(x))]
+    for i, (want, have) in enumerate(pairs):
+        assert np.array(want).tobytes() == np.array(have).tobytes(), i
+    # the folded norm's own output is the one thing that differs: the signs times the norm
+    s = np.array(got.model.layers[1].mlp.gate_proj.rotation.sign_vector())
+    y = np.array(b.post_attention_layernorm(x))
+    assert np.array_equal(y, np.array(a.post_attention_layernorm(x)) * s) and (s < 0).any()
+
+
 def test_switch_off(tiny_llama_source, monkeypatch):
     monkeypatch.setenv("VQPIPE_FOLD_SIGNS", "0")
     model, _ = load(str(tiny_llama_source))

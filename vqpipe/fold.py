@@ -8,24 +8,33 @@ bit for bit (round-to-nearest is symmetric; a sum of negated terms is the negate
 
 In mlx-lm's llama / qwen2 / qwen3 decoder blocks, per layer:
 
-- q|k|v read ``input_layernorm(h)``: the norm's weight times D (``SignedRMSNorm``);
+- q|k|v read ``input_layernorm(h)``: the norm's weight times D (``SignedRMSNorm``), and the fused
+  group rotates what that norm made without D;
 - gate|up read ``post_attention_layernorm(h)``: the same;
-- down reads ``silu(gate) * up``: up's output rows times D (its row scales and bias in the fused
-  group's copy), since ``silu(g) * (-u) == -(silu(g) * u)``.
+- down reads ``silu(gate) * up``: up's output rows times D (a copy of the group's scales and bias),
+  since ``silu(g) * (-u) == -(silu(g) * u)``, computed by ``SignedMLP`` in place of the block's MLP.
 
 o_proj's input is attention over v: under GQA one v head feeds several query heads, whose o_proj
 columns carry different signs, so D cannot move into v_proj; it stays.
 
-What is stored never changes: the norms keep their ``weight`` parameter (the folded product is a
-plain attribute), the fused groups fold copies of their scales, and the layers keep their signed
-rotations (the forward uses an unsigned copy). ``split_state`` and the reservoir see the unfolded
-model, byte for byte. Off with ``VQPIPE_FOLD_SIGNS=0`` or ``fuse_model(model, fold=False)``.
+The projections keep their meaning when called on their own: a group drops D only for an input
+its SignedRMSNorm made (identity, as FusedGroup serves siblings), down_proj and the gate|up
+group's sibling calls never flip, only SignedMLP does. What changes is the norms' output (D times
+the norm), which in these blocks feeds only q|k|v and the MLP.
+
+What is stored never changes: the norms and MLPs keep their parameters (the same arrays under the
+same names; the folded products are plain attributes), and the layers their signed rotations.
+``split_state`` and the reservoir see the unfolded model, byte for byte. Off with
+``VQPIPE_FOLD_SIGNS=0`` or ``fuse_model(model, fold=False)``.
 """
 
 import os
 
+import weakref
+
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
 
 from .qlinear import QuantizedLinear
 
@@ -49,6 +58,7 @@ class SignedRMSNorm(nn.Module):
         self.eps = norm.eps
         object.__setattr__(self, "original", norm)  # restored by unfold_model
         object.__setattr__(self, "signs", signs)
+        object.__setattr__(self, "_last", None)  # weakref to the last output: FusedGroup.compute asks
         self._fold()
 
     def _fold(self):
@@ -61,7 +71,30 @@ class SignedRMSNorm(nn.Module):
     def __call__(self, x):
         if self._source is not self["weight"]:  # load_weights replaced the weight: fold it again
             self._fold()
-        return mx.fast.rms_norm(x, self._folded, self.eps)
+        y = mx.fast.rms_norm(x, self._folded, self.eps)
+        object.__setattr__(self, "_last", weakref.ref(y))
+        return y
+
+    def made(self, x):
+        """Whether ``x`` is this norm's last output (so it carries the signs)."""
+        return self._last is not None and self._last() is x
+
+
+class SignedMLP(nn.Module):
+    """The block's MLP, ``down(swiglu(gate(x), up(x)))``, with down_proj's signs in up_proj's rows.
+    Its children are the MLP's own layers (same names, same parameters)."""
+
+    def __init__(self, mlp, group):
+        super().__init__()
+        for name, layer in mlp.children().items():  # in the MLP's order: the module walk (and the file) unchanged
+            setattr(self, name, layer)
+        object.__setattr__(self, "original", mlp)  # restored by unfold_model
+        object.__setattr__(self, "group", group)
+        object.__setattr__(self, "unsigned", mlp.down_proj.rotation.unsigned())
+
+    def __call__(self, x):
+        gate, up = self.group.compute(x, flip=True)
+        return self.down_proj.forward(swiglu(gate, up), self.unsigned)
 
 
 def _group(layers):
@@ -75,28 +108,32 @@ def _norm_fold(block, norm_name, group):
     norm = getattr(block, norm_name, None)
     if group is None or type(norm) is not nn.RMSNorm or not group.rotation.has_signs():
         return 0
-    setattr(block, norm_name, SignedRMSNorm(norm, group.rotation.sign_vector()))
-    group.rotation = group.rotation.unsigned()
+    signed = SignedRMSNorm(norm, group.rotation.sign_vector())
+    setattr(block, norm_name, signed)
+    group.norm, group.unsigned = signed, group.rotation.unsigned()
     return 1
 
 
-def _down_fold(mlp, group):
+def _down_fold(block, group):
     """down_proj's signs into up_proj's rows of the gate|up group (up is its last sibling)."""
-
+    mlp = block.mlp
     down = getattr(mlp, "down_proj", None)
     if group is None or type(down) is not QuantizedLinear or not down.rotation.has_signs():
         return 0
+    if set(mlp.children()) != {"gate_proj", "up_proj", "down_proj"}:
+        return 0  # an MLP with more in it than SignedMLP computes
     start = group.splits[-1]
     if group.scales.shape[0] - start != down.in_features:
         return 0
     s = down.rotation.sign_vector()
     scales = group.scales
-    signs = s.astype(scales.dtype).reshape(-1, *([1] * (scales.ndim - 1)))
-    group.scales = mx.concatenate([scales[:start], scales[start:] * signs])
+    flipped = mx.concatenate([scales[:start], scales[start:] * s.astype(scales.dtype).reshape(-1, *([1] * (scales.ndim - 1)))])
+    bias = None
     if group.bias is not None:
-        group.bias = mx.concatenate([group.bias[:start], group.bias[start:] * s.astype(group.bias.dtype)])
-    mx.eval(group.scales, group.bias)
-    object.__setattr__(down, "_rotation", down.rotation.unsigned())
+        bias = mx.concatenate([group.bias[:start], group.bias[start:] * s.astype(group.bias.dtype)])
+    mx.eval(flipped, bias)
+    group.flipped = (flipped, bias)
+    block.mlp = SignedMLP(mlp, group)
     return 1
 
 
@@ -109,7 +146,7 @@ def fold_block(block):
     groups = [_group([getattr(mod, n, None) for n in group]) if all(hasattr(mod, n) for n in group) else None
               for mod, group in zip((attn, mlp), names)]
     return (_norm_fold(block, "input_layernorm", groups[0]) + _norm_fold(block, "post_attention_layernorm", groups[1])
-            + _down_fold(mlp, groups[1]))
+            + _down_fold(block, groups[1]))
 
 
 def fold_model(model):
@@ -120,23 +157,20 @@ def fold_model(model):
 
 
 def unfold_model(model):
-    """Back to the stored forward: the original norms, signed rotations, stored scales."""
+    """Back to the stored forward: the original norms and MLPs, groups without folded signs."""
     from .fused import fused_groups
 
     for g in fused_groups(model).values():
-        g.restore()
+        g.unfold()
     for _, m in model.named_modules():
-        if isinstance(m, QuantizedLinear):
-            m.__dict__.pop("_rotation", None)
         for name, child in list(m.children().items()):
             if isinstance(child, SignedRMSNorm):
                 child.original.weight = child["weight"]
                 setattr(m, name, child.original)
+            elif isinstance(child, SignedMLP):
+                setattr(m, name, child.original)
 
 
 def folded_count(model):
-    """Sign multiplies the current model leaves out per forward (norms + folded down_projs)."""
-
-    mods = [m for _, m in model.named_modules()]
-    return sum(isinstance(m, SignedRMSNorm) for m in mods) + sum(
-        isinstance(m, QuantizedLinear) and "_rotation" in m.__dict__ for m in mods)
+    """Sign multiplies the current model leaves out per forward (norms + folded MLPs)."""
+    return sum(isinstance(m, (SignedRMSNorm, SignedMLP)) for _, m in model.named_modules())

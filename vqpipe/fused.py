@@ -75,23 +75,27 @@ class FusedGroup:
             layer.rotation = self.rotation  # equal content (checked); one object, one cast cache
             mx.eval(layer.parameters())
             start = stop
-        self.stored = (self.rotation, self.scales, self.bias)  # what vqpipe/fold.py may replace at run time
+        self.unfold()
         self.slot = {id(layer): k for k, layer in enumerate(layers)}
         self.size = len(layers)
         self._x, self._outs, self._left = None, None, 0
 
-    def restore(self):
-        """The stored rotation, scales and bias again (undoes vqpipe/fold.py)."""
-        self.rotation, self.scales, self.bias = self.stored
+    def unfold(self):
+        """No folded signs (vqpipe/fold.py sets these): ``norm``, the SignedRMSNorm whose outputs
+        carry the rotation's signs (then ``unsigned`` rotates them); ``flipped``, (scales, bias)
+        with the next layer's signs in the last sibling's rows, for :meth:`compute` ``flip``."""
+        self.norm, self.unsigned, self.flipped = None, None, None
 
-    def compute(self, x):
-        """Every sibling's output for ``x``, in sibling order."""
+    def compute(self, x, flip=False):
+        """Every sibling's output for ``x``, in sibling order; ``flip``: the last sibling's rows
+        times the signs folded into ``flipped``."""
+        rotation = self.unsigned if self.norm is not None and self.norm.made(x) else self.rotation
+        scales, bias = self.flipped if flip else (self.scales, self.bias)
         dialect = qmv.dispatch(x) if self.bits in qmv.BITS else None  # 5/6-bit groups run dense
         if dialect is not None:  # one launch: rotation in its prologue, one output per sibling
-            return qmv.launch(dialect, x, self.packed, self.scales, self.codebook, self.bits, self.bias,
-                              self.group_size, self.rotation, self.splits)
-        xr = self.rotation.apply(x)
-        y = dense_forward(xr, self.packed, self.scales, self.codebook, self.bits, self.bias, self.group_size)
+            return qmv.launch(dialect, x, self.packed, scales, self.codebook, self.bits, bias,
+                              self.group_size, rotation, self.splits)
+        y = dense_forward(rotation.apply(x), self.packed, scales, self.codebook, self.bits, bias, self.group_size)
         return mx.split(y, self.splits, axis=-1)
 
     def __call__(self, layer, x):

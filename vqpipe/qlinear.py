@@ -215,8 +215,11 @@ class QuantizedLinear(nn.Module):
         # (vqpipe/qmv.py). Deterministic, but not bit-identical to the dense path below, which is
         # what runs everywhere else (the CPU, prefill, the switch off) exactly as before.
         # (the kernel covers qmv.BITS; a layer of a mixed allocation at 5 or 6 bits runs dense)
-        # x already carries the rotation's signs where vqpipe/fold.py folded them into the layer before
-        rotation = self.__dict__.get("_rotation") or self.rotation
+        return self.forward(x, self.rotation)
+
+    def forward(self, x, rotation):
+        """y for ``x`` rotated by ``rotation`` (the layer's own, or vqpipe/fold.py's copy of it
+        without the signs, for an ``x`` that carries them already)."""
         dialect = qmv.dispatch(x) if self.bits in qmv.BITS else None
         if dialect is not None:
             # self[...]: nn.Module's attribute lookup costs ~0.4 us a time, and this runs per layer per token
