@@ -163,3 +163,18 @@ def test_unsigned_rotation():
             u.unsigned()
     with pytest.raises(ValueError, match="no signs"):
         make_rotation("qr", 8).unsigned()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(__import__("vqpipe.qmv").qmv.backend() is None, reason="needs MLX's Metal or CUDA backend")
+@pytest.mark.parametrize("rotate_in_kernel", [False, True], ids=["mlx-rotation", "prologue"])
+def test_folded_kernel_decode_bit_identical(tiny_llama_source, rotate_in_kernel):
+    """With the qmv kernel (signs of ones in its prologue, or the MLX rotation without the multiply)
+    and up_proj's flipped scales: the same logits, bit for bit, as the unfolded model."""
+    from vqpipe import qmv
+
+    ref, got = _pair(tiny_llama_source, 4)
+    with qmv.enabled(True), qmv.rotating_in_kernel(rotate_in_kernel):
+        a, b = _logits_run(ref, 8), _logits_run(got, 8)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.tobytes() == y.tobytes(), f"step {i}: max |diff| {np.abs(x - y).max()}"

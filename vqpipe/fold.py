@@ -29,7 +29,6 @@ same names; the folded products are plain attributes), and the layers their sign
 """
 
 import os
-
 import weakref
 
 import mlx.core as mx
@@ -60,11 +59,11 @@ class SignedRMSNorm(nn.Module):
         object.__setattr__(self, "signs", signs)
         object.__setattr__(self, "_last", None)  # weakref to the last output: FusedGroup.compute asks
         self._fold()
+        mx.eval(self._folded)
 
     def _fold(self):
         w = self["weight"]
         folded = w * self.signs.astype(w.dtype)
-        mx.eval(folded)
         object.__setattr__(self, "_source", w)
         object.__setattr__(self, "_folded", folded)
 

@@ -15,6 +15,9 @@ recomputes.
 Groups form only where it is exact: same rotation (kind, dim, seed: quantize gives siblings the
 first one's seed, see :func:`rotation_owner`), bits, codebook, scale layout and dtypes, and either
 all or none with a bias. Artifacts made before siblings shared a seed simply stay unfused.
+
+:func:`fuse_model` then folds the groups' rotation signs into the norms before them (and
+down_proj's into up's rows) where that is exact: vqpipe/fold.py.
 """
 
 import mlx.core as mx

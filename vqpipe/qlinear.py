@@ -211,15 +211,15 @@ class QuantizedLinear(nn.Module):
         fused = self.__dict__.get("_fused")  # siblings computed as one (vqpipe/fused.py)
         if fused is not None:
             return fused(self, x)
-        # Decode (a few rows of x) on a GPU: the fused mat-vec reads the packed weights once
-        # (vqpipe/qmv.py). Deterministic, but not bit-identical to the dense path below, which is
-        # what runs everywhere else (the CPU, prefill, the switch off) exactly as before.
-        # (the kernel covers qmv.BITS; a layer of a mixed allocation at 5 or 6 bits runs dense)
         return self.forward(x, self.rotation)
 
     def forward(self, x, rotation):
         """y for ``x`` rotated by ``rotation`` (the layer's own, or vqpipe/fold.py's copy of it
         without the signs, for an ``x`` that carries them already)."""
+        # Decode (a few rows of x) on a GPU: the fused mat-vec reads the packed weights once
+        # (vqpipe/qmv.py). Deterministic, but not bit-identical to the dense path below, which is
+        # what runs everywhere else (the CPU, prefill, the switch off) exactly as before.
+        # (the kernel covers qmv.BITS; a layer of a mixed allocation at 5 or 6 bits runs dense)
         dialect = qmv.dispatch(x) if self.bits in qmv.BITS else None
         if dialect is not None:
             # self[...]: nn.Module's attribute lookup costs ~0.4 us a time, and this runs per layer per token
