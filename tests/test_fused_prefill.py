@@ -116,3 +116,16 @@ def test_decode_shapes_ab_arms_on_cpu(tmp_path):
     assert all(t["identical_ids"] == t["pairs"] == 2 for t in exact)
     pairs = {(c["baseline_arm"], c["other_arm"]) for c in doc["comparisons"]}
     assert {("vqpipe-b4", "vqpipe-b4+u"), ("vqpipe-b4", "vqpipe-b4-nofold")} <= pairs
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_padded_rows_layer_same_bytes(bits):
+    """in_features 50 (rows padded to 64 values): the sliced weight is made contiguous, as before."""
+    packed, codebook, _ = _packed(bits, 24, 50, seed=bits)
+    scales = mx.array(np.random.default_rng(2).uniform(0.5, 1.5, 24).astype(np.float32))
+    layer = QuantizedLinear(50, 24, bits, make_rotation("auto", 50, 1), packed, scales, codebook)
+    x = mx.random.normal((1, 30, 50), key=mx.random.key(4))
+    got = np.array(layer(x))
+    with dequant.using_tables(False):
+        want = np.array(layer(x))
+    assert got.tobytes() == want.tobytes()

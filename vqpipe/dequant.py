@@ -73,7 +73,8 @@ def codes_to_values(packed, codebook, bits, n, dtype):
         return codebook.astype(dtype)[unpack(packed, bits, n)]
     rows = packed.shape[0]
     w = table(codebook, bits, dtype)[_fields(packed, bits)].reshape(rows, -1)
-    return w if w.shape[1] == n else w[:, :n]
+    # padded rows: a contiguous copy, as the old gather wrote one (the same matmul operand layout)
+    return w if w.shape[1] == n else mx.contiguous(w[:, :n])
 
 
 
