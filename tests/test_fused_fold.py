@@ -178,3 +178,16 @@ def test_folded_kernel_decode_bit_identical(tiny_llama_source, rotate_in_kernel)
         a, b = _logits_run(ref, 8), _logits_run(got, 8)
     for i, (x, y) in enumerate(zip(a, b)):
         assert x.tobytes() == y.tobytes(), f"step {i}: max |diff| {np.abs(x - y).max()}"
+
+
+def test_module_swaps_fall_back_to_the_plain_forward(tiny_llama_source):
+    """bench-quality's dense copy swaps every quantized layer for an nn.Linear: the folded norms
+    and MLPs then compute as the plain ones (else the linears would read signed inputs)."""
+    from vqpipe.stages.bench_quality import dense_copy
+
+    ref, got = _pair(tiny_llama_source, 4, fresh=True)
+    x = mx.array(PROMPT)[None]
+    a, b = dense_copy(ref), dense_copy(got)
+    assert isinstance(b.model.layers[0].input_layernorm, fold.SignedRMSNorm)
+    assert not b.model.layers[0].input_layernorm.intact()
+    assert np.array(b(x)).tobytes() == np.array(a(x)).tobytes()

@@ -58,6 +58,7 @@ class SignedRMSNorm(nn.Module):
         object.__setattr__(self, "original", norm)  # restored by unfold_model
         object.__setattr__(self, "signs", signs)
         object.__setattr__(self, "_last", None)  # weakref to the last output: FusedGroup.compute asks
+        object.__setattr__(self, "consumers", ())  # (module, child name, child) that read the output
         self._fold()
         mx.eval(self._folded)
 
@@ -67,7 +68,15 @@ class SignedRMSNorm(nn.Module):
         object.__setattr__(self, "_source", w)
         object.__setattr__(self, "_folded", folded)
 
+    def intact(self):
+        """Whether every reader of this norm's output is still the folded group (a dense copy or
+        any other module swap makes them plain layers, which expect the plain norm)."""
+        return all(parent.get(name) is child for parent, name, child in self.consumers)
+
     def __call__(self, x):
+        if not self.intact():
+            object.__setattr__(self, "_last", None)
+            return mx.fast.rms_norm(x, self["weight"], self.eps)
         if self._source is not self["weight"]:  # load_weights replaced the weight: fold it again
             self._fold()
         y = mx.fast.rms_norm(x, self._folded, self.eps)
@@ -90,8 +99,11 @@ class SignedMLP(nn.Module):
         object.__setattr__(self, "original", mlp)  # restored by unfold_model
         object.__setattr__(self, "group", group)
         object.__setattr__(self, "unsigned", mlp.down_proj.rotation.unsigned())
+        object.__setattr__(self, "layers", tuple(mlp.children().items()))
 
     def __call__(self, x):
+        if not all(self.get(name) is layer for name, layer in self.layers):  # children swapped: a plain MLP
+            return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
         gate, up = self.group.compute(x, flip=True)
         return self.down_proj.forward(swiglu(gate, up), self.unsigned)
 
@@ -144,8 +156,13 @@ def fold_block(block):
     names = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
     groups = [_group([getattr(mod, n, None) for n in group]) if all(hasattr(mod, n) for n in group) else None
               for mod, group in zip((attn, mlp), names)]
-    return (_norm_fold(block, "input_layernorm", groups[0]) + _norm_fold(block, "post_attention_layernorm", groups[1])
-            + _down_fold(block, groups[1]))
+    count = (_norm_fold(block, "input_layernorm", groups[0]) + _norm_fold(block, "post_attention_layernorm", groups[1])
+             + _down_fold(block, groups[1]))
+    for norm, parent, names in (("input_layernorm", "self_attn", names[0]), ("post_attention_layernorm", "mlp", names[1])):
+        n, mod = block[norm], block[parent]
+        if isinstance(n, SignedRMSNorm):
+            object.__setattr__(n, "consumers", ((block, parent, mod), *((mod, k, mod[k]) for k in names)))
+    return count
 
 
 def fold_model(model):
