@@ -100,6 +100,12 @@ def test_stored_state_and_reservoir_unchanged(source, tmp_path, persist):
     assert fold.folded_count(loaded) == 3 * len(loaded.model.layers)  # loading folds (the default)
     want = np.array(ref(x).astype(mx.float32))
     assert np.array(loaded(x).astype(mx.float32)).tobytes() == want.tobytes()
+    if persist:  # grafted again into the folded model: the new layers are the ones used, refolded
+        old = loaded.model.layers[0].mlp.up_proj
+        R.graft_reservoir(loaded, tmp_path / "got.vqres")
+        assert loaded.model.layers[0].mlp.up_proj is not old
+        assert fold.folded_count(loaded) == 3 * len(loaded.model.layers)
+        assert np.array(loaded(x).astype(mx.float32)).tobytes() == want.tobytes()
 
 
 def test_unfold_refold_and_weight_reload(tiny_llama_source):

@@ -183,7 +183,9 @@ def unfold_model(model):
             if isinstance(child, SignedRMSNorm):
                 child.original.weight = child["weight"]
                 setattr(m, name, child.original)
-            elif isinstance(child, SignedMLP):
+            elif isinstance(child, SignedMLP):  # with its current children (a graft may have replaced them)
+                for k, layer in child.children().items():
+                    setattr(child.original, k, layer)
                 setattr(m, name, child.original)
 
 
