@@ -86,7 +86,7 @@ def test_group_serves_each_sibling_then_holds_nothing(sources):
     fused.unfuse_model(model)
     want = {n: mlp[n](x) for n in ("gate_proj", "up_proj")}
     want2 = mlp["up_proj"](x2)
-    fused.fuse_model(model)  # the arrays are views already; a new group over them
+    fused.fuse_model(model)  # the arrays are views already; a new group over them (folded: x is no norm's output)
     group = mlp.gate_proj.__dict__["_fused"]
     g = mlp.gate_proj(x)
     assert group._x is x

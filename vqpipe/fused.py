@@ -15,10 +15,14 @@ recomputes.
 Groups form only where it is exact: same rotation (kind, dim, seed: quantize gives siblings the
 first one's seed, see :func:`rotation_owner`), bits, codebook, scale layout and dtypes, and either
 all or none with a bias. Artifacts made before siblings shared a seed simply stay unfused.
+
+:func:`fuse_model` then folds the groups' rotation signs into the norms before them (and
+down_proj's into up's rows) where that is exact: vqpipe/fold.py.
 """
 
 import mlx.core as mx
 
+from . import fold as fold_signs
 from . import qmv
 from .qlinear import QuantizedEmbedding, QuantizedLinear, dense_forward
 
@@ -74,18 +78,27 @@ class FusedGroup:
             layer.rotation = self.rotation  # equal content (checked); one object, one cast cache
             mx.eval(layer.parameters())
             start = stop
+        self.unfold()
         self.slot = {id(layer): k for k, layer in enumerate(layers)}
         self.size = len(layers)
         self._x, self._outs, self._left = None, None, 0
 
-    def compute(self, x):
-        """Every sibling's output for ``x``, in sibling order."""
+    def unfold(self):
+        """No folded signs (vqpipe/fold.py sets these): ``norm``, the SignedRMSNorm whose outputs
+        carry the rotation's signs (then ``unsigned`` rotates them); ``flipped``, (scales, bias)
+        with the next layer's signs in the last sibling's rows, for :meth:`compute` ``flip``."""
+        self.norm, self.unsigned, self.flipped = None, None, None
+
+    def compute(self, x, flip=False):
+        """Every sibling's output for ``x``, in sibling order; ``flip``: the last sibling's rows
+        times the signs folded into ``flipped``."""
+        rotation = self.unsigned if self.norm is not None and self.norm.made(x) else self.rotation
+        scales, bias = self.flipped if flip else (self.scales, self.bias)
         dialect = qmv.dispatch(x) if self.bits in qmv.BITS else None  # 5/6-bit groups run dense
         if dialect is not None:  # one launch: rotation in its prologue, one output per sibling
-            return qmv.launch(dialect, x, self.packed, self.scales, self.codebook, self.bits, self.bias,
-                              self.group_size, self.rotation, self.splits)
-        xr = self.rotation.apply(x)
-        y = dense_forward(xr, self.packed, self.scales, self.codebook, self.bits, self.bias, self.group_size)
+            return qmv.launch(dialect, x, self.packed, scales, self.codebook, self.bits, bias,
+                              self.group_size, rotation, self.splits)
+        y = dense_forward(rotation.apply(x), self.packed, scales, self.codebook, self.bits, bias, self.group_size)
         return mx.split(y, self.splits, axis=-1)
 
     def __call__(self, layer, x):
@@ -98,8 +111,10 @@ class FusedGroup:
         return out
 
 
-def fuse_model(model):
-    """Install a FusedGroup on every set of compatible siblings; returns the number of groups."""
+def fuse_model(model, fold=None):
+    """Install a FusedGroup on every set of compatible siblings; returns the number of new groups.
+    ``fold`` (default: ``vqpipe.fold.default()``, on): then fold the shared rotations' signs into
+    the layers before them (vqpipe/fold.py: exact, runtime only)."""
     modules = dict(model.named_modules())
     count = 0
     for name, module in modules.items():
@@ -119,11 +134,14 @@ def fuse_model(model):
             for m in layers:
                 object.__setattr__(m, "_fused", fused)
             count += 1
+    if fold if fold is not None else fold_signs.default():
+        fold_signs.fold_model(model)
     return count
 
 
 def unfuse_model(model):
     """Back to one computation per layer (the arrays stay views; the results are the same)."""
+    fold_signs.unfold_model(model)
     for _, m in model.named_modules():
         if isinstance(m, QuantizedLinear) and m.__dict__.get("_fused") is not None:
             object.__setattr__(m, "_fused", None)

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import qmv
+from . import dequant, qmv
 from . import rotation as rot
 from .codebook import LAYER_BITS, boundaries, check_bits, codebook
 from .bitpack import pack, unpack
@@ -146,12 +146,14 @@ def dense_forward(xr, packed, scales, codebook, bits, bias=None, group_size=None
     """The dense path from the rotated input: rebuild C[q] in x's dtype, one matmul, scales, bias.
     Per-row scales multiply the matmul's output (the formula the artifacts' reference logits were
     made with); per-group scales multiply the rebuilt weight."""
-    dt = xr.dtype
-    w = codebook.astype(dt)[unpack(packed, bits, xr.shape[-1])]
+    dt, n = xr.dtype, xr.shape[-1]
+    w = dequant.codes_to_values(packed, codebook, bits, n, dt)  # no uint32 temporaries (vqpipe/dequant.py)
     if scales.ndim == 1:
         y = (xr @ w.T) * scales.astype(dt)
-    else:
-        y = xr @ (w * expand_scales(scales.astype(dt), group_size, xr.shape[-1])).T
+    else:  # the same products as w * repeat(scales), without a weight-sized repeat of the scales
+        rows, g = scales.shape
+        w = (w.reshape(rows, g, group_size) * scales.astype(dt)[:, :, None]).reshape(rows, n)
+        y = xr @ w.T
     return y if bias is None else y + bias.astype(dt)
 
 
@@ -209,6 +211,11 @@ class QuantizedLinear(nn.Module):
         fused = self.__dict__.get("_fused")  # siblings computed as one (vqpipe/fused.py)
         if fused is not None:
             return fused(self, x)
+        return self.forward(x, self.rotation)
+
+    def forward(self, x, rotation):
+        """y for ``x`` rotated by ``rotation`` (the layer's own, or vqpipe/fold.py's copy of it
+        without the signs, for an ``x`` that carries them already)."""
         # Decode (a few rows of x) on a GPU: the fused mat-vec reads the packed weights once
         # (vqpipe/qmv.py). Deterministic, but not bit-identical to the dense path below, which is
         # what runs everywhere else (the CPU, prefill, the switch off) exactly as before.
@@ -219,9 +226,9 @@ class QuantizedLinear(nn.Module):
             # the kernel rotates x in its prologue where it can (else MLX ops rotate it first)
             return qmv.launch(
                 dialect, x, self["packed"], self["scales"], self["codebook"], self.bits, self.get("bias"),
-                self.group_size, self.rotation,
+                self.group_size, rotation,
             )
-        return dense_forward(self.rotation.apply(x), self.packed, self.scales, self.codebook, self.bits,
+        return dense_forward(rotation.apply(x), self.packed, self.scales, self.codebook, self.bits,
                              self.get("bias"), self.group_size)
 
     def to_state(self):
@@ -285,7 +292,7 @@ class QuantizedEmbedding(QuantizedLinear):
 
     def __call__(self, ids):
         flat = ids.reshape(-1)
-        rows = self.codebook[unpack(self.packed[flat], self.bits, self.in_features)]
+        rows = dequant.codes_to_values(self.packed[flat], self.codebook, self.bits, self.in_features, self.codebook.dtype)
         if self.group_size is None:
             rows = self.rotation.apply_transpose(rows) * self.scales[flat][:, None]
         else:  # group scales live in the rotated basis: scale, then rotate back

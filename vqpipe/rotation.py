@@ -16,7 +16,7 @@ bit-identically in a fresh process (given the same numpy/LAPACK build for ``qr``
 stores a checksum to catch a different one).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import mlx.core as mx
@@ -71,6 +71,9 @@ class Rotation:
     signs: mx.array = None
     q: mx.array = None
     matrix: mx.array = None
+    # False: the sign diagonal D is left out of apply / apply_transpose (x is D x already: see
+    # vqpipe/fold.py); ``signs`` are then ones, so the qmv prologue multiplies by 1 (exact).
+    signed: bool = True
     _cast: dict = field(default_factory=dict, repr=False, compare=False)
 
     def _as(self, name, dtype):
@@ -92,9 +95,11 @@ class Rotation:
         if self.kind == "qr":
             return x @ self.matrix.T.astype(x.dtype)
         if self.kind == "hadamard":
-            return mx.hadamard_transform(x * self._as("signs", x.dtype))
+            return mx.hadamard_transform(x * self._as("signs", x.dtype) if self.signed else x)
         shape = x.shape
-        y = x.reshape(*shape[:-1], self.m, self.p) * self._as("signs", x.dtype)
+        y = x.reshape(*shape[:-1], self.m, self.p)
+        if self.signed:
+            y = y * self._as("signs", x.dtype)
         if self.p > 1:
             y = mx.hadamard_transform(y)
         return (self._as("q", x.dtype) @ y).reshape(shape)
@@ -106,14 +111,35 @@ class Rotation:
         if self.kind == "qr":
             return y @ self.matrix.astype(y.dtype)
         if self.kind == "hadamard":
-            return hadamard_transpose(y) * self._as("signs", y.dtype)
+            y = hadamard_transpose(y)
+            return y * self._as("signs", y.dtype) if self.signed else y
         shape = y.shape
         x = self.q.T.astype(y.dtype) @ y.reshape(*shape[:-1], self.m, self.p)
         if self.p > 1:
             x = hadamard_transpose(x)
-        return (x * self._as("signs", y.dtype)).reshape(shape)
+        return (x * self._as("signs", y.dtype) if self.signed else x).reshape(shape)
+
+    def has_signs(self):
+        return self.kind in ("hadamard", "kron") and self.signed
+
+    def sign_vector(self):
+        """D's diagonal over all ``dim`` inputs (kron repeats its p signs m times), float32."""
+        if not self.has_signs():
+            raise ValueError(f"a {self.kind} rotation{'' if self.signed else ' without its signs'} has no sign vector")
+        s = self.signs.astype(mx.float32)
+        return s if self.kind == "hadamard" else mx.tile(s, (self.m,))
+
+    def unsigned(self):
+        """The same rotation without D: ``apply(D x)`` of this one equals ``apply(x)`` of self,
+        exactly (negation is exact). For the forward pass only; it cannot be stored."""
+        if not self.has_signs():
+            raise ValueError(f"a {self.kind} rotation has no signs to leave out")
+        return replace(self, signs=mx.ones(self.signs.shape, self.signs.dtype), signed=False, _cast={})
 
     def to_state(self):
+        if not self.signed:
+            raise ValueError("a rotation without its signs (folded into the layers before it) is not stored; "
+                             "store the layer's own rotation")
         meta = {"kind": self.kind, "dim": self.dim, "seed": self.seed}
         arrays = {}
         if self.kind == "kron":

@@ -11,6 +11,10 @@ memory from the preset's config:
   vqpipe would use (q/k/v and gate/up sharing one), fused as the loaders fuse them;
 - ``vqpipe-bN+rot`` (``--prologue-bits N``): the same model with the rotation in the qmv kernel's
   prologue (``qmv.rotating_in_kernel``) instead of MLX ops before each launch;
+- ``vqpipe-bN+u`` (``--unpack-bits N``): the same model with the dense (prefill) path rebuilding
+  its weights the old way, unpacking to uint32 before the codebook gather (vqpipe/dequant.py);
+- ``vqpipe-bN-nofold`` (``--unfolded-bits N``): the same codes with the rotation signs not folded
+  into the norms and up_proj's scales (vqpipe/fold.py): three more primitives per layer;
 - ``ARM+c`` (``--compiled``): every arm above once more, decoding through vqpipe.decode_step (one
   compiled step over a static KV cache) instead of mlx-lm's eager ``generate_step``: the same
   weights, so ``X+c`` vs ``X`` is what compilation buys and ``vqpipe-bN+c`` vs ``bf16+c`` what the
@@ -43,7 +47,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .. import qmv, synth
+from .. import dequant, qmv, synth
 from ..decode_step import Decoder
 from ..codebook import codebook
 from ..fsutil import write_json
@@ -58,6 +62,8 @@ from .env import environment
 
 STD = 0.02
 ROT = "+rot"  # arm suffix: the rotation in the kernel's prologue
+UNPACK = "+u"  # arm suffix: the old dense-path weight rebuild (uint32 unpack, then gather)
+NOFOLD = "-nofold"  # arm suffix: rotation signs not folded (vqpipe/fold.py)
 COMPILED = "+c"  # arm suffix: decode through vqpipe.decode_step, the whole step compiled
 SPLIT = "+s"  # arm suffix: decode_step's split mode (compiled blocks around MLX's fused SDPA)
 MODES = {COMPILED: "whole", SPLIT: "split"}
@@ -121,8 +127,9 @@ def _random_layer(cls, n_in, n_out, bits, name, key, bias=None):
     return layer
 
 
-def random_vqpipe(preset, bits, dtype=mx.bfloat16):
-    """vqpipe layers with random codes in place of every Linear and the embedding; norms 1."""
+def random_vqpipe(preset, bits, dtype=mx.bfloat16, fold=None):
+    """vqpipe layers with random codes in place of every Linear and the embedding; norms 1. The
+    codes depend on ``bits`` only, so ``fold=False`` gives the same model unfolded."""
     model = skeleton(preset)
     layers = []
     for i, (name, m) in enumerate(model.named_modules()):
@@ -142,7 +149,7 @@ def random_vqpipe(preset, bits, dtype=mx.bfloat16):
             if not any(k.startswith(q + ".") for q in quantized)]
     model.load_weights(rest, strict=False)
     mx.eval(model.parameters())
-    fuse_model(model)
+    fuse_model(model, fold=fold)
     return model
 
 
@@ -197,13 +204,13 @@ def _compiled_step(model, prompt, steps, mode):
     return step
 
 
-def step_profile(model, vocab, rot=False, context=64, steps=8, mode=None):
+def step_profile(model, vocab, rot=False, context=64, steps=8, mode=None, tables=True):
     """One decode step, unpipelined: host time to build its graph (Python; for a compiled step, the
     C++ replay of its trace), to encode it (``mx.async_eval`` returns once the kernels are queued)
     and the whole step to ``mx.synchronize``, median over ``steps``; plus the graph's primitives
     (:func:`graph_ops`). Where build + encode exceeds what the GPU needs, decode is bound by the
     host (docs/decode.md)."""
-    with qmv.rotating_in_kernel(rot):
+    with qmv.rotating_in_kernel(rot), dequant.using_tables(tables):
         prompt = mx.random.randint(0, vocab - 16, (context,), key=mx.random.key(7))
         step = _compiled_step(model, prompt, steps, mode) if mode else _eager_step(model, prompt)
         build, encode, total = [], [], []
@@ -233,6 +240,10 @@ def run(args, progress=print):
         models[f"vqpipe-b{b}"] = random_vqpipe(args.preset, b)
     for b in args.prologue_bits:  # the same model object: only the kernel's rotation differs
         models[f"vqpipe-b{b}{ROT}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
+    for b in args.unpack_bits:  # the same model object: only the dense path's weight rebuild differs
+        models[f"vqpipe-b{b}{UNPACK}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
+    for b in args.unfolded_bits:
+        models[f"vqpipe-b{b}{NOFOLD}"] = random_vqpipe(args.preset, b, fold=False)
     kvpp = roofline.kv_bytes_per_position(config, 2)
     info = {name: {"weight_bytes": weight_bytes(m, config)} for name, m in models.items()}
     for name, i in info.items():
@@ -244,7 +255,8 @@ def run(args, progress=print):
     for name in list(arm_names):
         m = models[model_arm(name)]
         try:
-            profiles[name] = p = step_profile(m, config["vocab_size"], model_arm(name).endswith(ROT), mode=decode_mode(name))
+            profiles[name] = p = step_profile(m, config["vocab_size"], model_arm(name).endswith(ROT), mode=decode_mode(name),
+                                              tables=not model_arm(name).endswith(UNPACK))
         except Exception as e:  # a compiled arm that cannot trace is reported, not fatal to the eager arms
             if not is_compiled(name):
                 raise
@@ -273,7 +285,8 @@ def run(args, progress=print):
 
         def call(name, k, n_tokens):
             model = models[model_arm(name)]
-            with qmv.rotating_in_kernel(model_arm(name).endswith(ROT)):
+            arm = model_arm(name)
+            with qmv.rotating_in_kernel(arm.endswith(ROT)), dequant.using_tables(not arm.endswith(UNPACK)):
                 if is_compiled(name):
                     out = decoders[name.removesuffix(harness.AA_SUFFIX)].generate(prompts[k], n_tokens, args.prefill_step)
                 else:
@@ -304,7 +317,8 @@ def run(args, progress=print):
                          + (f", {rec['bytes_per_token'] / 2**30:.2f} GiB/token = "
                             f"{rec['achieved']['median']['percent_of_peak']:.1f}% of copy" if phase == "decode" else ""))
             for phase in ("prefill", "decode"):
-                bases = [baseline, "affine4"] + ([model_arm(name).removesuffix(ROT)] if model_arm(name).endswith(ROT) else [])
+                arm = model_arm(name)
+                bases = [baseline, "affine4"] + [arm.removesuffix(sfx) for sfx in (ROT, UNPACK, NOFOLD) if arm.endswith(sfx)]
                 if is_compiled(name):  # against its eager self, and the baselines in the same mode
                     sfx = name[len(model_arm(name)):]
                     bases += [model_arm(name), baseline + sfx, "affine4" + sfx]
@@ -318,6 +332,11 @@ def run(args, progress=print):
         for name in arm_names:  # a record only: the vqpipe arms' codes are random (see the docstring)
             same = [a["ids"] == b["ids"] for a, b in zip(log[baseline], log[name])]
             texts.append({"context": P, "a": baseline, "b": name, "identical_ids": sum(same), "pairs": len(same)})
+            base = next((model_arm(name).removesuffix(sfx) for sfx in (UNPACK, NOFOLD) if model_arm(name).endswith(sfx)), None)
+            if base is not None and not is_compiled(name):  # exact rewrites: the same ids expected
+                same = [a["ids"] == b["ids"] for a, b in zip(log[base], log[name])]
+                texts.append({"context": P, "a": base, "b": name, "identical_ids": sum(same), "pairs": len(same),
+                              "what": "exact rewrite (fold / weight rebuild), same weights"})
             if is_compiled(name) and model_arm(name) != baseline:  # compiled vs eager, same weights
                 same = [a["ids"] == b["ids"] for a, b in zip(log[model_arm(name)], log[name])]
                 texts.append({"context": P, "a": model_arm(name), "b": name, "identical_ids": sum(same), "pairs": len(same),
@@ -336,6 +355,10 @@ def parse_args(argv):
     p.add_argument("--bits", type=int, nargs="+", default=[4], choices=(2, 3, 4))
     p.add_argument("--prologue-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
                    help=f"add a vqpipe-bN{ROT} arm per N: the rotation in the kernel's prologue")
+    p.add_argument("--unpack-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
+                   help=f"add a vqpipe-bN{UNPACK} arm per N: the old dense-path weight rebuild (prefill A/B)")
+    p.add_argument("--unfolded-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
+                   help=f"add a vqpipe-bN{NOFOLD} arm per N: rotation signs not folded (decode A/B)")
     p.add_argument("--compiled", action="store_true",
                    help=f"add an ARM{COMPILED} arm per arm: decode through vqpipe.decode_step's compiled step")
     p.add_argument("--split", action="store_true",

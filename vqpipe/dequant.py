@@ -1,0 +1,89 @@
+"""C[q] for the dense path (prefill, the CPU), read through a table of whole packed fields.
+
+The obvious rebuild, ``codebook[unpack(packed)]``, shifts and masks every value as a uint32 (4-bit:
+two weight-sized uint32 temporaries; 3-bit: seven, for the straddling words), then gathers: some
+10-30 bytes written per weight entry before the matmul reads 2. Here the packed stream is read as
+fields of F whole bits, each holding v = F / bits values (F = 8, one byte, for 2/4/8 bits; F = 12
+for 3/6; F = 10 for 5), and one gather from a table of every field's v codebook values writes the
+weight: for 2/4/8 bits there is no arithmetic at all (the bytes are the indices), for 3/5/6 a few
+ops on arrays 1/v the weight's size, in uint16. The table holds the same codebook values in the
+same dtype, so the weight is the same, bit for bit.
+
+Layout (vqpipe/bitpack.py): value i of a row is stream bits [bits*i, bits*(i+1)), stream bit k is
+bit k % 32 of little-endian word k // 32, so byte j of a row holds stream bits [8j, 8j + 8); rows
+are padded to 32 values, a whole number of fields.
+"""
+
+import contextlib
+import weakref
+
+import mlx.core as mx
+import numpy as np
+
+from .bitpack import unpack
+
+FIELD_BITS = {2: 8, 4: 8, 8: 8, 3: 12, 6: 12, 5: 10}
+
+_use_tables = True  # False: the old rebuild (an A/B arm of bench/decode_shapes.py)
+_tables = {}  # (id(codebook), bits, dtype) -> table; dropped with the codebook (weakref callback)
+
+
+def _field_values(bits):
+    """[2^F, v] numpy: the codes in each F-bit field value, lowest bits first."""
+    f = FIELD_BITS[bits]
+    fields = np.arange(1 << f, dtype=np.uint32)[:, None]
+    return ((fields >> (bits * np.arange(f // bits, dtype=np.uint32))) & ((1 << bits) - 1)).astype(np.uint32)
+
+
+def table(codebook, bits, dtype):
+    """[2^F, v] in ``dtype``: the codebook values of every field; one per codebook array and dtype."""
+    key = (id(codebook), bits, dtype)
+    entry = _tables.get(key)
+    if entry is None or entry[0]() is not codebook:
+        t = codebook.reshape(-1).astype(dtype)[mx.array(_field_values(bits))]
+        ref = weakref.ref(codebook, lambda _, key=key: _tables.pop(key, None))
+        _tables[key] = entry = (ref, t)
+    return entry[1]
+
+
+def _fields(packed, bits):
+    """uint8 (F = 8) or uint16 field values [rows, fields] of the packed rows."""
+    rows = packed.shape[0]
+    b = packed.view(mx.uint8).reshape(rows, -1)
+    f = FIELD_BITS[bits]
+    if f == 8:
+        return b
+    group = np.lcm(f, 8) // 8  # bytes per period of whole fields (3 for F = 12, 5 for F = 10)
+    g = b.reshape(rows, -1, group).astype(mx.uint16)
+    out = []
+    for k in range(group * 8 // f):
+        start, shift = divmod(k * f, 8)
+        v = g[..., start] >> shift if shift else g[..., start]
+        if shift + f > 8:  # the field's remaining bits in the next byte (at most one more: F <= 12)
+            v = v | (g[..., start + 1] << (8 - shift))
+        if (k + 1) * f % 8:  # bits of the next field above F: mask them off
+            v = v & ((1 << f) - 1)
+        out.append(v)
+    return mx.stack(out, axis=-1).reshape(rows, -1)
+
+
+def codes_to_values(packed, codebook, bits, n, dtype):
+    """``codebook.astype(dtype)[unpack(packed, bits, n)]`` ([rows, n]), the same values, cheaper."""
+    if bits not in FIELD_BITS or not _use_tables:
+        return codebook.astype(dtype)[unpack(packed, bits, n)]
+    rows = packed.shape[0]
+    w = table(codebook, bits, dtype)[_fields(packed, bits)].reshape(rows, -1)
+    # padded rows: a contiguous copy, as the old gather wrote one (the same matmul operand layout)
+    return w if w.shape[1] == n else mx.contiguous(w[:, :n])
+
+
+
+@contextlib.contextmanager
+def using_tables(flag):
+    """``with dequant.using_tables(False): ...``: the block rebuilds weights the old way."""
+    global _use_tables
+    previous, _use_tables = _use_tables, bool(flag)
+    try:
+        yield
+    finally:
+        _use_tables = previous
