@@ -84,12 +84,10 @@ def _quantize_grouped(weight, bits, rotation, group_size, hessian, damp):
     root = math.sqrt(in_features)
     unit = (levels / root).astype(np.float32)  # the stored codebook: code values per unit step*root
     w = np.array(rotation.apply(weight.astype(mx.float32)), dtype=np.float32)
-    h = None
-    if hessian is None:
-        u = np.eye(in_features, dtype=np.float32)
-    else:
-        h, u = _rotated_factors(hessian, rotation, gptq.DAMP if damp is None else damp)
-    idx, _ = gptq.gptq(w, u, levels.astype(np.float32), group_size)
+    h = n = None  # no moments: round to nearest with the same scales
+    if hessian is not None:
+        h, n = _rotated_factors(hessian, rotation, gptq.DAMP if damp is None else damp)
+    idx, _ = gptq.gptq(w, n, levels.astype(np.float32), group_size)
     c = unit[idx]
     s = gptq.refit_steps(w, c, group_size, h)
     if group_size is None:
@@ -116,8 +114,8 @@ _KEEP = 4
 
 
 def _rotated_factors(hessian, rotation, damp):
-    """(damped H_r, U) for GPTQ. Linears that read one activation with one rotation (q/k/v or
-    gate/up sharing a rotation) pass the same H object: the factorisation is done once."""
+    """(damped H_r, N) for GPTQ (gptq.ldl_factor). Linears that read one activation with one
+    rotation (q/k/v or gate/up sharing a rotation) pass the same H object: factorised once."""
     from . import gptq
 
     key = (rotation.kind, rotation.dim, rotation.seed, damp)
@@ -125,13 +123,13 @@ def _rotated_factors(hessian, rotation, damp):
         if h_ is hessian and key_ == key:
             return factors
     h = np.array(gptq.rotate_hessian(hessian, rotation), dtype=np.float32)
-    u = gptq.inverse_cholesky(h, damp)
+    n = gptq.ldl_factor(h, damp)
     # The scale refit minimises the same damped objective GPTQ did (a ridge towards plain least
     # squares, so a few calibration tokens cannot pull a scale far off). In place on the diagonal:
     # adding damp * mean * I densely cost two d x d temporaries for the same float32 sums.
     np.fill_diagonal(h, h.diagonal() + np.float32(damp * max(float(np.mean(np.diag(h))), 1e-30)))
-    _FACTORS[:] = [(hessian, key, (h, u))] + _FACTORS[: _KEEP - 1]
-    return h, u
+    _FACTORS[:] = [(hessian, key, (h, n))] + _FACTORS[: _KEEP - 1]
+    return h, n
 
 
 def expand_scales(scales, group_size, in_features):
