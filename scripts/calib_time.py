@@ -35,6 +35,7 @@ def digest(model):
     """sha256 over the quantized layers' stored arrays, in name order."""
     import hashlib
 
+    import mlx.core as mx
     import numpy as np
 
     from vqpipe.quantize import split_state
@@ -42,7 +43,9 @@ def digest(model):
     _, arrays, _ = split_state(model)
     h = hashlib.sha256()
     for k in sorted(arrays):
-        h.update(k.encode() + np.array(arrays[k]).tobytes())
+        a = arrays[k]
+        a = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a  # numpy has no bfloat16
+        h.update(k.encode() + np.array(a).tobytes())
     return h.hexdigest()[:16]
 
 
@@ -85,9 +88,9 @@ def main():
            "load_cpu_s": load_cpu, "quantize_model_wall_s": wall, "quantize_model_cpu_s": cpus,
            "phases_cpu_s": acc, "head_layer_wall_s": head[0]["seconds"] if head else None,
            "layers": len(records), "load_avg_1min": open("/proc/loadavg").read().split()[0]}
+    print(json.dumps(out, indent=1), flush=True)
     if args.digest:
-        out["digest"] = digest(model)
-    print(json.dumps(out, indent=1))
+        print(json.dumps({"digest": digest(model)}))
 
 
 if __name__ == "__main__":
