@@ -5,8 +5,8 @@ A linear layer's output error on inputs X is ||(W - W_hat) X||^2 = tr(E H E^T) w
 W_r = W R^T and the input moments are H_r = R H R^T. GPTQ (Frantar et al., 2022; LDLQ in QuIP,
 Chee et al., 2023, is the same recursion) quantizes W_r one column at a time and feeds each
 column's error forward to the columns not yet quantized (through the Cholesky factor of H_r, in
-LDL form: see _gptq_rows), so that the error left is what the remaining columns cannot absorb. QuIP# and HIGGS run it on a
-Hadamard-rotated weight with a Gaussian grid, which is what we have here.
+LDL form: see _gptq_rows), so that the error left is what the remaining columns cannot absorb.
+QuIP# and HIGGS run it on a Hadamard-rotated weight with a Gaussian grid, which is what we have.
 
 Scales: the codebook is the Lloyd-Max grid of a unit variance entry (fixed per bits and width).
 A group of ``group_size`` consecutive rotated entries of a row gets its own step, set from the
