@@ -31,15 +31,35 @@ def timed(acc, key, fn):
     return wrapper
 
 
+def digest(model):
+    """sha256 over the quantized layers' stored arrays, in name order."""
+    import hashlib
+
+    import mlx.core as mx
+    import numpy as np
+
+    from vqpipe.quantize import split_state
+
+    _, arrays, _ = split_state(model)
+    h = hashlib.sha256()
+    for k in sorted(arrays):
+        a = arrays[k]
+        a = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a  # numpy has no bfloat16
+        h.update(k.encode() + np.array(a).tobytes())
+    return h.hexdigest()[:16]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--source", required=True)
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--windows", type=int, default=2, help="calibration windows of --length tokens")
     p.add_argument("--length", type=int, default=512)
-    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--group-size", type=int, default=64, help="0: one scale per row")
     p.add_argument("--rotation", default="auto")
     p.add_argument("--sequential", action="store_true", help="sequential moments (default: full precision)")
+    p.add_argument("--digest", action="store_true",
+                   help="also print a sha256 of every quantized layer's arrays (exactness checks)")
     args = p.parse_args()
 
     from mlx_lm.utils import load
@@ -60,7 +80,7 @@ def main():
     layers = []
     t1, c1 = time.perf_counter(), cpu()
     records = quantize_model(model, args.bits, args.rotation, 0, embeddings=True, dtype=None,
-                             group_size=args.group_size, calibration=tokens, sequential=args.sequential,
+                             group_size=args.group_size or None, calibration=tokens, sequential=args.sequential,
                              progress=layers.append)
     wall, cpus = time.perf_counter() - t1, cpu() - c1
     head = [r for r in records if r["kind"] == "embedding"]
@@ -68,7 +88,9 @@ def main():
            "load_cpu_s": load_cpu, "quantize_model_wall_s": wall, "quantize_model_cpu_s": cpus,
            "phases_cpu_s": acc, "head_layer_wall_s": head[0]["seconds"] if head else None,
            "layers": len(records), "load_avg_1min": open("/proc/loadavg").read().split()[0]}
-    print(json.dumps(out, indent=1))
+    print(json.dumps(out, indent=1), flush=True)
+    if args.digest:
+        print(json.dumps({"digest": digest(model)}))
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def test_gptq_with_identity_moments_is_round_to_nearest():
     r = make_rotation("auto", w.shape[1], 2)
     wr = np.array(r.apply(mx.array(w)))
     levels = np.array([-1.5, -0.5, 0.5, 1.5], dtype=np.float32)
-    idx, steps = gptq.gptq(wr, np.eye(w.shape[1], dtype=np.float32), levels, 32)
+    idx, steps = gptq.gptq(wr, None, levels, 32)
     t = wr / np.repeat(steps, 32, axis=1)
     assert np.array_equal(idx, np.searchsorted(gptq.boundaries(levels), t))
 
@@ -171,8 +171,8 @@ def test_bad_group_size():
 def test_shared_rotation_factorises_once(monkeypatch):
     """q/k/v with one rotation and one H: one Cholesky, and the same codes as factorising apiece."""
     calls = []
-    real = gptq.inverse_cholesky
-    monkeypatch.setattr(gptq, "inverse_cholesky", lambda h, d: calls.append(1) or real(h, d))
+    real = gptq.ldl_factor
+    monkeypatch.setattr(gptq, "ldl_factor", lambda h, d: calls.append(1) or real(h, d))
     w, x = anisotropic()
     h = mx.array(x.T @ x)
     r = make_rotation("auto", w.shape[1], 4)
@@ -189,13 +189,50 @@ def test_shared_rotation_factorises_once(monkeypatch):
     assert np.array_equal(np.array(again.packed), np.array(layers[1].packed))
 
 
-def test_inverse_cholesky_is_the_upper_factor_of_the_damped_inverse():
+def _ldl_check(h, n, damped):
+    """(I + N) is unit upper triangular and diagonalises the damped H: (I + N)^-1 A (I + N)^-T = D."""
+    d = h.shape[0]
+    assert np.array_equal(n, np.triu(n, 1))
+    m = np.linalg.inv(np.eye(d) + n.astype(np.float64))
+    dd = m @ damped @ m.T
+    assert np.all(np.diag(dd) > 0)
+    off = dd - np.diag(np.diag(dd))
+    assert np.abs(off).max() < 1e-4 * np.diag(dd).max()
+
+
+def test_ldl_factor_diagonalises_the_damped_moments():
     _, x = anisotropic(din=96, n=400)
     h = x.T @ x
-    u = gptq.inverse_cholesky(h, 0.01)
-    a = h.astype(np.float64) + 0.01 * np.mean(np.diag(h)) * np.eye(96)
-    assert np.array_equal(u, np.triu(u)) and np.all(np.diag(u) > 0)
-    assert np.allclose(u.T.astype(np.float64) @ u @ a, np.eye(96), atol=1e-3)
+    _ldl_check(h, gptq.ldl_factor(h, 0.01), h.astype(np.float64) + 0.01 * np.mean(np.diag(h)) * np.eye(96))
+
+
+def push_gptq(w, h, levels):
+    """GPTQ as Frantar et al. write it (float64, one scale per row set from the row RMS): each
+    column's rounding error pushed through its row of U = chol((H + damp)^-1), upper."""
+    d = w.shape[1]
+    a = h + 0.01 * np.mean(np.diag(h)) * np.eye(d)
+    u = np.linalg.cholesky(np.linalg.inv(a)).T
+    w = w.astype(np.float64).copy()
+    step = np.sqrt(np.mean(w * w, axis=1))
+    bounds = gptq.boundaries(levels)
+    idx = np.empty(w.shape, dtype=np.uint8)
+    for i in range(d):
+        idx[:, i] = np.searchsorted(bounds, w[:, i] / step)
+        err = (w[:, i] - step * levels[idx[:, i]]) / u[i, i]
+        w[:, i + 1 :] -= np.outer(err, u[i, i + 1 :])
+    return idx
+
+
+def test_ldl_form_is_gptq():
+    """The LDL-form recursion (no inverse) picks GPTQ's codes: the same algorithm in exact
+    arithmetic, so float32 against float64 differ only where a value sits on a boundary."""
+    w, x = anisotropic(din=128, dout=96, seed=3)
+    h = (x.T @ x).astype(np.float64)
+    levels = np.array([-1.5, -0.5, 0.5, 1.5], dtype=np.float32)
+    want = push_gptq(w, h, levels.astype(np.float64))
+    got, _ = gptq.gptq(w, gptq.ldl_factor(h.astype(np.float32)), levels, block=32)
+    assert np.mean(got != want) < 1e-3
+    assert np.mean(got != gptq.gptq(w, None, levels)[0]) > 0.1  # not round to nearest
 
 
 def test_gptq_and_refit_do_not_depend_on_the_row_chunk():
@@ -204,12 +241,12 @@ def test_gptq_and_refit_do_not_depend_on_the_row_chunk():
     r = make_rotation("auto", 128, 1)
     wr = np.array(r.apply(mx.array(w)))
     h = np.array(gptq.rotate_hessian(mx.array(x.T @ x), r), dtype=np.float32)
-    u = gptq.inverse_cholesky(h)
+    n = gptq.ldl_factor(h)
     levels = np.array([-1.5, -0.5, 0.5, 1.5], dtype=np.float32)
     for gs in (None, 32):
-        whole = gptq.gptq(wr, u, levels, gs, rows=10**6)
+        whole = gptq.gptq(wr, n, levels, gs, rows=10**6)
         for rows in (2, 7, 100, 128):  # 100: the last row joins the chunk before
-            part = gptq.gptq(wr, u, levels, gs, rows=rows)
+            part = gptq.gptq(wr, n, levels, gs, rows=rows)
             assert np.array_equal(whole[0], part[0]) and np.array_equal(whole[1], part[1])
         c = levels[whole[0]]
         s = gptq.refit_steps(wr, c, gs, h, chunk=10**6)
@@ -217,12 +254,10 @@ def test_gptq_and_refit_do_not_depend_on_the_row_chunk():
             assert np.array_equal(s, gptq.refit_steps(wr, c, gs, h, chunk=chunk))
 
 
-def test_inverse_cholesky_factor():
+def test_ldl_factor_dead_input():
     _, x = anisotropic(din=96)
     h = x.T @ x
     h[5], h[:, 5] = 0, 0  # a dead input
-    u = gptq.inverse_cholesky(h).astype(np.float64)
     a = h.astype(np.float64) + np.diag(np.where(np.diag(h) <= 0, 1.0, 0.0))
     a += 0.01 * np.mean(np.diag(h)) * np.eye(96)  # the mean over every input, dead ones as 0
-    assert np.allclose(np.triu(u), u)
-    assert np.allclose(u.T @ u, np.linalg.inv(a), rtol=1e-3, atol=1e-6 * np.abs(np.linalg.inv(a)).max())
+    _ldl_check(h, gptq.ldl_factor(h), a)

@@ -3,10 +3,10 @@
 A linear layer's output error on inputs X is ||(W - W_hat) X||^2 = tr(E H E^T) with H = X X^T
 (in x in, summed over calibration tokens). In the rotated basis (y = W R^T . R x) the weight is
 W_r = W R^T and the input moments are H_r = R H R^T. GPTQ (Frantar et al., 2022; LDLQ in QuIP,
-Chee et al., 2023, is the same recursion) quantizes W_r one column at a time and pushes each
-column's error onto the columns not yet quantized, through the upper Cholesky factor U of H_r^-1,
-so that the error left is what the remaining columns cannot absorb. QuIP# and HIGGS run it on a
-Hadamard-rotated weight with a Gaussian grid, which is what we have here.
+Chee et al., 2023, is the same recursion) quantizes W_r one column at a time and feeds each
+column's error forward to the columns not yet quantized (through the Cholesky factor of H_r, in
+LDL form: see _gptq_rows), so that the error left is what the remaining columns cannot absorb.
+QuIP# and HIGGS run it on a Hadamard-rotated weight with a Gaussian grid, which is what we have.
 
 Scales: the codebook is the Lloyd-Max grid of a unit variance entry (fixed per bits and width).
 A group of ``group_size`` consecutive rotated entries of a row gets its own step, set from the
@@ -15,7 +15,7 @@ rounded to float16 before use (that is what is stored). When ``group_size`` is N
 one step, its RMS. After the codes are chosen the steps are refit by least squares, weighted by H
 when there is one: with the codes fixed the H-weighted error is a quadratic in the steps.
 
-All work is float32 numpy on the CPU, except the Cholesky factorisations (MLX on the CPU stream:
+All work is float32 numpy on the CPU, except the Cholesky factorisation (MLX on the CPU stream:
 LAPACK through the OpenBLAS preload is several times faster than numpy's bundled build here).
 """
 
@@ -28,6 +28,8 @@ from .codebook import boundaries
 
 DAMP = 0.01  # diagonal damping, as a fraction of H's mean diagonal (GPTQ's default)
 BLOCK = 128  # columns per lazy-batch block
+INNER = 16  # columns per sub-block within a block (see _gptq_rows)
+REFIT_ROWS = 256  # rows per chunk of the H-weighted scale refit (see refit_steps)
 ROWS = 8192  # rows per GPTQ chunk: a block of them (4 MB) stays in cache (2048: 11.4 CPU-s for a 151,936-row head, 8192: 8.5, all rows at once: 17.3)
 
 
@@ -36,8 +38,9 @@ def rotate_hessian(h, rotation):
     return rotation.apply(rotation.apply(h.astype(mx.float32)).T)
 
 
-def inverse_cholesky(h, damp=DAMP):
-    """Upper U with U^T U = (H + damp * mean(diag H) I)^-1 (numpy float32).
+def ldl_factor(h, damp=DAMP):
+    """Strictly upper N with (H + damp * mean(diag H) I) = (I + N) D (I + N)^T, D diagonal (numpy
+    float32): the error feedback of GPTQ in LDL form (below, and docs/quantize.md).
 
     Dead inputs (zero diagonal) get a unit diagonal; their weights are multiplied by zero anyway.
     If the damped H is still not positive definite in float32, the damping grows tenfold.
@@ -53,14 +56,17 @@ def inverse_cholesky(h, damp=DAMP):
         # The diagonal only: adding damp * mean * I as a dense matrix cost two d x d temporaries
         # (95 MB each at d = 4864) for the same float32 sums.
         np.fill_diagonal(a, base + np.float32(damp * mean))
-        # With J the reversal, J A J = L L^T gives A = V V^T for the upper V = J L J, so
-        # A^-1 = V^-T V^-1 and U = V^-1 = J L^-1 J: one Cholesky and one triangular inverse
-        # (2/3 d^3 flops) instead of Cholesky, inverse and a second Cholesky (4/3 d^3), and no
-        # explicit inverse to round.
+        # With J the reversal, J A J = L L^T gives A = V V^T for the upper V = J L J, and
+        # I + N = V diag(V)^-1: one Cholesky (d^3 / 3 flops) and no inverse. The inverse's upper
+        # Cholesky factor U that GPTQ is usually written with is V^-1 (a triangular inverse, as
+        # many flops again); see gptq() for why V itself is enough.
         low = mx.linalg.cholesky(mx.array(np.ascontiguousarray(a[::-1, ::-1])), stream=mx.cpu)
-        u = np.array(mx.linalg.tri_inv(low, upper=False, stream=mx.cpu))[::-1, ::-1]
-        if np.all(np.isfinite(u)) and np.all(np.diag(u) > 0):
-            return np.ascontiguousarray(u)
+        v = np.array(low)[::-1, ::-1]
+        pivots = np.diag(v).copy()
+        if np.all(np.isfinite(v)) and np.all(pivots > 0):
+            n = np.triu(v, 1)
+            n /= pivots[None, :]
+            return n
         damp *= 10
     raise ValueError(f"calibration second moments (dim {d}) are not positive definite even with damping {damp / 10:g}")
 
@@ -70,12 +76,12 @@ def _f16(x):
     return np.clip(x, 6.2e-5, 65504).astype(np.float16).astype(np.float32)
 
 
-def gptq(w, u, levels, group_size=None, block=BLOCK, rows=ROWS):
-    """Quantize rotated weights ``w`` [out, d] with error feedback through ``u`` (inverse_cholesky).
+def gptq(w, n, levels, group_size=None, block=BLOCK, rows=ROWS):
+    """Quantize rotated weights ``w`` [out, d] with error feedback through ``n`` (ldl_factor).
 
     ``levels`` are the unit-variance codebook levels (sorted). Returns (indices uint8 [out, d],
     steps float32 [out, groups]); the dequantized entry is steps[o, g] * levels[idx[o, i]].
-    ``u`` = identity gives plain round-to-nearest with the same scales.
+    ``n`` None gives plain round-to-nearest with the same scales.
     """
     out, d = w.shape
     root = math.sqrt(d)
@@ -83,7 +89,7 @@ def gptq(w, u, levels, group_size=None, block=BLOCK, rows=ROWS):
     if d % gs:
         raise ValueError(f"group size {gs} does not divide the row length {d}")
     w = np.asarray(w, dtype=np.float32)
-    u = np.asarray(u, dtype=np.float32)
+    n = None if n is None else np.asarray(n, dtype=np.float32)
     bounds = boundaries(np.asarray(levels)).astype(np.float32)
     levels = np.asarray(levels, dtype=np.float32)
     if gs < d:
@@ -94,39 +100,57 @@ def gptq(w, u, levels, group_size=None, block=BLOCK, rows=ROWS):
     # 151,936-row head column is 600 kB). Every entry sees the same operations in the same order
     # as with all rows at once, so the result does not depend on ``rows``.
     for r0, r1 in _chunks(out, rows):
-        i, s = _gptq_rows(w[r0:r1], u, bounds, levels, gs, block, root)
+        i, s = _gptq_rows(w[r0:r1], n, bounds, levels, gs, block, root)
         idx[r0:r1], steps[r0:r1] = i.T, s.T
     return idx, steps
 
 
-def _gptq_rows(w, u, bounds, levels, gs, block, root):
-    """GPTQ on a chunk of rows; (indices [d, rows], steps [groups, rows]), transposed."""
+def _gptq_rows(w, n, bounds, levels, gs, block, root):
+    """GPTQ on a chunk of rows; (indices [d, rows], steps [groups, rows]), transposed.
+
+    LDL form (LDLQ, Chee et al., 2023): with H = (I + N) D (I + N)^T, column k is quantized from
+    w_k + sum_{j<k} (w_j - q_j) N[j, k], the total errors of the columns before it, where the
+    usual form pushes each column's rounding error through rows of U = chol(H^-1) instead. The two
+    are the same in exact arithmetic (I + N is U^-1 with its columns scaled to a unit diagonal),
+    so this needs only H's own factor. Lazy batches as in GPTQ: the errors of a block of columns
+    reach the columns after it in one matrix product."""
     out, d = w.shape
     # Column i of W is row i here: every per-column operation touches contiguous memory.
-    wt = np.array(w.T, order="C")
+    w0 = w.T
+    wt = np.array(w0, order="C")
     idx = np.empty((d, out), dtype=np.uint8)
     steps = np.empty((d // gs, out), dtype=np.float32)
     step = None
     if gs == d:
         step = np.maximum(np.sqrt(np.mean(wt * wt, axis=0)), 1e-30)
         steps[0] = step
+    # Two levels of lazy batches: within a block, a sub-block of ``inner`` columns at a time takes
+    # its errors as rank-1 updates and passes them on to the rest of the block in one product (a
+    # block's rank-1 updates alone were half of the loop's time). A group's step is set at a
+    # sub-block start (inner divides the group size), when all of its columns are up to date.
+    inner = INNER if gs == d else math.gcd(gs, INNER)
     for b0 in range(0, d, block):
         b1 = min(b0 + block, d)
         e1 = np.empty((b1 - b0, out), dtype=np.float32)
-        for i in range(b0, b1):
-            if gs < d and i % gs == 0:
-                g = wt[i : i + gs]
-                step = _f16(np.sqrt(np.mean(g * g, axis=0)) * root) / root
-                steps[i // gs] = step
-            col = wt[i]
-            q = np.searchsorted(bounds, col / step)
-            idx[i] = q
-            err = (col - step * levels[q]) / u[i, i]
-            e1[i - b0] = err
-            if i + 1 < b1:
-                wt[i + 1 : b1] -= u[i, i + 1 : b1, None] * err
-        if b1 < d:
-            wt[b1:] -= u[b0:b1, b1:].T @ e1
+        for c0 in range(b0, b1, inner):
+            c1 = min(c0 + inner, b1)
+            for i in range(c0, c1):
+                if gs < d and i % gs == 0:
+                    g = wt[i : i + gs]
+                    step = _f16(np.sqrt(np.mean(g * g, axis=0)) * root) / root
+                    steps[i // gs] = step
+                q = np.searchsorted(bounds, wt[i] / step)
+                idx[i] = q
+                if n is None:
+                    continue
+                err = w0[i] - step * levels[q]
+                e1[i - b0] = err
+                if i + 1 < c1:
+                    wt[i + 1 : c1] += n[i, i + 1 : c1, None] * err
+            if n is not None and c1 < b1:
+                wt[c1:b1] += n[c0:c1, c1:b1].T @ e1[c0 - b0 : c1 - b0]
+        if n is not None and b1 < d:
+            wt[b1:] += n[b0:b1, b1:].T @ e1
     return idx, steps
 
 
@@ -145,11 +169,11 @@ def refit_steps(w, c, group_size=None, h=None, chunk=None):
         cc = (c * c).reshape(out, groups, gs).sum(-1, dtype=np.float64)
         return (cw / np.maximum(cc, 1e-300)).astype(np.float32)
     h = np.asarray(h, dtype=np.float32)
-    # A chunk of rows at a time (each row is its own problem): the temporaries stay a few MB
-    # instead of several copies of the weight (545 MB each for a 151,936-row head), but at least
-    # 64 rows, or the K = group_size matmuls below get too small (a 4864-wide down_proj: 2.1 CPU-s
-    # at 64 rows, 3.2 at 11). The result does not depend on the chunk (tests/test_gptq.py).
-    chunk = chunk or max(64, (4 << 20) // (d * groups))
+    # A chunk of rows at a time (each row is its own problem): per group the product below is
+    # [chunk, d], 1.2 M floats at 256 rows of a 4864-wide layer, which stays in cache for the two
+    # reductions that read it (a 4864-wide down_proj: 0.80 CPU-s at 256 rows, 0.86 at 64, 0.96 at
+    # all 896). The result does not depend on the chunk (tests/test_gptq.py).
+    chunk = chunk or REFIT_ROWS
     s = np.empty((out, groups), dtype=np.float32)
     ht = [np.ascontiguousarray(h[g * gs : (g + 1) * gs]) for g in range(groups)]  # H rows of group g
     for r0, r1 in _chunks(out, chunk):
@@ -171,16 +195,21 @@ def _chunks(n, size):
 def _refit_rows(w, c, h, ht, gs):
     n, d = w.shape
     groups = d // gs
-    b = (c * (w @ h)).reshape(n, groups, gs).sum(-1, dtype=np.float64)
-    if groups == 1:
+    if groups == 1:  # one scale per row (unchanged: the default configs' artifacts pin its bytes)
+        b = (c * (w @ h)).sum(-1, dtype=np.float64)[:, None]
         cc = np.einsum("ij,ij->i", c @ h, c, dtype=np.float64)[:, None]
         return (b / np.maximum(cc, 1e-300)).astype(np.float32)
-    # y[n, g', i] = sum_{k in g'} c[n, k] H[k, i];  A[n, g, g'] = sum_{i in g} y[n, g', i] c[n, i]
-    y = np.empty((n, groups, d), dtype=np.float32)
+    # Per group g: y = c_g H[g, :] (the codes of group g times H's rows of that group, [n, d]);
+    # then A[n, g, g'] = <y, c> over group g' and b[n, g] = <y, w> over the whole row. One d x d
+    # product per row in all, at K = group_size, and no [n, groups, d] temporary (materialising
+    # it and reducing it as a batch of mat-vecs made the refit 2.5x slower).
+    cg = c.reshape(n, groups, gs)
+    a = np.empty((n, groups, groups), dtype=np.float64)
+    b = np.empty((n, groups), dtype=np.float64)
     for g in range(groups):
-        y[:, g] = c[:, g * gs : (g + 1) * gs] @ ht[g]
-    y = y.reshape(n, groups, groups, gs).transpose(0, 2, 1, 3)  # [n, g, g', k]
-    a = np.matmul(y, c.reshape(n, groups, gs, 1))[..., 0].astype(np.float64)  # [n, g, g']
+        y = c[:, g * gs : (g + 1) * gs] @ ht[g]
+        a[:, g] = np.einsum("ngk,ngk->ng", y.reshape(n, groups, gs), cg)
+        b[:, g] = np.einsum("nk,nk->n", y, w)
     diag = np.einsum("ngg->ng", a)
     a += np.eye(groups)[None] * (1e-9 * np.maximum(diag.max(-1), 1e-300))[:, None, None]
     return np.linalg.solve(a, b[:, :, None])[..., 0]
