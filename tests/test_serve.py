@@ -16,7 +16,6 @@ import urllib.request
 import openai  # the test extra pins it
 import pytest
 
-from vqpipe.stages import pack, quantize
 from vqpipe.serve import context_length
 
 PY = [sys.executable, "-m", "vqpipe"]
@@ -24,11 +23,8 @@ USER = [{"role": "user", "content": "Tell me about the sea."}]
 
 
 @pytest.fixture(scope="module")
-def reservoir(tiny_source, tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    quantize.run(tiny_source, root / "q", bits=4, rotation="auto", progress=lambda *_: None)
-    pack.run(root / "q", root / "persist-off", False, progress=lambda *_: None)
-    return root / "persist-off"
+def reservoir(tiny_b4_reservoir):
+    return tiny_b4_reservoir
 
 
 @pytest.fixture(scope="module")
