@@ -30,3 +30,15 @@ def tiny_llama_source(tmp_path_factory):
 def tiny_4bit_source(tmp_path_factory):
     """``synth:tiny-4bit``: ``tiny`` quantized mlx-community style (affine, 4 bits, group 64)."""
     return _build(tmp_path_factory, "synth:tiny-4bit")
+
+
+@pytest.fixture(scope="session")
+def tiny_b4_reservoir(tiny_source, tmp_path_factory):
+    """``tiny`` quantized at 4 bits (rotation auto, seed 0) and packed with persist_rotation off:
+    the reservoir directory. Built once: serve, bench-decode, decode-step and KIVI tests all read it."""
+    from vqpipe.stages import pack, quantize
+
+    root = tmp_path_factory.mktemp("tiny-b4")
+    quantize.run(tiny_source, root / "q", bits=4, rotation="auto", progress=lambda *_: None)
+    pack.run(root / "q", root / "persist-off", False, progress=lambda *_: None)
+    return root / "persist-off"

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from vqpipe import kivi
-from vqpipe.stages import pack, quantize
 from vqpipe import reservoir as R
 from vqpipe.bench import AA_SUFFIX
 from vqpipe.stages import bench_decode
@@ -31,11 +30,8 @@ OPS = {"stage": "bench-kivi", "environment": {"backend": "gpu", "gpu_name": "tes
 
 
 @pytest.fixture(scope="module")
-def reservoir(tiny_source, tmp_path_factory):
-    root = tmp_path_factory.mktemp("bench_decode")
-    quantize.run(tiny_source, root / "q", bits=4, rotation="auto", progress=lambda *_: None)
-    pack.run(root / "q", root / "res", persist_rotation=False, progress=lambda *_: None)
-    return root / "res"
+def reservoir(tiny_b4_reservoir):
+    return tiny_b4_reservoir
 
 
 @pytest.fixture(scope="module")

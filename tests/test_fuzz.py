@@ -15,6 +15,13 @@ from vqpipe import fuzz_reservoir as F
 from vqpipe import reservoir as R
 
 
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    """The campaign's base reservoirs, built once (each prepare quantizes and loads them all);
+    tests read them and write their own files under tmp_path."""
+    return F.prepare(tmp_path_factory.mktemp("fuzz-bases"))
+
+
 def test_reservoir_campaign_ci(tmp_path):
     """3000 cases (the full campaign's first seed-7 cases) in worker processes: every outcome is
     a rejection, an identical model or a faithful load of a forged file."""
@@ -26,17 +33,15 @@ def test_reservoir_campaign_ci(tmp_path):
     assert counts["rejected"] > 1500 and counts["harmless"] > 100 and counts["as-described"] > 50, counts
 
 
-def test_cases_are_reproducible(tmp_path):
-    ctx = F.prepare(tmp_path)
+def test_cases_are_reproducible(ctx):
     a = [F.mutate(random.Random(f"vqres:3:{i}"), ctx["bases"]) for i in range(50)]
     b = [F.mutate(random.Random(f"vqres:3:{i}"), ctx["bases"]) for i in range(50)]
     assert [(x[0].name, x[1], x[3]) for x in a] == [(x[0].name, x[1], x[3]) for x in b]
     assert len({x[1] for x in a}) > 40  # and they differ from each other
 
 
-def test_oracle_catches_a_wrong_model(tmp_path, monkeypatch):
+def test_oracle_catches_a_wrong_model(ctx, tmp_path, monkeypatch):
     """A reader that silently drops a param would be counted as a failure, not as harmless."""
-    ctx = F.prepare(tmp_path)
     base = ctx["bases"][0]
     path = tmp_path / "forged" / R.FILE_NAME
     path.parent.mkdir()
@@ -92,8 +97,7 @@ def test_runner_counts_crashes_and_hangs(tmp_path, monkeypatch):
     (lambda h: h["config"].pop("vocab_size"), "embedded config does not build"),
     (lambda h: h["config"].update(num_attention_heads=2**40), "out of bounds"),
 ])
-def test_embedded_config_is_validated(tmp_path, edit, pattern):
-    ctx = F.prepare(tmp_path)
+def test_embedded_config_is_validated(ctx, tmp_path, edit, pattern):
     base = ctx["bases"][0]
     import copy
 
@@ -111,8 +115,7 @@ def test_embedded_config_is_validated(tmp_path, edit, pattern):
     (lambda h: first(h, "scales").update(shape=[0] * 9), "invalid shape"),
     (lambda h: first(h, "scales").update(shape=[2**40, 0]), "invalid shape"),
 ])
-def test_tensor_specs_are_bounded(tmp_path, edit, pattern):
-    ctx = F.prepare(tmp_path)
+def test_tensor_specs_are_bounded(ctx, tmp_path, edit, pattern):
     base = ctx["bases"][0]
     import copy
 

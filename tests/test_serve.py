@@ -16,7 +16,6 @@ import urllib.request
 import openai  # the test extra pins it
 import pytest
 
-from vqpipe.stages import pack, quantize
 from vqpipe.serve import context_length
 
 PY = [sys.executable, "-m", "vqpipe"]
@@ -24,11 +23,8 @@ USER = [{"role": "user", "content": "Tell me about the sea."}]
 
 
 @pytest.fixture(scope="module")
-def reservoir(tiny_source, tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    quantize.run(tiny_source, root / "q", bits=4, rotation="auto", progress=lambda *_: None)
-    pack.run(root / "q", root / "persist-off", False, progress=lambda *_: None)
-    return root / "persist-off"
+def reservoir(tiny_b4_reservoir):
+    return tiny_b4_reservoir
 
 
 @pytest.fixture(scope="module")
@@ -364,33 +360,42 @@ def test_chat_cli_piped_keeps_cache(reservoir, local_model):
 
 def test_packed_kivi_cache_in_generate_chat_and_serve(reservoir, local_model, tmp_path):
     """--kv-packed: generate, chat and serve run the packed cache (codes resident, attention reading
-    them) and give what the library gives with that cache; past the residual, so codes are read."""
+    them) and give what the library gives with that cache; past the residual, so codes are read.
+
+    The prompts are long enough (34 templated, 31 raw tokens) that the first group of 32 is
+    flushed in the first few decode steps and the later steps attend over codes: 12 generated
+    tokens do what 40 after a short prompt did, at a third of the decode steps (~0.1-0.3 s each here)."""
     from mlx_lm import generate
 
     from vqpipe.generate import encode_prompt
     from vqpipe.kivi import make_kivi_cache
 
     model, tok = local_model
+    chat_text = "Hello sea, tell me about the waves, the tides and the wind tonight."
+    raw = "The sea is calm tonight and the tide is full; the boats are in the harbour, the gulls are quiet and"
     kv = ["--kv-bits", "4", "--kv-group-size", "32", "--kv-residual", "4", "--kv-packed"]
-    r = _run(["generate", "--model", str(reservoir), "--prompt", "Hello sea", "--max-tokens", "40", *kv])
+    r = _run(["generate", "--model", str(reservoir), "--prompt", chat_text, "--max-tokens", "12", *kv])
     assert r.returncode == 0, r.stderr
     text = r.stdout.split("==========\n")[1].rstrip("\n")
-    prompt = encode_prompt(tok, "Hello sea", True)
+    prompt = encode_prompt(tok, chat_text, True)
+    assert len(prompt) + 12 - 4 - 32 >= 4  # at least 4 steps after the first flush
     cache = make_kivi_cache(model, 4, 32, 4, packed=True)
-    assert text == generate(model, tok, prompt, max_tokens=40, prompt_cache=cache)
+    assert text == generate(model, tok, prompt, max_tokens=12, prompt_cache=cache)
     assert cache[0].quantized >= 32 and "KV cache (KIVI):" in r.stdout
     # chat keeps the packed cache between turns (trimmed to the common prefix)
-    r = _run(["chat", "--model", str(reservoir), "--max-tokens", "6", *kv], "Hello sea\nAnd the sky?\nq\n")
+    r = _run(["chat", "--model", str(reservoir), "--max-tokens", "6", *kv], f"{chat_text}\nAnd the sky?\nq\n")
     assert r.returncode == 0, r.stderr
     replies = r.stdout.splitlines()
     assert len(replies) == 2 and replies[0] == generate(model, tok, prompt, max_tokens=6,
                                                         prompt_cache=make_kivi_cache(model, 4, 32, 4, packed=True))
     with _running_server(reservoir, tmp_path, *kv) as s:
-        status, body = _post_until_admitted(s, {"prompt": "The sea is", "max_tokens": 40, "logprobs": True})
+        status, body = _post_until_admitted(s, {"prompt": raw, "max_tokens": 12, "logprobs": True})
     assert status == 200
     served = [x["logprob"] for x in body["choices"][0]["logprobs"]["content"]]
-    want = _local_logprobs(model, tok, "The sea is", 40, make_kivi_cache(model, 4, 32, 4, packed=True))
-    assert len(served) == 40 and served == pytest.approx(want, abs=1e-4)
+    cache = make_kivi_cache(model, 4, 32, 4, packed=True)
+    want = _local_logprobs(model, tok, raw, 12, cache)
+    assert cache[0].quantized >= 32
+    assert len(served) == 12 and served == pytest.approx(want, abs=1e-4)
 
 
 def test_packed_kivi_options_checked(reservoir, capsys):
