@@ -118,9 +118,17 @@ def test_verdicts():
 
 def test_live_run_finds_a_real_difference_beyond_its_aa_floor():
     # An A/A pair always sits inside its own floor (by construction, tested above), so the live
-    # check is the other way round: an arm doing 4x the work must come out slower, beyond the floor.
-    y = mx.random.normal((256, 256))
-    arms = with_aa({"base": lambda i: y @ y, "other": lambda i: (((y @ y) @ y) @ y) @ y}, "base")
+    # check is the other way round: an arm doing 32x the work must come out slower, beyond the floor.
+    # (At 4x the work a floor of +-300 %, seen at load 13 on 2 cores, swallowed the difference.)
+    y = mx.random.normal((256, 256)) / 16  # unit-scale products: no overflow along the chain
+
+    def chain(n):
+        z = y
+        for _ in range(n):
+            z = z @ y
+        return z
+
+    arms = with_aa({"base": lambda i: y @ y, "other": lambda i: chain(32)}, "base")
     assert list(arms) == ["base", "other", "base" + AA_SUFFIX]
     times = run_interleaved(arms, n_inputs=2, repeats=5, warmup=1)
     floor = aa_floor(times, "base")
