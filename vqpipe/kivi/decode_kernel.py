@@ -23,8 +23,8 @@ needs no clearing between launches. In float32 throughout; codes become floats e
 
 Versions (:data:`VERSIONS`): "v3", the default, does the above with all of a chunk's global loads
 issued before its arithmetic (optionally a chunk ahead); "v2" (the same arithmetic, loads next to
-their use: one round trip per token-word in its values loop, docs/kivi.md) and "run2" are kept to
-be timed side by side.
+their use: one round trip per token-word in its values loop, docs/kivi.md) is kept to be timed
+side by side (the kernel of H200 run 2, equal to v2 at 4 bits, was removed when v3 beat both).
 """
 
 import functools
@@ -315,304 +315,6 @@ _BODY = """
             for (unsigned int cc = 0; cc < CPW; ++cc) {
                 const float f = ka_pow2m(cc < LOW ? cc * BITS : (cc - LOW) * BITS);
                 mine[r * (D + 2) + vw * CPW + cc] = acc[r][cc] * f + zacc[r];
-            }
-            if (lane == 0u) {
-                mine[r * (D + 2) + D] = m[r];
-                mine[r * (D + 2) + D + 1] = lsum[r];
-            }
-        }
-    }
-    KA_BARRIER;
-    // the block's partial: its warps merged
-    KA_DEV float* part = (KA_DEV float*)scratch + (bh * NSP + split) * PS;
-    for (unsigned int e = tid; e < R * (D + 2); e += NW * 32u) {
-        const unsigned int r = e / (D + 2), d = e % (D + 2);
-        float mx_ = ninf;
-        for (unsigned int w = 0; w < NW; ++w) {
-            mx_ = ka_max(mx_, sh[w * PS + r * (D + 2) + D]);
-        }
-        float tot = 0.0f;
-        if (d == D) {
-            tot = mx_;
-        } else if (mx_ != ninf) {
-            for (unsigned int w = 0; w < NW; ++w) {
-                const float mw = sh[w * PS + r * (D + 2) + D];
-                const float a = mw == ninf ? 0.0f : ka_exp(mw - mx_);
-                tot += a * sh[w * PS + r * (D + 2) + d];
-            }
-        }
-        part[e] = tot;
-    }
-    KA_FENCE;
-    KA_BARRIER;
-    if (tid == 0u) {
-        last = ka_atomic_inc(counters, bh) == nsplit - 1u ? 1u : 0u;
-    }
-    KA_BARRIER;
-    if (last != 0u) {
-        // every split's max per head, in parallel, then their weights exp(m_k - M) in shared memory,
-        // then each output a sum over the splits (independent loads)
-        KA_FENCE;
-        const KA_DEV float* all = (const KA_DEV float*)scratch + bh * NSP * PS;
-        KA_TG float* wts = sh;  // [nsplit][R]
-        KA_TG float* mxs = sh + NSMAX * R;  // [R]
-        for (unsigned int e = tid; e < nsplit * R; e += NW * 32u) {
-            wts[e] = ka_load(all + (e / R) * PS + (e % R) * (D + 2) + D);
-        }
-        KA_BARRIER;
-        for (unsigned int r = tid; r < R; r += NW * 32u) {
-            float mx_ = ninf;
-            for (unsigned int k = 0; k < nsplit; ++k) {
-                mx_ = ka_max(mx_, wts[k * R + r]);
-            }
-            mxs[r] = mx_;
-        }
-        KA_BARRIER;
-        for (unsigned int e = tid; e < nsplit * R; e += NW * 32u) {
-            const float mk = wts[e];
-            wts[e] = mk == ninf ? 0.0f : ka_exp(mk - mxs[e % R]);
-        }
-        KA_BARRIER;
-        for (unsigned int e = tid; e < R * D; e += NW * 32u) {
-            const unsigned int r = e / D, d = e % D;
-            float num = 0.0f, den = 0.0f;
-            KA_UNROLL_8
-            for (unsigned int k = 0; k < nsplit; ++k) {
-                const float a = wts[k * R + r];
-                num += a * ka_load(all + k * PS + r * (D + 2) + d);
-                den += a * ka_load(all + k * PS + r * (D + 2) + D + 1);
-            }
-            out[(bh * R + r) * D + d] = static_cast<T>(num / den);
-        }
-        if (tid == 0u) {
-            ka_atomic_reset(counters, bh);
-        }
-    }
-"""
-
-# The kernel H200 run 2 tested (docs/results/2026-12-01-h200-kivi), kept to be timed side by side
-# with the current one (bench-kivi-attn --variants run2).
-_BODY_RUN2 = """
-    constexpr unsigned int W = D * BITS / 32;  // words per token
-    constexpr unsigned int CPW = 32 / BITS;  // codes per word
-    constexpr unsigned int MASK = (1u << BITS) - 1u;
-    constexpr unsigned int P = 32 / W;  // tokens per pass of the values loop
-    constexpr unsigned int DL = D / 32;  // channels per lane in per-channel loops
-    constexpr unsigned int RP = (R + 3) / 4 * 4;  // query heads padded to float4
-    constexpr unsigned int NGV = (D + G - 1) / G;
-    constexpr unsigned int PS = R * (D + 2);  // one partial: acc[R][D], m[R], l[R]
-    constexpr unsigned int SHA = NW * D * RP > NW * PS ? NW * D * RP : NW * PS;
-    constexpr unsigned int SHB = (NSMAX + 1) * R + 3;  // the final merge's weights
-    constexpr unsigned int SH = SHA > SHB ? SHA : SHB;
-    KA_SHARED float4 sh4[SH / 4];
-    KA_SHARED unsigned int last;
-    KA_TG float* sh = (KA_TG float*)sh4;
-
-    const unsigned int tid = KA_THREAD;
-    const unsigned int lane = tid % 32u;
-    const unsigned int warp = tid / 32u;
-    const unsigned int split = KA_BLOCK_X;
-    const unsigned int nsplit = KA_NBLOCKS_X;
-    const unsigned int bh = KA_BLOCK_Y;  // b * H + h
-    const unsigned int NGC = kc_shape[2];
-    const unsigned int SC = vc_shape[2];
-    const unsigned int RC = rk_shape[2];
-    @COUNTS@
-    const unsigned int NSP = scratch_shape[1];  // partials per KV head the scratch holds
-    const unsigned int nqc = nq / 32u;
-    const unsigned int nc = nqc + (nr + 31u) / 32u;
-    const unsigned int per = (nc + nsplit - 1u) / nsplit;
-    const unsigned int c0 = split * per;
-    const unsigned int c1 = ka_umin(c0 + per, nc);
-    const float ninf = ka_neg_inf();
-
-    float qv[R][DL];  // this lane's channels of the query, times the softmax scale
-    KA_UNROLL
-    for (unsigned int r = 0; r < R; ++r) {
-        KA_UNROLL
-        for (unsigned int i = 0; i < DL; ++i) {
-            qv[r][i] = static_cast<float>(q[(bh * R + r) * D + lane + 32u * i]) * sm;
-        }
-    }
-    float m[R], lsum[R], zacc[R], acc[R][CPW];
-    KA_UNROLL
-    for (unsigned int r = 0; r < R; ++r) {
-        m[r] = ninf;
-        lsum[r] = 0.0f;
-        zacc[r] = 0.0f;
-        KA_UNROLL
-        for (unsigned int c = 0; c < CPW; ++c) {
-            acc[r][c] = 0.0f;
-        }
-    }
-    KA_TG float* qs = sh + warp * D * RP;  // [D][RP]
-    const unsigned int vw = lane % W;  // values loop: this lane's word
-    const unsigned int vj = lane / W;  // and its first token
-
-    for (unsigned int c = c0 + warp; c < c1; c += NW) {
-        const bool quant = c < nqc;
-        const unsigned int t0 = c * 32u;
-        const unsigned int g = t0 / G;
-        float bias[R];
-        KA_SYNCWARP;  // the previous chunk's scores have read qs
-        KA_UNROLL
-        for (unsigned int r = 0; r < R; ++r) {
-            bias[r] = 0.0f;
-        }
-        KA_UNROLL
-        for (unsigned int i = 0; i < DL; ++i) {
-            const unsigned int d = lane + 32u * i;
-            float s = 1.0f, z = 0.0f;
-            if (quant) {
-                s = static_cast<float>(kp[((bh * NGC + g) * D + d) * 2u]);
-                z = static_cast<float>(kp[((bh * NGC + g) * D + d) * 2u + 1u]);
-            }
-            KA_UNROLL
-            for (unsigned int r = 0; r < RP; ++r) {
-                qs[d * RP + r] = r < R ? qv[r < R ? r : 0][i] * s : 0.0f;
-            }
-            KA_UNROLL
-            for (unsigned int r = 0; r < R; ++r) {
-                bias[r] += qv[r][i] * z;
-            }
-        }
-        KA_UNROLL
-        for (unsigned int r = 0; r < R; ++r) {
-            KA_UNROLL
-            for (unsigned int o = 16; o > 0; o /= 2) {
-                bias[r] += ka_shfl_xor(bias[r], o);
-            }
-        }
-        KA_SYNCWARP;
-        // scores: lane = token t0 + lane
-        float s[RP];
-        KA_UNROLL
-        for (unsigned int r = 0; r < RP; ++r) {
-            s[r] = r < R ? bias[r < R ? r : 0] : 0.0f;
-        }
-        const unsigned int rt = t0 + lane - nq;  // residual token (residual chunks only)
-        const bool valid = quant || rt < nr;
-        if (quant) {
-            const KA_DEV unsigned int* kw = kc + ((bh * NGC + g) * W) * G + (t0 + lane) % G;
-            KA_UNROLL
-            for (unsigned int w = 0; w < W; ++w) {
-                const unsigned int word = kw[w * G];
-                KA_UNROLL
-                for (unsigned int cc = 0; cc < CPW; ++cc) {
-                    const float x = ka_code((word >> (cc * BITS)) & MASK);
-                    const KA_TG float4* f = (const KA_TG float4*)(qs + (w * CPW + cc) * RP);
-                    KA_UNROLL
-                    for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
-                        const float4 v = f[r4];
-                        s[4 * r4] += v.x * x;
-                        s[4 * r4 + 1] += v.y * x;
-                        s[4 * r4 + 2] += v.z * x;
-                        s[4 * r4 + 3] += v.w * x;
-                    }
-                }
-            }
-        } else if (valid) {
-            const KA_DEV T* kr = rk + (bh * RC + rt) * D;
-            for (unsigned int d = 0; d < D; ++d) {
-                const float x = static_cast<float>(kr[d]);
-                const KA_TG float4* f = (const KA_TG float4*)(qs + d * RP);
-                KA_UNROLL
-                for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
-                    const float4 v = f[r4];
-                    s[4 * r4] += v.x * x;
-                    s[4 * r4 + 1] += v.y * x;
-                    s[4 * r4 + 2] += v.z * x;
-                    s[4 * r4 + 3] += v.w * x;
-                }
-            }
-        }
-        // online softmax over the chunk
-        float p[R];
-        KA_UNROLL
-        for (unsigned int r = 0; r < R; ++r) {
-            const float sr = valid ? s[r] : ninf;
-            float cm = sr;
-            KA_UNROLL
-            for (unsigned int o = 16; o > 0; o /= 2) {
-                cm = ka_max(cm, ka_shfl_xor(cm, o));
-            }
-            const float mn = ka_max(m[r], cm);
-            const float alpha = ka_exp(m[r] - mn);  // 0 on the first chunk (m = -inf)
-            p[r] = valid ? ka_exp(sr - mn) : 0.0f;
-            lsum[r] = lsum[r] * alpha + p[r];
-            zacc[r] *= alpha;
-            KA_UNROLL
-            for (unsigned int cc = 0; cc < CPW; ++cc) {
-                acc[r][cc] *= alpha;
-            }
-            m[r] = mn;
-        }
-        // p·V: lane (vw, vj) takes word vw of tokens vj, vj + P, ...
-        KA_UNROLL
-        for (unsigned int i = 0; i < W; ++i) {
-            const unsigned int tl = i * P + vj;
-            float pt[R];
-            KA_UNROLL
-            for (unsigned int r = 0; r < R; ++r) {
-                pt[r] = ka_shfl(p[r], tl);
-            }
-            if (quant) {
-                const unsigned int t = bh * SC + t0 + tl;
-                const unsigned int word = vc[t * W + vw];
-                const unsigned int jj = (vw * CPW) / G;
-                const float vs = static_cast<float>(vp[(t * NGV + jj) * 2u]);
-                const float vz = static_cast<float>(vp[(t * NGV + jj) * 2u + 1u]);
-                float pv[R];
-                KA_UNROLL
-                for (unsigned int r = 0; r < R; ++r) {
-                    pv[r] = pt[r] * vs;
-                    zacc[r] += pt[r] * vz;
-                }
-                KA_UNROLL
-                for (unsigned int cc = 0; cc < CPW; ++cc) {
-                    const float x = ka_code((word >> (cc * BITS)) & MASK);
-                    KA_UNROLL
-                    for (unsigned int r = 0; r < R; ++r) {
-                        acc[r][cc] += pv[r] * x;
-                    }
-                }
-            } else if (t0 + tl - nq < nr) {
-                const KA_DEV T* vr = rv + (bh * RC + t0 + tl - nq) * D + vw * CPW;
-                KA_UNROLL
-                for (unsigned int cc = 0; cc < CPW; ++cc) {
-                    const float x = static_cast<float>(vr[cc]);
-                    KA_UNROLL
-                    for (unsigned int r = 0; r < R; ++r) {
-                        acc[r][cc] += pt[r] * x;
-                    }
-                }
-            }
-        }
-    }
-    // the warp's totals: sums over the lanes that share a word, the sum over all lanes
-    KA_UNROLL
-    for (unsigned int r = 0; r < R; ++r) {
-        KA_UNROLL
-        for (unsigned int o = 16; o > 0; o /= 2) {
-            lsum[r] += ka_shfl_xor(lsum[r], o);
-        }
-        KA_UNROLL
-        for (unsigned int o = W; o < 32; o *= 2) {
-            zacc[r] += ka_shfl_xor(zacc[r], o);
-            KA_UNROLL
-            for (unsigned int cc = 0; cc < CPW; ++cc) {
-                acc[r][cc] += ka_shfl_xor(acc[r][cc], o);
-            }
-        }
-    }
-    KA_BARRIER;  // every warp is done with its qs
-    KA_TG float* mine = sh + warp * PS;
-    if (vj == 0u) {
-        KA_UNROLL
-        for (unsigned int r = 0; r < R; ++r) {
-            KA_UNROLL
-            for (unsigned int cc = 0; cc < CPW; ++cc) {
-                mine[r * (D + 2) + vw * CPW + cc] = acc[r][cc] + zacc[r];
             }
             if (lane == 0u) {
                 mine[r * (D + 2) + D] = m[r];
@@ -1041,7 +743,6 @@ __device__ __forceinline__ float2 ka_unpair(unsigned int u) {
 }
 __device__ __forceinline__ bool ka_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
 __device__ __forceinline__ float ka_shfl_xor(float v, unsigned int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
-__device__ __forceinline__ float ka_shfl(float v, unsigned int src) { return __shfl_sync(0xffffffffu, v, src); }
 // other blocks' partials: through L2, not a stale L1 line
 __device__ __forceinline__ float ka_load(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ unsigned int ka_atomic_inc(const unsigned int* c, unsigned int i) {
@@ -1069,7 +770,6 @@ inline unsigned int ka_pair_bits(const device half* p, unsigned int i) { return 
 inline float2 ka_unpair(unsigned int u) { return float2(as_type<half2>(u)); }
 inline bool ka_any(bool p) { return metal::simd_any(p); }
 inline float ka_shfl_xor(float v, unsigned int m) { return metal::simd_shuffle_xor(v, ushort(m)); }
-inline float ka_shfl(float v, unsigned int src) { return metal::simd_shuffle(v, ushort(src)); }
 inline float ka_load(const device float* p) { return *((const volatile device float*)p); }
 inline unsigned int ka_atomic_inc(const device unsigned int* c, unsigned int i) {
     return atomic_fetch_add_explicit((device atomic_uint*)(c + i), 1u, memory_order_relaxed);
@@ -1125,7 +825,7 @@ DIALECTS = {
 INPUTS = ["q", "kc", "kp", "vc", "vp", "rk", "rv", "meta", "scratch", "counters", "after"]
 
 
-VERSIONS = ("v3", "v2", "run2")
+VERSIONS = ("v3", "v2")
 # the kernel a launch uses unless told (VQPIPE_KIVI_DECODE): v3 unless the GPU says otherwise
 VERSION = os.environ.get("VQPIPE_KIVI_DECODE", "v3")
 if VERSION not in VERSIONS:
@@ -1174,7 +874,7 @@ def render(dialect, version=None, meta=None, warps=WARPS, minblocks=0, minify=Tr
     (CUDA only): __launch_bounds__(32 * warps, minblocks), registers capped so that many blocks of
     ``warps`` warps fit an SM; ``minify``: strip comments and indentation (:func:`_minified`)."""
     spec = DIALECTS[dialect]
-    body = {"v3": _BODY_V3, "v2": _BODY, "run2": _BODY_RUN2}[version or VERSION].replace("NSMAX", str(NSMAX))
+    body = {"v3": _BODY_V3, "v2": _BODY}[version or VERSION].replace("NSMAX", str(NSMAX))
     body = body.replace("@COUNTS@", _COUNTS[meta or META])
     for token in sorted(spec["tokens"], key=len, reverse=True):  # KA_TG before KA_T..., longest first
         body = body.replace(token, spec["tokens"][token])

@@ -395,7 +395,7 @@ def _ints(text):
 
 
 def _variants(text):
-    """"8x2,run2:8x2,v3:4x2:pf1:mb3" -> [(version, Shape), ...]: [kernel version:]warps x chunks per
+    """"8x2,v2:8x2,v3:4x2:pf1:mb3" -> [(version, Shape), ...]: [kernel version:]warps x chunks per
     warp[:pf loads ahead][:mb launch-bounds blocks per SM] (decode_kernel.parse_shape); version
     default v2."""
     out = []
@@ -420,7 +420,7 @@ def parse_args(argv):
     p.add_argument("--bits", type=_ints, default=[4, 2])
     p.add_argument("--mlx-bits", type=_ints, default=[8, 4, 2])
     p.add_argument("--variants", type=_variants, default=[],
-                   help="extra kernels and launch shapes timed as arms at every bit width, e.g. 4x2,run2:8x2,v3:4x2:pf1:mb3 "
+                   help="extra kernels and launch shapes timed as arms at every bit width, e.g. 4x2,v2:8x2,v3:4x2:pf1:mb3 "
                    "([version:]warps x chunks per warp[:pf loads ahead][:mb launch-bounds blocks]; version default v2)")
     p.add_argument("--meta-variants", nargs="*", default=[], choices=decode_kernel.META_MODES,
                    help="also time the kernel with these ways of passing scale and counts (decode_kernel.META_MODES)")
