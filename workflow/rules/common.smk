@@ -41,7 +41,8 @@ MOMENTS = "results/calibration/{model}"
 RESERVOIR = "results/reservoir/{model}/b{bits}-{rotation}/persist-{persist}"
 VERDICT = "results/validate/{model}/b{bits}-{rotation}/persist-{persist}.json"
 BENCH_QUALITY = "results/bench/{model}/quality.json"
-BENCH_QUALITY_SHARD = "results/bench/{model}/quality.shard{shard}.json"
+BENCH_QUALITY_REFERENCE = "results/bench/{model}/quality-reference"
+BENCH_QUALITY_PART = "results/bench/{model}/quality.b{bits}-{arm}.json"
 BENCH_LOAD = "results/bench/{model}/load.json"
 BENCH_DECODE = "results/bench/{model}/decode.json"
 BENCH_KIVI = "results/bench/kivi.json"
@@ -56,7 +57,7 @@ wildcard_constraints:
     bits=r"\d+",
     rotation="auto|hadamard|kron|qr|none",
     persist="on|off",
-    shard=r"\d+",
+    arm=r"vqpipe|unrotated|affine-g\d+",
 
 
 MODELS = list(config["models"])
@@ -66,7 +67,8 @@ PERSIST = ["on" if p else "off" for p in config["persist_rotation"]]
 # bench-quality's vqpipe arm: this rotation's quantize artifact (its unrotated arm: rotation none).
 QUALITY_ROTATION = config["benchmarks"]["quality"].get("rotation") or next(
     (r for r in ROTATIONS if r != "none"), "auto")
-QUALITY_SHARDS = config["benchmarks"]["quality"]["shards"]
+# bench-quality's arms, one job each per bit width (records in this order).
+QUALITY_ARMS = ["vqpipe", "unrotated"] + [f"affine-g{g}" for g in config["benchmarks"]["quality"]["affine_groups"]]
 
 
 def fan_out(pattern):
@@ -95,6 +97,12 @@ def bench_outputs():
     if config["benchmarks"]["kivi"]["enabled"]:
         out.append(BENCH_KIVI)
     return out
+
+
+def quality_artifact(wc):
+    """The quantize artifact a bench-quality arm measures: its rotation's, or none (affine)."""
+    rotation = {"vqpipe": QUALITY_ROTATION, "unrotated": "none"}.get(wc.arm)
+    return [QUANTIZED.format(model=wc.model, bits=wc.bits, rotation=rotation)] if rotation else []
 
 
 def decode_artifact(pattern):
@@ -156,6 +164,26 @@ def vqpipe_cmd(args):
     reach the log as they happen.
     """
     return f"OPENBLAS_NUM_THREADS={{threads}} PYTHONUNBUFFERED=1 python -m vqpipe {args} > {{log:q}} 2>&1"
+
+
+# --- scheduling ---------------------------------------------------------------------------------
+# On a few cores a run takes as long as its longest chain: a calibrated model's download ->
+# calibrate -> quantize -> bench-quality's vqpipe and unrotated arms (docs/workflow.md measures
+# it). Its jobs go first; then the long jobs that need only a source (bench-quality's reference
+# and affine arms), which fill the other cores while the chain runs; everything else (short
+# jobs, the synthetic models) last, filling the cores at the end. Snakemake runs the ready job
+# of highest priority first.
+PRIORITY = {"chain": 100, "source_only": 50, "rest": 0}
+
+
+def calibrated(model):
+    """Whether ``model``'s quantize jobs read calibration text (the long chain)."""
+    return quantize_option(model, "calibration")["text"] != "none"
+
+
+def chain_priority(step):
+    """The priority of a job ``step`` places along a calibrated model's chain (0 first), else 'rest'."""
+    return lambda w: PRIORITY["chain"] - step if calibrated(w.model) else PRIORITY["rest"]
 
 
 # --- per-model options --------------------------------------------------------------------------
