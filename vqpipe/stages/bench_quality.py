@@ -177,13 +177,14 @@ def bits_per_weight(model):
 # --- metrics ------------------------------------------------------------------------------------
 
 
-def window_logprobs(model, tokens):
-    """Log-probabilities [len, vocab] of one window, float32 numpy. The forward runs with numpy
-    doing the exponentials (vqpipe/cpu_eval.py: MLX's CPU exp is ~15x slower, and its
-    logsumexp is off by up to 3e-4 over a 49k vocabulary)."""
+def window_logprobs(model, tokens, out=None):
+    """Log-probabilities [len, vocab] of one window, float32 numpy (into ``out`` if given: a
+    window's 100 MB in a fresh array cost more page-fault time than the exponentials). The
+    forward runs with numpy doing the exponentials (vqpipe/cpu_eval.py: MLX's CPU exp is ~15x
+    slower, and its logsumexp is off by up to 3e-4 over a 49k vocabulary)."""
     with cpu_eval.numpy_exponentials():
         logits = model(mx.array(tokens)[None])[0]
-    return cpu_eval.log_softmax(logits)
+    return cpu_eval.log_softmax(logits, out=out)
 
 
 def logprobs(model, tokens):
@@ -191,13 +192,13 @@ def logprobs(model, tokens):
     return mx.array(window_logprobs(model, tokens))
 
 
-def reference(lp, path):
+def reference(lp, path, buf=None):
     """The source's side of one window's metrics, computed once and shared by every arm:
     (file of p = exp(log p_source), float32, sum_v p log p per position, argmax per position).
     The exponential over the vocabulary is most of a metric's cost: per arm only sum_v p log q
-    (one dot product a position) is left."""
+    (one dot product a position) is left. ``buf``: an array of lp's shape to compute p in."""
     lp = np.asarray(lp, dtype=np.float32)
-    p = np.exp(lp)
+    p = np.exp(lp, out=buf)
     negent = np.einsum("ij,ij->i", p, lp, dtype=np.float64)
     np.save(path, p)
     return path, negent, lp.argmax(axis=-1)
@@ -208,7 +209,7 @@ def window_metrics(ref, lp, tokens):
     ``ref`` from :func:`reference`. KL = sum_v p (log p - log q) per position, averaged."""
     path, negent, arg = ref
     lp = np.asarray(lp, dtype=np.float32)
-    p = np.load(path)
+    p = np.load(path, mmap_mode="r")
     kl = float(np.mean(negent - np.einsum("ij,ij->i", p, lp, dtype=np.float64)))
     top1 = float(np.mean(arg == lp.argmax(axis=-1)))
     return kl, top1, nll(lp, tokens)
@@ -225,12 +226,12 @@ def source_references(source, windows, tmpdir):
 
     The probabilities are float32 files in ``tmpdir`` (memory-mapped when read): in memory,
     20 x 512 x 49152 of them are 2 GB per process."""
-    refs, nlls = [], []
+    refs, nlls, lp, p = [], [], None, None
     for i, w in enumerate(windows):
-        lp = window_logprobs(source, w)
+        lp = window_logprobs(source, w, out=lp)  # one buffer each for log p and p, every window
+        p = np.empty_like(lp) if p is None else p
         nlls.append(nll(lp, w))
-        refs.append(reference(lp, f"{tmpdir}/ref{i}.npy"))
-        del lp
+        refs.append(reference(lp, f"{tmpdir}/ref{i}.npy", buf=p))
     return refs, nlls
 
 
@@ -362,7 +363,11 @@ def measure_arms(path, tok, bits_list, arms, refs, windows, index, quantized, ro
                     progress(f"{bits}-bit {method}: skipped ({e})")
                     continue
             model = dense_copy(model)
-            kls, top1s, nlls = zip(*(window_metrics(r, window_logprobs(model, w), w) for r, w in zip(refs, windows)))
+            lp, per = None, []
+            for r, w in zip(refs, windows):
+                lp = window_logprobs(model, w, out=lp)  # one buffer for every window
+                per.append(window_metrics(r, lp, w))
+            kls, top1s, nlls = zip(*per)
             rec = {"bits": bits, "method": method, "weight_rel_mse": werr,
                    "kl": summarize(kls), "kl_mean": sum(kls) / len(kls),
                    "top1": summarize(top1s), "top1_mean": sum(top1s) / len(top1s),
