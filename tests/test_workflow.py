@@ -446,7 +446,8 @@ def test_full_precision_calibration_runs_once_per_model(bare):
     (bare / "config" / "fp.yaml").write_text(
         "models:\n  tiny: {source: 'synth:tiny', quantize: {calibration: {text: text, windows: 2, sequential: false}}}\n"
         "  tiny-llama: {source: 'synth:tiny-llama'}\n"
-        "bits: [3, 4]\npersist_rotation: [true]\nbenchmarks: {quality: {models: [tiny], affine_groups: [32, 64]}}\n")
+        "bits: [3, 4]\npersist_rotation: [true]\n"
+        "benchmarks: {quality: {models: [tiny], affine_groups: [32, 64]}, decode: {models: [tiny-llama]}}\n")
     out = smk(bare, "-n", "-p", "--configfile", "config/fp.yaml").stdout
     stats = job_stats(out)
     assert stats["calibrate"] == 1 and stats["quantize"] == 4 + 2  # tiny b3/b4 x auto/none, tiny-llama b3/b4
@@ -458,13 +459,15 @@ def test_full_precision_calibration_runs_once_per_model(bare):
     arms = [line for line in out.splitlines() if " -m vqpipe bench-quality " in line and " --arms " in line]
     assert sum("--arms affine-g32 " in a and "--quantized  --embeddings" in a for a in arms) == 2  # no artifact
     assert sum("--arms unrotated " in a and "--quantized results/quantized/tiny/b3-none " in a for a in arms) == 1
-    # the calibrated model's chain, then what needs only a source, then the rest
-    prio = {(rule, w.get("model"), w.get("arm")): p for rule, w, p in planned_jobs(out)}
-    assert prio[("download", "tiny", None)] == prio[("calibrate", "tiny", None)] == 100
-    assert prio[("quantize", "tiny", None)] == 99 and prio[("bench_quality_arm", "tiny", "unrotated")] == 98
-    assert prio[("bench_quality_reference", "tiny", None)] == prio[("bench_quality_arm", "tiny", "affine-g64")] == 50
-    assert prio[("download", "tiny-llama", None)] == prio[("quantize", "tiny-llama", None)] == 0
-    assert prio[("validate", "tiny", None)] == prio[("bench_kivi", None, None)] == 0
+    # the calibrated model's chain, then what needs only a source and bench-decode's reservoir, then the rest
+    prio = {(rule, w.get("model"), w.get("bits"), w.get("arm")): p for rule, w, p in planned_jobs(out)}
+    assert prio[("download", "tiny", None, None)] == prio[("calibrate", "tiny", None, None)] == 100
+    assert prio[("quantize", "tiny", "3", None)] == 99 and prio[("bench_quality_arm", "tiny", "4", "unrotated")] == 98
+    assert prio[("bench_quality_reference", "tiny", None, None)] == prio[("bench_quality_arm", "tiny", "4", "affine-g64")] == 50
+    assert prio[("quantize", "tiny-llama", "4", None)] == prio[("validate", "tiny-llama", "4", None)] == 50  # bench-decode's
+    assert prio[("bench_decode", "tiny-llama", None, None)] == prio[("bench_load", "tiny", None, None)] == 50
+    assert prio[("quantize", "tiny-llama", "3", None)] == prio[("validate", "tiny", "4", None)] == 0
+    assert prio[("bench_kivi", None, None, None)] == prio[("report", None, None, None)] == 0
 
 
 def test_slurm_profile_dry_run(bare):

@@ -56,7 +56,7 @@ rule bench_quality_arm:
         "logs/bench/{model}/quality.b{bits}-{arm}.log",
     benchmark:
         "results/benchmarks/bench_quality/{model}.b{bits}-{arm}.tsv"
-    priority: lambda w: chain_priority(2)(w) if w.arm in ("vqpipe", "unrotated") else PRIORITY["source_only"]
+    priority: lambda w: priority(2)(w) if w.arm in ("vqpipe", "unrotated") else PRIORITY["source_only"]
     conda:
         ENV
     shell:
@@ -100,6 +100,7 @@ rule bench_load:
         blas=BLAS,
     log:
         "logs/bench/{model}/load.log",
+    priority: PRIORITY["source_only"]
     benchmark:
         "results/benchmarks/bench_load/{model}.tsv"
     conda:
@@ -130,6 +131,7 @@ rule bench_decode:
         blas=BLAS,
     log:
         "logs/bench/{model}/decode.log",
+    priority: PRIORITY["source_only"]
     benchmark:
         "results/benchmarks/bench_decode/{model}.tsv"
     conda:

@@ -170,8 +170,9 @@ def vqpipe_cmd(args):
 # On a few cores a run takes as long as its longest chain: a calibrated model's download ->
 # calibrate -> quantize -> bench-quality's vqpipe and unrotated arms (docs/workflow.md measures
 # it). Its jobs go first; then the long jobs that need only a source (bench-quality's reference
-# and affine arms), which fill the other cores while the chain runs; everything else (short
-# jobs, the synthetic models) last, filling the cores at the end. Snakemake runs the ready job
+# and affine arms, bench-load) and bench-decode with the few jobs making its reservoir, which
+# fill the other cores while the chain runs; everything else (short jobs: the synthetic models'
+# matrix, packing, validation) last, filling the cores at the end. Snakemake runs the ready job
 # of highest priority first.
 PRIORITY = {"chain": 100, "source_only": 50, "rest": 0}
 
@@ -181,9 +182,26 @@ def calibrated(model):
     return quantize_option(model, "calibration")["text"] != "none"
 
 
-def chain_priority(step):
-    """The priority of a job ``step`` places along a calibrated model's chain (0 first), else 'rest'."""
-    return lambda w: PRIORITY["chain"] - step if calibrated(w.model) else PRIORITY["rest"]
+def feeds_decode(w):
+    """Whether a download/quantize/pack/validate job makes (part of) the reservoir bench-decode measures."""
+    c = config["benchmarks"]["decode"]
+    if not c["enabled"] or w.model not in bench_models("decode"):
+        return False
+    if "bits" in w.keys() and (int(w.bits), w.rotation) != (c["bits"], c["rotation"]):
+        return False
+    return w.get("persist", None) in (None, "on" if c["persist_rotation"] else "off")
+
+
+def priority(step=None):
+    """The priority function of a rule whose jobs are ``step`` along a calibrated model's chain
+    (0 first; None: never on it)."""
+
+    def of(w):
+        if step is not None and calibrated(w.model):
+            return PRIORITY["chain"] - step
+        return PRIORITY["source_only"] if feeds_decode(w) else PRIORITY["rest"]
+
+    return of
 
 
 # --- per-model options --------------------------------------------------------------------------

@@ -15,7 +15,7 @@ rule download:
         dtype=lambda wc: config["models"][wc.model]["dtype"],
     log:
         "logs/download/{model}.log",
-    priority: chain_priority(0)
+    priority: priority(0)
     cache: "omit-software"
     conda:
         ENV
