@@ -56,7 +56,7 @@ rule bench_quality_arm:
         "logs/bench/{model}/quality.b{bits}-{arm}.log",
     benchmark:
         "results/benchmarks/bench_quality/{model}.b{bits}-{arm}.tsv"
-    priority: lambda w: priority(2)(w) if w.arm in ("vqpipe", "unrotated") else PRIORITY["source_only"]
+    priority: quality_arm_priority
     conda:
         ENV
     shell:

@@ -187,7 +187,7 @@ def feeds_decode(w):
     c = config["benchmarks"]["decode"]
     if not c["enabled"] or w.model not in bench_models("decode"):
         return False
-    if "bits" in w.keys() and (int(w.bits), w.rotation) != (c["bits"], c["rotation"]):
+    if "rotation" in w.keys() and (int(w.bits), w.rotation) != (c["bits"], c["rotation"]):
         return False
     return w.get("persist", None) in (None, "on" if c["persist_rotation"] else "off")
 
@@ -202,6 +202,14 @@ def priority(step=None):
         return PRIORITY["source_only"] if feeds_decode(w) else PRIORITY["rest"]
 
     return of
+
+
+def quality_arm_priority(w):
+    """bench-quality's vqpipe and unrotated arms are the end of a calibrated model's chain; its
+    affine arms need only the source."""
+    if w.arm not in ("vqpipe", "unrotated"):
+        return PRIORITY["source_only"]
+    return PRIORITY["chain"] - 2 if calibrated(w.model) else PRIORITY["rest"]
 
 
 # --- per-model options --------------------------------------------------------------------------
