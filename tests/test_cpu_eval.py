@@ -16,7 +16,7 @@ def qkv(n=7, s=7, hq=6, hk=2, d=16, seed=0):
 
 
 @pytest.mark.parametrize("mask", ["causal", None, "bool", "additive"])
-@pytest.mark.parametrize("n,s", [(7, 7), (1, 9), (3, 9)])
+@pytest.mark.parametrize("n,s", [(7, 7), (1, 9), (3, 9), (70, 70), (33, 100)])  # > BLOCK rows: blocks
 def test_attention_matches_mlx(mask, n, s):
     q, k, v = qkv(n, s)
     m = mask
@@ -32,6 +32,19 @@ def test_attention_matches_mlx(mask, n, s):
     assert mx.abs(got - want).max().item() < 1e-5
 
 
+def test_causal_blocks_see_only_their_keys():
+    """Every query row of every block attends to exactly the keys at or before it: moving a later
+    key or value changes nothing before it."""
+    q, k, v = qkv(3 * cpu_eval.BLOCK + 5, 3 * cpu_eval.BLOCK + 5)
+    base = np.asarray(cpu_eval.attention(q, k, v, 0.3, "causal"))
+    j = cpu_eval.BLOCK + 7
+    k2, v2 = k.at[:, :, j].add(5.0), v.at[:, :, j].add(5.0)
+    moved = np.asarray(cpu_eval.attention(q, k2, v2, 0.3, "causal"))
+    assert np.array_equal(moved[:, :, :j], base[:, :, :j]) and not np.allclose(moved[:, :, j:], base[:, :, j:])
+    with pytest.raises(ValueError, match="queries <= keys"):
+        cpu_eval.attention(*qkv(5, 3), 0.3, "causal")
+
+
 def test_swiglu_and_log_softmax():
     g, x = mx.random.normal((5, 33)) * 4, mx.random.normal((5, 33))
     assert mx.abs(cpu_eval.swiglu(g, x) - nn.silu(g) * x).max().item() < 1e-5
@@ -40,6 +53,10 @@ def test_swiglu_and_log_softmax():
     want = z - z.max(-1, keepdims=True)
     want -= np.log(np.exp(want).sum(-1, keepdims=True))
     assert np.abs(cpu_eval.log_softmax(mx.array(logits)) - want).max() < 2e-5
+    # rows at a time: the same values as the whole array at once, any row count
+    z = logits[:3] - logits[:3].max(-1, keepdims=True)
+    z -= np.log(np.exp(z).sum(-1, keepdims=True))
+    assert np.array_equal(cpu_eval.log_softmax(mx.array(logits[:3]), rows=2), z)
 
 
 def test_patch_is_scoped_and_the_forward_agrees():

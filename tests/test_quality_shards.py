@@ -40,3 +40,27 @@ def test_window_shards_merge_to_the_whole_run(tiny_source, tmp_path):
         assert json.dumps(a[key], sort_keys=True) == json.dumps(b[key], sort_keys=True)
     assert q.main(["--merge", str(parts[0]), "--out", str(merged)]) == 2  # shard 1 of 2 missing
     assert q.main([*common, "--shard", "2/2", "--out", str(merged)]) == 2
+
+
+def test_arm_parts_against_one_reference_merge_to_the_whole_run(tiny_source, tmp_path):
+    common = ["--source", str(tiny_source), "--bits", "2", "--affine-groups", "64", "--windows", "3",
+              "--length", "16", "--gen-prompts", "1", "--gen-tokens", "2"]
+    whole, ref = tmp_path / "whole.json", tmp_path / "ref"
+    assert q.main([*common, "--arms", "unrotated", "affine-g64", "--out", str(whole)]) == 0
+    assert q.main([*common, "--reference-out", str(ref)]) == 0
+    parts = [tmp_path / f"{arm}.json" for arm in ("unrotated", "affine-g64")]
+    for part in parts:
+        assert q.main([*common, "--reference", str(ref), "--arms", part.stem, "--no-embeddings", "--out", str(part)]) == 0
+    merged = tmp_path / "merged.json"
+    assert q.main(["--merge", *map(str, parts), "--out", str(merged)]) == 0
+    a, b = json.loads(whole.read_text()), json.loads(merged.read_text())
+    for key in ("source", "records", "generations", "windows", "length", "text"):
+        assert json.dumps(a[key], sort_keys=True) == json.dumps(b[key], sort_keys=True), key
+    assert "part" not in b and json.loads(parts[0].read_text())["part"] == {"bits": [2], "arms": ["unrotated"]}
+    # the same arm twice, a part and a shard, another window count: refused
+    assert q.main(["--merge", str(parts[0]), str(parts[0]), "--out", str(merged)]) == 2
+    shard = tmp_path / "shard.json"
+    assert q.main([*common, "--arms", "unrotated", "--shard", "0/2", "--out", str(shard)]) == 0
+    assert q.main(["--merge", str(parts[0]), str(shard), "--out", str(merged)]) == 2
+    bad = [c if c != "3" else "2" for c in common]
+    assert q.main([*bad, "--reference", str(ref), "--arms", "unrotated", "--out", str(merged)]) == 2

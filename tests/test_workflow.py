@@ -428,20 +428,46 @@ def test_layer_bits_reach_the_command(bare):
     assert "--layer-bits" not in llama[0]
 
 
+def planned_jobs(output):
+    """[(rule, {wildcard: value}, priority)] of a dry run's job blocks, in the order printed."""
+    jobs = []
+    for block in re.split(r"\n(?=(?:local)?rule \w+:)", output)[1:]:
+        rule = re.match(r"(?:local)?rule (\w+):", block).group(1)
+        wc = re.search(r"^\s+wildcards: (.*)$", block, re.M)
+        prio = re.search(r"^\s+priority: (\d+)$", block, re.M)
+        jobs.append((rule, dict(kv.split("=", 1) for kv in wc.group(1).split(", ")) if wc else {},
+                     int(prio.group(1)) if prio else 0))
+    return jobs
+
+
 def test_full_precision_calibration_runs_once_per_model(bare):
-    """sequential: false -> one calibrate job per model, read by every quantize job of it; quality shards."""
+    """sequential: false -> one calibrate job per model, read by every quantize job of it;
+    bench-quality: one reference job, one job per arm and width; the calibrated chain first."""
     (bare / "config" / "fp.yaml").write_text(
         "models:\n  tiny: {source: 'synth:tiny', quantize: {calibration: {text: text, windows: 2, sequential: false}}}\n"
-        "bits: [3, 4]\npersist_rotation: [true]\nbenchmarks: {quality: {shards: 3}}\n")
+        "  tiny-llama: {source: 'synth:tiny-llama'}\n"
+        "bits: [3, 4]\npersist_rotation: [true]\n"
+        "benchmarks: {quality: {models: [tiny], affine_groups: [32, 64]}, decode: {models: [tiny-llama]}}\n")
     out = smk(bare, "-n", "-p", "--configfile", "config/fp.yaml").stdout
     stats = job_stats(out)
-    assert stats["calibrate"] == 1 and stats["quantize"] == 4  # b3/b4 x auto/none
-    assert stats["bench_quality_shard"] == 3 and stats["bench_quality"] == 1
-    commands = [line for line in out.splitlines() if " -m vqpipe quantize " in line]
+    assert stats["calibrate"] == 1 and stats["quantize"] == 4 + 2  # tiny b3/b4 x auto/none, tiny-llama b3/b4
+    assert stats["bench_quality_reference"] == 1 and stats["bench_quality_arm"] == 2 * 4 and stats["bench_quality"] == 1
+    commands = [line for line in out.splitlines() if " -m vqpipe quantize " in line and "models/tiny/" in line]
     assert len(commands) == 4 and all("--moments results/calibration/tiny" in c for c in commands)
     assert not any("--calibration" in c for c in commands)
     assert "--calib-windows 2" in next(line for line in out.splitlines() if " -m vqpipe calibrate " in line)
-    assert sum("--shard 2/3" in line for line in out.splitlines()) == 1
+    arms = [line for line in out.splitlines() if " -m vqpipe bench-quality " in line and " --arms " in line]
+    assert sum("--arms affine-g32 " in a and "--quantized  --embeddings" in a for a in arms) == 2  # no artifact
+    assert sum("--arms unrotated " in a and "--quantized results/quantized/tiny/b3-none " in a for a in arms) == 1
+    # the calibrated model's chain, then what needs only a source and bench-decode's reservoir, then the rest
+    prio = {(rule, w.get("model"), w.get("bits"), w.get("arm")): p for rule, w, p in planned_jobs(out)}
+    assert prio[("download", "tiny", None, None)] == prio[("calibrate", "tiny", None, None)] == 100
+    assert prio[("quantize", "tiny", "3", None)] == 99 and prio[("bench_quality_arm", "tiny", "4", "unrotated")] == 98
+    assert prio[("bench_quality_reference", "tiny", None, None)] == prio[("bench_quality_arm", "tiny", "4", "affine-g64")] == 50
+    assert prio[("quantize", "tiny-llama", "4", None)] == prio[("validate", "tiny-llama", "4", None)] == 50  # bench-decode's
+    assert prio[("bench_decode", "tiny-llama", None, None)] == prio[("bench_load", "tiny", None, None)] == 50
+    assert prio[("quantize", "tiny-llama", "3", None)] == prio[("validate", "tiny", "4", None)] == 0
+    assert prio[("bench_kivi", None, None, None)] == prio[("report", None, None, None)] == 0
 
 
 def test_slurm_profile_dry_run(bare):

@@ -34,6 +34,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from .. import cpu_eval, text
 from .. import record
+from ..fsutil import atomic_dir, write_json
 from .quantize import load_quantized, quantize_model
 from ..bench.env import environment
 from ..bench.harness import summarize
@@ -176,13 +177,14 @@ def bits_per_weight(model):
 # --- metrics ------------------------------------------------------------------------------------
 
 
-def window_logprobs(model, tokens):
-    """Log-probabilities [len, vocab] of one window, float32 numpy. The forward runs with numpy
-    doing the exponentials (vqpipe/cpu_eval.py: MLX's CPU exp is ~15x slower, and its
-    logsumexp is off by up to 3e-4 over a 49k vocabulary)."""
+def window_logprobs(model, tokens, out=None):
+    """Log-probabilities [len, vocab] of one window, float32 numpy (into ``out`` if given: a
+    window's 100 MB in a fresh array cost more page-fault time than the exponentials). The
+    forward runs with numpy doing the exponentials (vqpipe/cpu_eval.py: MLX's CPU exp is ~15x
+    slower, and its logsumexp is off by up to 3e-4 over a 49k vocabulary)."""
     with cpu_eval.numpy_exponentials():
         logits = model(mx.array(tokens)[None])[0]
-    return cpu_eval.log_softmax(logits)
+    return cpu_eval.log_softmax(logits, out=out)
 
 
 def logprobs(model, tokens):
@@ -190,13 +192,13 @@ def logprobs(model, tokens):
     return mx.array(window_logprobs(model, tokens))
 
 
-def reference(lp, path):
+def reference(lp, path, buf=None):
     """The source's side of one window's metrics, computed once and shared by every arm:
     (file of p = exp(log p_source), float32, sum_v p log p per position, argmax per position).
     The exponential over the vocabulary is most of a metric's cost: per arm only sum_v p log q
-    (one dot product a position) is left."""
+    (one dot product a position) is left. ``buf``: an array of lp's shape to compute p in."""
     lp = np.asarray(lp, dtype=np.float32)
-    p = np.exp(lp)
+    p = np.exp(lp, out=buf)
     negent = np.einsum("ij,ij->i", p, lp, dtype=np.float64)
     np.save(path, p)
     return path, negent, lp.argmax(axis=-1)
@@ -207,7 +209,7 @@ def window_metrics(ref, lp, tokens):
     ``ref`` from :func:`reference`. KL = sum_v p (log p - log q) per position, averaged."""
     path, negent, arg = ref
     lp = np.asarray(lp, dtype=np.float32)
-    p = np.load(path)
+    p = np.load(path, mmap_mode="r")
     kl = float(np.mean(negent - np.einsum("ij,ij->i", p, lp, dtype=np.float64)))
     top1 = float(np.mean(arg == lp.argmax(axis=-1)))
     return kl, top1, nll(lp, tokens)
@@ -224,12 +226,12 @@ def source_references(source, windows, tmpdir):
 
     The probabilities are float32 files in ``tmpdir`` (memory-mapped when read): in memory,
     20 x 512 x 49152 of them are 2 GB per process."""
-    refs, nlls = [], []
+    refs, nlls, lp, p = [], [], None, None
     for i, w in enumerate(windows):
-        lp = window_logprobs(source, w)
+        lp = window_logprobs(source, w, out=lp)  # one buffer each for log p and p, every window
+        p = np.empty_like(lp) if p is None else p
         nlls.append(nll(lp, w))
-        refs.append(reference(lp, f"{tmpdir}/ref{i}.npy"))
-        del lp
+        refs.append(reference(lp, f"{tmpdir}/ref{i}.npy", buf=p))
     return refs, nlls
 
 
@@ -291,6 +293,20 @@ def shard_windows(n_windows, shard):
     return list(range(i * n_windows // n, (i + 1) * n_windows // n))
 
 
+def source_record(path, source, nlls, index, length):
+    return {"method": "source", **ppl_record(nlls), "per_window": {"index": index, "nll": nlls},
+            "bpw": bits_per_weight(source), **source_info(path), "tokens": len(index) * length}
+
+
+def check_arms(arms, affine_groups):
+    """[(method, group or None)] of the arm names ``arms`` (default: every arm), in record order."""
+    every = [("vqpipe", None), ("unrotated", None)] + [(f"affine-g{g}", g) for g in affine_groups]
+    unknown = sorted(set(arms or ()) - {m for m, _ in every})
+    if unknown:
+        raise ValueError(f"unknown arms {unknown}; choose from {', '.join(m for m, _ in every)}")
+    return [(m, g) for m, g in every if not arms or m in arms]
+
+
 def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", quantized=None,
             affine_groups=AFFINE_GROUPS, prompts=PROMPTS, gen_tokens=32, progress=print, arms=None,
             shard=(0, 1)):
@@ -300,27 +316,39 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
     ``shard`` (i, n): only the i-th of n slices of the windows (:func:`merge_shards` joins them;
     generations are shard 0's). Every record keeps its per-window values in ``per_window``.
     """
-    quantized = quantized or {}
+    arms = check_arms(arms, affine_groups)
     source, tok = load_source(path)
     index = shard_windows(n_windows, shard)
     windows = [text.eval_windows(tok, n_windows, length)[i] for i in index]
     prompts = prompts if shard[0] == 0 else ()
     tmp = tempfile.TemporaryDirectory(prefix="vqpipe-quality-")
     refs, src_nll = source_references(source, windows, tmp.name)
-    src = {"method": "source", **ppl_record(src_nll), "per_window": {"index": index, "nll": src_nll},
-           "bpw": bits_per_weight(source), **source_info(path), "tokens": len(windows) * length}
+    src = source_record(path, source, src_nll, index, length)
     progress(f"source perplexity {src['ppl']['median']:.2f} (median of {len(windows)} windows x {length})")
     gens = {"prompts": list(prompts), "max_tokens": gen_tokens, "arms": []}
     if prompts:
         gens["arms"].append({"arm": "source", "texts": generations(source, tok, prompts, gen_tokens)})
     del source
-    every = [("vqpipe", None), ("unrotated", None)] + [(f"affine-g{g}", g) for g in affine_groups]
-    if arms and set(arms) - {m for m, _ in every}:
-        raise ValueError(f"unknown arms {sorted(set(arms) - {m for m, _ in every})}; choose from "
-                         f"{', '.join(m for m, _ in every)}")
-    arms = [(m, g) for m, g in every if not arms or m in arms]
-    records = []
+    records, texts = measure_arms(path, tok, bits_list, arms, refs, windows, index, quantized or {}, rotation,
+                                  seed, prompts, gen_tokens, progress=progress)
+    gens["arms"] += texts
+    tmp.cleanup()
+    return records, src, gens
+
+
+def measure_arms(path, tok, bits_list, arms, refs, windows, index, quantized, rotation, seed, prompts,
+                 gen_tokens, embeddings=None, progress=print):
+    """(records, generation arms) of ``arms`` [(method, group)] at each of ``bits_list``, on the
+    ``windows`` whose source references are ``refs``. ``embeddings``: whether the affine arms
+    quantize the embedding (default: as the vqpipe artifact of that width does)."""
+    records, texts = [], []
+    length = len(windows[0]) if windows else 0
     for bits in bits_list:
+        emb = artifact_embeddings(quantized.get((bits, rotation)))
+        if embeddings is not None and (bits, rotation) in quantized and embeddings != emb:
+            raise ValueError(f"--{'' if embeddings else 'no-'}embeddings, but the {bits}-bit artifact "
+                             f"{'keeps its embedding dense' if embeddings else 'quantizes its embedding'}")
+        emb = emb if embeddings is None else embeddings
         for method, group in arms:
             t0 = time.perf_counter()
             if group is None:
@@ -329,13 +357,17 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
             else:
                 try:
                     # the embedding as the vqpipe artifact has it: both quantized, or both dense
-                    model, werr, bpw = affine_arm(path, bits, group, artifact_embeddings(quantized.get((bits, rotation))))
+                    model, werr, bpw = affine_arm(path, bits, group, emb)
                 except SkippedArm as e:
                     records.append({"bits": bits, "method": method, "group_size": group, "skipped": str(e)})
                     progress(f"{bits}-bit {method}: skipped ({e})")
                     continue
             model = dense_copy(model)
-            kls, top1s, nlls = zip(*(window_metrics(r, window_logprobs(model, w), w) for r, w in zip(refs, windows)))
+            lp, per = None, []
+            for r, w in zip(refs, windows):
+                lp = window_logprobs(model, w, out=lp)  # one buffer for every window
+                per.append(window_metrics(r, lp, w))
+            kls, top1s, nlls = zip(*per)
             rec = {"bits": bits, "method": method, "weight_rel_mse": werr,
                    "kl": summarize(kls), "kl_mean": sum(kls) / len(kls),
                    "top1": summarize(top1s), "top1_mean": sum(top1s) / len(top1s),
@@ -347,16 +379,71 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
                 rec["embeddings"] = artifact_embeddings(quantized.get((bits, rot)))
             else:
                 rec["group_size"] = group
-                rec["embeddings"] = artifact_embeddings(quantized.get((bits, rotation)))
+                rec["embeddings"] = emb
             records.append(rec)
             if prompts:
-                gens["arms"].append({"arm": f"{bits}-bit {method}", "texts": generations(model, tok, prompts, gen_tokens)})
+                texts.append({"arm": f"{bits}-bit {method}", "texts": generations(model, tok, prompts, gen_tokens)})
             progress(f"{bits}-bit {method:11s} bpw {bpw['bpw']:.3f}  ppl {rec['ppl']['median']:.2f}  "
                      f"KL {rec['kl']['median']:.4f}  top-1 {rec['top1']['median']:.3f}  "
                      f"weight rel MSE {werr:.5f}  [{time.perf_counter() - t0:.1f}s]")
             del model
-    tmp.cleanup()
-    return records, src, gens
+    return records, texts
+
+
+# --- the source's side in its own job: one reference, every arm job reads it -------------------
+# The pipeline runs the source once (--reference-out) and each arm in a job of its own
+# (--reference): arms that need no quantize artifact (affine) start before quantization ends.
+
+def write_reference(path, out, n_windows, length, prompts=PROMPTS, gen_tokens=32, progress=print):
+    """A directory with the source's side of every window (probabilities ref{i}.npy, float32,
+    memory-mapped by the arm jobs; per-position entropy and argmax; the window tokens) and
+    reference.json (the source record, its generations, the text and settings)."""
+    source, tok = load_source(path)
+    windows = text.eval_windows(tok, n_windows, length)
+    with atomic_dir(out) as tmp:
+        refs, nlls = source_references(source, windows, tmp)
+        src = source_record(path, source, nlls, list(range(n_windows)), length)
+        progress(f"source perplexity {src['ppl']['median']:.2f} (median of {n_windows} windows x {length})")
+        gens = {"prompts": list(prompts), "max_tokens": gen_tokens,
+                "arms": [{"arm": "source", "texts": generations(source, tok, prompts, gen_tokens)}] if prompts else []}
+        np.save(tmp / "tokens.npy", np.stack([np.asarray(w) for w in windows]))
+        np.save(tmp / "negent.npy", np.stack([r[1] for r in refs]))
+        np.save(tmp / "argmax.npy", np.stack([r[2] for r in refs]))
+        write_json(tmp / "reference.json", {"windows": n_windows, "length": length, "text": text.provenance(),
+                                            "source": src, "generations": gens})
+
+
+def read_reference(refdir, tok, n_windows, length):
+    """(reference.json, refs as :func:`reference` returns them, windows) of a --reference-out
+    directory, checked against the windows this run would evaluate."""
+    refdir = Path(refdir)
+    if not (refdir / "reference.json").is_file():
+        raise FileNotFoundError(f"{refdir}: not a bench-quality reference (no reference.json)")
+    doc = json.loads((refdir / "reference.json").read_text())
+    if (doc["windows"], doc["length"]) != (n_windows, length):
+        raise ValueError(f"{refdir} holds {doc['windows']} windows x {doc['length']} tokens, not {n_windows} x {length}")
+    windows = text.eval_windows(tok, n_windows, length)
+    if not np.array_equal(np.load(refdir / "tokens.npy"), np.stack([np.asarray(w) for w in windows])):
+        raise ValueError(f"{refdir}: its windows are not this source's (another tokenizer or text)")
+    negent, argmax = np.load(refdir / "negent.npy"), np.load(refdir / "argmax.npy")
+    refs = [(str(refdir / f"ref{i}.npy"), negent[i], argmax[i]) for i in range(n_windows)]
+    return doc, refs, windows
+
+
+def arm_part(path, refdir, bits_list, n_windows=20, length=512, seed=0, rotation="auto", quantized=None,
+             affine_groups=AFFINE_GROUPS, arms=None, embeddings=None, progress=print):
+    """(records, source record, generations, text provenance) of ``arms`` against the reference in
+    ``refdir``; the prompts are the reference's. :func:`merge_parts` joins the parts."""
+    from mlx_lm.utils import load_tokenizer
+
+    arms = check_arms(arms, affine_groups)
+    tok = load_tokenizer(Path(path))
+    doc, refs, windows = read_reference(refdir, tok, n_windows, length)
+    gens = doc["generations"]
+    records, texts = measure_arms(path, tok, bits_list, arms, refs, windows,
+                                  list(range(n_windows)), quantized or {}, rotation, seed, gens["prompts"],
+                                  gens["max_tokens"], embeddings, progress)
+    return records, doc["source"], {**gens, "arms": gens["arms"] + texts}, doc["text"]
 
 
 # --- the synthetic presets' own checks (tests/test_download.py) ---------------------------------
@@ -467,6 +554,43 @@ def merge_shards(docs):
     return out
 
 
+def merge_parts(docs):
+    """One bench-quality document from arm parts (``--reference``), in the order given: their
+    records and generations concatenated after the one source record they share."""
+    first = docs[0]
+    for d in docs[1:]:
+        for key in ("model", "windows", "length", "text", "source"):
+            if json.dumps(d[key], sort_keys=True) != json.dumps(first[key], sort_keys=True):
+                raise ValueError(f"parts disagree on {key!r} (not made from one reference)")
+        if {k: v for k, v in d["generations"].items() if k != "arms"} != \
+                {k: v for k, v in first["generations"].items() if k != "arms"}:
+            raise ValueError("parts disagree on the generation prompts")
+    records = [r for d in docs for r in d["records"]]
+    arms = [(r["bits"], r["method"]) for r in records]
+    if len(set(arms)) != len(arms):
+        raise ValueError(f"an arm is in several parts: {sorted(a for a in set(arms) if arms.count(a) > 1)}")
+    emb = {}
+    for r in records:  # affine arms were told what the vqpipe artifact of their width does
+        if "embeddings" in r and emb.setdefault(r["bits"], r["embeddings"]) != r["embeddings"]:
+            raise ValueError(f"{r['bits']}-bit arms disagree on whether the embedding is quantized")
+    gens = [a for d in docs for a in d["generations"]["arms"] if a["arm"] != "source"]
+    source = [a for a in first["generations"]["arms"] if a["arm"] == "source"]
+    out = {**first, "records": records, "generations": {**first["generations"], "arms": source + gens}}
+    out.pop("part")
+    return out
+
+
+def merge(docs):
+    """:func:`merge_shards` or :func:`merge_parts`, by what the documents are."""
+    kinds = {"shard" if "shard" in d else "part" if "part" in d else None for d in docs}
+    if kinds == {"shard"}:
+        return merge_shards(docs)
+    if kinds == {"part"}:
+        return merge_parts(docs)
+    raise ValueError("--merge takes either window shards (--shard) or arm parts (--reference), not " +
+                     ("both" if kinds >= {"shard", "part"} else "whole runs"))
+
+
 def artifact_embeddings(path):
     """Whether a quantize artifact quantized its embedding table (False without an artifact:
     the in-process vqpipe arm keeps it dense)."""
@@ -507,26 +631,49 @@ def main(argv=None):
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="measure only the I-th of N slices of the windows (0-based); --merge joins them")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                   help="join shard outputs into --out instead of measuring")
-    p.add_argument("--out", required=True, help="output JSON")
+                   help="join shard outputs (--shard) or arm parts (--reference) into --out instead of measuring")
+    p.add_argument("--reference-out", default=None, metavar="DIR",
+                   help="only run the source: write its side of every window to DIR, for --reference jobs")
+    p.add_argument("--reference", default=None, metavar="DIR",
+                   help="measure the arms against the source reference in DIR (from --reference-out)")
+    p.add_argument("--embeddings", action=argparse.BooleanOptionalAction, default=None,
+                   help="whether the affine arms quantize the embedding table (default: as the vqpipe "
+                   "artifact of their width does; dense without one)")
+    p.add_argument("--out", default=None, help="output JSON (required unless --reference-out)")
     args = p.parse_args(argv)
     try:
+        if args.out is None and args.reference_out is None:
+            raise ValueError("--out is required (unless --reference-out)")
         if args.merge:
-            record.write(args.out, "bench-quality", merge_shards([record.read(f) for f in args.merge]))
+            record.write(args.out, "bench-quality", merge([record.read(f) for f in args.merge]),
+                         inputs={"parts": args.merge})
             return 0
         if not args.source:
             raise ValueError("--source is required (unless --merge)")
+        prompts = PROMPTS[: max(0, args.gen_prompts)]
+        if args.reference_out:
+            write_reference(args.source, args.reference_out, args.windows, args.length, prompts, args.gen_tokens)
+            return 0
         shard = parse_shard(args.shard)
-        records, src, gens = quality(args.source, args.bits, args.windows, args.length, args.seed, args.rotation,
-                                     artifacts(args.quantized), args.affine_groups,
-                                     PROMPTS[: max(0, args.gen_prompts)], args.gen_tokens, arms=args.arms,
-                                     shard=shard)
+        if args.reference:
+            if args.shard:
+                raise ValueError("--shard and --reference: a reference covers every window; choose one")
+            records, src, gens, provenance = arm_part(
+                args.source, args.reference, args.bits, args.windows, args.length, args.seed, args.rotation,
+                artifacts(args.quantized), args.affine_groups, args.arms, args.embeddings)
+        else:
+            records, src, gens = quality(args.source, args.bits, args.windows, args.length, args.seed, args.rotation,
+                                         artifacts(args.quantized), args.affine_groups, prompts, args.gen_tokens,
+                                         arms=args.arms, shard=shard)
+            provenance = text.provenance()
         result = {"kind": "bench-quality", "model": args.model or Path(args.source).name,
-                  "environment": environment(), "text": text.provenance(),
+                  "environment": environment(), "text": provenance,
                   "windows": args.windows, "length": args.length,
                   "source": src, "records": records, "generations": gens}
         if args.shard:
             result["shard"] = list(shard)
+        if args.reference:
+            result["part"] = {"bits": args.bits, "arms": [m for m, _ in check_arms(args.arms, args.affine_groups)]}
         if args.timing:
             result["timing"] = timing(args.source, args.timing_bits, args.timing, args.timing_repeats)
     except (ValueError, FileNotFoundError) as e:

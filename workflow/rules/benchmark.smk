@@ -2,48 +2,75 @@
 # `benchmark:`, which a cached rule could not). Each writes one JSON for the report.
 
 
-rule bench_quality_shard:
-    # One slice of the evaluation windows (benchmarks.quality.shards of them, run in parallel);
-    # the per-window values are exact whatever the split, and bench_quality joins them.
+rule bench_quality_reference:
+    # The source's side of every evaluation window, once: its probabilities (float32, 100 MB a
+    # window for SmolLM2: temporary), entropy, argmax and generations, read by every arm job.
     input:
         source=SOURCE,
-        # The vqpipe arms are the quantize stage's artifacts (the pipeline's rotation and none),
-        # so every quantize option reaches them; affine arms are made in the job.
-        quantized=expand(QUANTIZED, model="{model}", bits=BITS, rotation=[QUALITY_ROTATION, "none"]),
         code=stage_sources("vqpipe.stages.bench_quality"),
     output:
-        temp(BENCH_QUALITY_SHARD),
+        temp(directory(BENCH_QUALITY_REFERENCE)),
+    params:
+        windows=config["benchmarks"]["quality"]["windows"],
+        length=config["benchmarks"]["quality"]["length"],
+        gen_prompts=config["benchmarks"]["quality"]["gen_prompts"],
+        gen_tokens=config["benchmarks"]["quality"]["gen_tokens"],
+        blas=BLAS,
+    log:
+        "logs/bench/{model}/quality.reference.log",
+    benchmark:
+        "results/benchmarks/bench_quality/{model}.reference.tsv"
+    priority: PRIORITY["source_only"]
+    conda:
+        ENV
+    shell:
+        vqpipe_cmd(
+            "bench-quality --source {input.source:q} --windows {params.windows} --length {params.length}"
+            " --gen-prompts {params.gen_prompts} --gen-tokens {params.gen_tokens} --reference-out {output:q}"
+        )
+
+
+rule bench_quality_arm:
+    # One arm at one bit width against the shared reference. The vqpipe arms are the quantize
+    # stage's artifacts (the pipeline's rotation, and none), so every quantize option reaches
+    # them; the affine arms are made in the job from the source alone, so they run while the
+    # calibrated model is still being quantized.
+    input:
+        source=SOURCE,
+        reference=BENCH_QUALITY_REFERENCE,
+        quantized=quality_artifact,
+        code=stage_sources("vqpipe.stages.bench_quality"),
+    output:
+        temp(BENCH_QUALITY_PART),
     params:
         model="{model}",
-        bits=BITS,
         rotation=QUALITY_ROTATION,
         windows=config["benchmarks"]["quality"]["windows"],
         length=config["benchmarks"]["quality"]["length"],
         seed=config["benchmarks"]["quality"]["seed"],
         groups=config["benchmarks"]["quality"]["affine_groups"],
-        gen_prompts=config["benchmarks"]["quality"]["gen_prompts"],
-        gen_tokens=config["benchmarks"]["quality"]["gen_tokens"],
-        shards=QUALITY_SHARDS,
+        # the affine arms quantize the embedding where the vqpipe artifacts do (checked at the merge)
+        embeddings=lambda w: "--embeddings" if quantize_option(w.model, "embeddings") else "--no-embeddings",
         blas=BLAS,
     log:
-        "logs/bench/{model}/quality.shard{shard}.log",
+        "logs/bench/{model}/quality.b{bits}-{arm}.log",
     benchmark:
-        "results/benchmarks/bench_quality/{model}.shard{shard}.tsv"
+        "results/benchmarks/bench_quality/{model}.b{bits}-{arm}.tsv"
+    priority: quality_arm_priority
     conda:
         ENV
     shell:
         vqpipe_cmd(
-            "bench-quality --source {input.source:q} --model {params.model} --bits {params.bits}"
-            " --quantized {input.quantized:q} --rotation {params.rotation} --affine-groups {params.groups}"
-            " --windows {params.windows} --length {params.length} --seed {params.seed}"
-            " --gen-prompts {params.gen_prompts} --gen-tokens {params.gen_tokens}"
-            " --shard {wildcards.shard}/{params.shards} --out {output:q}"
+            "bench-quality --source {input.source:q} --reference {input.reference:q} --model {params.model}"
+            " --bits {wildcards.bits} --arms {wildcards.arm} --rotation {params.rotation}"
+            " --affine-groups {params.groups} --windows {params.windows} --length {params.length}"
+            " --seed {params.seed} --quantized {input.quantized:q} {params.embeddings} --out {output:q}"
         )
 
 
 rule bench_quality:
     input:
-        shards=expand(BENCH_QUALITY_SHARD, model="{model}", shard=range(QUALITY_SHARDS)),
+        parts=expand(BENCH_QUALITY_PART, model="{model}", bits=BITS, arm=QUALITY_ARMS),
         code=stage_sources("vqpipe.stages.bench_quality"),
     output:
         BENCH_QUALITY,
@@ -53,7 +80,7 @@ rule bench_quality:
     conda:
         ENV
     shell:
-        vqpipe_cmd("bench-quality --merge {input.shards:q} --out {output:q}")
+        vqpipe_cmd("bench-quality --merge {input.parts:q} --out {output:q}")
 
 
 rule bench_load:
@@ -73,6 +100,7 @@ rule bench_load:
         blas=BLAS,
     log:
         "logs/bench/{model}/load.log",
+    priority: PRIORITY["source_only"]
     benchmark:
         "results/benchmarks/bench_load/{model}.tsv"
     conda:
@@ -103,6 +131,7 @@ rule bench_decode:
         blas=BLAS,
     log:
         "logs/bench/{model}/decode.log",
+    priority: PRIORITY["source_only"]
     benchmark:
         "results/benchmarks/bench_decode/{model}.tsv"
     conda:

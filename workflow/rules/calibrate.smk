@@ -18,6 +18,7 @@ rule calibrate:
         seed=lambda w: quantize_option(w.model, "calibration")["seed"],
     log:
         "logs/calibrate/{model}.log",
+    priority: priority(0)
     cache: "omit-software"
     conda:
         ENV

@@ -41,7 +41,8 @@ MOMENTS = "results/calibration/{model}"
 RESERVOIR = "results/reservoir/{model}/b{bits}-{rotation}/persist-{persist}"
 VERDICT = "results/validate/{model}/b{bits}-{rotation}/persist-{persist}.json"
 BENCH_QUALITY = "results/bench/{model}/quality.json"
-BENCH_QUALITY_SHARD = "results/bench/{model}/quality.shard{shard}.json"
+BENCH_QUALITY_REFERENCE = "results/bench/{model}/quality-reference"
+BENCH_QUALITY_PART = "results/bench/{model}/quality.b{bits}-{arm}.json"
 BENCH_LOAD = "results/bench/{model}/load.json"
 BENCH_DECODE = "results/bench/{model}/decode.json"
 BENCH_KIVI = "results/bench/kivi.json"
@@ -56,7 +57,7 @@ wildcard_constraints:
     bits=r"\d+",
     rotation="auto|hadamard|kron|qr|none",
     persist="on|off",
-    shard=r"\d+",
+    arm=r"vqpipe|unrotated|affine-g\d+",
 
 
 MODELS = list(config["models"])
@@ -66,7 +67,8 @@ PERSIST = ["on" if p else "off" for p in config["persist_rotation"]]
 # bench-quality's vqpipe arm: this rotation's quantize artifact (its unrotated arm: rotation none).
 QUALITY_ROTATION = config["benchmarks"]["quality"].get("rotation") or next(
     (r for r in ROTATIONS if r != "none"), "auto")
-QUALITY_SHARDS = config["benchmarks"]["quality"]["shards"]
+# bench-quality's arms, one job each per bit width (records in this order).
+QUALITY_ARMS = ["vqpipe", "unrotated"] + [f"affine-g{g}" for g in config["benchmarks"]["quality"]["affine_groups"]]
 
 
 def fan_out(pattern):
@@ -95,6 +97,12 @@ def bench_outputs():
     if config["benchmarks"]["kivi"]["enabled"]:
         out.append(BENCH_KIVI)
     return out
+
+
+def quality_artifact(wc):
+    """The quantize artifact a bench-quality arm measures: its rotation's, or none (affine)."""
+    rotation = {"vqpipe": QUALITY_ROTATION, "unrotated": "none"}.get(wc.arm)
+    return [QUANTIZED.format(model=wc.model, bits=wc.bits, rotation=rotation)] if rotation else []
 
 
 def decode_artifact(pattern):
@@ -156,6 +164,52 @@ def vqpipe_cmd(args):
     reach the log as they happen.
     """
     return f"OPENBLAS_NUM_THREADS={{threads}} PYTHONUNBUFFERED=1 python -m vqpipe {args} > {{log:q}} 2>&1"
+
+
+# --- scheduling ---------------------------------------------------------------------------------
+# On a few cores a run takes as long as its longest chain: a calibrated model's download ->
+# calibrate -> quantize -> bench-quality's vqpipe and unrotated arms (docs/workflow.md measures
+# it). Its jobs go first; then the long jobs that need only a source (bench-quality's reference
+# and affine arms, bench-load) and bench-decode with the few jobs making its reservoir, which
+# fill the other cores while the chain runs; everything else (short jobs: the synthetic models'
+# matrix, packing, validation) last, filling the cores at the end. Snakemake runs the ready job
+# of highest priority first.
+PRIORITY = {"chain": 100, "source_only": 50, "rest": 0}
+
+
+def calibrated(model):
+    """Whether ``model``'s quantize jobs read calibration text (the long chain)."""
+    return quantize_option(model, "calibration")["text"] != "none"
+
+
+def feeds_decode(w):
+    """Whether a download/quantize/pack/validate job makes (part of) the reservoir bench-decode measures."""
+    c = config["benchmarks"]["decode"]
+    if not c["enabled"] or w.model not in bench_models("decode"):
+        return False
+    if "rotation" in w.keys() and (int(w.bits), w.rotation) != (c["bits"], c["rotation"]):
+        return False
+    return w.get("persist", None) in (None, "on" if c["persist_rotation"] else "off")
+
+
+def priority(step=None):
+    """The priority function of a rule whose jobs are ``step`` along a calibrated model's chain
+    (0 first; None: never on it)."""
+
+    def of(w):
+        if step is not None and calibrated(w.model):
+            return PRIORITY["chain"] - step
+        return PRIORITY["source_only"] if feeds_decode(w) else PRIORITY["rest"]
+
+    return of
+
+
+def quality_arm_priority(w):
+    """bench-quality's vqpipe and unrotated arms are the end of a calibrated model's chain; its
+    affine arms need only the source."""
+    if w.arm not in ("vqpipe", "unrotated"):
+        return PRIORITY["source_only"]
+    return PRIORITY["chain"] - 2 if calibrated(w.model) else PRIORITY["rest"]
 
 
 # --- per-model options --------------------------------------------------------------------------

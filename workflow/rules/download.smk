@@ -15,6 +15,7 @@ rule download:
         dtype=lambda wc: config["models"][wc.model]["dtype"],
     log:
         "logs/download/{model}.log",
+    priority: priority(0)
     cache: "omit-software"
     conda:
         ENV

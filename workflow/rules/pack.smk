@@ -17,6 +17,7 @@ rule pack:
         persist_rotation="{persist}",
     log:
         "logs/pack/{model}/b{bits}-{rotation}/persist-{persist}.log",
+    priority: priority()
     cache: "omit-software"
     conda:
         ENV

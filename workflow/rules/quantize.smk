@@ -27,6 +27,7 @@ rule quantize:
         flags=lambda w: quantize_flags(w.model),
     log:
         "logs/quantize/{model}/b{bits}-{rotation}.log",
+    priority: priority(1)
     cache: "omit-software"
     conda:
         ENV

@@ -24,6 +24,7 @@ rule validate:
         blas=BLAS,
     log:
         "logs/validate/{model}/b{bits}-{rotation}/persist-{persist}.log",
+    priority: priority()
     conda:
         ENV
     shell:
