@@ -473,21 +473,21 @@ def test_precompiled_kernel_source():
     other = decode_kernel.render_precompiled(mx.float16, 4, 32, 128, 4, shape._replace(minblocks=0))
     assert other[0] != name and "__launch_bounds__(256) " in other[1]
     assert decode_kernel.PRE_INPUTS == ["q", "kc", "kp", "vc", "vp", "rk", "rv", "scratch", "counters", "after"]
-    from vqpipe.kivi import nvrtc
+    from vqpipe import nvrtc
 
     try:
-        nvrtc.library()
+        nvrtc.include_dir()
     except RuntimeError:
-        pytest.skip("no NVRTC library here")
-    ptx = nvrtc.ptx(src, name, "compute_90", decode_kernel._cuda_include())
+        pytest.skip("no NVRTC library or CUDA headers here")
+    ptx, _ = nvrtc.ptx(src, "compute_90", name=name)
     assert f".entry {name}(".encode() in ptx and b".maxntid 256" in ptx and b".minnctapersm 2" in ptx
 
 
 def test_precompiled_launch_arguments(monkeypatch):
     """What the precompiled launch hands MLX (recorded, no GPU): the arrays in the kernel's order,
-    the sizes and the scale's bits as int scalars, the cuda_kernel launch's grid, and the PTX on
+    the sizes and the scale's bits as int scalars, the cuda_kernel launch's grid, and the cubin on
     every call (MLX names the module after a hash of it), compiled once."""
-    from vqpipe.kivi import nvrtc
+    from vqpipe import nvrtc
 
     calls, outs, compiles = [], [], []
 
@@ -497,15 +497,16 @@ def test_precompiled_launch_arguments(monkeypatch):
         return [outs[-1]]
 
     monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", fake)
-    monkeypatch.setattr(nvrtc, "ptx", lambda src, name, arch, options=(): compiles.append(name) or b"PTX\0")
-    monkeypatch.setattr(decode_kernel, "_pre_ptx", {})
+    monkeypatch.setattr(nvrtc, "cubin", lambda src, arch, options=(), name="k": (compiles.append((name, arch)) or b"CUBIN", ""))
+    monkeypatch.setattr(decode_kernel, "_pre_binaries", {})
     k, v = _kv(1, 2, 700, 128, "float16")
     c = _filled(4, 32, 128, k, v, [699, 1])
     q = mx.zeros((1, 8, 1, 128), mx.float16)
     decode_kernel.decode_precompiled(q, c, 0.125)
     decode_kernel.decode_precompiled(q, c, 0.125)
     first, second = calls
-    assert first["compiled_source"] == second["compiled_source"] == b"PTX\0" and compiles == [first["name"]]
+    assert first["compiled_source"] == second["compiled_source"] == b"CUBIN"
+    assert compiles == [(first["name"], decode_kernel._arch("cubin"))] and compiles[0][1].startswith("sm_")
     _, spec, _ = decode_kernel.launch_args(q, c, 0.125, version="v3")
     rk, rv, nres = c.residual_buffers()
     assert first["scalars"] == [c.quantized, nres, c.kc.shape[2], c.vc.shape[2], rk.shape[2], c.scratch[0].shape[1],

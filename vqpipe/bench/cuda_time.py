@@ -7,14 +7,13 @@ with a small prelude instead of MLX's device headers: the kernel body uses only 
 the float types), launches it on device buffers and times a run of launches between two CUDA
 events. Nothing here needs MLX.
 
-Used by vqpipe/bench/qmv_gpu_time.py; NVRTC and the CUDA headers come from NVIDIA's Python
-packages (site-packages/nvidia/cu13), libcuda from the driver.
+Used by vqpipe/bench/qmv_gpu_time.py; NVRTC and the CUDA headers are found by vqpipe/nvrtc.py
+(NVIDIA's Python packages, site-packages/nvidia/cu13, or the toolkit), libcuda comes from the driver.
 """
 
 import ctypes
-import glob
-import os
-import sys
+
+from .. import nvrtc
 
 MAX_NDIM = 10  # mlx/backend/cuda/device/config.h: Shape is an array of MAX_NDIM int32
 CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "uint32": "uint32_t",
@@ -26,32 +25,6 @@ typedef unsigned int uint32_t;
 typedef int int32_t;
 struct Shape { int32_t v[%d]; __device__ int32_t operator[](int i) const { return v[i]; } };
 """ % MAX_NDIM
-
-
-def _site_dirs():
-    return [p for p in sys.path if p and os.path.isdir(os.path.join(p, "nvidia"))]
-
-
-def cuda_include():
-    for p in _site_dirs():
-        for d in sorted(glob.glob(os.path.join(p, "nvidia", "cu1*", "include"))):
-            if os.path.exists(os.path.join(d, "cuda_bf16.h")):
-                return d
-    for d in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
-        if d and os.path.exists(os.path.join(d, "include", "cuda_bf16.h")):
-            return os.path.join(d, "include")
-    raise RuntimeError("cuda_time: no CUDA headers (site-packages/nvidia/cu13/include or CUDA_HOME)")
-
-
-def _nvrtc():
-    for p in _site_dirs():
-        for f in sorted(glob.glob(os.path.join(p, "nvidia", "cu1*", "lib", "libnvrtc.so.1*"))):
-            # NVRTC dlopens its builtins by name: load them first from the same folder
-            for b in glob.glob(os.path.join(os.path.dirname(f), "libnvrtc-builtins.so.*")):
-                ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
-                break
-            return ctypes.CDLL(f)
-    return ctypes.CDLL("libnvrtc.so")
 
 
 def kernel_source(name, header, body, inputs, outputs, template):
@@ -73,25 +46,9 @@ def kernel_source(name, header, body, inputs, outputs, template):
 
 
 def compile_cubin(source, arch="sm_90a", extra=()):
-    """(cubin bytes, log) of ``source`` for ``arch``, with MLX's NVRTC options."""
-    lib = _nvrtc()
-    prog = ctypes.c_void_p()
-    _ok(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"k.cu", 0, None, None), "nvrtcCreateProgram")
-    opts = [b"--device-as-default-execution-space", f"--gpu-architecture={arch}".encode(),
-            f"--include-path={cuda_include()}".encode(), *(o.encode() for o in extra)]
-    arr = (ctypes.c_char_p * len(opts))(*opts)
-    res = lib.nvrtcCompileProgram(prog, len(opts), arr)
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    if res != 0:
-        raise RuntimeError(f"NVRTC failed ({res}):\n{log.value.decode()}")
-    lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-    cubin = ctypes.create_string_buffer(size.value)
-    _ok(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return cubin.raw, log.value.decode()
+    """(cubin bytes, log) of ``source`` for ``arch`` (vqpipe/nvrtc.py) with the option MLX's JIT
+    adds (``--device-as-default-execution-space``, mlx/backend/cuda/jit_module.cpp)."""
+    return nvrtc.cubin(source, arch, ("--device-as-default-execution-space", *extra))
 
 
 def _ok(res, what):

@@ -17,7 +17,14 @@ step as a decode step runs them, interleaved in one process with an A/A copy of 
   kernel (decode_kernel version "v2") with the current launch, ``kivi4-v2-full`` the same with its
   source unminified (comments and indentation: MLX rebuilds the source string every call);
   ``kivi4-pre``: the current kernel through ``mx.fast.precompiled_cuda_kernel`` (sizes and scale
-  as scalar arguments, no counts array, no source string per call).
+  as scalar arguments, no counts array, no source string per call; the cubin handed over per call),
+  ``kivi4-pre-ptx`` the same with the PTX;
+- latency, as a model's layers see it: ``sdpa-chain`` / ``kivi4-chain``: each layer's query is the
+  previous layer's output, so the 32 launches run one after another (in the arms above they are
+  independent); ``sdpa-step`` / ``kivi4-step``: the same chain with each layer's cache update
+  first (a new token's key and value sliced from the previous output, mlx-lm's ``KVCache`` against
+  ``PackedKIVICache`` through ``attention.attend``, as the model calls them; caches of their own,
+  growing one token per call, so a flush falls in every 32 calls).
 
 Per arm and sample: ``build`` (Python builds the step's graph, no evaluation), ``dispatch`` (build
 plus ``mx.async_eval``: everything the host does before waiting) and ``total`` (through
@@ -33,6 +40,7 @@ import sys
 import time
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from . import env, harness
 from ..fsutil import write_json
@@ -103,8 +111,28 @@ def _caches(s, layers):
     return fp, kv
 
 
+def _chain(x, layers, attend):
+    """The layers' attention one after another: each query the previous output (a model's order)."""
+    for layer in layers:
+        x = attend(x, layer)
+    return [x]
+
+
+def _step_caches(fp, names):
+    """Caches of their own for the step arms (they grow), filled with the same keys and values."""
+    steps = {}
+    for name, make in (("sdpa-step", KVCache), ("kivi4-step", lambda: PackedKIVICache(4, 32, 128))):
+        if name in names:
+            steps[name] = [make() for _ in fp]
+            for c, (k, v) in zip(steps[name], fp):
+                c.update_and_fetch(k, v)
+            mx.eval([c.state[:6] if isinstance(c, PackedKIVICache) else c.state for c in steps[name]])
+    return steps
+
+
 def _arms(fp, kv, qs, scale, names):
     n = len(qs)
+    steps = _step_caches(fp, names)
     q = lambda i, j: qs[(i + j) % n]  # noqa: E731
     fixed = [decode_kernel.launch_args(qs[0], c, scale)[0] for c in kv]
     mx.eval(fixed)
@@ -121,6 +149,13 @@ def _arms(fp, kv, qs, scale, names):
         "kivi4": lambda i: [_kivi(q(i, j), c, scale) for j, c in enumerate(kv)],
         "kivi4-v2": lambda i: [_kivi(q(i, j), c, scale, version="v2") for j, c in enumerate(kv)],
         "kivi4-pre": lambda i: [decode_kernel.decode_precompiled(q(i, j), c, scale) for j, c in enumerate(kv)],
+        "kivi4-pre-ptx": lambda i: [decode_kernel.decode_precompiled(q(i, j), c, scale, binary="ptx") for j, c in enumerate(kv)],
+        "sdpa-chain": lambda i: _chain(q(i, 0), fp, lambda x, kv_: mx.fast.scaled_dot_product_attention(x, *kv_, scale=scale)),
+        "kivi4-chain": lambda i: _chain(q(i, 0), kv, lambda x, c: decode_kernel.decode_attention(x, c, scale)),
+        "sdpa-step": lambda i: _chain(q(i, 0), steps["sdpa-step"], lambda x, c: mx.fast.scaled_dot_product_attention(
+            x, *c.update_and_fetch(x[:, :HK], x[:, HK : 2 * HK]), scale=scale)),
+        "kivi4-step": lambda i: _chain(q(i, 0), steps["kivi4-step"], lambda x, c: attention.attend(
+            x, c.update_and_fetch(x[:, :HK], x[:, HK : 2 * HK])[0], scale, None)),
         "kivi4-v2-full": lambda i: [_kivi(q(i, j), c, scale, version="v2", minify=False) for j, c in enumerate(kv)],
         "kivi4-compiled": lambda i: [_kivi(q(i, j), c, scale, compiled=True) for j, c in enumerate(kv)],
     }
@@ -171,7 +206,7 @@ def measure(s, args):
             failed[name] = f"{type(e).__name__}: {e}"
             del arms[name]
     check = {}
-    for name in ("kivi4-float3", "kivi4-compiled"):
+    for name in ("kivi4-float3", "kivi4-compiled", "kivi4-pre", "kivi4-pre-ptx"):
         if name in arms and "kivi4" in arms:
             check[name] = bool(mx.array_equal(arms[name](0)[0], arms["kivi4"](0)[0]).item())
     times = run_parts(harness.with_aa(arms, "sdpa"), args.inputs, args.repeats, args.warmup)
@@ -237,7 +272,7 @@ def _prefill_rows(s, args, hq, hk, d, label):
 
 
 ARMS = ("sdpa", "add", "noop1", "noop1-compiled", "noop11-float3", "noop11", "noop11-fixed", "kivi4-float3", "kivi4", "kivi4-v2",
-        "kivi4-v2-full", "kivi4-pre", "kivi4-compiled")
+        "kivi4-v2-full", "kivi4-pre", "kivi4-pre-ptx", "kivi4-compiled", "sdpa-chain", "kivi4-chain", "sdpa-step", "kivi4-step")
 
 
 def parse_args(argv):

@@ -1080,12 +1080,13 @@ def launch_args(queries, cache, scale, splits=None, warps=None, meta=None, versi
 
 
 # --- the precompiled launch (opt-in: launch="precompiled" or VQPIPE_KIVI_LAUNCH=precompiled) ---------
-# mx.fast.precompiled_cuda_kernel takes PTX and scalar arguments: the sizes and the scale arrive as
-# kernel parameters (no counts array, no shape arguments) and __launch_bounds__ is written plainly.
-# It takes the PTX on every call (217 kB for v3 at 4 bits): MLX names the loaded module after a hash
-# of it, so a call with other bytes (the fourth window tried empty ones after a warm-up launch) is
-# a miss and fails to load ("Binary format ... is not recognized", H200). Whether it is still
-# cheaper on the host than cuda_kernel's per-call source build is unmeasured.
+# mx.fast.precompiled_cuda_kernel takes a cubin or PTX and scalar arguments: the sizes and the scale
+# arrive as kernel parameters (no counts array, no shape arguments) and __launch_bounds__ is written
+# plainly. It takes the binary on every call: MLX 0.32 names the loaded module after std::hash of
+# the bytes, computed at every launch (mlx/backend/cuda/custom_kernel.cpp, eval_gpu), so a call with
+# other bytes (the fourth window tried empty ones after a warm-up launch) is a miss and fails to load
+# ("Binary format ... is not recognized", H200). The cubin (NVRTC, the device's sm_XY) is the
+# default: smaller than the PTX (217 kB for v3 at 4 bits), so less to copy and hash per call.
 LAUNCH_MODES = ("mlx", "precompiled")
 LAUNCH = os.environ.get("VQPIPE_KIVI_LAUNCH", "mlx")
 if LAUNCH not in LAUNCH_MODES:
@@ -1128,45 +1129,41 @@ def render_precompiled(dtype, bits, g, d, r, shape):
     return name, _minified(head + _PRE_SIGNATURE.format(bounds=bounds, name=name) + body + "}\n")
 
 
-def _cuda_include():
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"  # as MLX's JIT looks
-    return [f"--include-path={home}/include"]
+_pre_binaries = {}  # (name, binary) -> bytes
 
 
-_pre_ptx = {}  # name -> PTX bytes
-
-
-def _arch():
-    """PTX target: the device's "sm_XY" where MLX reports one, else compute_80 (the driver compiles
-    PTX for the device it loads on)."""
+def _arch(binary):
+    """NVRTC's target: the device's architecture where MLX reports one (sm_XY for a cubin,
+    compute_XY for PTX, which the driver compiles for the device it loads on), else 80."""
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     m = re.fullmatch(r"(?:sm|compute)_(\d+)a?", str(info.get("architecture", "")))
-    return f"compute_{m.group(1) if m else '80'}"
+    return f"{'sm' if binary == 'cubin' else 'compute'}_{m.group(1) if m else '80'}"
 
 
-def _precompiled(dtype, bits, g, d, r, shape):
-    """(name, PTX) of a precompiled kernel, compiled with NVRTC on first use."""
-    from . import nvrtc
+def _precompiled(dtype, bits, g, d, r, shape, binary):
+    """(name, bytes) of a precompiled kernel, compiled with NVRTC on first use."""
+    from .. import nvrtc
 
     name, src = render_precompiled(dtype, bits, g, d, r, shape)
-    if name not in _pre_ptx:
-        _pre_ptx[name] = nvrtc.ptx(src, name, _arch(), _cuda_include())
-    return name, _pre_ptx[name]
+    if (name, binary) not in _pre_binaries:
+        _pre_binaries[name, binary] = getattr(nvrtc, binary)(src, _arch(binary), name=name)[0]
+    return name, _pre_binaries[name, binary]
 
 
-def decode_precompiled(queries, cache, scale, splits=None, warps=None, ahead=None, minblocks=None):
+def decode_precompiled(queries, cache, scale, splits=None, warps=None, ahead=None, minblocks=None, binary="cubin"):
     """v3 through ``mx.fast.precompiled_cuda_kernel``: the same kernel body and arithmetic as
-    :func:`decode_attention`'s v3 launch (the same sums), sizes and scale as scalars."""
+    :func:`decode_attention`'s v3 launch (the same sums), sizes and scale as scalars; ``binary``
+    "cubin" or "ptx" (what MLX gets, and hashes, on every call)."""
     inputs, spec, shape = launch_args(queries, cache, scale, splits, warps, "small", "v3", ahead, minblocks, counts=False)
     rk = inputs[5]
     t = dict(spec["template"])
-    name, ptx = _precompiled(rk.dtype, t["BITS"], t["G"], t["D"], t["R"], shape)
+    name, blob = _precompiled(rk.dtype, t["BITS"], t["G"], t["D"], t["R"], shape, binary)
     # the scale as its float32 bits: MLX 0.32.4's binding refuses a Python float scalar ("Invalid
     # scalar argument type. Received float", H200, fourth window)
     scalars = [cache.quantized, cache.residual_buffers()[2], inputs[1].shape[2], inputs[3].shape[2], rk.shape[2],
                inputs[8].shape[1], scale_bits(scale)]
     arrays = [x for n, x in zip(INPUTS, inputs) if n != "meta"]
-    out = mx.fast.precompiled_cuda_kernel(name=name, compiled_source=ptx, inputs=arrays, output_shapes=spec["output_shapes"],
+    out = mx.fast.precompiled_cuda_kernel(name=name, compiled_source=blob, inputs=arrays, output_shapes=spec["output_shapes"],
                                           output_dtypes=spec["output_dtypes"], scalars=scalars, grid=spec["grid"],
                                           threadgroup=spec["threadgroup"], ensure_row_contiguous=True)[0]
     cache.last_out = out
