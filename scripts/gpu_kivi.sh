@@ -5,7 +5,8 @@
 # On the team's NVIDIA host (MLX CUDA backend, offline), after staging the runtime bundle
 # (docs/kivi.md, "Running on a GPU"):   bash scripts/gpu_kivi.sh
 # Elsewhere (e.g. a Mac with Metal):      PYTHON=.venv/bin/python bash scripts/gpu_kivi.sh
-# STEPS picks steps (default "kernels bench generation cpu_suite"; the packed cache's steps are
+# STEPS picks steps (default "kernels bench generation cpu_suite"; "nvrtc": vqpipe/nvrtc.py and its
+# callers; the packed cache's steps are
 # "attn", its kernel tests, and "bench_attn", bench-kivi-attn with ATTN_ARGS, or its parts one
 # process each: "attn_op", "attn_memory", "attn_decode"; "pick_shape" exports the fastest v3 launch
 # shapes of attn_op's run and "attn_op2" runs the op part again (OP2_ARGS) with them; the launch-cost
@@ -52,6 +53,16 @@ fi
 
 want generation && echo "== generation, kernels on vs off, synthetic presets $(since)" &&
 pt generation 240 --maxfail=3 tests/test_kivi_kernels.py -m gpu -k generation
+
+# vqpipe/nvrtc.py and both of its callers: its tests (the GPU one launches a cubin through
+# cuda_time's driver calls and PTX through mx.fast.precompiled_cuda_kernel), the qmv harness's
+# tests, and a short run of the qmv GPU-time harness itself (QMV_ARGS).
+if want nvrtc; then
+  echo "== nvrtc: tests, qmv GPU-time harness $(since)"
+  pt nvrtc 120 tests/test_nvrtc.py tests/test_qmv_gpu_time.py
+  timeout ${QMV_LIMIT:-90} $PY -m vqpipe.bench.qmv_gpu_time --out "$OUT/qmv_gpu_time.json" \
+    ${QMV_ARGS:---cases qwen-gateup:4:1 --variants qmv:auto:0 --repeats 5 --warmup 1} 2>&1 | tail -n 8
+fi
 
 want attn && echo "== packed cache: decode-attention kernel tests $(since)" &&
 pt attn ${ATTN_TEST_LIMIT:-300} --maxfail=5 tests/test_kivi_attention.py -m gpu ${ATTN_K:+-k "$ATTN_K"}
@@ -122,7 +133,7 @@ if want ncu; then
   echo "== ncu $(since)"
   if command -v ncu >/dev/null; then
     timeout ${NCU_LIMIT:-60} ncu --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-      --section MemoryWorkloadAnalysis -k regex:kivi_decode_attn -c 1 \
+      --section MemoryWorkloadAnalysis --section SchedulerStats -k regex:kivi_decode_attn -c 1 \
       $PY -m vqpipe.bench.kivi_floor --out "$OUT/kivi_floor_ncu.json" ${NCU_ARGS:---contexts 32768 --layers 2 --repeats 1 --warmup 0 --arms sdpa,kivi4} \
       >"$OUT/ncu.log" 2>&1
     tail -n 80 "$OUT/ncu.log"
@@ -135,7 +146,7 @@ want cpu_suite && echo "== quantizer, cache and dispatch tests on this device (k
 pt cpu_suite 120 tests/test_kivi_quant.py tests/test_kivi_cache.py tests/test_kivi_kernels.py -m "not gpu"
 
 echo "== summary $(since)"
-for f in kernels generation attn cpu_suite; do
+for f in kernels generation nvrtc attn cpu_suite; do
   [ -f "$OUT/$f.log" ] || continue
   printf '%-10s ' "$f"
   grep -E "^[0-9]+ (passed|failed)|(passed|failed|skipped|error).* in [0-9.]+s" "$OUT/$f.log" | tail -n 1

@@ -603,19 +603,23 @@ def test_kernel_within_float32_bound_for_every_split_count(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(kernels.backend() != "cuda", reason="the precompiled launch is CUDA's")
-def test_precompiled_launch_within_float32_bound():
-    """v3 through mx.fast.precompiled_cuda_kernel (opt-in; it failed twice on the H200, fourth
-    window, before its scalars and PTX were fixed): the same kernel body, within the bound and of
-    the cuda_kernel launch."""
-    k, v = _kv(1, 8, 4133, 128, "float16", seed=4133 + 128)
-    c = _filled(4, 32, 128, k, v, [4132, 1])
-    q = (mx.random.normal((1, 32, 1, 128), key=mx.random.key(4133)) * 1.5).astype(mx.float16)
-    want, tol = reference(q, c, 128**-0.5)
-    pre = decode_kernel.decode_attention(q, c, 128**-0.5, launch="precompiled")
-    assert_within(pre, q, c, 128**-0.5, None, "precompiled")
-    ref = decode_kernel.decode_attention(q, c, 128**-0.5)
-    diff = np.abs(np.array(pre.astype(mx.float32)) - np.array(ref.astype(mx.float32)))
-    assert np.all(diff <= 2 * tol + 2 * _ulp(want, "float16"))
+@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[8]], ids=lambda c: "-".join(map(str, c)))
+def test_precompiled_launch_within_float32_bound(case):
+    """v3 through mx.fast.precompiled_cuda_kernel, as a cubin and as PTX (it failed twice on the
+    H200, fourth window, before its scalars and binary were fixed): the same kernel body, within
+    the bound and of the cuda_kernel launch, for every split count."""
+    dt, bits, g, d, hk, ratio, s, res, _ = case
+    k, v = _kv(1, hk, s, d, dt, seed=s + d)
+    c = _filled(bits, g, res, k, v, [s - 1, 1])
+    q = (mx.random.normal((1, hk * ratio, 1, d), key=mx.random.key(s)) * 1.5).astype(getattr(mx, dt))
+    want, tol = reference(q, c, d**-0.5)
+    ref = np.array(decode_kernel.decode_attention(q, c, d**-0.5).astype(mx.float32))
+    for binary, ns in itertools.product(("cubin", "ptx"), (None, 1, 7)):
+        pre = decode_kernel.decode_precompiled(q, c, d**-0.5, splits=ns, binary=binary)
+        assert_within(pre, q, c, d**-0.5, None, f"precompiled {binary} splits {ns}")
+        assert np.all(np.abs(np.array(pre.astype(mx.float32)) - ref) <= 2 * tol + 2 * _ulp(want, dt))
+    assert mx.array_equal(decode_kernel.decode_attention(q, c, d**-0.5, launch="precompiled"),
+                          decode_kernel.decode_precompiled(q, c, d**-0.5))
 
 
 @pytest.mark.gpu

@@ -311,7 +311,8 @@ def main(argv=None):
             print(f"floor S={s} (us per layer, median [min-max], n={args.repeats}, A/A floor {row['noise_floor']:.1%}):", flush=True)
             for name, a in row["arms"].items():
                 print("  " + f"{name:<16}" + "  ".join(f"{k} {a[k]['median'] * 1e6:7.1f} [{a[k]['min'] * 1e6:.1f}-{a[k]['max'] * 1e6:.1f}]"
-                                                      for k in ("build", "dispatch", "total")), flush=True)
+                                                      for k in ("build", "dispatch", "total"))
+                      + f"  device~ {(a['total']['median'] - a['dispatch']['median']) * 1e6:.1f}", flush=True)
             if row["failed"]:
                 print(f"  failed: {row['failed']}", flush=True)
             print(f"  same output as kivi4: {row['same_output_as_kivi4']}", flush=True)
