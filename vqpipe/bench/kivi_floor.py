@@ -24,7 +24,8 @@ step as a decode step runs them, interleaved in one process with an A/A copy of 
   independent); ``sdpa-step`` / ``kivi4-step``: the same chain with each layer's cache update
   first (a new token's key and value sliced from the previous output, mlx-lm's ``KVCache`` against
   ``PackedKIVICache`` through ``attention.attend``, as the model calls them; caches of their own,
-  growing one token per call, so a flush falls in every 32 calls).
+  growing one token per call, so a flush falls in every 32 calls). ``-c1`` / ``-c2``: the same
+  with splits for 1 or 2 chunks per warp instead of the default shape's (more, shorter blocks).
 
 Per arm and sample: ``build`` (Python builds the step's graph, no evaluation), ``dispatch`` (build
 plus ``mx.async_eval``: everything the host does before waiting) and ``total`` (through
@@ -118,10 +119,17 @@ def _chain(x, layers, attend):
     return [x]
 
 
+def _splits(c, per_warp):
+    """Splits for ``per_warp`` chunks per warp at the default warp count (the -cN arms)."""
+    chunks = c.quantized // 32 + -(-c.nres // 32)
+    return decode_kernel.default_splits(chunks, decode_kernel.default_shape(4).warps, per_warp)
+
+
 def _step_caches(fp, names):
     """Caches of their own for the step arms (they grow), filled with the same keys and values."""
     steps = {}
-    for name, make in (("sdpa-step", KVCache), ("kivi4-step", lambda: PackedKIVICache(4, 32, 128))):
+    packed = lambda: PackedKIVICache(4, 32, 128)  # noqa: E731
+    for name, make in (("sdpa-step", KVCache), ("kivi4-step", packed), ("kivi4-step-c1", packed)):
         if name in names:
             steps[name] = [make() for _ in fp]
             for c, (k, v) in zip(steps[name], fp):
@@ -150,6 +158,11 @@ def _arms(fp, kv, qs, scale, names):
         "kivi4-v2": lambda i: [_kivi(q(i, j), c, scale, version="v2") for j, c in enumerate(kv)],
         "kivi4-pre": lambda i: [decode_kernel.decode_precompiled(q(i, j), c, scale) for j, c in enumerate(kv)],
         "kivi4-pre-ptx": lambda i: [decode_kernel.decode_precompiled(q(i, j), c, scale, binary="ptx") for j, c in enumerate(kv)],
+        "kivi4-c1": lambda i: [decode_kernel.decode_attention(q(i, j), c, scale, splits=_splits(c, 1)) for j, c in enumerate(kv)],
+        "kivi4-chain-c1": lambda i: _chain(q(i, 0), kv, lambda x, c: decode_kernel.decode_attention(x, c, scale, splits=_splits(c, 1))),
+        "kivi4-chain-c2": lambda i: _chain(q(i, 0), kv, lambda x, c: decode_kernel.decode_attention(x, c, scale, splits=_splits(c, 2))),
+        "kivi4-step-c1": lambda i: _chain(q(i, 0), steps["kivi4-step-c1"], lambda x, c: decode_kernel.decode_attention(
+            x, c.update_and_fetch(x[:, :HK], x[:, HK : 2 * HK])[0], scale, splits=_splits(c, 1))),
         "sdpa-chain": lambda i: _chain(q(i, 0), fp, lambda x, kv_: mx.fast.scaled_dot_product_attention(x, *kv_, scale=scale)),
         "kivi4-chain": lambda i: _chain(q(i, 0), kv, lambda x, c: decode_kernel.decode_attention(x, c, scale)),
         "sdpa-step": lambda i: _chain(q(i, 0), steps["sdpa-step"], lambda x, c: mx.fast.scaled_dot_product_attention(
@@ -272,7 +285,8 @@ def _prefill_rows(s, args, hq, hk, d, label):
 
 
 ARMS = ("sdpa", "add", "noop1", "noop1-compiled", "noop11-float3", "noop11", "noop11-fixed", "kivi4-float3", "kivi4", "kivi4-v2",
-        "kivi4-v2-full", "kivi4-pre", "kivi4-pre-ptx", "kivi4-compiled", "sdpa-chain", "kivi4-chain", "sdpa-step", "kivi4-step")
+        "kivi4-v2-full", "kivi4-pre", "kivi4-pre-ptx", "kivi4-compiled", "kivi4-c1", "sdpa-chain", "kivi4-chain", "kivi4-chain-c1", "kivi4-chain-c2", "sdpa-step",
+        "kivi4-step", "kivi4-step-c1")
 
 
 def parse_args(argv):
