@@ -21,7 +21,8 @@ step as a decode step runs them, interleaved in one process with an A/A copy of 
   ``kivi4-pre-ptx`` the same with the PTX;
 - latency, as a model's layers see it: ``sdpa-chain`` / ``kivi4-chain``: each layer's query is the
   previous layer's output, so the 32 launches run one after another (in the arms above they are
-  independent); ``sdpa-step`` / ``kivi4-step``: the same chain with each layer's cache update
+  independent); ``sdpa-vchain`` the same over slices of buffers one 256-token step longer, as
+  mlx-lm's ``KVCache`` hands them over (MLX's CUDA SDPA checks for such slices); ``sdpa-step`` / ``kivi4-step``: the same chain with each layer's cache update
   first (a new token's key and value sliced from the previous output, mlx-lm's ``KVCache`` against
   ``PackedKIVICache`` through ``attention.attend``, as the model calls them; caches of their own,
   growing one token per call, so a flush falls in every 32 calls). ``-c1`` / ``-c2``: the same
@@ -135,12 +136,17 @@ def _step_caches(fp, names):
             for c, (k, v) in zip(steps[name], fp):
                 c.update_and_fetch(k, v)
             mx.eval([c.state[:6] if isinstance(c, PackedKIVICache) else c.state for c in steps[name]])
+    if "sdpa-vchain" in names:  # buffers one 256-token step longer, read through slices as KVCache returns them
+        pad = mx.zeros((1, HK, 256, D), mx.float16)
+        steps["sdpa-vchain"] = [(mx.concatenate([k, pad], axis=2), mx.concatenate([v, pad], axis=2)) for k, v in fp]
+        mx.eval(steps["sdpa-vchain"])
     return steps
 
 
 def _arms(fp, kv, qs, scale, names):
     n = len(qs)
     steps = _step_caches(fp, names)
+    s_len = fp[0][0].shape[2]
     q = lambda i, j: qs[(i + j) % n]  # noqa: E731
     fixed = [decode_kernel.launch_args(qs[0], c, scale)[0] for c in kv]
     mx.eval(fixed)
@@ -165,6 +171,8 @@ def _arms(fp, kv, qs, scale, names):
             x, c.update_and_fetch(x[:, :HK], x[:, HK : 2 * HK])[0], scale, splits=_splits(c, 1))),
         "sdpa-chain": lambda i: _chain(q(i, 0), fp, lambda x, kv_: mx.fast.scaled_dot_product_attention(x, *kv_, scale=scale)),
         "kivi4-chain": lambda i: _chain(q(i, 0), kv, lambda x, c: decode_kernel.decode_attention(x, c, scale)),
+        "sdpa-vchain": lambda i: _chain(q(i, 0), steps["sdpa-vchain"], lambda x, kv_: mx.fast.scaled_dot_product_attention(
+            x, kv_[0][..., :s_len, :], kv_[1][..., :s_len, :], scale=scale)),
         "sdpa-step": lambda i: _chain(q(i, 0), steps["sdpa-step"], lambda x, c: mx.fast.scaled_dot_product_attention(
             x, *c.update_and_fetch(x[:, :HK], x[:, HK : 2 * HK]), scale=scale)),
         "kivi4-step": lambda i: _chain(q(i, 0), steps["kivi4-step"], lambda x, c: attention.attend(
@@ -285,7 +293,7 @@ def _prefill_rows(s, args, hq, hk, d, label):
 
 
 ARMS = ("sdpa", "add", "noop1", "noop1-compiled", "noop11-float3", "noop11", "noop11-fixed", "kivi4-float3", "kivi4", "kivi4-v2",
-        "kivi4-v2-full", "kivi4-pre", "kivi4-pre-ptx", "kivi4-compiled", "kivi4-c1", "sdpa-chain", "kivi4-chain", "kivi4-chain-c1", "kivi4-chain-c2", "sdpa-step",
+        "kivi4-v2-full", "kivi4-pre", "kivi4-pre-ptx", "kivi4-compiled", "kivi4-c1", "sdpa-chain", "sdpa-vchain", "kivi4-chain", "kivi4-chain-c1", "kivi4-chain-c2", "sdpa-step",
         "kivi4-step", "kivi4-step-c1")
 
 
