@@ -461,63 +461,6 @@ def test_launch_inputs_scale_counts_and_scratch_slots():
     assert old[7].tolist() == [0.25, c.quantized, c.nres] and "SCALE_BITS" not in dict(spec3["template"])
 
 
-def test_precompiled_kernel_source():
-    """v3 as one translation unit for mx.fast.precompiled_cuda_kernel: sizes and scale as scalar
-    parameters, no MLX shape arguments or counts array, launch bounds written plainly; it compiles
-    with NVRTC where the library is found (the PTX carries the entry and the bounds)."""
-    shape = decode_kernel.Shape(8, 2, 1, 2)
-    name, src = decode_kernel.render_precompiled(mx.float16, 4, 32, 128, 4, shape)
-    assert f'extern "C" __global__ void __launch_bounds__(256, 2) {name}(' in src and name.startswith("kivi_decode_pre_")
-    assert "_shape" not in src and "meta[" not in src and "KA_" not in src and "//" not in src
-    assert "const unsigned int NSP, const int sm_bits)" in src and "using T = __half;" in src and "constexpr int PF = 1;" in src
-    other = decode_kernel.render_precompiled(mx.float16, 4, 32, 128, 4, shape._replace(minblocks=0))
-    assert other[0] != name and "__launch_bounds__(256) " in other[1]
-    assert decode_kernel.PRE_INPUTS == ["q", "kc", "kp", "vc", "vp", "rk", "rv", "scratch", "counters", "after"]
-    from vqpipe import nvrtc
-
-    try:
-        nvrtc.include_dir()
-    except RuntimeError:
-        pytest.skip("no NVRTC library or CUDA headers here")
-    ptx, _ = nvrtc.ptx(src, "compute_90", name=name)
-    assert f".entry {name}(".encode() in ptx and b".maxntid 256" in ptx and b".minnctapersm 2" in ptx
-
-
-def test_precompiled_launch_arguments(monkeypatch):
-    """What the precompiled launch hands MLX (recorded, no GPU): the arrays in the kernel's order,
-    the sizes and the scale's bits as int scalars, the cuda_kernel launch's grid, and the cubin on
-    every call (MLX names the module after a hash of it), compiled once."""
-    from vqpipe import nvrtc
-
-    calls, outs, compiles = [], [], []
-
-    def fake(**kw):
-        calls.append(kw)
-        outs.append(mx.zeros(kw["output_shapes"][0], kw["output_dtypes"][0]))
-        return [outs[-1]]
-
-    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", fake)
-    monkeypatch.setattr(nvrtc, "cubin", lambda src, arch, options=(), name="k": (compiles.append((name, arch)) or b"CUBIN", ""))
-    monkeypatch.setattr(decode_kernel, "_pre_binaries", {})
-    k, v = _kv(1, 2, 700, 128, "float16")
-    c = _filled(4, 32, 128, k, v, [699, 1])
-    q = mx.zeros((1, 8, 1, 128), mx.float16)
-    decode_kernel.decode_precompiled(q, c, 0.125)
-    decode_kernel.decode_precompiled(q, c, 0.125)
-    first, second = calls
-    assert first["compiled_source"] == second["compiled_source"] == b"CUBIN"
-    assert compiles == [(first["name"], decode_kernel._arch("cubin"))] and compiles[0][1].startswith("sm_")
-    _, spec, _ = decode_kernel.launch_args(q, c, 0.125, version="v3")
-    rk, rv, nres = c.residual_buffers()
-    assert first["scalars"] == [c.quantized, nres, c.kc.shape[2], c.vc.shape[2], rk.shape[2], c.scratch[0].shape[1],
-                                decode_kernel.scale_bits(0.125)]
-    assert all(type(x) is int for x in first["scalars"])  # MLX 0.32.4's binding took no Python float (H200)
-    assert first["grid"] == spec["grid"] and first["threadgroup"] == spec["threadgroup"]
-    arrays = first["inputs"]
-    assert len(arrays) == len(decode_kernel.PRE_INPUTS) and arrays[1] is c.kc and arrays[5] is rk and arrays[7] is c.scratch[0]
-    assert second["inputs"][-1] is outs[0] and c.last_out is outs[1]  # each launch ordered after the cache's last
-
-
 def test_launch_keywords_kept_while_they_hold():
     """The launch keywords are kept on the cache and rebuilt when anything they follow changes."""
     k, v = _kv(1, 2, 700, 128, "float16")
@@ -599,27 +542,6 @@ def test_kernel_within_float32_bound_for_every_split_count(case):
     # through the dispatch, as mlx-lm's attention reaches it
     assert decode_kernel.applies(q, c)
     assert mx.array_equal(attention.attend(q, c, d**-0.5, None), decode_kernel.decode_attention(q, c, d**-0.5))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(kernels.backend() != "cuda", reason="the precompiled launch is CUDA's")
-@pytest.mark.parametrize("case", [GPU_CASES[0], GPU_CASES[8]], ids=lambda c: "-".join(map(str, c)))
-def test_precompiled_launch_within_float32_bound(case):
-    """v3 through mx.fast.precompiled_cuda_kernel, as a cubin and as PTX (it failed twice on the
-    H200, fourth window, before its scalars and binary were fixed): the same kernel body, within
-    the bound and of the cuda_kernel launch, for every split count."""
-    dt, bits, g, d, hk, ratio, s, res, _ = case
-    k, v = _kv(1, hk, s, d, dt, seed=s + d)
-    c = _filled(bits, g, res, k, v, [s - 1, 1])
-    q = (mx.random.normal((1, hk * ratio, 1, d), key=mx.random.key(s)) * 1.5).astype(getattr(mx, dt))
-    want, tol = reference(q, c, d**-0.5)
-    ref = np.array(decode_kernel.decode_attention(q, c, d**-0.5).astype(mx.float32))
-    for binary, ns in itertools.product(("cubin", "ptx"), (None, 1, 7)):
-        pre = decode_kernel.decode_precompiled(q, c, d**-0.5, splits=ns, binary=binary)
-        assert_within(pre, q, c, d**-0.5, None, f"precompiled {binary} splits {ns}")
-        assert np.all(np.abs(np.array(pre.astype(mx.float32)) - ref) <= 2 * tol + 2 * _ulp(want, dt))
-    assert mx.array_equal(decode_kernel.decode_attention(q, c, d**-0.5, launch="precompiled"),
-                          decode_kernel.decode_precompiled(q, c, d**-0.5))
 
 
 @pytest.mark.gpu

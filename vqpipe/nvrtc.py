@@ -1,8 +1,10 @@
 """CUDA C++ to PTX or cubin with NVRTC, through ctypes: one library lookup, one include rule.
 
 Used where vqpipe compiles CUDA itself instead of through MLX's ``cuda_kernel``: the qmv GPU-time
-harness (vqpipe/bench/cuda_time.py) and the KIVI decode kernel's precompiled launch
-(vqpipe/kivi/decode_kernel.py). Nothing here needs MLX or a GPU, only the NVRTC library.
+harness (vqpipe/bench/cuda_time.py, cubins it launches through the driver). PTX loads through
+``mx.fast.precompiled_cuda_kernel`` too (tests/test_nvrtc.py); the KIVI decode kernel's launch that
+way was removed: it cost more host time per call than ``cuda_kernel``'s (docs/kivi.md). Nothing
+here needs MLX or a GPU, only the NVRTC library.
 
 The library: NVIDIA's pip wheels on ``sys.path`` (``nvidia/cu13/lib``, the CUDA 13 layout, or
 ``nvidia/cuda_nvrtc/lib``), then the toolkit (CUDA_HOME, CUDA_PATH, /usr/local/cuda), then the plain

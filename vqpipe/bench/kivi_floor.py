@@ -16,17 +16,15 @@ step as a decode step runs them, interleaved in one process with an A/A copy of 
   ``kivi4-compiled``: the current launch inside ``mx.compile``; ``kivi4-v2``: the second window's
   kernel (decode_kernel version "v2") with the current launch, ``kivi4-v2-full`` the same with its
   source unminified (comments and indentation: MLX rebuilds the source string every call);
-  ``kivi4-pre``: the current kernel through ``mx.fast.precompiled_cuda_kernel`` (sizes and scale
-  as scalar arguments, no counts array, no source string per call; the cubin handed over per call),
-  ``kivi4-pre-ptx`` the same with the PTX;
 - latency, as a model's layers see it: ``sdpa-chain`` / ``kivi4-chain``: each layer's query is the
   previous layer's output, so the 32 launches run one after another (in the arms above they are
-  independent); ``sdpa-vchain`` the same over slices of buffers one 256-token step longer, as
-  mlx-lm's ``KVCache`` hands them over (MLX's CUDA SDPA checks for such slices); ``sdpa-step`` / ``kivi4-step``: the same chain with each layer's cache update
-  first (a new token's key and value sliced from the previous output, mlx-lm's ``KVCache`` against
-  ``PackedKIVICache`` through ``attention.attend``, as the model calls them; caches of their own,
-  growing one token per call, so a flush falls in every 32 calls). ``-c1`` / ``-c2``: the same
-  with splits for 1 or 2 chunks per warp instead of the default shape's (more, shorter blocks).
+  independent and the GPU overlaps them); ``sdpa-vchain`` the same over slices of buffers one
+  256-token step longer, as mlx-lm's ``KVCache`` hands them over (MLX's CUDA SDPA takes another
+  path for such slices: 3x faster at 32k, H200, docs/kivi.md); ``sdpa-step`` / ``kivi4-step``: the
+  chain with each layer's cache update first (a new token's key and value sliced from the previous
+  output; mlx-lm's ``KVCache`` against ``PackedKIVICache`` through ``attention.attend``, as the
+  model calls them; caches of their own, growing one token per call, so a flush falls in every 32
+  calls). ``-c1`` / ``-c2``: splits for 1 or 2 chunks per warp instead of the default shape's.
 
 Per arm and sample: ``build`` (Python builds the step's graph, no evaluation), ``dispatch`` (build
 plus ``mx.async_eval``: everything the host does before waiting) and ``total`` (through
@@ -162,8 +160,6 @@ def _arms(fp, kv, qs, scale, names):
         "kivi4-float3": lambda i: [_kivi(q(i, j), c, scale, "float3") for j, c in enumerate(kv)],
         "kivi4": lambda i: [_kivi(q(i, j), c, scale) for j, c in enumerate(kv)],
         "kivi4-v2": lambda i: [_kivi(q(i, j), c, scale, version="v2") for j, c in enumerate(kv)],
-        "kivi4-pre": lambda i: [decode_kernel.decode_precompiled(q(i, j), c, scale) for j, c in enumerate(kv)],
-        "kivi4-pre-ptx": lambda i: [decode_kernel.decode_precompiled(q(i, j), c, scale, binary="ptx") for j, c in enumerate(kv)],
         "kivi4-c1": lambda i: [decode_kernel.decode_attention(q(i, j), c, scale, splits=_splits(c, 1)) for j, c in enumerate(kv)],
         "kivi4-chain-c1": lambda i: _chain(q(i, 0), kv, lambda x, c: decode_kernel.decode_attention(x, c, scale, splits=_splits(c, 1))),
         "kivi4-chain-c2": lambda i: _chain(q(i, 0), kv, lambda x, c: decode_kernel.decode_attention(x, c, scale, splits=_splits(c, 2))),
@@ -227,7 +223,7 @@ def measure(s, args):
             failed[name] = f"{type(e).__name__}: {e}"
             del arms[name]
     check = {}
-    for name in ("kivi4-float3", "kivi4-compiled", "kivi4-pre", "kivi4-pre-ptx"):
+    for name in ("kivi4-float3", "kivi4-compiled"):
         if name in arms and "kivi4" in arms:
             check[name] = bool(mx.array_equal(arms[name](0)[0], arms["kivi4"](0)[0]).item())
     times = run_parts(harness.with_aa(arms, "sdpa"), args.inputs, args.repeats, args.warmup)
@@ -293,7 +289,7 @@ def _prefill_rows(s, args, hq, hk, d, label):
 
 
 ARMS = ("sdpa", "add", "noop1", "noop1-compiled", "noop11-float3", "noop11", "noop11-fixed", "kivi4-float3", "kivi4", "kivi4-v2",
-        "kivi4-v2-full", "kivi4-pre", "kivi4-pre-ptx", "kivi4-compiled", "kivi4-c1", "sdpa-chain", "sdpa-vchain", "kivi4-chain", "kivi4-chain-c1", "kivi4-chain-c2", "sdpa-step",
+        "kivi4-v2-full", "kivi4-compiled", "kivi4-c1", "sdpa-chain", "sdpa-vchain", "kivi4-chain", "kivi4-chain-c1", "kivi4-chain-c2", "sdpa-step",
         "kivi4-step", "kivi4-step-c1")
 
 

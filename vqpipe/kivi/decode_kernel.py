@@ -30,7 +30,6 @@ side by side (the kernel of H200 run 2, equal to v2 at 4 bits, was removed when 
 import functools
 import hashlib
 import os
-import re
 import struct
 import typing
 
@@ -1040,13 +1039,10 @@ def _launch_spec(queries, rk, bits, g, scale, chunks, splits, warps, meta, versi
     return spec, shape, ns
 
 
-def launch_args(queries, cache, scale, splits=None, warps=None, meta=None, version=None, ahead=None, minblocks=None,
-                counts=True):
+def launch_args(queries, cache, scale, splits=None, warps=None, meta=None, version=None, ahead=None, minblocks=None):
     """(inputs, launch keywords, Shape) of one call: everything :func:`decode_attention` hands MLX
     but the kernel object. ``meta``: :data:`META_MODES` (default :data:`META`). The keywords are
-    kept on the cache and reused while nothing they depend on changes (host time per launch).
-    ``counts=False`` (the precompiled launch, which takes them as scalars): no counts array, None
-    in its place."""
+    kept on the cache and reused while nothing they depend on changes (host time per launch)."""
     rk, rv, nres = cache.residual_buffers()
     b, h, _, d = rk.shape
     g, bits = cache.group_size, cache.kv_bits
@@ -1068,122 +1064,24 @@ def launch_args(queries, cache, scale, splits=None, warps=None, meta=None, versi
     have = None if cache.scratch is None else cache.scratch[0].shape
     if have is None or have[0] != b * h or have[2] != r * (d + 2) or have[1] < ns:
         cache.scratch = (mx.zeros((b * h, _slots(ns), r * (d + 2)), mx.float32), mx.zeros((b * h,), mx.uint32))
-    if not counts:
-        counts = None
-    elif meta == "small":
+    if meta == "small":
         counts = mx.array([cache.quantized, nres], mx.float32)
     else:
         counts = mx.array([scale, cache.quantized, nres], mx.float32)
     q = queries if queries.dtype == rk.dtype else queries.astype(rk.dtype)
-    after = cache.last_out if cache.last_out is not None else (q if counts is None else counts)
+    after = cache.last_out if cache.last_out is not None else counts
     return [q, kc, kp, vc, vp, rk, rv, counts, *cache.scratch, after], spec, shape
 
 
-# --- the precompiled launch (opt-in: launch="precompiled" or VQPIPE_KIVI_LAUNCH=precompiled) ---------
-# mx.fast.precompiled_cuda_kernel takes a cubin or PTX and scalar arguments: the sizes and the scale
-# arrive as kernel parameters (no counts array, no shape arguments) and __launch_bounds__ is written
-# plainly. It takes the binary on every call: MLX 0.32 names the loaded module after std::hash of
-# the bytes, computed at every launch (mlx/backend/cuda/custom_kernel.cpp, eval_gpu), so a call with
-# other bytes (the fourth window tried empty ones after a warm-up launch) is a miss and fails to load
-# ("Binary format ... is not recognized", H200). The cubin (NVRTC, the device's sm_XY) is the
-# default: smaller than the PTX (217 kB for v3 at 4 bits), so less to copy and hash per call.
-LAUNCH_MODES = ("mlx", "precompiled")
-LAUNCH = os.environ.get("VQPIPE_KIVI_LAUNCH", "mlx")
-if LAUNCH not in LAUNCH_MODES:
-    raise ValueError(f"VQPIPE_KIVI_LAUNCH={LAUNCH!r}: expected one of {', '.join(LAUNCH_MODES)}")
-
-# the lines of v3's body that read sizes from MLX's shape arguments and the counts array; in the
-# precompiled kernel these names are its parameters
-_SIZES_MLX = """    const unsigned int NGC = kc_shape[2];
-    const unsigned int SC = vc_shape[2];
-    const unsigned int RC = rk_shape[2];
-    @COUNTS@
-    const unsigned int NSP = scratch_shape[1];  // partials per KV head the scratch holds
-"""
-_PRE_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
-_PRE_SIGNATURE = """extern "C" __global__ void __launch_bounds__({bounds}) {name}(
-    const T* q, const unsigned int* kc, const __half* kp, const unsigned int* vc, const __half* vp,
-    const T* rk, const T* rv, const float* scratch, const unsigned int* counters, const T* after, T* out,
-    const unsigned int nq, const unsigned int nr, const unsigned int NGC, const unsigned int SC,
-    const unsigned int RC, const unsigned int NSP, const int sm_bits) {{
-    const float sm = __int_as_float(sm_bits);
-"""
-
-
-# the precompiled kernel's array parameters, in order: INPUTS less the counts array
-PRE_INPUTS = [n for n in INPUTS if n != "meta"]
-
-
-def render_precompiled(dtype, bits, g, d, r, shape):
-    """(name, source) of v3 as one CUDA translation unit for ``mx.fast.precompiled_cuda_kernel``:
-    the template arguments as constants, the sizes and scale as parameters."""
-    body = _BODY_V3.replace(_SIZES_MLX, "").replace("NSMAX", str(NSMAX))
-    for token in sorted(DIALECTS["cuda"]["tokens"], key=len, reverse=True):
-        body = body.replace(token, DIALECTS["cuda"]["tokens"][token])
-    consts = "".join(f"constexpr int {k} = {v};\n" for k, v in
-                     (("BITS", bits), ("G", g), ("D", d), ("R", r), ("NW", shape.warps), ("PF", shape.ahead)))
-    bounds = f"{32 * shape.warps}, {shape.minblocks}" if shape.minblocks else f"{32 * shape.warps}"
-    head = f"#include <cuda_fp16.h>\n#include <cuda_bf16.h>\nusing T = {_PRE_TYPES[dtype]};\n{consts}" + _CUDA_HEADER
-    digest = hashlib.sha1((head + bounds + body).encode()).hexdigest()[:10]
-    name = f"kivi_decode_pre_{digest}"
-    return name, _minified(head + _PRE_SIGNATURE.format(bounds=bounds, name=name) + body + "}\n")
-
-
-_pre_binaries = {}  # (dtype, bits, g, d, r, shape, binary) -> (name, bytes)
-
-
-def _arch(binary):
-    """NVRTC's target: the device's architecture where MLX reports one (sm_XY for a cubin,
-    compute_XY for PTX, which the driver compiles for the device it loads on), else 80."""
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
-    m = re.fullmatch(r"(?:sm|compute)_(\d+)a?", str(info.get("architecture", "")))
-    return f"{'sm' if binary == 'cubin' else 'compute'}_{m.group(1) if m else '80'}"
-
-
-def _precompiled(dtype, bits, g, d, r, shape, binary):
-    """(name, bytes) of a precompiled kernel, compiled with NVRTC on first use."""
-    from .. import nvrtc
-
-    key = (dtype, bits, g, d, r, shape, binary)  # rendering the source per call costs ~350 us (H200 host)
-    if key not in _pre_binaries:
-        name, src = render_precompiled(dtype, bits, g, d, r, shape)
-        _pre_binaries[key] = name, getattr(nvrtc, binary)(src, _arch(binary), name=name)[0]
-    return _pre_binaries[key]
-
-
-def decode_precompiled(queries, cache, scale, splits=None, warps=None, ahead=None, minblocks=None, binary="cubin"):
-    """v3 through ``mx.fast.precompiled_cuda_kernel``: the same kernel body and arithmetic as
-    :func:`decode_attention`'s v3 launch (the same sums), sizes and scale as scalars; ``binary``
-    "cubin" or "ptx" (what MLX gets, and hashes, on every call)."""
-    inputs, spec, shape = launch_args(queries, cache, scale, splits, warps, "small", "v3", ahead, minblocks, counts=False)
-    rk = inputs[5]
-    t = dict(spec["template"])
-    name, blob = _precompiled(rk.dtype, t["BITS"], t["G"], t["D"], t["R"], shape, binary)
-    # the scale as its float32 bits: MLX 0.32.4's binding refuses a Python float scalar ("Invalid
-    # scalar argument type. Received float", H200, fourth window)
-    scalars = [cache.quantized, cache.residual_buffers()[2], inputs[1].shape[2], inputs[3].shape[2], rk.shape[2],
-               inputs[8].shape[1], scale_bits(scale)]
-    arrays = [x for n, x in zip(INPUTS, inputs) if n != "meta"]
-    out = mx.fast.precompiled_cuda_kernel(name=name, compiled_source=blob, inputs=arrays, output_shapes=spec["output_shapes"],
-                                          output_dtypes=spec["output_dtypes"], scalars=scalars, grid=spec["grid"],
-                                          threadgroup=spec["threadgroup"], ensure_row_contiguous=True)[0]
-    cache.last_out = out
-    return out if out.dtype == queries.dtype else out.astype(queries.dtype)
-
-
-def decode_attention(queries, cache, scale, splits=None, warps=None, version=None, meta=None, ahead=None, minblocks=None,
-                     launch=None):
+def decode_attention(queries, cache, scale, splits=None, warps=None, version=None, meta=None, ahead=None, minblocks=None):
     """softmax(q·K̂ᵀ·scale)·V̂ for queries [B, Hq, 1, D] over a :class:`PackedKIVICache`, in one
     launch. ``splits`` (blocks per KV head), ``warps`` (per block), ``ahead`` and ``minblocks``
     (:class:`Shape`; defaults :func:`default_shape`) change only the order of float32 sums;
     ``version`` picks the kernel (:data:`VERSIONS`), ``meta`` how scale and counts reach it
-    (:data:`META_MODES`), ``launch`` (:data:`LAUNCH_MODES`, default :data:`LAUNCH`) whether v3
-    goes through ``mx.fast.cuda_kernel`` or a precompiled launch (:func:`decode_precompiled`)."""
+    (:data:`META_MODES`)."""
     if cache.offset >= 2**24:
         raise ValueError("decode attention passes token counts as float32: at most 2**24 tokens")
     version = version or VERSION
-    if (launch or LAUNCH) == "precompiled" and version == "v3" and meta is None and gpu.backend() == "cuda":
-        return decode_precompiled(queries, cache, scale, splits, warps, ahead, minblocks)
     inputs, spec, shape = launch_args(queries, cache, scale, splits, warps, meta, version, ahead, minblocks)
     out = _kernel(gpu.backend(), version, meta, shape.warps, shape.minblocks)(inputs=inputs, **spec)[0]
     cache.last_out = out

@@ -130,10 +130,6 @@ def measure_op(s, args):
             name = f"kivi{b}:{version}:w{sh.warps}c{sh.per_warp}" + (f"pf{sh.ahead}mb{sh.minblocks}" if version == "v3" else "")
             arms[name], caches[name] = _kivi_arm(qs, kv[b], scale, n, splits=ns, warps=sh.warps, version=version,
                                                  ahead=sh.ahead, minblocks=sh.minblocks), kv[b]
-    if args.precompiled:  # v3 through mx.fast.precompiled_cuda_kernel, default launch shape
-        for b in args.bits:
-            name = f"kivi{b}:pre"
-            arms[name], caches[name] = _kivi_arm(qs, kv[b], scale, n, version="v3", launch="precompiled"), kv[b]
     for meta in args.meta_variants:  # other ways of passing scale and counts, default launch shape
         for b in args.bits:
             name = f"kivi{b}:{meta}"
@@ -424,8 +420,6 @@ def parse_args(argv):
                    "([version:]warps x chunks per warp[:pf loads ahead][:mb launch-bounds blocks]; version default v2)")
     p.add_argument("--meta-variants", nargs="*", default=[], choices=decode_kernel.META_MODES,
                    help="also time the kernel with these ways of passing scale and counts (decode_kernel.META_MODES)")
-    p.add_argument("--precompiled", action="store_true",
-                   help="also time v3 launched through mx.fast.precompiled_cuda_kernel (sizes as scalars; decode_kernel.LAUNCH_MODES)")
     p.add_argument("--launch-floor", action="store_true",
                    help="also time a launch with the kernel's inputs that only writes zeros (what a launch costs before any work)")
     p.add_argument("--op-from", help="a bench-kivi-attn JSON whose op rows feed the decode part's Amdahl prediction "
