@@ -49,6 +49,7 @@ def test_library_files_wheel_first_never_alt_or_builtins(tmp_path, monkeypatch):
 
 
 def test_no_library_names_where_it_looked(tmp_path, monkeypatch):
+    _touch(tmp_path / "nvidia" / "cu13" / "lib" / "libnvrtc.so.13")  # not a library: skipped, not fatal
     monkeypatch.setattr("sys.path", [str(tmp_path)])
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "nowhere"))
     monkeypatch.setattr(nvrtc, "_SONAMES", ("libnvrtc-vqpipe-missing.so.13",))

@@ -43,11 +43,13 @@ def library():
     """(ctypes.CDLL, the folder it came from or None); RuntimeError naming where it looked."""
     for f in _library_files():
         folder = os.path.dirname(f)
-        for b in sorted(glob.glob(os.path.join(folder, "libnvrtc-builtins.so*")), key=len, reverse=True):
-            if ".alt." not in b:
-                ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
-                break
-        return _typed(ctypes.CDLL(f)), folder
+        builtins = [b for b in glob.glob(os.path.join(folder, "libnvrtc-builtins.so*")) if ".alt." not in b]
+        try:
+            if builtins:
+                ctypes.CDLL(max(builtins, key=len), mode=ctypes.RTLD_GLOBAL)
+            return _typed(ctypes.CDLL(f)), folder
+        except OSError:  # a broken or foreign-architecture file: try the next one
+            continue
     for name in _SONAMES:  # on the loader's path, or already loaded by the process under that name
         try:
             return _typed(ctypes.CDLL(name)), None
