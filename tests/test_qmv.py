@@ -184,11 +184,12 @@ def test_launch_template_holds_no_shape():
     specs = [_spec(i, o) for i, o in shapes]
     assert all(s["template"] == specs[0]["template"] for s in specs)
     assert specs[0]["template"] == [("T", mx.bfloat16), ("BT", mx.bfloat16), ("ST", mx.float32), ("BITS", 4),
-                                    ("MT", 1), ("GS", 0), ("XCAP", 0), ("RING", 0)]
+                                    ("MT", 1), ("GS", 0), ("XCAP", 0), ("RING", 0), ("LUT", 1)]
     assert len({s["grid"] for s in specs}) >= 10  # the grid follows the shape, the kernel does not
     for s in specs:
         tx, ks, rw = s["threadgroup"]
-        assert tx == 32 and ks in (1, 2, 4) and ks * rw == 4  # 128 threads: the ring is sized for them
+        # 256 threads with the 4-bit pair table (8 warps share one table), else 128 (the ring is sized for them)
+        assert tx == 32 and ks in (1, 2, 4) and ks * rw == qmv.warps_per_group(s["template"][8][1], 4)
         assert s["grid"][1:] == (ks, rw) and s["grid"][0] % 32 == 0
     # M enters as MT = next power of two; the bias dtype only where a layer has one
     assert [_spec(896, 896, m)["template"][4][1] for m in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
@@ -658,6 +659,22 @@ inline unsigned int qmv_index(const unsigned int* w, int v) {
   if (sh + 3 <= 32) return (w[j] >> sh) & 7u;
   return ((w[j] >> sh) | (w[j + 1] << (32 - sh))) & 7u;
 }
+// Revision 7's pair lookup as the CUDA header has it (byte offsets), the funnel shift written out.
+template <int BITS, int PLS>
+inline unsigned int qmv_pair_off(const unsigned int* w, int p, unsigned int lcp) {
+  const int bit = 2 * BITS * p, j = bit >> 5, sh = bit & 31;
+  const unsigned int mask = ((1u << (2 * BITS)) - 1u) << PLS;
+  unsigned int v;
+  if (sh + 2 * BITS <= 32) v = sh >= PLS ? (w[j] >> (sh - PLS)) : (w[j] << (PLS - sh));
+  else v = (w[j] >> (sh - PLS)) | (w[j + 1] << (32 - (sh - PLS)));
+  return (v & mask) | (lcp << 3);
+}
+template <int BITS, int PLS>
+inline float2 qmv_pair(const float2* t, const unsigned int* w, int p, unsigned int lcp) {
+  const unsigned int off = qmv_pair_off<BITS, PLS>(w, p, lcp);
+  if (off % 8u || off / 8u >= (1u << (2 * BITS)) * (BITS > 2 ? 16u : 1u)) { fprintf(stderr, "pair lookup out of the table\n"); abort(); }
+  return *reinterpret_cast<const float2*>(reinterpret_cast<const unsigned char*>(t) + off);
+}
 // The ring's copies are synchronous here (the wait is nothing); the "vector" branch is checked for
 // alignment like the GPU's 16-byte copies.
 template <int VW, int R, int NTB>
@@ -772,6 +789,8 @@ def host_kernel(tmp_path_factory):
            "const float* codebook, const float* bias, int bias_ndim, const float* rot_s, const float* rot_l, "
            "const int* rot_l_shape, const int* seg, float* out0, float* out1, float* out2) {\n using T = float;\n"
            " constexpr int RING = MT <= 4 ? 0 : 3;\n"  # registers, and a ring whose 3 slots wrap unevenly
+           # revision 7's pair tables where the default applies them (registers, no prologue), else revision 6's
+           " constexpr int LUT = RING == 0 && XCAP == 0 && BITS <= 4 ? 1 : 0;\n"
            + body + "}\n" + _HOST_MAIN)
     d = tmp_path_factory.mktemp("qmv_host")
     (d / "k.cpp").write_text(src)
@@ -794,8 +813,9 @@ def host_kernel(tmp_path_factory):
     (3, 768, 9, 2, 1, 256, None), (8, 896, 6, 1, None, 32, None), (4, 2048, 13, 8, None, 256, None),
     # more row sets than threadgroups: the grid-stride loop over row sets (the next row set's first
     # chunk is requested during the current one's last), with KS = 1 and KS > 1, 2/3/4 bits
-    (4, 896, 37, 1, 1, 0, 2), (4, 512, 61, 2, 1, 128, 3), (3, 4864, 41, 2, None, 0, 2),
-    (2, 896, 61, 1, 1, 32, 3), (4, 11008, 23, 1, None, 0, 2), (4, 50, 37, 3, None, 0, 2),
+    # (256-thread threadgroups with pair tables: 8 row sets of 4 rows each, so > 32 rows per threadgroup)
+    (4, 896, 77, 1, 1, 0, 2), (4, 512, 101, 2, 1, 128, 3), (3, 4864, 71, 2, None, 0, 2),
+    (2, 896, 101, 1, 1, 32, 3), (4, 11008, 23, 1, None, 0, 2), (4, 50, 77, 3, None, 0, 2),
 ])
 def test_kernel_body_on_cpu_host_dialect(host_kernel, monkeypatch, bits, n_in, n_out, m, target, gs, blocks):
     if target is not None:  # force KS = 1 (many iterations per warp) on a small layer
