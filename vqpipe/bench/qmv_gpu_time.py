@@ -72,6 +72,12 @@ ABLATIONS = {
         ("const float w = cb_s[qmv_index<BITS, PER>(win[r], h * SC + t)];",
          "const float w = __uint_as_float((qmv_index<BITS, PER>(win[r], h * SC + t) << 19) | 0x3f800000u);"),
     ],
+    # not an ablation, a candidate: the packed words' 16-byte loads as ld.global.cs (evict first), so the
+    # streamed words do not push the activation (read by every warp) out of L1
+    "ldcs": [
+        ("const uint4 v = *reinterpret_cast<const uint4*>(p + off);",
+         "const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p + off));"),
+    ],
     "noload": [
         ("const uint4 v = *reinterpret_cast<const uint4*>(p + off);",
          "const uint4 v = make_uint4(off * 2654435761u, (off + 1u) * 2246822519u, (off + 2u) * 3266489917u, "
