@@ -165,18 +165,18 @@ def test_one_description_two_dialects():
     # MLX finds shapes by name in the body: these must be referenced there.
     assert all(s in b_cuda for s in ("x_shape", "packed_shape", "bias_ndim"))
     # the Python launch geometry and the kernel's compile-time constants agree
-    assert f"constexpr int R = {qmv.ROWS};" in qmv._SOURCE
+    assert "constexpr int R = NR;" in qmv._SOURCE
 
 
 QWEN = [(896, 896), (896, 128), (896, 4864), (4864, 896), (896, 151936), (4096, 11008), (11008, 4096)]
 
 
 def _spec(n_in, n_out, m=1, bits=4, dtype=mx.bfloat16, bias=False, bias_dtype=None, group_size=None, xcap=0,
-          splits=None):
+          splits=None, rows=None):
     scales = (n_out,) if group_size is None else (n_out, n_in // group_size)
     return qmv.launch_spec((m, n_in), (n_out, words_per_row(n_in, bits)), scales, 1 << bits,
                            (n_out,) if bias else None, bits, dtype, bias_dtype, group_size=group_size, xcap=xcap,
-                           splits=splits)
+                           splits=splits, rows=rows)
 
 
 def test_launch_template_holds_no_shape():
@@ -184,7 +184,8 @@ def test_launch_template_holds_no_shape():
     specs = [_spec(i, o) for i, o in shapes]
     assert all(s["template"] == specs[0]["template"] for s in specs)
     assert specs[0]["template"] == [("T", mx.bfloat16), ("BT", mx.bfloat16), ("ST", mx.float32), ("BITS", 4),
-                                    ("MT", 1), ("GS", 0), ("XCAP", 0), ("RING", 0), ("LUT", 1)]
+                                    ("MT", 1), ("GS", 0), ("XCAP", 0), ("RING", 0), ("LUT", 1),
+                                    ("NR", qmv.ROWS)]
     assert len({s["grid"] for s in specs}) >= 10  # the grid follows the shape, the kernel does not
     for s in specs:
         tx, ks, rw = s["threadgroup"]
@@ -625,6 +626,8 @@ _HOST_TOKENS = {
     "QMV_SHARED": "static", "QMV_BARRIER": "g_block_barrier->arrive_and_wait()", "QMV_LANE": "t_lane",
     "QMV_KS_ID": "t_ks", "QMV_KS": "g_KS", "QMV_RW_ID": "t_rw", "QMV_RW": "g_RW", "QMV_BLOCK": "g_block",
     "QMV_BLOCKS": "g_blocks", "QMV_UNROLL": "", "QMV_SHARED16": "alignas(16) static",
+    "QMV_MAIN_BEGIN": qmv.DIALECTS["cuda"]["tokens"]["QMV_MAIN_BEGIN"], "QMV_XV": qmv.DIALECTS["cuda"]["tokens"]["QMV_XV"],
+    "QMV_MAIN_END": qmv.DIALECTS["cuda"]["tokens"]["QMV_MAIN_END"],
 }
 _HOST_HEADER = r"""
 #include <barrier>
@@ -644,6 +647,8 @@ inline float qmv_inv_sqrt(float v) { return 1.0f / std::sqrt(v); }
 inline unsigned int qmv_log2(unsigned int v) { return (unsigned int)__builtin_ctz(v); }
 struct float2 { float x, y; };
 inline float2 qmv_f2(float a, float b) { return float2{a, b}; }
+template <bool B>
+struct qmv_bool { static constexpr bool value = B; };
 inline float qmv_shfl_xor(float v, int m) {
   unsigned int w = t_rw * g_KS + t_ks;
   g_xchg[w][t_lane] = v;
@@ -774,6 +779,15 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def host_kernel(tmp_path_factory):
+    return _build_host(tmp_path_factory, qmv.ROWS)
+
+
+@pytest.fixture(scope="module")
+def host_kernel_r2(tmp_path_factory):
+    return _build_host(tmp_path_factory, 2)
+
+
+def _build_host(tmp_path_factory, rows):
     import re
     import shutil
 
@@ -791,6 +805,7 @@ def host_kernel(tmp_path_factory):
            " constexpr int RING = MT <= 4 ? 0 : 3;\n"  # registers, and a ring whose 3 slots wrap unevenly
            # revision 7's pair tables where the default applies them (registers, no prologue), else revision 6's
            " constexpr int LUT = RING == 0 && XCAP == 0 && BITS <= 4 ? 1 : 0;\n"
+           f" constexpr int NR = {rows};\n"
            + body + "}\n" + _HOST_MAIN)
     d = tmp_path_factory.mktemp("qmv_host")
     (d / "k.cpp").write_text(src)
@@ -825,6 +840,18 @@ def test_kernel_body_on_cpu_host_dialect(host_kernel, monkeypatch, bits, n_in, n
     _host_check(host_kernel, bits, n_in, n_out, m, gs, blocks=blocks)
 
 
+@pytest.mark.parametrize("bits, n_in, n_out, m, target, gs, blocks", [
+    (4, 896, 9, 1, None, 0, None), (4, 4864, 7, 2, 1, 0, None), (3, 4864, 7, 1, None, 64, None), (2, 896, 7, 3, 1, 0, None),
+    (4, 896, 45, 1, 1, 0, 2), (4, 11008, 3, 1, None, 0, None), (2, 96, 5, 4, None, 32, None), (4, 50, 7, 8, None, 0, None),
+])
+def test_kernel_body_two_rows_per_warp_on_cpu(host_kernel_r2, monkeypatch, bits, n_in, n_out, m, target, gs, blocks):
+    if target is not None:
+        monkeypatch.setattr(qmv, "TARGET_WARPS", target)
+    if blocks is not None:
+        monkeypatch.setattr(qmv, "MAX_BLOCKS", blocks)
+    _host_check(host_kernel_r2, bits, n_in, n_out, m, gs, blocks=blocks, rows=2)
+
+
 def _sylvester(b):
     h = np.ones((1, 1))
     while h.shape[0] < b:
@@ -832,7 +859,7 @@ def _sylvester(b):
     return h
 
 
-def _host_check(host_kernel, bits, n_in, n_out, m, gs, rotation=None, splits=None, blocks=None):
+def _host_check(host_kernel, bits, n_in, n_out, m, gs, rotation=None, splits=None, blocks=None, rows=None):
     ops = None if rotation is None else qmv.rotation_operands(rotation)
     a = 1 if ops is None else ops[1].shape[0]
     xcap = 0
@@ -841,13 +868,14 @@ def _host_check(host_kernel, bits, n_in, n_out, m, gs, rotation=None, splits=Non
         xcap = next(c for c in qmv.XCAP_BUCKETS if c >= need)
     qmv.launch_spec.cache_clear()
     try:
-        spec = _spec(n_in, n_out, m, bits, mx.float32, bias=True, group_size=gs or None, xcap=xcap, splits=splits)
+        spec = _spec(n_in, n_out, m, bits, mx.float32, bias=True, group_size=gs or None, xcap=xcap, splits=splits,
+                     rows=rows)
     finally:
         qmv.launch_spec.cache_clear()
     (gx, ks, rw), mt = spec["grid"], spec["template"][4][1]
     assert spec["template"][6] == ("XCAP", xcap)
     if blocks is not None:
-        assert gx // 32 == blocks and blocks * rw * qmv.ROWS < n_out
+        assert gx // 32 == blocks and blocks * rw * spec["template"][9][1] < n_out
     packed, scales, levels, bias = _weights(bits, n_in, n_out, group_size=gs or None)
     rng = np.random.default_rng(n_in + bits)
     din = n_in if ops is not None else spec["padded_in"]  # the prologue pads in shared memory itself

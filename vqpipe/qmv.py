@@ -48,7 +48,7 @@ from .gpu import backend
 from .bitpack import unpack, words_per_row
 
 MAX_M = 8  # rows of x (prod of its leading dims) the kernel takes; more -> the dense path
-ROWS = 4  # output rows per warp (R); must match "constexpr int R" in _SOURCE
+ROWS = int(os.environ.get("VQPIPE_QMV_ROWS", "4"))  # output rows per warp (R, template argument NR); rows_for
 TARGET_WARPS = 4096  # enough warps to fill an H200 (132 SMs x ~32 resident warps)
 MAX_BLOCKS = 2048  # threadgroups at most, more row sets grid-stride (H200: 1056 was slower at gate|up and head)
 # With the rotation in the prologue every threadgroup redoes it, so fewer, longer-lived threadgroups:
@@ -89,6 +89,15 @@ def lut_for(bits, ring, xcap, lut=None, dialect="cuda"):
     return int(fits and lut != 0)
 
 
+def rows_for(bits, lut, rows=None):
+    """Output rows per warp (template argument NR): ``rows`` if given (2 or 4), else ROWS. Two rows
+    halve the words in flight per lane (fewer registers) and double the activation loads per value."""
+    rows = ROWS if rows is None else int(rows)
+    if rows not in (2, 4):
+        raise ValueError(f"qmv: rows per warp must be 2 or 4, got {rows!r}")
+    return rows
+
+
 def warps_per_group(lut, bits):
     """Warps per threadgroup: 8 with the 4-bit pair table (one 32 KiB table per 8 warps), else 4 (the ring's
     size; the 2- and 3-bit tables are 128 B and 8 KiB)."""
@@ -112,7 +121,7 @@ DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # tokens QMV_* are substituted in Python (QMV_EPILOGUE by
 # body_source); helpers qmv_* come from the dialect header.
 _SOURCE = """
-    constexpr int R = 4;                                // rows per warp
+    constexpr int R = NR;                               // rows per warp (2 or 4)
     constexpr int VW = (BITS == 3) ? 3 : 4;             // packed words per lane chunk (12 or 16 bytes)
     constexpr int VPC = 32 * VW / BITS;                 // values per chunk: 64, 32, 32, 16 for 2, 3, 4, 8 bits
     constexpr int SC = 8;                               // values per activation load (one sub-chunk)
@@ -293,6 +302,10 @@ _SOURCE = """
             acc[r][m] = 0.0f;
         }
     }
+    // The main loop, written once and with pair tables instantiated twice on CUDA (QMV_XV = 16-byte
+    // activation loads or not, known at compile time): left to itself the compiler predicates both load
+    // paths into one loop there (116 of 466 instructions per item, revision 7's first build)
+    QMV_MAIN_BEGIN
     unsigned int slot = 0u, i = 0u, j = 0u;             // item k's ring slot, step and round
     for (unsigned int k = 0; k < NK; ++k) {
         unsigned int nxt[R][VW];                        // RING = 0: item k + 1's words, requested now
@@ -348,7 +361,7 @@ _SOURCE = """
                     if (XCAP > 0) {
                         QMV_LOAD_XS(xv[m], xs_s + xoff + mm * ((PIN + 31u) / 32u * 36u) + qmv_xi(c * VPC + h * SC));
                     } else {
-                        QMV_LOAD_X(xv[m], x + mm * PIN + c * VPC + h * SC, xvec);
+                        QMV_LOAD_X(xv[m], x + mm * PIN + c * VPC + h * SC, QMV_XV);
                     }
                 }
                 QMV_UNROLL
@@ -477,6 +490,7 @@ _SOURCE = """
             QMV_BARRIER;  // red_s is reused by the next round
         }
     }
+    QMV_MAIN_END
     qmv_async_wait<0>();                                // nothing left in flight at exit
 """
 
@@ -521,6 +535,8 @@ __device__ __forceinline__ float qmv_inv_sqrt(float v) { return 1.0f / sqrtf(v);
 __device__ __forceinline__ unsigned int qmv_log2(unsigned int v) { return (unsigned int)(__ffs((int)v) - 1); }  // v a power of two
 __device__ __forceinline__ float qmv_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ float2 qmv_f2(float a, float b) { return make_float2(a, b); }
+template <bool B>
+struct qmv_bool { static constexpr bool value = B; };
 
 // Codebook index of value v (a compile-time constant once unrolled) of a chunk held in words w[]:
 // 2/4/8 bits never straddle a word; a 3-bit value may straddle two (bits 30-32, 62-64 of the chunk).
@@ -739,6 +755,11 @@ DIALECTS = {
             "QMV_BLOCKS": "gridDim.x",
             "QMV_BLOCK": "blockIdx.x",
             "QMV_UNROLL": "#pragma unroll",
+            "QMV_MAIN_BEGIN": "auto qmv_main = [&](auto xv_) {",
+            # pair tables only: with revision 6's lookups one instance (the compiler splits it itself, with
+            # fewer registers at 2 bits: 86 against 96)
+            "QMV_XV": "(LUT ? decltype(xv_)::value : xvec)",
+            "QMV_MAIN_END": "}; if (LUT && xvec) { qmv_main(qmv_bool<true>()); } else { qmv_main(qmv_bool<false>()); }",
         },
     },
     "metal": {
@@ -755,6 +776,10 @@ DIALECTS = {
             "QMV_BLOCKS": "threadgroups_per_grid.x",
             "QMV_BLOCK": "threadgroup_position_in_grid.x",
             "QMV_UNROLL": "#pragma unroll",
+            # scalar activation loads only (QMV_X_ALIGNED is false): one instance, no lambda
+            "QMV_MAIN_BEGIN": "{ constexpr bool qmv_xv_ = false;",
+            "QMV_XV": "qmv_xv_",
+            "QMV_MAIN_END": "} /* main loop */",
         },
     },
 }
@@ -908,7 +933,7 @@ def check_args(in_features, m, packed_shape, packed_dtype, scales_shape, codeboo
 @functools.lru_cache(maxsize=1024)
 def launch_spec(x_shape, packed_shape, scales_shape, codebook_size, bias_shape, bits, dtype, bias_dtype=None,
                 packed_dtype=mx.uint32, group_size=None, scales_dtype=mx.float32, xcap=0, splits=None,
-                max_blocks=None, stages=None, dialect="cuda", lut=None):
+                max_blocks=None, stages=None, dialect="cuda", lut=None, rows=None):
     """Validate one call (ValueError naming the problem) and return its template arguments, grid,
     threadgroup and output shape (cached: per call this is one dict lookup; read-only). Only the
     template arguments select a compiled kernel, and they hold no shape: M enters as MT, M rounded
@@ -921,11 +946,12 @@ def launch_spec(x_shape, packed_shape, scales_shape, codebook_size, bias_shape, 
     vpc = chunk_values(bits)
     padded = -(-in_features // vpc) * vpc
     steps = -(-(padded // vpc) // 32)  # chunk steps per lane and row with one warp per row set
-    row_sets = -(-out_features // ROWS)
-    # Split rows over more warps only while there are too few warps to fill the GPU, and never so
-    # far that a warp has less than one chunk step of work.
     ring = ring_for(_pow2_ceil(m), stages, dialect)
     lut = lut_for(bits, ring, xcap, lut, dialect)
+    nr = rows_for(bits, lut, rows)
+    row_sets = -(-out_features // nr)
+    # Split rows over more warps only while there are too few warps to fill the GPU, and never so
+    # far that a warp has less than one chunk step of work.
     cap = _pow2_floor(min(4, max(1, steps)))
     ks = min(cap, _pow2_ceil(-(-TARGET_WARPS // row_sets)))
     rw = warps_per_group(lut, bits) // ks  # row sets per threadgroup: 128 threads (the ring's size) or 256
@@ -940,7 +966,7 @@ def launch_spec(x_shape, packed_shape, scales_shape, codebook_size, bias_shape, 
     return {
         "template": [("T", dtype), ("BT", dtype if bias_dtype is None else bias_dtype), ("ST", scales_dtype),
                      ("BITS", int(bits)), ("MT", _pow2_ceil(m)), ("GS", int(group_size or 0)), ("XCAP", int(xcap)),
-                     ("RING", ring), ("LUT", lut)],
+                     ("RING", ring), ("LUT", lut), ("NR", nr)],
         "grid": (32 * blocks, ks, rw),
         "threadgroup": (32, ks, rw),
         "output_shapes": [lead + (b - a,) for a, b in zip([0] + ends, ends)],

@@ -12,11 +12,11 @@ Arms per shape, interleaved (A B C ... A B C ...), with an A/A copy of the first
 
 - ``copy``: cuMemcpyDtoD of ``--copy-mib`` (1 GiB; bytes read + written, as bench-qmv's copy figure);
 - ``read``: a plain 16-byte-load read of the same packed bytes (what streaming them can cost);
-- one arm per kernel variant ``MODULE:RING:BLOCKS:LUT:ABLATIONS`` (``qmv`` the current one, ``qmv_v6`` a
+- one arm per kernel variant ``MODULE:RING:BLOCKS:LUT:ABLATIONS:ROWS`` (``qmv`` the current one, ``qmv_v6`` a
   saved earlier revision; RING ``auto`` = qmv's choice by M, 0 = registers, 2..4 ring stages; BLOCKS 0 =
   the default cap; LUT ``auto``, 0 = revision 6's lookups, 1 = revision 7's pair tables; ABLATIONS a
   ``+``-joined subset of ``ABLATIONS``, kernels that skip a part of the work so the time they save says
-  what that part costs), each checked against a float64 evaluation of the formula on 512 rows first
+  what that part costs; ROWS ``auto``, 2 or 4 output rows per warp), each checked against a float64 evaluation of the formula on 512 rows first
   (an ablation's check is expected to fail: it computes something else).
 
     python -m vqpipe.bench.qmv_gpu_time --out FILE.json [--variants qmv:0:0 qmv:4:0 qmv_v6 qmv:auto:0:1:nolut]
@@ -123,10 +123,11 @@ def unpack_rows(words, bits, n_in):
 class Variant:
     def __init__(self, text, drv, cache):
         parts = text.split(":")
-        mod, stages, blocks, lut, abl = parts + ["auto", "0", "auto", ""][len(parts) - 1:]
+        mod, stages, blocks, lut, abl, rows = parts + ["auto", "0", "auto", "", "auto"][len(parts) - 1:]
         self.name, self.mod = text, importlib.import_module(f"vqpipe.{mod}")
         self.stages = None if stages in ("", "auto") else int(stages)
         self.lut = None if lut in ("", "auto") else int(lut)
+        self.rows = None if rows in ("", "auto") else int(rows)
         self.ablations = tuple(a for a in abl.split("+") if a)
         self.blocks, self.drv, self.cache = int(blocks) or None, drv, cache
 
@@ -136,6 +137,8 @@ class Variant:
             kw["stages"] = self.stages
         if self.lut is not None:
             kw["lut"] = self.lut
+        if self.rows is not None:
+            kw["rows"] = self.rows
         return self.mod.launch_spec(x_shape, p_shape, s_shape, 1 << bits, None, bits, mx.bfloat16, **kw)
 
     def function(self, spec):
