@@ -55,7 +55,7 @@ fi
 if want gpu_time; then
   echo "== qmv GPU time outside MLX $(since)"
   timeout "${TIME_LIMIT:-120}" $PY -m vqpipe.bench.qmv_gpu_time --out "$OUT/gpu-time.json" \
-    --variants ${TIME_VARIANTS:-qmv:auto:0 $BASE qmv:auto:0:0 qmv:auto:0:1::4 qmv:auto:0:1::2 qmv:auto:528:1::2} \
+    --variants ${TIME_VARIANTS:-qmv:auto:0 $BASE qmv:auto:0:1 qmv:auto:0:1::2 qmv:auto:0:1:nolut qmv:auto:0:0:nolut qmv:auto:0:0:noload} \
     --cases l3-qkv:4:1 l3-gateup:4:1 l3-down:4:1 l3-lm_head:4:1 ${TIME_ARGS:-} 2>&1 | tee "$OUT/gpu-time.log"
 fi
 

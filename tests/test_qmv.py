@@ -172,11 +172,11 @@ QWEN = [(896, 896), (896, 128), (896, 4864), (4864, 896), (896, 151936), (4096, 
 
 
 def _spec(n_in, n_out, m=1, bits=4, dtype=mx.bfloat16, bias=False, bias_dtype=None, group_size=None, xcap=0,
-          splits=None, rows=None):
+          splits=None, rows=None, lut=None):
     scales = (n_out,) if group_size is None else (n_out, n_in // group_size)
     return qmv.launch_spec((m, n_in), (n_out, words_per_row(n_in, bits)), scales, 1 << bits,
                            (n_out,) if bias else None, bits, dtype, bias_dtype, group_size=group_size, xcap=xcap,
-                           splits=splits, rows=rows)
+                           splits=splits, rows=rows, lut=lut)
 
 
 def test_launch_template_holds_no_shape():
@@ -184,7 +184,7 @@ def test_launch_template_holds_no_shape():
     specs = [_spec(i, o) for i, o in shapes]
     assert all(s["template"] == specs[0]["template"] for s in specs)
     assert specs[0]["template"] == [("T", mx.bfloat16), ("BT", mx.bfloat16), ("ST", mx.float32), ("BITS", 4),
-                                    ("MT", 1), ("GS", 0), ("XCAP", 0), ("RING", 0), ("LUT", 1),
+                                    ("MT", 1), ("GS", 0), ("XCAP", 0), ("RING", 0), ("LUT", 0),
                                     ("NR", qmv.ROWS)]
     assert len({s["grid"] for s in specs}) >= 10  # the grid follows the shape, the kernel does not
     for s in specs:
@@ -778,16 +778,21 @@ int main(int argc, char** argv) {
 
 
 @pytest.fixture(scope="module")
-def host_kernel(tmp_path_factory):
-    return _build_host(tmp_path_factory, qmv.ROWS)
+def host_kernel(tmp_path_factory):  # the default: revision 6's lookups, 4 rows per warp
+    return _build_host(tmp_path_factory, qmv.ROWS, 0)
 
 
 @pytest.fixture(scope="module")
-def host_kernel_r2(tmp_path_factory):
-    return _build_host(tmp_path_factory, 2)
+def host_kernel_lut(tmp_path_factory):  # revision 7's pair tables where they apply (registers, no prologue)
+    return _build_host(tmp_path_factory, qmv.ROWS, 1)
 
 
-def _build_host(tmp_path_factory, rows):
+@pytest.fixture(scope="module")
+def host_kernel_r2(tmp_path_factory):  # pair tables and 2 rows per warp
+    return _build_host(tmp_path_factory, 2, 1)
+
+
+def _build_host(tmp_path_factory, rows, lut):
     import re
     import shutil
 
@@ -803,8 +808,8 @@ def _build_host(tmp_path_factory, rows):
            "const float* codebook, const float* bias, int bias_ndim, const float* rot_s, const float* rot_l, "
            "const int* rot_l_shape, const int* seg, float* out0, float* out1, float* out2) {\n using T = float;\n"
            " constexpr int RING = MT <= 4 ? 0 : 3;\n"  # registers, and a ring whose 3 slots wrap unevenly
-           # revision 7's pair tables where the default applies them (registers, no prologue), else revision 6's
-           " constexpr int LUT = RING == 0 && XCAP == 0 && BITS <= 4 ? 1 : 0;\n"
+           # with lut = 1 revision 7's pair tables where they apply (registers, no prologue), as qmv.lut_for
+           f" constexpr int LUT = {lut} && RING == 0 && XCAP == 0 && BITS <= 4 ? 1 : 0;\n"
            f" constexpr int NR = {rows};\n"
            + body + "}\n" + _HOST_MAIN)
     d = tmp_path_factory.mktemp("qmv_host")
@@ -849,7 +854,22 @@ def test_kernel_body_two_rows_per_warp_on_cpu(host_kernel_r2, monkeypatch, bits,
         monkeypatch.setattr(qmv, "TARGET_WARPS", target)
     if blocks is not None:
         monkeypatch.setattr(qmv, "MAX_BLOCKS", blocks)
-    _host_check(host_kernel_r2, bits, n_in, n_out, m, gs, blocks=blocks, rows=2)
+    _host_check(host_kernel_r2, bits, n_in, n_out, m, gs, blocks=blocks, rows=2, lut=1)
+
+
+@pytest.mark.parametrize("bits, n_in, n_out, m, target, gs, blocks", [
+    (4, 50, 7, 1, None, 0, None), (4, 896, 9, 3, None, 0, None), (4, 4864, 9, 2, 1, 0, None), (3, 96, 9, 1, None, 0, None),
+    (3, 4864, 7, 4, None, 0, None), (3, 896, 5, 1, 1, 0, None), (2, 4864, 9, 1, None, 0, None), (2, 896, 7, 3, 1, 0, None),
+    (4, 896, 9, 1, None, 32, None), (2, 896, 7, 1, 1, 32, None), (3, 768, 9, 2, 1, 256, None), (2, 4864, 6, 4, None, 64, None),
+    (4, 896, 77, 1, 1, 0, 2), (3, 4864, 71, 2, None, 0, 2), (2, 896, 101, 1, 1, 32, 3), (4, 11008, 23, 1, None, 0, 2),
+    (4, 4864, 7, 8, None, 0, None),  # M = 8: the ring, so revision 6's lookups even when pair tables are asked for
+])
+def test_kernel_body_pair_tables_on_cpu(host_kernel_lut, monkeypatch, bits, n_in, n_out, m, target, gs, blocks):
+    if target is not None:
+        monkeypatch.setattr(qmv, "TARGET_WARPS", target)
+    if blocks is not None:
+        monkeypatch.setattr(qmv, "MAX_BLOCKS", blocks)
+    _host_check(host_kernel_lut, bits, n_in, n_out, m, gs, blocks=blocks, lut=1)
 
 
 def _sylvester(b):
@@ -859,7 +879,7 @@ def _sylvester(b):
     return h
 
 
-def _host_check(host_kernel, bits, n_in, n_out, m, gs, rotation=None, splits=None, blocks=None, rows=None):
+def _host_check(host_kernel, bits, n_in, n_out, m, gs, rotation=None, splits=None, blocks=None, rows=None, lut=None):
     ops = None if rotation is None else qmv.rotation_operands(rotation)
     a = 1 if ops is None else ops[1].shape[0]
     xcap = 0
@@ -869,7 +889,7 @@ def _host_check(host_kernel, bits, n_in, n_out, m, gs, rotation=None, splits=Non
     qmv.launch_spec.cache_clear()
     try:
         spec = _spec(n_in, n_out, m, bits, mx.float32, bias=True, group_size=gs or None, xcap=xcap, splits=splits,
-                     rows=rows)
+                     rows=rows, lut=lut)
     finally:
         qmv.launch_spec.cache_clear()
     (gx, ks, rw), mt = spec["grid"], spec["template"][4][1]

@@ -96,3 +96,23 @@ def test_variant_names_parse():
         spec = gt.Variant(f"qmv:auto:0:{lut}", None, {}).spec((1, 1, 4096), (28672, 512), (28672,), 4, mx)
         assert dict(spec["template"])["LUT"] == lut
         assert spec["threadgroup"][1] * spec["threadgroup"][2] == warps
+    v = gt.Variant("qmv:0:0:1::2", None, {})
+    assert (v.lut, v.rows, v.ablations) == (1, 2, ())
+    assert dict(v.spec((1, 1, 4096), (28672, 512), (28672,), 4, mx)["template"])["NR"] == 2
+
+
+def test_pair_tables_only_where_asked_and_where_they_apply():
+    assert [qmv.lut_for(b, 0, 0) for b in (2, 3, 4, 8)] == [0, 0, 0, 0]  # the default: revision 6's lookups
+    assert [qmv.lut_for(b, 0, 0, 1) for b in (2, 3, 4, 8)] == [1, 1, 1, 0]
+    assert qmv.lut_for(4, 4, 0, 1) == 0 and qmv.lut_for(4, 0, 1024, 1) == 0  # the ring, the prologue
+    assert qmv.lut_for(4, 0, 0, 1, "metal") == 0 and qmv.lut_for(3, 0, 0, 1, "metal") == 1  # 32 KiB
+    with pytest.raises(ValueError, match="lut must be"):
+        qmv.lut_for(4, 0, 0, 2)
+    with pytest.raises(ValueError, match="rows per warp"):
+        qmv.rows_for(4, 0, 3)
+    spec = lambda m, **kw: dict(qmv.launch_spec((1, m, 4096), (28672, 512), (28672,), 16, None, 4, mx.bfloat16,
+                                                **kw)["template"])
+    assert spec(1, lut=1)["LUT"] == 1 and spec(8, lut=1)["LUT"] == 0 and spec(8, lut=1, stages=0)["LUT"] == 1
+    with qmv.lut_tables(1):
+        assert qmv.LUT == 1
+    assert qmv.LUT is None or qmv.LUT == int(__import__("os").environ["VQPIPE_QMV_LUT"])

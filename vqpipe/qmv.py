@@ -75,18 +75,20 @@ def ring_for(mt, stages=None, dialect="cuda"):
     return min(ring, DIALECT_MAX_STAGES.get(dialect, 4)) if ring else 0
 # Revision 7's lookups (template argument LUT, docs/qmv.md): 1 = pair tables (one 8-byte lookup per two values,
 # the 3/4-bit tables stored 16 times so no lookup conflicts; 256-thread threadgroups share the 32 KiB 4-bit
-# table; 2/3 bits keep 128), 0 = revision 6's one lookup per value. None = pair tables wherever they apply: registers (RING = 0),
-# no prologue (its staged activation and a 32 KiB table exceed 48 KiB), 2-4 bits, and on Metal (32 KiB of
-# threadgroup memory) 2/3 bits. VQPIPE_QMV_LUT=0/1 or qmv.lut_tables(flag) forces a choice where it applies.
+# table; 2/3 bits keep 128), 0 = revision 6's one lookup per value, the default: on the H200 pair tables cut
+# the instructions per item by a third but were 1.04-1.40x slower at 4 bits (72 registers, 24 warps per SM)
+# and within -2..+6 % at 2/3 bits (docs/results/2026-12-01-h200-qmv7). They apply only with registers
+# (RING = 0), no prologue (its staged activation and a 32 KiB table exceed 48 KiB), 2-4 bits, and on Metal
+# (32 KiB of threadgroup memory) 2/3 bits. VQPIPE_QMV_LUT=1 or qmv.lut_tables(1) asks for them.
 LUT = int(os.environ["VQPIPE_QMV_LUT"]) if os.environ.get("VQPIPE_QMV_LUT") else None
 
 
 def lut_for(bits, ring, xcap, lut=None, dialect="cuda"):
-    """The LUT template argument (see LUT): 1 only where pair tables apply."""
+    """The LUT template argument (see LUT): 1 where pair tables are asked for (lut = 1) and apply."""
     if lut is not None and lut not in (0, 1):
         raise ValueError(f"qmv: lut must be 0, 1 or None, got {lut!r}")
     fits = bits in (2, 3, 4) and not ring and not xcap and not (dialect == "metal" and bits == 4)
-    return int(fits and lut != 0)
+    return int(fits and lut == 1)
 
 
 def rows_for(bits, lut, rows=None):
@@ -1053,8 +1055,8 @@ def ring_stages(stages):
 
 @contextlib.contextmanager
 def lut_tables(flag):
-    """``with qmv.lut_tables(1): ...``: launches use revision 7's pair tables (1) or revision 6's lookups (0)
-    where pair tables apply; None restores the default."""
+    """``with qmv.lut_tables(1): ...``: launches use revision 7's pair tables (1) where they apply, or
+    revision 6's lookups (0 or None, the default)."""
     global LUT
     if flag is not None and flag not in (0, 1):
         raise ValueError(f"qmv: lut must be 0, 1 or None, got {flag!r}")
