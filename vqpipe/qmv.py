@@ -23,7 +23,11 @@ Layout (revision 6, see docs/qmv.md):
   (RING = 2..4 stages, filled by cp.async on CUDA, RING - 1 items ahead). With KS = 1 no barrier
   runs after the codebook fill: the lanes write their rows straight after the butterfly.
 - The codebook sits in shared memory, one bank per level (no conflicts); at 2 bits a 16-entry
-  pair table (C[e & 3], C[e >> 2]) gives two values per 8-byte lookup.
+  pair table (C[e & 3], C[e >> 2]) gives two values per 8-byte lookup. Revision 7 (opt-in, LUT = 1):
+  pair tables at every width, the 3/4-bit ones stored 16 times so no 8-byte lookup conflicts; on
+  the H200 they were slower at 4 bits (fewer warps, exposed lookup latency), so revision 6's lookups
+  stay the default. What bounds the default at M = 1 is its instruction stream (~6 per weight value)
+  and the L1 data pipe, not HBM (profiled: docs/qmv.md).
 - float32 accumulation in a fixed order (per lane, 5-step xor butterfly, KS partials in warp order),
   then * s[o] (+ b[o]) and one cast to x's dtype: deterministic, not bit-identical to the dense path
   (which works in x's dtype, codebook included).
