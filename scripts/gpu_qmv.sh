@@ -11,8 +11,10 @@
 # process) at the Llama-3-8B shapes, 4 bits, M = 1, against revision 6 if vqpipe/qmv_v6.py is there
 # (`git show 049c2de:vqpipe/qmv.py > vqpipe/qmv_v6.py`, not committed) and the ablations (TIME_VARIANTS
 # overrides the arms); gpu_time_bits: 2/3 bits at M = 1 and 2/3/4 bits at M = 4 at the four shapes
-# (BITS_VARIANTS, BITS_CASES); gpu_time_m8: M = 8, with pair tables in registers beside the ring (M8_*). profile: Nsight Compute on one launch per variant and case (PROFILE_VARIANTS,
+# (BITS_VARIANTS, BITS_CASES); gpu_time_m8: M = 8, with pair tables in registers beside the ring
+# (M8_*). profile: Nsight Compute on one launch per variant and case (PROFILE_VARIANTS,
 # PROFILE_CASES), if ncu is installed: the report, its details page and its raw metrics as CSV.
+# The seventh revision's two device calls: docs/results/2026-12-01-h200-qmv7/README.md.
 # Results go to $OUT (default results/gpu_qmv): env.txt, qmv_tests.log, bench.log, bench-qmv.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
