@@ -8,8 +8,13 @@
 # STEPS picks steps (default "gpu_time tests bench bench_bits cpu_tests"); BENCH_ARGS goes to bench-qmv;
 # bench_bits times 2 and 3 bits on three large shapes. gpu_time: the kernel's GPU time per launch
 # outside MLX (vqpipe/bench/qmv_gpu_time.py: CUDA events, copy and plain-read arms in the same
-# process) at the Llama-3-8B shapes, 4 bits, M = 1, against an earlier revision if vqpipe/qmv_v5.py
-# is there (`git show b6db116:vqpipe/qmv.py > vqpipe/qmv_v5.py`); gpu_time_bits: 2/3 bits and M = 4/8.
+# process) at the Llama-3-8B shapes, 4 bits, M = 1, against revision 6 if vqpipe/qmv_v6.py is there
+# (`git show 049c2de:vqpipe/qmv.py > vqpipe/qmv_v6.py`, not committed) and the ablations (TIME_VARIANTS
+# overrides the arms); gpu_time_bits: 2/3 bits at M = 1 and 2/3/4 bits at M = 4 at the four shapes
+# (BITS_VARIANTS, BITS_CASES); gpu_time_m8: M = 8, with pair tables in registers beside the ring
+# (M8_*). profile: Nsight Compute on one launch per variant and case (PROFILE_VARIANTS,
+# PROFILE_CASES), if ncu is installed: the report, its details page and its raw metrics as CSV.
+# The seventh revision's two device calls: docs/results/2026-12-01-h200-qmv7/README.md.
 # Results go to $OUT (default results/gpu_qmv): env.txt, qmv_tests.log, bench.log, bench-qmv.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,19 +35,46 @@ STEPS=${STEPS:-gpu_time tests bench bench_bits cpu_tests}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 BASE=""
 [ -f vqpipe/qmv_v5.py ] && BASE="qmv_v5"
+[ -f vqpipe/qmv_v6.py ] && BASE="qmv_v6"
+
+if want profile; then
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  if [ -n "$NCU" ]; then
+    echo "== Nsight Compute ($NCU) $(since)"
+    timeout "${PROFILE_LIMIT:-150}" "$NCU" --kernel-name regex:vqpipe_qmv --section SpeedOfLight \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+      --section SchedulerStats --section WarpStateStats --section InstructionStats --section Occupancy \
+      --section LaunchStats -f -o "$OUT/profile" $PY -m vqpipe.bench.qmv_gpu_time --check-only --inputs 1 \
+      --max-pool 2 --out "$OUT/profile-check.json" --variants ${PROFILE_VARIANTS:-$BASE qmv:auto:0} \
+      --cases ${PROFILE_CASES:-l3-gateup:4:1 l3-lm_head:4:1} 2>&1 | tail -n 40
+    "$NCU" --import "$OUT/profile.ncu-rep" --page details > "$OUT/profile-details.txt" 2>&1
+    "$NCU" --import "$OUT/profile.ncu-rep" --page raw --csv > "$OUT/profile-raw.csv" 2>&1
+  else
+    echo "== no Nsight Compute on this host"
+  fi
+fi
 
 if want gpu_time; then
   echo "== qmv GPU time outside MLX $(since)"
   timeout "${TIME_LIMIT:-120}" $PY -m vqpipe.bench.qmv_gpu_time --out "$OUT/gpu-time.json" \
-    --variants qmv:auto:0 $BASE qmv:4:0 qmv:3:0 qmv:2:0 qmv:auto:1056 qmv:4:792 \
+    --variants ${TIME_VARIANTS:-qmv:auto:0 $BASE qmv:auto:0:1 qmv:auto:0:1::2 qmv:auto:0:1:nolut qmv:auto:0:0:nolut qmv:auto:0:0:noload} \
     --cases l3-qkv:4:1 l3-gateup:4:1 l3-down:4:1 l3-lm_head:4:1 ${TIME_ARGS:-} 2>&1 | tee "$OUT/gpu-time.log"
 fi
 
 if want gpu_time_bits; then
   echo "== qmv GPU time, 2/3 bits and M > 1 $(since)"
   timeout "${TIME_BITS_LIMIT:-120}" $PY -m vqpipe.bench.qmv_gpu_time --out "$OUT/gpu-time-bits.json" \
-    --variants qmv:auto:0 $BASE qmv:0:0 qmv:4:0 --cases l3-gateup:4:1 l3-gateup:3:1 l3-gateup:2:1 l3-lm_head:4:1 l3-lm_head:3:1 \
-    l3-lm_head:2:1 l3-gateup:4:4 l3-gateup:4:8 l3-down:4:8 ${TIME_BITS_ARGS:-} 2>&1 | tee "$OUT/gpu-time-bits.log"
+    --variants ${BITS_VARIANTS:-qmv:auto:0 $BASE qmv:0:0:1} --cases ${BITS_CASES:-l3-qkv:3:1 l3-gateup:3:1 \
+    l3-down:3:1 l3-lm_head:3:1 l3-qkv:2:1 l3-gateup:2:1 l3-down:2:1 l3-lm_head:2:1 l3-qkv:4:4 l3-gateup:4:4 l3-down:4:4 \
+    l3-lm_head:4:4 l3-qkv:3:4 l3-gateup:3:4 l3-down:3:4 l3-lm_head:3:4 l3-qkv:2:4 l3-gateup:2:4 l3-down:2:4 l3-lm_head:2:4} ${TIME_BITS_ARGS:-} 2>&1 | tee "$OUT/gpu-time-bits.log"
+fi
+
+if want gpu_time_m8; then
+  echo "== qmv GPU time, M = 8 $(since)"
+  timeout "${TIME_M8_LIMIT:-120}" $PY -m vqpipe.bench.qmv_gpu_time --out "$OUT/gpu-time-m8.json" \
+    --variants ${M8_VARIANTS:-qmv:auto:0 $BASE qmv:0:0:1 qmv:0:0:0} --cases ${M8_CASES:-l3-qkv:4:8 l3-gateup:4:8 \
+    l3-down:4:8 l3-lm_head:4:8 l3-qkv:3:8 l3-gateup:3:8 l3-down:3:8 l3-lm_head:3:8 l3-qkv:2:8 l3-gateup:2:8 l3-down:2:8 \
+    l3-lm_head:2:8} 2>&1 | tee "$OUT/gpu-time-m8.log"
 fi
 
 if want tests; then

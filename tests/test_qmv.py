@@ -165,18 +165,18 @@ def test_one_description_two_dialects():
     # MLX finds shapes by name in the body: these must be referenced there.
     assert all(s in b_cuda for s in ("x_shape", "packed_shape", "bias_ndim"))
     # the Python launch geometry and the kernel's compile-time constants agree
-    assert f"constexpr int R = {qmv.ROWS};" in qmv._SOURCE
+    assert "constexpr int R = NR;" in qmv._SOURCE
 
 
 QWEN = [(896, 896), (896, 128), (896, 4864), (4864, 896), (896, 151936), (4096, 11008), (11008, 4096)]
 
 
 def _spec(n_in, n_out, m=1, bits=4, dtype=mx.bfloat16, bias=False, bias_dtype=None, group_size=None, xcap=0,
-          splits=None):
+          splits=None, rows=None, lut=None):
     scales = (n_out,) if group_size is None else (n_out, n_in // group_size)
     return qmv.launch_spec((m, n_in), (n_out, words_per_row(n_in, bits)), scales, 1 << bits,
                            (n_out,) if bias else None, bits, dtype, bias_dtype, group_size=group_size, xcap=xcap,
-                           splits=splits)
+                           splits=splits, rows=rows, lut=lut)
 
 
 def test_launch_template_holds_no_shape():
@@ -184,11 +184,13 @@ def test_launch_template_holds_no_shape():
     specs = [_spec(i, o) for i, o in shapes]
     assert all(s["template"] == specs[0]["template"] for s in specs)
     assert specs[0]["template"] == [("T", mx.bfloat16), ("BT", mx.bfloat16), ("ST", mx.float32), ("BITS", 4),
-                                    ("MT", 1), ("GS", 0), ("XCAP", 0), ("RING", 0)]
+                                    ("MT", 1), ("GS", 0), ("XCAP", 0), ("RING", 0), ("LUT", 0),
+                                    ("NR", qmv.ROWS)]
     assert len({s["grid"] for s in specs}) >= 10  # the grid follows the shape, the kernel does not
     for s in specs:
         tx, ks, rw = s["threadgroup"]
-        assert tx == 32 and ks in (1, 2, 4) and ks * rw == 4  # 128 threads: the ring is sized for them
+        # 256 threads with the 4-bit pair table (8 warps share one table), else 128 (the ring is sized for them)
+        assert tx == 32 and ks in (1, 2, 4) and ks * rw == qmv.warps_per_group(s["template"][8][1], 4)
         assert s["grid"][1:] == (ks, rw) and s["grid"][0] % 32 == 0
     # M enters as MT = next power of two; the bias dtype only where a layer has one
     assert [_spec(896, 896, m)["template"][4][1] for m in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
@@ -624,6 +626,8 @@ _HOST_TOKENS = {
     "QMV_SHARED": "static", "QMV_BARRIER": "g_block_barrier->arrive_and_wait()", "QMV_LANE": "t_lane",
     "QMV_KS_ID": "t_ks", "QMV_KS": "g_KS", "QMV_RW_ID": "t_rw", "QMV_RW": "g_RW", "QMV_BLOCK": "g_block",
     "QMV_BLOCKS": "g_blocks", "QMV_UNROLL": "", "QMV_SHARED16": "alignas(16) static",
+    "QMV_MAIN_BEGIN": qmv.DIALECTS["cuda"]["tokens"]["QMV_MAIN_BEGIN"], "QMV_XV": qmv.DIALECTS["cuda"]["tokens"]["QMV_XV"],
+    "QMV_MAIN_END": qmv.DIALECTS["cuda"]["tokens"]["QMV_MAIN_END"],
 }
 _HOST_HEADER = r"""
 #include <barrier>
@@ -643,6 +647,8 @@ inline float qmv_inv_sqrt(float v) { return 1.0f / std::sqrt(v); }
 inline unsigned int qmv_log2(unsigned int v) { return (unsigned int)__builtin_ctz(v); }
 struct float2 { float x, y; };
 inline float2 qmv_f2(float a, float b) { return float2{a, b}; }
+template <bool B>
+struct qmv_bool { static constexpr bool value = B; };
 inline float qmv_shfl_xor(float v, int m) {
   unsigned int w = t_rw * g_KS + t_ks;
   g_xchg[w][t_lane] = v;
@@ -657,6 +663,22 @@ inline unsigned int qmv_index(const unsigned int* w, int v) {
   const int bit = 3 * v, j = bit >> 5, sh = bit & 31;
   if (sh + 3 <= 32) return (w[j] >> sh) & 7u;
   return ((w[j] >> sh) | (w[j + 1] << (32 - sh))) & 7u;
+}
+// Revision 7's pair lookup as the CUDA header has it (byte offsets), the funnel shift written out.
+template <int BITS, int PLS>
+inline unsigned int qmv_pair_off(const unsigned int* w, int p, unsigned int lcp) {
+  const int bit = 2 * BITS * p, j = bit >> 5, sh = bit & 31;
+  const unsigned int mask = ((1u << (2 * BITS)) - 1u) << PLS;
+  unsigned int v;
+  if (sh + 2 * BITS <= 32) v = sh >= PLS ? (w[j] >> (sh - PLS)) : (w[j] << (PLS - sh));
+  else v = (w[j] >> (sh - PLS)) | (w[j + 1] << (32 - (sh - PLS)));
+  return (v & mask) | (lcp << 3);
+}
+template <int BITS, int PLS>
+inline float2 qmv_pair(const float2* t, const unsigned int* w, int p, unsigned int lcp) {
+  const unsigned int off = qmv_pair_off<BITS, PLS>(w, p, lcp);
+  if (off % 8u || off / 8u >= (1u << (2 * BITS)) * (BITS > 2 ? 16u : 1u)) { fprintf(stderr, "pair lookup out of the table\n"); abort(); }
+  return *reinterpret_cast<const float2*>(reinterpret_cast<const unsigned char*>(t) + off);
 }
 // The ring's copies are synchronous here (the wait is nothing); the "vector" branch is checked for
 // alignment like the GPU's 16-byte copies.
@@ -756,7 +778,21 @@ int main(int argc, char** argv) {
 
 
 @pytest.fixture(scope="module")
-def host_kernel(tmp_path_factory):
+def host_kernel(tmp_path_factory):  # the default: revision 6's lookups, 4 rows per warp
+    return _build_host(tmp_path_factory, qmv.ROWS, 0)
+
+
+@pytest.fixture(scope="module")
+def host_kernel_lut(tmp_path_factory):  # revision 7's pair tables where they apply (registers, no prologue)
+    return _build_host(tmp_path_factory, qmv.ROWS, 1)
+
+
+@pytest.fixture(scope="module")
+def host_kernel_r2(tmp_path_factory):  # pair tables and 2 rows per warp
+    return _build_host(tmp_path_factory, 2, 1)
+
+
+def _build_host(tmp_path_factory, rows, lut):
     import re
     import shutil
 
@@ -772,6 +808,9 @@ def host_kernel(tmp_path_factory):
            "const float* codebook, const float* bias, int bias_ndim, const float* rot_s, const float* rot_l, "
            "const int* rot_l_shape, const int* seg, float* out0, float* out1, float* out2) {\n using T = float;\n"
            " constexpr int RING = MT <= 4 ? 0 : 3;\n"  # registers, and a ring whose 3 slots wrap unevenly
+           # with lut = 1 revision 7's pair tables where they apply (registers, no prologue), as qmv.lut_for
+           f" constexpr int LUT = {lut} && RING == 0 && XCAP == 0 && BITS <= 4 ? 1 : 0;\n"
+           f" constexpr int NR = {rows};\n"
            + body + "}\n" + _HOST_MAIN)
     d = tmp_path_factory.mktemp("qmv_host")
     (d / "k.cpp").write_text(src)
@@ -794,8 +833,9 @@ def host_kernel(tmp_path_factory):
     (3, 768, 9, 2, 1, 256, None), (8, 896, 6, 1, None, 32, None), (4, 2048, 13, 8, None, 256, None),
     # more row sets than threadgroups: the grid-stride loop over row sets (the next row set's first
     # chunk is requested during the current one's last), with KS = 1 and KS > 1, 2/3/4 bits
-    (4, 896, 37, 1, 1, 0, 2), (4, 512, 61, 2, 1, 128, 3), (3, 4864, 41, 2, None, 0, 2),
-    (2, 896, 61, 1, 1, 32, 3), (4, 11008, 23, 1, None, 0, 2), (4, 50, 37, 3, None, 0, 2),
+    # (256-thread threadgroups with pair tables: 8 row sets of 4 rows each, so > 32 rows per threadgroup)
+    (4, 896, 77, 1, 1, 0, 2), (4, 512, 101, 2, 1, 128, 3), (3, 4864, 71, 2, None, 0, 2),
+    (2, 896, 101, 1, 1, 32, 3), (4, 11008, 23, 1, None, 0, 2), (4, 50, 77, 3, None, 0, 2),
 ])
 def test_kernel_body_on_cpu_host_dialect(host_kernel, monkeypatch, bits, n_in, n_out, m, target, gs, blocks):
     if target is not None:  # force KS = 1 (many iterations per warp) on a small layer
@@ -805,6 +845,33 @@ def test_kernel_body_on_cpu_host_dialect(host_kernel, monkeypatch, bits, n_in, n
     _host_check(host_kernel, bits, n_in, n_out, m, gs, blocks=blocks)
 
 
+@pytest.mark.parametrize("bits, n_in, n_out, m, target, gs, blocks", [
+    (4, 896, 9, 1, None, 0, None), (4, 4864, 7, 2, 1, 0, None), (3, 4864, 7, 1, None, 64, None), (2, 896, 7, 3, 1, 0, None),
+    (4, 896, 45, 1, 1, 0, 2), (4, 11008, 3, 1, None, 0, None), (2, 96, 5, 4, None, 32, None), (4, 50, 7, 8, None, 0, None),
+])
+def test_kernel_body_two_rows_per_warp_on_cpu(host_kernel_r2, monkeypatch, bits, n_in, n_out, m, target, gs, blocks):
+    if target is not None:
+        monkeypatch.setattr(qmv, "TARGET_WARPS", target)
+    if blocks is not None:
+        monkeypatch.setattr(qmv, "MAX_BLOCKS", blocks)
+    _host_check(host_kernel_r2, bits, n_in, n_out, m, gs, blocks=blocks, rows=2, lut=1)
+
+
+@pytest.mark.parametrize("bits, n_in, n_out, m, target, gs, blocks", [
+    (4, 50, 7, 1, None, 0, None), (4, 896, 9, 3, None, 0, None), (4, 4864, 9, 2, 1, 0, None), (3, 96, 9, 1, None, 0, None),
+    (3, 4864, 7, 4, None, 0, None), (3, 896, 5, 1, 1, 0, None), (2, 4864, 9, 1, None, 0, None), (2, 896, 7, 3, 1, 0, None),
+    (4, 896, 9, 1, None, 32, None), (2, 896, 7, 1, 1, 32, None), (3, 768, 9, 2, 1, 256, None), (2, 4864, 6, 4, None, 64, None),
+    (4, 896, 77, 1, 1, 0, 2), (3, 4864, 71, 2, None, 0, 2), (2, 896, 101, 1, 1, 32, 3), (4, 11008, 23, 1, None, 0, 2),
+    (4, 4864, 7, 8, None, 0, None),  # M = 8: the ring, so revision 6's lookups even when pair tables are asked for
+])
+def test_kernel_body_pair_tables_on_cpu(host_kernel_lut, monkeypatch, bits, n_in, n_out, m, target, gs, blocks):
+    if target is not None:
+        monkeypatch.setattr(qmv, "TARGET_WARPS", target)
+    if blocks is not None:
+        monkeypatch.setattr(qmv, "MAX_BLOCKS", blocks)
+    _host_check(host_kernel_lut, bits, n_in, n_out, m, gs, blocks=blocks, lut=1)
+
+
 def _sylvester(b):
     h = np.ones((1, 1))
     while h.shape[0] < b:
@@ -812,7 +879,7 @@ def _sylvester(b):
     return h
 
 
-def _host_check(host_kernel, bits, n_in, n_out, m, gs, rotation=None, splits=None, blocks=None):
+def _host_check(host_kernel, bits, n_in, n_out, m, gs, rotation=None, splits=None, blocks=None, rows=None, lut=None):
     ops = None if rotation is None else qmv.rotation_operands(rotation)
     a = 1 if ops is None else ops[1].shape[0]
     xcap = 0
@@ -821,13 +888,14 @@ def _host_check(host_kernel, bits, n_in, n_out, m, gs, rotation=None, splits=Non
         xcap = next(c for c in qmv.XCAP_BUCKETS if c >= need)
     qmv.launch_spec.cache_clear()
     try:
-        spec = _spec(n_in, n_out, m, bits, mx.float32, bias=True, group_size=gs or None, xcap=xcap, splits=splits)
+        spec = _spec(n_in, n_out, m, bits, mx.float32, bias=True, group_size=gs or None, xcap=xcap, splits=splits,
+                     rows=rows, lut=lut)
     finally:
         qmv.launch_spec.cache_clear()
     (gx, ks, rw), mt = spec["grid"], spec["template"][4][1]
     assert spec["template"][6] == ("XCAP", xcap)
     if blocks is not None:
-        assert gx // 32 == blocks and blocks * rw * qmv.ROWS < n_out
+        assert gx // 32 == blocks and blocks * rw * spec["template"][9][1] < n_out
     packed, scales, levels, bias = _weights(bits, n_in, n_out, group_size=gs or None)
     rng = np.random.default_rng(n_in + bits)
     din = n_in if ops is not None else spec["padded_in"]  # the prologue pads in shared memory itself

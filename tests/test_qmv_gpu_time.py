@@ -44,6 +44,7 @@ def test_wrapper_parameters_match_the_argument_list(bits, m, stages):
     shapes = [a for a in args if isinstance(a, ct.ctypes.Array)]
     assert [list(a)[:3] for a in shapes] == [[1, m, n_in], [n_out, wpr, 0], [n_out, 0, 0], [1, 1, 0]]
     assert f"constexpr int RING = {qmv.ring_for(spec['template'][4][1], stages)};" in src
+    assert f"constexpr int LUT = {dict(spec['template'])['LUT']};" in src
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
@@ -69,3 +70,49 @@ def test_ring_choice():
     with qmv.ring_stages(3):
         assert qmv.STAGES == 3
     assert qmv.STAGES is None or qmv.STAGES == int(__import__("os").environ["VQPIPE_QMV_STAGES"])
+
+
+def test_ablations_change_the_kernel_they_name():
+    name, header, body = qmv.render("cuda", 1)
+    for abl in gt.ABLATIONS:
+        h2, b2 = gt.ablate(header, body, [abl])
+        assert (h2, b2) != (header, body)
+    h2, b2 = gt.ablate(header, body, ["nolut", "noload"])
+    assert "cb_s[qmv_index" not in b2 and "*reinterpret_cast<const uint4*>(p + off)" not in h2
+    assert "reinterpret_cast<const unsigned char*>(t) + qmv_pair_off" not in h2
+    with pytest.raises(ValueError, match="unknown ablation"):
+        gt.ablate(header, body, ["nofma"])
+    with pytest.raises(ValueError, match="matches nothing"):
+        gt.ablate("", "", ["noload"])
+
+
+def test_variant_names_parse():
+    v = gt.Variant("qmv:0:528:1:nolut+noload", None, {})
+    assert (v.stages, v.blocks, v.lut, v.ablations) == (0, 528, 1, ("nolut", "noload"))
+    v = gt.Variant("qmv", None, {})
+    assert (v.stages, v.blocks, v.lut, v.ablations) == (None, None, None, ())
+    # the variant's LUT reaches the template, and the 4-bit pair table takes 256-thread threadgroups
+    for lut, warps in ((0, 4), (1, 8)):
+        spec = gt.Variant(f"qmv:auto:0:{lut}", None, {}).spec((1, 1, 4096), (28672, 512), (28672,), 4, mx)
+        assert dict(spec["template"])["LUT"] == lut
+        assert spec["threadgroup"][1] * spec["threadgroup"][2] == warps
+    v = gt.Variant("qmv:0:0:1::2", None, {})
+    assert (v.lut, v.rows, v.ablations) == (1, 2, ())
+    assert dict(v.spec((1, 1, 4096), (28672, 512), (28672,), 4, mx)["template"])["NR"] == 2
+
+
+def test_pair_tables_only_where_asked_and_where_they_apply():
+    assert [qmv.lut_for(b, 0, 0) for b in (2, 3, 4, 8)] == [0, 0, 0, 0]  # the default: revision 6's lookups
+    assert [qmv.lut_for(b, 0, 0, 1) for b in (2, 3, 4, 8)] == [1, 1, 1, 0]
+    assert qmv.lut_for(4, 4, 0, 1) == 0 and qmv.lut_for(4, 0, 1024, 1) == 0  # the ring, the prologue
+    assert qmv.lut_for(4, 0, 0, 1, "metal") == 0 and qmv.lut_for(3, 0, 0, 1, "metal") == 1  # 32 KiB
+    with pytest.raises(ValueError, match="lut must be"):
+        qmv.lut_for(4, 0, 0, 2)
+    with pytest.raises(ValueError, match="rows per warp"):
+        qmv.rows_for(4, 0, 3)
+    spec = lambda m, **kw: dict(qmv.launch_spec((1, m, 4096), (28672, 512), (28672,), 16, None, 4, mx.bfloat16,
+                                                **kw)["template"])
+    assert spec(1, lut=1)["LUT"] == 1 and spec(8, lut=1)["LUT"] == 0 and spec(8, lut=1, stages=0)["LUT"] == 1
+    with qmv.lut_tables(1):
+        assert qmv.LUT == 1
+    assert qmv.LUT is None or qmv.LUT == int(__import__("os").environ["VQPIPE_QMV_LUT"])

@@ -23,7 +23,11 @@ Layout (revision 6, see docs/qmv.md):
   (RING = 2..4 stages, filled by cp.async on CUDA, RING - 1 items ahead). With KS = 1 no barrier
   runs after the codebook fill: the lanes write their rows straight after the butterfly.
 - The codebook sits in shared memory, one bank per level (no conflicts); at 2 bits a 16-entry
-  pair table (C[e & 3], C[e >> 2]) gives two values per 8-byte lookup.
+  pair table (C[e & 3], C[e >> 2]) gives two values per 8-byte lookup. Revision 7 (opt-in, LUT = 1):
+  pair tables at every width, the 3/4-bit ones stored 16 times so no 8-byte lookup conflicts; on
+  the H200 they were slower at 4 bits (fewer warps, exposed lookup latency), so revision 6's lookups
+  stay the default. What bounds the default at M = 1 is its instruction stream (~6 per weight value)
+  and the L1 data pipe, not HBM (profiled: docs/qmv.md).
 - float32 accumulation in a fixed order (per lane, 5-step xor butterfly, KS partials in warp order),
   then * s[o] (+ b[o]) and one cast to x's dtype: deterministic, not bit-identical to the dense path
   (which works in x's dtype, codebook included).
@@ -48,7 +52,7 @@ from .gpu import backend
 from .bitpack import unpack, words_per_row
 
 MAX_M = 8  # rows of x (prod of its leading dims) the kernel takes; more -> the dense path
-ROWS = 4  # output rows per warp (R); must match "constexpr int R" in _SOURCE
+ROWS = int(os.environ.get("VQPIPE_QMV_ROWS", "4"))  # output rows per warp (R, template argument NR); rows_for
 TARGET_WARPS = 4096  # enough warps to fill an H200 (132 SMs x ~32 resident warps)
 MAX_BLOCKS = 2048  # threadgroups at most, more row sets grid-stride (H200: 1056 was slower at gate|up and head)
 # With the rotation in the prologue every threadgroup redoes it, so fewer, longer-lived threadgroups:
@@ -73,6 +77,39 @@ def ring_for(mt, stages=None, dialect="cuda"):
     if ring not in RING_CHOICES:
         raise ValueError(f"qmv: ring stages must be one of {RING_CHOICES} (or None: by M), got {stages!r}")
     return min(ring, DIALECT_MAX_STAGES.get(dialect, 4)) if ring else 0
+# Revision 7's lookups (template argument LUT, docs/qmv.md): 1 = pair tables (one 8-byte lookup per two values,
+# the 3/4-bit tables stored 16 times so no lookup conflicts; 256-thread threadgroups share the 32 KiB 4-bit
+# table; 2/3 bits keep 128), 0 = revision 6's one lookup per value, the default: on the H200 pair tables cut
+# the instructions per item by a third but were 1.04-1.40x slower at 4 bits (72 registers, 24 warps per SM)
+# and within -2..+6 % at 2/3 bits (docs/results/2026-12-01-h200-qmv7). They apply only with registers
+# (RING = 0), no prologue (its staged activation and a 32 KiB table exceed 48 KiB), 2-4 bits, and on Metal
+# (32 KiB of threadgroup memory) 2/3 bits. VQPIPE_QMV_LUT=1 or qmv.lut_tables(1) asks for them.
+LUT = int(os.environ["VQPIPE_QMV_LUT"]) if os.environ.get("VQPIPE_QMV_LUT") else None
+
+
+def lut_for(bits, ring, xcap, lut=None, dialect="cuda"):
+    """The LUT template argument (see LUT): 1 where pair tables are asked for (lut = 1) and apply."""
+    if lut is not None and lut not in (0, 1):
+        raise ValueError(f"qmv: lut must be 0, 1 or None, got {lut!r}")
+    fits = bits in (2, 3, 4) and not ring and not xcap and not (dialect == "metal" and bits == 4)
+    return int(fits and lut == 1)
+
+
+def rows_for(bits, lut, rows=None):
+    """Output rows per warp (template argument NR): ``rows`` if given (2 or 4), else ROWS. Two rows
+    halve the words in flight per lane (fewer registers) and double the activation loads per value."""
+    rows = ROWS if rows is None else int(rows)
+    if rows not in (2, 4):
+        raise ValueError(f"qmv: rows per warp must be 2 or 4, got {rows!r}")
+    return rows
+
+
+def warps_per_group(lut, bits):
+    """Warps per threadgroup: 8 with the 4-bit pair table (one 32 KiB table per 8 warps), else 4 (the ring's
+    size; the 2- and 3-bit tables are 128 B and 8 KiB)."""
+    return 8 if lut and bits == 4 else 4
+
+
 GROUP_SIZES = (32, 64, 128, 256)  # per-group scale layouts the kernel takes (besides per row)
 SCALE_DTYPES = (mx.float16, mx.float32)
 
@@ -86,10 +123,11 @@ DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # The kernel description. Compile-time names (from MLX's template arguments): T (x dtype), BT (bias
 # dtype; only keeps kernels with different bias signatures apart in MLX's by-name cache), ST (scale
 # dtype), BITS, MT, GS (group size, 0 = per row), XCAP (prologue floats, 0 = none), RING (0 =
-# registers, else ring stages). Dialect tokens QMV_* are substituted in Python (QMV_EPILOGUE by
+# registers, else ring stages), LUT (1 = revision 7's pair tables, 0 = revision 6's lookups). Dialect
+# tokens QMV_* are substituted in Python (QMV_EPILOGUE by
 # body_source); helpers qmv_* come from the dialect header.
 _SOURCE = """
-    constexpr int R = 4;                                // rows per warp
+    constexpr int R = NR;                               // rows per warp (2 or 4)
     constexpr int VW = (BITS == 3) ? 3 : 4;             // packed words per lane chunk (12 or 16 bytes)
     constexpr int VPC = 32 * VW / BITS;                 // values per chunk: 64, 32, 32, 16 for 2, 3, 4, 8 bits
     constexpr int SC = 8;                               // values per activation load (one sub-chunk)
@@ -106,8 +144,16 @@ _SOURCE = """
     QMV_SHARED float cb_s[NLEV];
     // 2 bits: a pair table, entry e = (C[e & 3], C[e >> 2]) for the 4-bit field e of two neighbouring
     // values: one 8-byte lookup per two values (16 entries of 8 bytes: distinct banks, no conflicts)
-    QMV_SHARED float2 cb2_s[BITS == 2 ? 16 : 1];
-    QMV_SHARED float red_s[4 * R * MT];
+    QMV_SHARED float2 cb2_s[BITS == 2 && LUT == 0 ? 16 : 1];
+    // LUT = 1 (revision 7): pair tables for every width, entry e = (C[e & (NLEV - 1)], C[e >> BITS]) for the
+    // 2 * BITS-bit field e of two neighbouring values, one 8-byte lookup per two values. At 3 and 4 bits (64 and
+    // 256 entries) the table is stored NCP = 16 times, copy k at entry * 16 + k: lane l reads copy l % 16, so the
+    // 16 lanes of a half-warp (one 8-byte shared-memory wavefront) always hit distinct banks
+    constexpr int NPT = LUT ? 1 << (2 * BITS) : 1;      // pair-table entries
+    constexpr int NCP = (LUT && BITS > 2) ? 16 : 1;     // copies
+    constexpr int PLS = NCP == 16 ? 7 : 3;              // log2 of an entry's stride in bytes
+    QMV_SHARED16 float2 pt_s[NPT * NCP];
+    QMV_SHARED float red_s[8 * R * MT];
     // The ring: every lane's packed words for its next NST - 1 chunks (R rows each), copied from global
     // memory asynchronously; a lane reads back only what it requested itself, so no barrier guards it
     QMV_SHARED16 unsigned int ring_s[RING == 0 ? 4 : NST * SLOT];
@@ -167,7 +213,14 @@ _SOURCE = """
     for (unsigned int i = tid; i < (unsigned int)NLEV; i += NT) {
         cb_s[i] = static_cast<float>(codebook[i]);
     }
-    if (BITS == 2 && tid < 16u) {
+    if (LUT) {
+        for (unsigned int e = tid; e < (unsigned int)(NPT * NCP); e += NT) {
+            const unsigned int v = e / (unsigned int)NCP;
+            pt_s[e] = qmv_f2(static_cast<float>(codebook[v & (NLEV - 1u)]), static_cast<float>(codebook[v >> BITS]));
+        }
+    }
+    const unsigned int lcp = lane & (unsigned int)(NCP - 1);  // this lane's table copy
+    if (BITS == 2 && LUT == 0 && tid < 16u) {
         cb2_s[tid] = qmv_f2(static_cast<float>(codebook[tid & 3u]), static_cast<float>(codebook[tid >> 2]));
     }
     // Prologue (XCAP > 0): xr = (L (x) S_B / sqrt(B)) (sd * x) for each row, x viewed as A x B
@@ -255,6 +308,10 @@ _SOURCE = """
             acc[r][m] = 0.0f;
         }
     }
+    // The main loop, written once and with pair tables instantiated twice on CUDA (QMV_XV = 16-byte
+    // activation loads or not, known at compile time): left to itself the compiler predicates both load
+    // paths into one loop there (116 of 466 instructions per item, revision 7's first build)
+    QMV_MAIN_BEGIN
     unsigned int slot = 0u, i = 0u, j = 0u;             // item k's ring slot, step and round
     for (unsigned int k = 0; k < NK; ++k) {
         unsigned int nxt[R][VW];                        // RING = 0: item k + 1's words, requested now
@@ -310,7 +367,7 @@ _SOURCE = """
                     if (XCAP > 0) {
                         QMV_LOAD_XS(xv[m], xs_s + xoff + mm * ((PIN + 31u) / 32u * 36u) + qmv_xi(c * VPC + h * SC));
                     } else {
-                        QMV_LOAD_X(xv[m], x + mm * PIN + c * VPC + h * SC, xvec);
+                        QMV_LOAD_X(xv[m], x + mm * PIN + c * VPC + h * SC, QMV_XV);
                     }
                 }
                 QMV_UNROLL
@@ -320,7 +377,17 @@ _SOURCE = """
                     for (int m = 0; m < MT; ++m) {
                         part[m] = 0.0f;
                     }
-                    if (BITS == 2) {  // the same products in the same order, two values per lookup
+                    if (LUT) {  // revision 7: the same products in the same order, two values per lookup
+                        QMV_UNROLL
+                        for (int t = 0; t < SC; t += 2) {
+                            const float2 w2 = qmv_pair<BITS, PLS>(pt_s, win[r], (h * SC + t) / 2, lcp);
+                            QMV_UNROLL
+                            for (int m = 0; m < MT; ++m) {
+                                part[m] += w2.x * xv[m][t];
+                                part[m] += w2.y * xv[m][t + 1];
+                            }
+                        }
+                    } else if (BITS == 2) {  // the same products in the same order, two values per lookup
                         QMV_UNROLL
                         for (int t = 0; t < SC; t += 2) {
                             const float2 w2 = cb2_s[qmv_index<4, 8>(win[r], (h * SC + t) / 2)];
@@ -429,6 +496,7 @@ _SOURCE = """
             QMV_BARRIER;  // red_s is reused by the next round
         }
     }
+    QMV_MAIN_END
     qmv_async_wait<0>();                                // nothing left in flight at exit
 """
 
@@ -473,6 +541,8 @@ __device__ __forceinline__ float qmv_inv_sqrt(float v) { return 1.0f / sqrtf(v);
 __device__ __forceinline__ unsigned int qmv_log2(unsigned int v) { return (unsigned int)(__ffs((int)v) - 1); }  // v a power of two
 __device__ __forceinline__ float qmv_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ float2 qmv_f2(float a, float b) { return make_float2(a, b); }
+template <bool B>
+struct qmv_bool { static constexpr bool value = B; };
 
 // Codebook index of value v (a compile-time constant once unrolled) of a chunk held in words w[]:
 // 2/4/8 bits never straddle a word; a 3-bit value may straddle two (bits 30-32, 62-64 of the chunk).
@@ -486,6 +556,26 @@ __device__ __forceinline__ unsigned int qmv_index(const unsigned int* w, int v) 
         return (w[j] >> sh) & 7u;
     }
     return ((w[j] >> sh) | (w[j + 1] << (32 - sh))) & 7u;
+}
+
+// Revision 7's pair lookup: pair p of a chunk is the 2 * BITS-bit field at bit 2 * BITS * p of w[] (at 3 bits it
+// may straddle two words: a funnel shift). Its entry's byte offset, field << PLS | copy << 3, comes from one
+// shift and one and-or (LOP3) once unrolled; the load is then one LDS.64 from the table's fixed address.
+template <int BITS, int PLS>
+__device__ __forceinline__ unsigned int qmv_pair_off(const unsigned int* w, int p, unsigned int lcp) {
+    const int bit = 2 * BITS * p, j = bit >> 5, sh = bit & 31;
+    const unsigned int mask = ((1u << (2 * BITS)) - 1u) << PLS;
+    unsigned int v;
+    if (sh + 2 * BITS <= 32) {
+        v = sh >= PLS ? (w[j] >> (sh - PLS)) : (w[j] << (PLS - sh));
+    } else {
+        v = __funnelshift_r(w[j], w[j + 1], sh - PLS);  // sh > 32 - 2 * BITS >= PLS here
+    }
+    return (v & mask) | (lcp << 3);
+}
+template <int BITS, int PLS>
+__device__ __forceinline__ float2 qmv_pair(const float2* t, const unsigned int* w, int p, unsigned int lcp) {
+    return *reinterpret_cast<const float2*>(reinterpret_cast<const unsigned char*>(t) + qmv_pair_off<BITS, PLS>(w, p, lcp));
 }
 
 // The ring (docs/qmv.md): R rows x VW packed words of one chunk, copied global -> shared without
@@ -610,6 +700,14 @@ inline unsigned int qmv_index(const thread unsigned int* w, int v) {
     return ((w[j] >> sh) | (w[j + 1] << (32 - sh))) & 7u;
 }
 
+// Revision 7's pair lookup (see the CUDA header), as an entry index: field << (PLS - 3) | copy.
+template <int BITS, int PLS>
+inline float2 qmv_pair(const threadgroup float2* t, const thread unsigned int* w, int p, unsigned int lcp) {
+    const int bit = 2 * BITS * p, j = bit >> 5, sh = bit & 31;
+    const unsigned int f = sh + 2 * BITS <= 32 ? (w[j] >> sh) : ((w[j] >> sh) | (w[j + 1] << (32 - sh)));
+    return t[((f & ((1u << (2 * BITS)) - 1u)) << (PLS - 3)) | lcp];
+}
+
 // The ring's copies are plain (synchronous) here: the wait is then nothing.
 template <int VW, int R, int NTB>
 inline void qmv_fetch(threadgroup unsigned int* dst, const device uint32_t* p, unsigned int row0, unsigned int c,
@@ -663,6 +761,11 @@ DIALECTS = {
             "QMV_BLOCKS": "gridDim.x",
             "QMV_BLOCK": "blockIdx.x",
             "QMV_UNROLL": "#pragma unroll",
+            "QMV_MAIN_BEGIN": "auto qmv_main = [&](auto xv_) {",
+            # pair tables only: with revision 6's lookups one instance (the compiler splits it itself, with
+            # fewer registers at 2 bits: 86 against 96)
+            "QMV_XV": "(LUT ? decltype(xv_)::value : xvec)",
+            "QMV_MAIN_END": "}; if (LUT && xvec) { qmv_main(qmv_bool<true>()); } else { qmv_main(qmv_bool<false>()); }",
         },
     },
     "metal": {
@@ -679,6 +782,10 @@ DIALECTS = {
             "QMV_BLOCKS": "threadgroups_per_grid.x",
             "QMV_BLOCK": "threadgroup_position_in_grid.x",
             "QMV_UNROLL": "#pragma unroll",
+            # scalar activation loads only (QMV_X_ALIGNED is false): one instance, no lambda
+            "QMV_MAIN_BEGIN": "{ constexpr bool qmv_xv_ = false;",
+            "QMV_XV": "qmv_xv_",
+            "QMV_MAIN_END": "} /* main loop */",
         },
     },
 }
@@ -832,7 +939,7 @@ def check_args(in_features, m, packed_shape, packed_dtype, scales_shape, codeboo
 @functools.lru_cache(maxsize=1024)
 def launch_spec(x_shape, packed_shape, scales_shape, codebook_size, bias_shape, bits, dtype, bias_dtype=None,
                 packed_dtype=mx.uint32, group_size=None, scales_dtype=mx.float32, xcap=0, splits=None,
-                max_blocks=None, stages=None, dialect="cuda"):
+                max_blocks=None, stages=None, dialect="cuda", lut=None, rows=None):
     """Validate one call (ValueError naming the problem) and return its template arguments, grid,
     threadgroup and output shape (cached: per call this is one dict lookup; read-only). Only the
     template arguments select a compiled kernel, and they hold no shape: M enters as MT, M rounded
@@ -845,12 +952,15 @@ def launch_spec(x_shape, packed_shape, scales_shape, codebook_size, bias_shape, 
     vpc = chunk_values(bits)
     padded = -(-in_features // vpc) * vpc
     steps = -(-(padded // vpc) // 32)  # chunk steps per lane and row with one warp per row set
-    row_sets = -(-out_features // ROWS)
+    ring = ring_for(_pow2_ceil(m), stages, dialect)
+    lut = lut_for(bits, ring, xcap, lut, dialect)
+    nr = rows_for(bits, lut, rows)
+    row_sets = -(-out_features // nr)
     # Split rows over more warps only while there are too few warps to fill the GPU, and never so
     # far that a warp has less than one chunk step of work.
     cap = _pow2_floor(min(4, max(1, steps)))
     ks = min(cap, _pow2_ceil(-(-TARGET_WARPS // row_sets)))
-    rw = 4 // ks  # row sets per threadgroup: always 128 threads (the ring is sized for them)
+    rw = warps_per_group(lut, bits) // ks  # row sets per threadgroup: 128 threads (the ring's size) or 256
     if max_blocks is None:
         max_blocks = MAX_BLOCKS_ROT if xcap else MAX_BLOCKS
     blocks = min(-(-row_sets // rw), max_blocks)
@@ -862,7 +972,7 @@ def launch_spec(x_shape, packed_shape, scales_shape, codebook_size, bias_shape, 
     return {
         "template": [("T", dtype), ("BT", dtype if bias_dtype is None else bias_dtype), ("ST", scales_dtype),
                      ("BITS", int(bits)), ("MT", _pow2_ceil(m)), ("GS", int(group_size or 0)), ("XCAP", int(xcap)),
-                     ("RING", ring_for(_pow2_ceil(m), stages, dialect))],
+                     ("RING", ring), ("LUT", lut), ("NR", nr)],
         "grid": (32 * blocks, ks, rw),
         "threadgroup": (32, ks, rw),
         "output_shapes": [lead + (b - a,) for a, b in zip([0] + ends, ends)],
@@ -948,6 +1058,20 @@ def ring_stages(stages):
 
 
 @contextlib.contextmanager
+def lut_tables(flag):
+    """``with qmv.lut_tables(1): ...``: launches use revision 7's pair tables (1) where they apply, or
+    revision 6's lookups (0 or None, the default)."""
+    global LUT
+    if flag is not None and flag not in (0, 1):
+        raise ValueError(f"qmv: lut must be 0, 1 or None, got {flag!r}")
+    previous, LUT = LUT, flag
+    try:
+        yield
+    finally:
+        LUT = previous
+
+
+@contextlib.contextmanager
 def rotating_in_kernel(flag, max_blocks=None):
     """``with qmv.rotating_in_kernel(True): ...``: the block runs with the prologue rotation on or
     off (and, if given, ``max_blocks`` threadgroups at most for it), then both are restored."""
@@ -1010,7 +1134,7 @@ _prepared = {}  # argument signature -> (spec, cast scales, cast codebook, rotat
 
 def _prepare(key, dialect, bits, rotation):
     (x_shape, x_dtype, p_shape, p_dtype, s_shape, s_dtype, c_shape, c_dtype, b_sig, _, _, group_size, _, splits,
-     max_blocks, max_blocks_rot, stages) = key
+     max_blocks, max_blocks_rot, stages, _) = key
     cast_scales = s_dtype not in SCALE_DTYPES  # e.g. bfloat16 scales: one cast to float32 per call
     m = math.prod(x_shape[:-1])
     ops = rotation_operands(rotation) if rotation is not None and _rotate_in_kernel and prologue_allowed(bits, m) else None
@@ -1021,7 +1145,7 @@ def _prepare(key, dialect, bits, rotation):
     spec = launch_spec(x_shape, p_shape, s_shape, math.prod(c_shape), None if b_sig is None else b_sig[0], bits,
                        x_dtype, None if b_sig is None else b_sig[1], p_dtype, group_size,
                        mx.float32 if cast_scales else s_dtype, xcap, splits, max_blocks_rot if xcap else max_blocks,
-                       stages, dialect)
+                       stages, dialect, LUT)
     _instances.add((dialect, len(spec["output_shapes"]), *(str(v) for _, v in spec["template"])))
     seg = mx.array(list(splits) if splits else [0], mx.int32)
     _prepared[key] = entry = (spec, cast_scales, c_dtype != mx.float32, xcap > 0, seg)
@@ -1038,7 +1162,7 @@ def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=Non
     rkey = None if rotation is None else (rotation.kind, rotation.dim, rotation.seed, _rotate_in_kernel)
     key = (x.shape, x.dtype, packed.shape, packed.dtype, scales.shape, scales.dtype, codebook.shape,
            codebook.dtype, None if bias is None else (bias.shape, bias.dtype), bits, dialect, group_size, rkey,
-           None if splits is None else tuple(splits), MAX_BLOCKS, MAX_BLOCKS_ROT, STAGES)
+           None if splits is None else tuple(splits), MAX_BLOCKS, MAX_BLOCKS_ROT, STAGES, LUT)
     entry = _prepared.get(key) or _prepare(key, dialect, int(bits), rotation)
     spec, cast_scales, cast_codebook, in_kernel, seg = entry
     if in_kernel:

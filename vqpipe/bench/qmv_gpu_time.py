@@ -10,13 +10,20 @@ events; GB/s counts the bytes a launch must move (packed words, scales, x, y).
 
 Arms per shape, interleaved (A B C ... A B C ...), with an A/A copy of the first:
 
-- ``copy``: cuMemcpyDtoD of 1 GiB (bytes read + written, as bench-qmv's copy figure);
+- ``copy``: cuMemcpyDtoD of ``--copy-mib`` (1 GiB; bytes read + written, as bench-qmv's copy figure);
 - ``read``: a plain 16-byte-load read of the same packed bytes (what streaming them can cost);
-- one arm per kernel variant ``MODULE:RING:BLOCKS`` (``qmv`` the current one, ``qmv_v5`` a saved
-  earlier revision; RING ``auto`` = qmv's choice by M, 0 = registers, 2..4 ring stages; BLOCKS 0 =
-  the default cap), each checked against a float64 evaluation of the formula on 512 rows first.
+- one arm per kernel variant ``MODULE:RING:BLOCKS:LUT:ABLATIONS:ROWS`` (``qmv`` the current one, ``qmv_v6`` a
+  saved earlier revision; RING ``auto`` = qmv's choice by M, 0 = registers, 2..4 ring stages; BLOCKS 0 =
+  the default cap; LUT ``auto``, 0 = revision 6's lookups, 1 = revision 7's pair tables; ABLATIONS a
+  ``+``-joined subset of ``ABLATIONS``, kernels that skip a part of the work so the time they save says
+  what that part costs; ROWS ``auto``, 2 or 4 output rows per warp), each checked against a float64 evaluation of the formula on 512 rows first
+  (an ablation's check is expected to fail: it computes something else).
 
-    python -m vqpipe.bench.qmv_gpu_time --out FILE.json [--variants qmv:0:0 qmv:4:0 qmv_v5]
+    python -m vqpipe.bench.qmv_gpu_time --out FILE.json [--variants qmv:0:0 qmv:4:0 qmv_v6 qmv:auto:0:1:nolut]
+
+``--check-only`` compiles and checks (one launch per variant and case) without timing: the run to
+put under a profiler (``ncu --kernel-name regex:vqpipe_qmv ... python -m vqpipe.bench.qmv_gpu_time
+--check-only``).
 """
 
 import argparse
@@ -52,6 +59,45 @@ extern "C" __global__ void spin(long long cycles) {  // keeps the GPU busy while
 }
 """
 POOL_BYTES = 1 << 30
+# Ablations: (text of the rendered source, its replacement). nolut: the codebook value comes from the code
+# itself (its bits OR'd into 1.0f: one ALU op, no shared-memory lookup), for revision 6's per-value and
+# revision 7's pair lookups; noload: the packed words are made from their offset (integer multiplies)
+# instead of being loaded (16-byte path), so nothing streams from HBM but the activation.
+ABLATIONS = {
+    "nolut": [
+        ("return *reinterpret_cast<const float2*>(reinterpret_cast<const unsigned char*>(t) + "
+         "qmv_pair_off<BITS, PLS>(w, p, lcp));",
+         "const unsigned int o_ = qmv_pair_off<BITS, PLS>(w, p, lcp); "
+         "return make_float2(__uint_as_float((o_ >> 7) | 0x3f800000u), __uint_as_float((o_ << 9) | 0x3f800000u));"),
+        ("const float w = cb_s[qmv_index<BITS, PER>(win[r], h * SC + t)];",
+         "const float w = __uint_as_float((qmv_index<BITS, PER>(win[r], h * SC + t) << 19) | 0x3f800000u);"),
+    ],
+    # not an ablation, a candidate: the packed words' 16-byte loads as ld.global.cs (evict first), so the
+    # streamed words do not push the activation (read by every warp) out of L1
+    "ldcs": [
+        ("const uint4 v = *reinterpret_cast<const uint4*>(p + off);",
+         "const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p + off));"),
+    ],
+    "noload": [
+        ("const uint4 v = *reinterpret_cast<const uint4*>(p + off);",
+         "const uint4 v = make_uint4(off * 2654435761u, (off + 1u) * 2246822519u, (off + 2u) * 3266489917u, "
+         "(off + 3u) * 668265263u);"),
+    ],
+}
+
+
+def ablate(header, body, names):
+    """(header, body) with the ablations ``names`` applied; each must change the source."""
+    for name in names:
+        if name not in ABLATIONS:
+            raise ValueError(f"qmv_gpu_time: unknown ablation {name!r} (known: {', '.join(ABLATIONS)})")
+        hit = False
+        for old, new in ABLATIONS[name]:
+            hit |= old in header or old in body
+            header, body = header.replace(old, new), body.replace(old, new)
+        if not hit:
+            raise ValueError(f"qmv_gpu_time: ablation {name!r} matches nothing in this kernel's source")
+    return header, body
 
 
 def _dtype_name(v):
@@ -76,21 +122,30 @@ def unpack_rows(words, bits, n_in):
 
 class Variant:
     def __init__(self, text, drv, cache):
-        mod, stages, blocks = (text.split(":") + ["auto", "0"])[:3]
+        parts = text.split(":")
+        mod, stages, blocks, lut, abl, rows = parts + ["auto", "0", "auto", "", "auto"][len(parts) - 1:]
         self.name, self.mod = text, importlib.import_module(f"vqpipe.{mod}")
         self.stages = None if stages in ("", "auto") else int(stages)
+        self.lut = None if lut in ("", "auto") else int(lut)
+        self.rows = None if rows in ("", "auto") else int(rows)
+        self.ablations = tuple(a for a in abl.split("+") if a)
         self.blocks, self.drv, self.cache = int(blocks) or None, drv, cache
 
     def spec(self, x_shape, p_shape, s_shape, bits, mx):
         kw = {"max_blocks": self.blocks}
         if self.stages is not None:
             kw["stages"] = self.stages
+        if self.lut is not None:
+            kw["lut"] = self.lut
+        if self.rows is not None:
+            kw["rows"] = self.rows
         return self.mod.launch_spec(x_shape, p_shape, s_shape, 1 << bits, None, bits, mx.bfloat16, **kw)
 
     def function(self, spec):
         name, header, body = self.mod.render("cuda", 1)
+        header, body = ablate(header, body, self.ablations)
         tmpl = [(k, _dtype_name(v)) for k, v in spec["template"]]
-        key = (name, tuple(tmpl))
+        key = (name, tuple(tmpl), self.ablations)
         if key not in self.cache:
             inputs = [("x", "bfloat16", 3), ("packed", "uint32", 2), ("scales", "float32", 1), ("codebook", "float32", 1),
                       ("bias", "bfloat16", 2), ("rot_s", "float32", 2), ("rot_l", "float32", 2), ("seg", "int32", 1)]
@@ -192,6 +247,8 @@ def measure_shape(drv, name, n_in, n_out, bits, m, variants, pool, args, read_fn
                         "template": [[k, str(t)] for k, t in spec["template"]], "compile_s": secs,
                         "max_error_in_bounds": err, "check_rows": len(rows)}
         print(f"  {v.name}: grid {grid[0]} x {block}, {regs} regs, error {err:.3f} of the bound", flush=True)
+    if args.check_only:
+        return {"shape": name, "bits": bits, "M": m, "variants": info}
     first = variants[0].name
     arms[first + " (A/A)"] = arms[first]
     out = ctypes.c_uint64(drv.alloc(16))
@@ -215,13 +272,13 @@ def measure_shape(drv, name, n_in, n_out, bits, m, variants, pool, args, read_fn
             "variants": info}
 
 
-def copy_bandwidth(drv, pool, repeats):
-    half = POOL_BYTES // 2
+def copy_bandwidth(drv, buf, nbytes, repeats):
+    """cuMemcpyDtoD of ``nbytes`` from buf to buf + nbytes (2 * nbytes allocated), read + written bytes per s."""
     ts = []
     for r in range(repeats + 2):
-        t = drv.elapsed(lambda: drv.copy(pool + half, pool, half))
+        t = drv.elapsed(lambda: drv.copy(buf + nbytes, buf, nbytes))
         if r >= 2:
-            ts.append(2 * half / t)
+            ts.append(2 * nbytes / t)
     return summary(ts)
 
 
@@ -236,6 +293,8 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--inputs", type=int, default=20)
     p.add_argument("--max-pool", type=int, default=64)
+    p.add_argument("--copy-mib", type=int, default=1024, help="bytes each copy sample copies (read + written: 2x)")
+    p.add_argument("--check-only", action="store_true", help="compile and check each variant once, no timing")
     return p.parse_args(argv)
 
 
@@ -258,16 +317,21 @@ def main(argv=None):
 
     cache = {}
     variants = [Variant(v, drv, cache) for v in args.variants]
-    copy = copy_bandwidth(drv, pool, 10)
+    copy_bytes = args.copy_mib << 20
+    copy_buf = drv.alloc(2 * copy_bytes)
+    copy = copy_bandwidth(drv, copy_buf, copy_bytes, 2 if args.check_only else 10)
     print(f"{drv.name}, {drv.sms} SMs; copy {copy['median'] / 1e9:.0f} GB/s [{copy['min'] / 1e9:.0f}-"
-          f"{copy['max'] / 1e9:.0f}] (read + write, 512 MiB)", flush=True)
+          f"{copy['max'] / 1e9:.0f}] (read + write, {args.copy_mib} MiB)", flush=True)
     results = []
     for case in args.cases:
         name, bits, m = case.split(":")
         n_in, n_out = SHAPES[name]
         print(f"== {name} {n_in}->{n_out} {bits}-bit M={m}", flush=True)
         row = measure_shape(drv, name, n_in, n_out, int(bits), int(m), variants, pool, args, read_fn, busy)
-        copy_now = copy_bandwidth(drv, pool, 5)
+        if args.check_only:
+            results.append(row)
+            continue
+        copy_now = copy_bandwidth(drv, copy_buf, copy_bytes, 5)
         row["copy_after"] = copy_now
         for k, s in row["arms"].items():
             g = row["bytes_per_s"][k]
