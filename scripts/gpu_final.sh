@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The coordinator's end-of-session H200 run of 2026-12-01 (docs/results/2026-12-01-h200-final/):
-# the GPU tests of the folded/fused decode paths and qmv revision 6, then prefill/decode at qwen
+# The coordinator's end-of-session H200 run (2026-12-01: docs/results/2026-12-01-h200-final/, session 8:
+# docs/results/2026-12-01-h200-s8/): the GPU tests of the packed KIVI attention, the folded/fused decode
+# paths, vqpipe/nvrtc.py and qmv, then prefill/decode at qwen
 # P = 4096 (folded vs unfolded signs, new vs old dense rebuild) and the 8B split-mode decode.
 # Run from the repository root on the GPU host after staging part00 (docs/kivi.md, "Running on a GPU").
 # PART=tests or PART=bench runs one half (each fits one 600 s call).
@@ -9,9 +10,10 @@ set -o pipefail
 export PYTHONPATH=/opt/mlx:$PWD PYTHONUNBUFFERED=1
 PART=${PART:-bench}
 if [ "$PART" = tests ]; then
-  ( timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/test_fused_fold.py tests/test_fused.py tests/test_decode_step.py 2>&1 | grep -v "^PASSED" | tail -15 ) | tee $OUT/gpu_tests.log
-  ( timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_qmv.py -k "not matches_float64_reference" 2>&1 | tail -8 ) | tee $OUT/gpu_tests_qmv.log
+  ( timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/test_kivi_attention.py 2>&1 | grep -v "^PASSED" | tail -15 ) | tee $OUT/gpu_tests_kivi.log
+  ( timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/test_fused_fold.py tests/test_fused.py tests/test_decode_step.py tests/test_nvrtc.py 2>&1 | grep -v "^PASSED" | tail -15 ) | tee $OUT/gpu_tests.log
+  ( timeout 130 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_qmv.py -k "not matches_float64_reference" 2>&1 | tail -8 ) | tee $OUT/gpu_tests_qmv.log
   exit 0
 fi
-timeout 130 python3 -m vqpipe.bench.decode_shapes --preset qwen2.5-0.5b --out $OUT/qwen-p4096.json --prompt-lengths 4096 --gen-tokens 32 --repeats 5 --bits 4 --unpack-bits 4 --unfolded-bits 4 --copy-mib 256 2>&1 | tee $OUT/qwen.log | tail -40
-timeout 230 python3 -m vqpipe.bench.decode_shapes --preset llama3-8b --out $OUT/8b-p512-split.json --prompt-lengths 512 --gen-tokens 32 --repeats 5 --bits 4 --split --copy-mib 256 2>&1 | tee $OUT/8b.log | tail -40
+timeout 130 python3 -m vqpipe.bench.decode_shapes --preset qwen2.5-0.5b --out $OUT/qwen-p4096.json --prompt-lengths 4096 --gen-tokens 32 --repeats 5 --bits 4 --unpack-bits 4 --unfolded-bits 4 --copy-mib 1024 2>&1 | tee $OUT/qwen.log | tail -40
+timeout 230 python3 -m vqpipe.bench.decode_shapes --preset llama3-8b --out $OUT/8b-p512-split.json --prompt-lengths 512 --gen-tokens 32 --repeats 5 --bits 4 --split --copy-mib 1024 2>&1 | tee $OUT/8b.log | tail -40
