@@ -4,9 +4,16 @@ Each fixture returns the Path of a Hugging Face layout model directory (``mlx_lm
 it) that also holds ``vqpipe-source.json``. Treat them as read-only: they are shared.
 """
 
+import os
+
 import pytest
 
 from vqpipe.stages.download import fetch
+
+# The suite starts hundreds of Python children (stages, Snakemake jobs, fresh-process benchmark
+# arms): let them cache vqpipe's compiled modules instead of compiling them anew each time, as
+# they would under a shell that sets PYTHONDONTWRITEBYTECODE (__pycache__ is git-ignored).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 def _build(tmp_path_factory, source):
