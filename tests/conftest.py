@@ -15,6 +15,15 @@ from vqpipe.stages.download import fetch
 # they would under a shell that sets PYTHONDONTWRITEBYTECODE (__pycache__ is git-ignored).
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
+# The files that take longest (real Snakemake runs) first: under pytest-xdist (make test, one
+# file per worker, in this order) they start at once instead of ending the run alone.
+FIRST = ("test_workflow.py", "test_cluster.py", "test_cache_faults.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
+
 
 def _build(tmp_path_factory, source):
     name = source.removeprefix("synth:")
