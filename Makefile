@@ -13,12 +13,16 @@ run: setup
 	.venv/bin/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS)
 
 # One OpenBLAS thread for tests: on a busy 2-core machine threaded QR/GEMM runs up to 30x slower.
+# TEST_WORKERS pytest-xdist workers, a whole file each (module fixtures are built once), in the
+# order tests/conftest.py puts them (the longest first); TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
+PYTEST = $(BLAS_ENV) OPENBLAS_NUM_THREADS=1 .venv/bin/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup
-	$(BLAS_ENV) OPENBLAS_NUM_THREADS=1 .venv/bin/python -m pytest -q -ra tests
+	$(PYTEST) tests
 
 # The development loop: everything but the `slow` tests (real Snakemake runs, campaigns).
 test-fast: setup
-	$(BLAS_ENV) OPENBLAS_NUM_THREADS=1 .venv/bin/python -m pytest -q -ra -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 clean:
 	rm -rf results logs .snakemake

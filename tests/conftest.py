@@ -4,9 +4,25 @@ Each fixture returns the Path of a Hugging Face layout model directory (``mlx_lm
 it) that also holds ``vqpipe-source.json``. Treat them as read-only: they are shared.
 """
 
+import os
+
 import pytest
 
 from vqpipe.stages.download import fetch
+
+# The suite starts hundreds of Python children (stages, Snakemake jobs, fresh-process benchmark
+# arms): let them cache vqpipe's compiled modules instead of compiling them anew each time, as
+# they would under a shell that sets PYTHONDONTWRITEBYTECODE (__pycache__ is git-ignored).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+# The files that take longest (real Snakemake runs) first: under pytest-xdist (make test, one
+# file per worker, in this order) they start at once instead of ending the run alone.
+FIRST = ("test_workflow.py", "test_cluster.py", "test_cache_faults.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
 
 
 def _build(tmp_path_factory, source):

@@ -162,13 +162,8 @@ def test_kernel_inside_compiled_step_same_tokens(tiny_llama_source, rot, mode):
 
 
 @pytest.fixture(scope="module")
-def reservoir(tiny_source, tmp_path_factory):
-    from vqpipe.stages import pack, quantize
-
-    root = tmp_path_factory.mktemp("decode-step")
-    quantize.run(tiny_source, root / "q", bits=4, rotation="auto", progress=lambda *_: None)
-    pack.run(root / "q", root / "persist-off", False, progress=lambda *_: None)
-    return root / "persist-off"
+def reservoir(tiny_b4_reservoir):
+    return tiny_b4_reservoir
 
 
 @pytest.mark.parametrize("mode", MODES)

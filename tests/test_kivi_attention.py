@@ -337,15 +337,11 @@ def test_generation_same_tokens_as_reference_cache(tiny, bits):
     assert c[0].quantized == 32 * ((c[0].offset - 64) // 32) and c[0].flushes > 0
 
 
-def test_generation_with_vqpipe_weights(tiny_source, tmp_path_factory):
-    from vqpipe.stages import pack, quantize
+def test_generation_with_vqpipe_weights(tiny, tiny_b4_reservoir):
     from vqpipe.reservoir import load as load_reservoir
 
-    root = tmp_path_factory.mktemp("kivi_vq")
-    quantize.run(tiny_source, root / "q", bits=4, rotation="auto", progress=lambda *_: None)
-    pack.run(root / "q", root / "res", persist_rotation=False, progress=lambda *_: None)
-    model, _ = load_reservoir(root / "res")
-    _, tokenizer = load(str(tiny_source))
+    model, _ = load_reservoir(tiny_b4_reservoir)
+    _, tokenizer = tiny  # the source's tokenizer
     prompt = _prompt(tokenizer, 150)
     ref = _tokens(model, tokenizer, prompt, make_kivi_cache(model, 4, 32, 32), n=8)
     assert _tokens(model, tokenizer, prompt, make_kivi_cache(model, 4, 32, 32, packed=True), n=8) == ref

@@ -9,7 +9,6 @@ from importlib import metadata
 import mlx.core as mx
 
 from .. import blas, qmv
-from ..kivi import kernels as kivi_kernels
 
 
 def _version(dist):
@@ -71,6 +70,11 @@ def _nvidia_smi_name():
 
 def environment():
     """What the numbers were measured on; JSON-serializable."""
+    # Here, not at module level: vqpipe.kivi imports mlx-lm (and so transformers, ~1 s), which a
+    # process importing this module for its harness need not pay (bench-load's fresh children).
+    # The rules that run environment() list vqpipe.kivi.kernels as a code input.
+    from ..kivi import kernels as kivi_kernels
+
     dev = mx.default_device()
     metal = bool(mx.metal.is_available())
     cuda = bool(hasattr(mx, "cuda") and mx.cuda.is_available())

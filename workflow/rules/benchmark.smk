@@ -1,5 +1,6 @@
 # Benchmarks: timings are not deterministic, so these rules are never cached (and they use
 # `benchmark:`, which a cached rule could not). Each writes one JSON for the report.
+# vqpipe.kivi.kernels: the environment record (vqpipe/bench/env.py) imports it inside a function.
 
 
 rule bench_quality_reference:
@@ -7,7 +8,7 @@ rule bench_quality_reference:
     # window for SmolLM2: temporary), entropy, argmax and generations, read by every arm job.
     input:
         source=SOURCE,
-        code=stage_sources("vqpipe.stages.bench_quality"),
+        code=stage_sources("vqpipe.stages.bench_quality", "vqpipe.kivi.kernels"),
     output:
         temp(directory(BENCH_QUALITY_REFERENCE)),
     params:
@@ -39,7 +40,7 @@ rule bench_quality_arm:
         source=SOURCE,
         reference=BENCH_QUALITY_REFERENCE,
         quantized=quality_artifact,
-        code=stage_sources("vqpipe.stages.bench_quality"),
+        code=stage_sources("vqpipe.stages.bench_quality", "vqpipe.kivi.kernels"),
     output:
         temp(BENCH_QUALITY_PART),
     params:
@@ -71,7 +72,7 @@ rule bench_quality_arm:
 rule bench_quality:
     input:
         parts=expand(BENCH_QUALITY_PART, model="{model}", bits=BITS, arm=QUALITY_ARMS),
-        code=stage_sources("vqpipe.stages.bench_quality"),
+        code=stage_sources("vqpipe.stages.bench_quality", "vqpipe.kivi.kernels"),
     output:
         BENCH_QUALITY,
     log:
@@ -87,7 +88,7 @@ rule bench_load:
     input:
         source=SOURCE,
         # It quantizes and packs in-process and loads reservoirs in fresh ones.
-        code=stage_sources("vqpipe.stages.bench_load", "vqpipe.stages.quantize", "vqpipe.reservoir"),
+        code=stage_sources("vqpipe.stages.bench_load", "vqpipe.stages.quantize", "vqpipe.reservoir", "vqpipe.kivi.kernels"),
     output:
         BENCH_LOAD,
     params:

@@ -276,6 +276,7 @@ def _module_file(name):
     return None
 
 
+@functools.cache  # each stage_sources call walks a closure: parse every file once, not once per rule
 def _module_imports(path, name):
     """Dotted names a module imports at module level (vqpipe.* only)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -302,7 +303,7 @@ def _module_imports(path, name):
                     visit(handler.body)
 
     visit(ast.parse(path.read_text(), str(path)).body)
-    return [m for m in found if m == "vqpipe" or m.startswith("vqpipe.")]
+    return tuple(m for m in found if m == "vqpipe" or m.startswith("vqpipe."))
 
 
 @functools.cache
