@@ -84,3 +84,38 @@ def test_patch_is_scoped_and_the_forward_agrees():
     assert mx.abs(got - want).max().item() < 1e-4 * max(1.0, mx.abs(want).max().item())
     with pytest.raises(ValueError, match="sinks"):
         cpu_eval.attention(*qkv(), 0.3, None, sinks=mx.zeros((6,)))
+
+
+@pytest.mark.parametrize("arch", [{"model_type": "llama", "tie_word_embeddings": True},
+                                  {"model_type": "llama", "tie_word_embeddings": False},
+                                  {"model_type": "qwen2", "tie_word_embeddings": False}])
+def test_window_logprobs_head_in_numpy_matches_the_model(arch):
+    """The head multiplied by numpy into the output buffer: the log-softmax of the model's own
+    logits (its numpy-exponential forward), to rounding; a buffer of the wrong shape is replaced."""
+    from test_reservoir import make_model
+
+    model, _ = make_model({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                           "num_key_value_heads": 2, **arch})
+    assert cpu_eval.head_weight(model) is not None
+    tokens = mx.array([1, 5, 9, 2, 77, 31, 4, 100, 3, 8])
+    with cpu_eval.numpy_exponentials():
+        want = cpu_eval.log_softmax(model(tokens[None])[0])
+    buf = np.zeros((3, 3), np.float32)
+    got = cpu_eval.window_logprobs(model, tokens, out=buf)
+    assert got.shape == want.shape and np.abs(got - want).max() < 1e-5
+    first = got.copy()
+    again = cpu_eval.window_logprobs(model, tokens, out=got)  # reused: written in place, same values
+    assert np.shares_memory(again, got) and np.array_equal(again, first)
+
+
+def test_window_logprobs_falls_back_for_other_heads():
+    from test_reservoir import make_model
+
+    model, _ = make_model({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False})
+    nn.quantize(model, group_size=32, bits=8, class_predicate=lambda p, m: p == "lm_head")
+    assert cpu_eval.head_weight(model) is None
+    tokens = mx.array([1, 5, 9, 2, 77])
+    with cpu_eval.numpy_exponentials():
+        want = cpu_eval.log_softmax(model(tokens[None])[0])
+    assert np.array_equal(cpu_eval.window_logprobs(model, tokens), want)

@@ -197,11 +197,9 @@ def bits_per_weight(model):
 def window_logprobs(model, tokens, out=None):
     """Log-probabilities [len, vocab] of one window, float32 numpy (into ``out`` if given: a
     window's 100 MB in a fresh array cost more page-fault time than the exponentials). The
-    forward runs with numpy doing the exponentials (vqpipe/cpu_eval.py: MLX's CPU exp is ~15x
-    slower, and its logsumexp is off by up to 3e-4 over a 49k vocabulary)."""
-    with cpu_eval.numpy_exponentials():
-        logits = model(mx.array(tokens)[None])[0]
-    return cpu_eval.log_softmax(logits, out=out)
+    forward runs with numpy doing the exponentials and the output head (vqpipe/cpu_eval.py:
+    MLX's CPU exp is ~15x slower, and its logsumexp is off by up to 3e-4 over a 49k vocabulary)."""
+    return cpu_eval.window_logprobs(model, tokens, out=out)
 
 
 def logprobs(model, tokens):
