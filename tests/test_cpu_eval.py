@@ -48,6 +48,14 @@ def test_causal_blocks_see_only_their_keys():
 def test_swiglu_and_log_softmax():
     g, x = mx.random.normal((5, 33)) * 4, mx.random.normal((5, 33))
     assert mx.abs(cpu_eval.swiglu(g, x) - nn.silu(g) * x).max().item() < 1e-5
+    # rows at a time (any count, a partial last block): the whole-array formula's values exactly
+    gn, xn = np.asarray(g), np.asarray(x)
+    whole = np.exp(-gn)
+    whole += 1
+    whole = gn / whole * xn
+    for rows in (1, 2, 32):
+        assert np.array_equal(np.asarray(cpu_eval.swiglu(g, x, rows=rows)), whole)
+    assert cpu_eval.swiglu(g[None], x[None]).shape == (1, 5, 33)
     logits = np.random.default_rng(0).normal(0, 6, (4, 49152)).astype(np.float32)
     z = logits.astype(np.float64)
     want = z - z.max(-1, keepdims=True)
@@ -76,3 +84,38 @@ def test_patch_is_scoped_and_the_forward_agrees():
     assert mx.abs(got - want).max().item() < 1e-4 * max(1.0, mx.abs(want).max().item())
     with pytest.raises(ValueError, match="sinks"):
         cpu_eval.attention(*qkv(), 0.3, None, sinks=mx.zeros((6,)))
+
+
+@pytest.mark.parametrize("arch", [{"model_type": "llama", "tie_word_embeddings": True},
+                                  {"model_type": "llama", "tie_word_embeddings": False},
+                                  {"model_type": "qwen2", "tie_word_embeddings": False}])
+def test_window_logprobs_head_in_numpy_matches_the_model(arch):
+    """The head multiplied by numpy into the output buffer: the log-softmax of the model's own
+    logits (its numpy-exponential forward), to rounding; a buffer of the wrong shape is replaced."""
+    from test_reservoir import make_model
+
+    model, _ = make_model({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                           "num_key_value_heads": 2, **arch})
+    assert cpu_eval.head_weight(model) is not None
+    tokens = mx.array([1, 5, 9, 2, 77, 31, 4, 100, 3, 8])
+    with cpu_eval.numpy_exponentials():
+        want = cpu_eval.log_softmax(model(tokens[None])[0])
+    buf = np.zeros((3, 3), np.float32)
+    got = cpu_eval.window_logprobs(model, tokens, out=buf)
+    assert got.shape == want.shape and np.abs(got - want).max() < 1e-5
+    first = got.copy()
+    again = cpu_eval.window_logprobs(model, tokens, out=got)  # reused: written in place, same values
+    assert np.shares_memory(again, got) and np.array_equal(again, first)
+
+
+def test_window_logprobs_falls_back_for_other_heads():
+    from test_reservoir import make_model
+
+    model, _ = make_model({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False})
+    nn.quantize(model, group_size=32, bits=8, class_predicate=lambda p, m: p == "lm_head")
+    assert cpu_eval.head_weight(model) is None
+    tokens = mx.array([1, 5, 9, 2, 77])
+    with cpu_eval.numpy_exponentials():
+        want = cpu_eval.log_softmax(model(tokens[None])[0])
+    assert np.array_equal(cpu_eval.window_logprobs(model, tokens), want)

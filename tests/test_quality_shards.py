@@ -64,3 +64,20 @@ def test_arm_parts_against_one_reference_merge_to_the_whole_run(tiny_source, tmp
     assert q.main(["--merge", str(parts[0]), str(shard), "--out", str(merged)]) == 2
     bad = [c if c != "3" else "2" for c in common]
     assert q.main([*bad, "--reference", str(ref), "--arms", "unrotated", "--out", str(merged)]) == 2
+
+
+def test_a_part_of_skipped_arms_reads_no_windows(tiny_llama_source, tmp_path):
+    """tiny-llama's 1472-wide MLP rows: a g128 part is skipped from the model's shapes alone, so it
+    needs only reference.json (the pipeline's skipped SmolLM2 g128 jobs: seconds, no 2 GB read);
+    a measured arm of the same reference still reads and checks every window."""
+    common = ["--source", str(tiny_llama_source), "--bits", "2", "--windows", "2", "--length", "16",
+              "--gen-prompts", "1", "--gen-tokens", "2"]
+    ref = tmp_path / "ref"
+    assert q.main([*common, "--reference-out", str(ref)]) == 0
+    for f in ref.glob("*.npy"):
+        f.unlink()
+    out = tmp_path / "g128.json"
+    assert q.main([*common, "--reference", str(ref), "--arms", "affine-g128", "--no-embeddings", "--out", str(out)]) == 0
+    (rec,) = json.loads(out.read_text())["records"]
+    assert rec["method"] == "affine-g128" and "1472" in rec["skipped"]
+    assert q.main([*common, "--reference", str(ref), "--arms", "affine-g32", "--no-embeddings", "--out", str(out)]) == 2

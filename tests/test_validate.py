@@ -167,3 +167,38 @@ def test_setup_differences():
     (d,) = validate.setup_differences(env, other)
     assert d.startswith("blas.name") and "'openblas' (reference)" in d and "'reference' (here)" in d
     assert validate.setup_differences({}, env)  # a reference without an environment record is refused
+
+
+def test_decoded_once_gives_the_same_logits_and_decodes_each_layer_once(quantized_dir, monkeypatch):
+    from vqpipe import dequant
+
+    model, tok = quantize.load_quantized(quantized_dir)
+    want = quantize.reference_logits(model, tok)
+    calls = []
+    decode = dequant.codes_to_values
+    monkeypatch.setattr(dequant, "codes_to_values", lambda p, *a: calls.append(id(p)) or decode(p, *a))
+    with validate.decoded_once():
+        got = quantize.reference_logits(model, tok)
+    assert dequant.codes_to_values is not decode and calls  # the patch is restored to what was there
+    assert all(np.asarray(got[k]).tobytes() == np.asarray(want[k]).tobytes() for k in want)
+    n = len(quantize.REFERENCE_PROMPTS)
+    layers = len([m for _, m in model.named_modules() if isinstance(m, vqpipe.qlinear.QuantizedLinear)])
+    # every weight decoded on the first prompt only; later prompts decode just their embedding rows
+    assert len(calls) < layers + n and len(set(calls)) == len(calls)
+
+
+def test_a_changed_code_fails_every_prompt(artifact, tmp_path, monkeypatch):
+    """Reusing decoded weights across prompts hides nothing: a reservoir with one code changed
+    differs on every prompt, not only the first."""
+    res, ref = artifact
+
+    def load_changed(path):
+        model, tok = quantize.load_quantized(path)
+        layer = model.model.layers[0].mlp.down_proj
+        layer.packed = layer.packed ^ mx.array(1, dtype=layer.packed.dtype)
+        return model, tok
+
+    monkeypatch.setattr(vqpipe, "load", load_changed)
+    out = tmp_path / "verdict.json"
+    assert run_cli(res, ref, out) == validate.EXIT_MISMATCH
+    assert [p["bit_exact"] for p in json.loads(out.read_text())["prompts"]] == [False] * len(quantize.REFERENCE_PROMPTS)

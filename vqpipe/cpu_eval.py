@@ -92,13 +92,20 @@ def attention(queries, keys, values, scale, mask=None, sinks=None):
     return mx.array(out.reshape(b, hq, n, d)).astype(dtype)
 
 
-def swiglu(gate, x):
-    """silu(gate) * x = gate * x / (1 + exp(-gate))."""
-    g = _np(gate)
-    out = np.exp(-g)
-    out += 1
-    np.divide(g, out, out=out)
-    out *= _np(x)
+def swiglu(gate, x, rows=32):
+    """silu(gate) * x = gate * x / (1 + exp(-gate)), ``rows`` rows at a time into one output: the
+    five passes then run in cache and no weight-sized temporary is faulted in (a SmolLM2 window,
+    30 x [512, 1536]: 150 -> 45 ms), with the same values bit for bit."""
+    g, u = _np(gate), _np(x)
+    out = np.empty(g.shape, dtype=np.float32)
+    gf, uf, of = g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1]), out.reshape(-1, g.shape[-1])
+    for i in range(0, len(gf), rows):
+        o = of[i : i + rows]
+        np.negative(gf[i : i + rows], out=o)
+        np.exp(o, out=o)
+        o += 1
+        np.divide(gf[i : i + rows], o, out=o)
+        o *= uf[i : i + rows]
     return mx.array(out).astype(gate.dtype)
 
 
@@ -106,7 +113,7 @@ def log_softmax(logits, rows=16, out=None):
     """(log-probabilities, float32 numpy) of [..., V] MLX logits, ``rows`` rows at a time: each
     row's passes then run in cache (a [512, 49152] window: 84 -> 45 ms), with the same values.
     ``out``: a float32 array of the logits' shape to write them into (reused across windows)."""
-    z = _np(logits)
+    z = logits if isinstance(logits, np.ndarray) else _np(logits)  # may be ``out`` itself: in place
     flat = z.reshape(-1, z.shape[-1])
     if out is None or out.shape != z.shape or out.dtype != np.float32:
         out = np.empty(z.shape, dtype=np.float32)
@@ -116,6 +123,42 @@ def log_softmax(logits, rows=16, out=None):
         np.subtract(flat[i : i + rows], flat[i : i + rows].max(axis=-1, keepdims=True), out=o)
         o -= np.log(np.exp(o).sum(axis=-1, keepdims=True))
     return out.reshape(z.shape)
+
+
+def head_weight(model):
+    """The [vocab, hidden] float32 output head of an mlx-lm llama or qwen2 model (its tied
+    embedding or its lm_head), as numpy; None for any other model or head (quantized, biased)."""
+    import mlx.nn as nn
+
+    args = getattr(model, "args", None)
+    if getattr(model, "model_type", None) not in ("llama", "qwen2") or args is None:
+        return None
+    if getattr(args, "tie_word_embeddings", False):
+        head = getattr(model.model, "embed_tokens", None)
+        ok = type(head) is nn.Embedding
+    else:
+        head = getattr(model, "lm_head", None)
+        ok = type(head) is nn.Linear and "bias" not in head
+    return np.asarray(head.weight) if ok and head.weight.dtype == mx.float32 else None
+
+
+def window_logprobs(model, tokens, out=None):
+    """Log-probabilities [len, vocab] (float32 numpy) of one window of ``tokens`` (1-D), into
+    ``out`` if it fits (reused across windows). The forward runs under :func:`numpy_exponentials`;
+    for a llama/qwen2 model with a float32 head, numpy multiplies the final hidden states by the
+    head straight into ``out`` and the log-softmax runs there in place: MLX's logits were a fresh
+    100 MB array a SmolLM2 window, 0.15 CPU-s of page faults (the same products, same BLAS kernel
+    family; tests/test_cpu_eval.py checks the values against the plain forward)."""
+    w = head_weight(model)
+    with numpy_exponentials():
+        if w is None:
+            return log_softmax(model(mx.array(tokens)[None])[0], out=out)
+        h = _np(model.model(mx.array(tokens)[None])[0])
+    shape = (h.shape[0], w.shape[0])
+    if out is None or out.shape != shape or out.dtype != np.float32:
+        out = np.empty(shape, dtype=np.float32)
+    np.matmul(h, w.T, out=out)
+    return log_softmax(out, out=out)
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from .. import cpu_eval, text
+from ..fold import unfold_model
 from .. import record
 from ..fsutil import atomic_dir, write_json
 from .quantize import load_quantized, quantize_model
@@ -82,30 +83,47 @@ class SkippedArm(Exception):
     """An arm that cannot be built for this model (recorded with the reason, not measured)."""
 
 
-def affine_arm(path, bits, group_size, embeddings=False):
+def affine_odd_widths(model, group_size, embeddings=False):
+    """Input widths of the layers affine quantization would cover that ``group_size`` does not divide."""
+    kinds = (nn.Linear, nn.Embedding) if embeddings else nn.Linear
+    return sorted({m.weight.shape[1] for _, m in model.named_modules()
+                   if isinstance(m, kinds) and m.weight.shape[1] % group_size})
+
+
+def affine_arm(path, bits, group_size, embeddings=False, dense=False):
     """(model, weight rel. MSE, bpw): MLX affine quantization of every nn.Linear (and with
     ``embeddings`` of the embedding table, a tied head with it, as mlx_lm.convert does), computed
-    in float32."""
-    model, _ = load_source(path, dtype_cast=False)
+    in float32. ``dense``: the model as :func:`dense_copy` makes it, from the dequantized weights
+    the error was computed on (one dequantization, not two)."""
+    from mlx_lm.utils import dequantize_model, load_model
+
+    # lazily: a skipped arm reads no weights, and no tokenizer is needed here
+    model = dequantize_model(load_model(Path(path), lazy=True)[0])
     kinds = (nn.Linear, nn.Embedding) if embeddings else nn.Linear
-    odd = sorted({m.weight.shape[1] for _, m in model.named_modules()
-                  if isinstance(m, kinds) and m.weight.shape[1] % group_size})
+    odd = affine_odd_widths(model, group_size, embeddings)
     if odd:
         # mlx_lm.convert would leave these layers dense: not a g{group_size} model at all.
         raise SkippedArm(f"input widths {odd} are not multiples of the group size {group_size}")
+    mx.eval(model.parameters())  # read once: quantization and the error below both use them
     weights = {n: m.weight.astype(mx.float32) for n, m in model.named_modules() if isinstance(m, kinds)}
     nn.quantize(model, group_size=group_size, bits=bits, class_predicate=lambda p, m: isinstance(m, kinds))
     mx.eval(model.parameters())
     bpw = bits_per_weight(model)  # before the cast: scales/biases as stored
     _fp32(model)
     err = tot = 0.0
+    w_hats = {}
     for name, m in model.named_modules():
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            w = weights.pop(name)
-            w_hat = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
-            err += mx.sum((w_hat - w) ** 2).item()
-            tot += mx.sum(w * w).item()
-    return model, err / tot, bpw
+            w, w_hat = weights.pop(name), mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
+            mx.eval(w, w_hat)
+            # numpy's float32 dot (BLAS): MLX's elementwise passes over 135M weights took 2 s
+            w_np = np.asarray(w).reshape(-1)
+            d = np.subtract(np.asarray(w_hat).reshape(-1), w_np)
+            err += float(np.dot(d, d))
+            tot += float(np.dot(w_np, w_np))
+            if dense:
+                w_hats[name] = w_hat
+    return (dense_copy(model, w_hats) if dense else model), err / tot, bpw
 
 
 def vqpipe_arm(path, bits, rotation, seed, quantized=None):
@@ -180,11 +198,9 @@ def bits_per_weight(model):
 def window_logprobs(model, tokens, out=None):
     """Log-probabilities [len, vocab] of one window, float32 numpy (into ``out`` if given: a
     window's 100 MB in a fresh array cost more page-fault time than the exponentials). The
-    forward runs with numpy doing the exponentials (vqpipe/cpu_eval.py: MLX's CPU exp is ~15x
-    slower, and its logsumexp is off by up to 3e-4 over a 49k vocabulary)."""
-    with cpu_eval.numpy_exponentials():
-        logits = model(mx.array(tokens)[None])[0]
-    return cpu_eval.log_softmax(logits, out=out)
+    forward runs with numpy doing the exponentials and the output head (vqpipe/cpu_eval.py:
+    MLX's CPU exp is ~15x slower, and its logsumexp is off by up to 3e-4 over a 49k vocabulary)."""
+    return cpu_eval.window_logprobs(model, tokens, out=out)
 
 
 def logprobs(model, tokens):
@@ -240,8 +256,9 @@ def ppl_record(nlls):
             "nll_mean": sum(nlls) / len(nlls)}
 
 
-def dense_copy(model):
-    """Quantized layers (vqpipe and affine) replaced by nn.Linear holding their dequantized weights.
+def dense_copy(model, weights=None):
+    """Quantized layers (vqpipe and affine) replaced by nn.Linear holding their dequantized weights
+    (``weights``: {module name: float32 weight} already computed, used as given).
 
     The same weights; only the rounding order of the matmul differs. MLX's CPU quantized matmul
     is ~25x slower than a float32 GEMM at 512 tokens (202 s vs 7 s a window for SmolLM2), and
@@ -251,7 +268,9 @@ def dense_copy(model):
 
     swaps = []
     for name, m in model.named_modules():
-        if hasattr(m, "dequantized_weight"):
+        if weights and name in weights:
+            w = weights[name]
+        elif hasattr(m, "dequantized_weight"):
             w = m.dequantized_weight(mx.float32)
         elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits).astype(mx.float32)
@@ -329,20 +348,20 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
     if prompts:
         gens["arms"].append({"arm": "source", "texts": generations(source, tok, prompts, gen_tokens)})
     del source
-    records, texts = measure_arms(path, tok, bits_list, arms, refs, windows, index, quantized or {}, rotation,
-                                  seed, prompts, gen_tokens, progress=progress)
+    records, texts = measure_arms(path, lambda: (tok, refs, windows), bits_list, arms, index, quantized or {},
+                                  rotation, seed, prompts, gen_tokens, progress=progress)
     gens["arms"] += texts
     tmp.cleanup()
     return records, src, gens
 
 
-def measure_arms(path, tok, bits_list, arms, refs, windows, index, quantized, rotation, seed, prompts,
-                 gen_tokens, embeddings=None, progress=print):
-    """(records, generation arms) of ``arms`` [(method, group)] at each of ``bits_list``, on the
-    ``windows`` whose source references are ``refs``. ``embeddings``: whether the affine arms
-    quantize the embedding (default: as the vqpipe artifact of that width does)."""
-    records, texts = [], []
-    length = len(windows[0]) if windows else 0
+def measure_arms(path, data, bits_list, arms, index, quantized, rotation, seed, prompts, gen_tokens,
+                 embeddings=None, progress=print):
+    """(records, generation arms) of ``arms`` [(method, group)] at each of ``bits_list``; ``data()``
+    gives (tokenizer, source references, windows), called once, when the first arm is measured (a
+    job of skipped arms reads none of it). ``embeddings``: whether the affine arms quantize the
+    embedding (default: as the vqpipe artifact of that width does)."""
+    records, texts, loaded = [], [], []
     for bits in bits_list:
         emb = artifact_embeddings(quantized.get((bits, rotation)))
         if embeddings is not None and (bits, rotation) in quantized and embeddings != emb:
@@ -357,12 +376,20 @@ def measure_arms(path, tok, bits_list, arms, refs, windows, index, quantized, ro
             else:
                 try:
                     # the embedding as the vqpipe artifact has it: both quantized, or both dense
-                    model, werr, bpw = affine_arm(path, bits, group, emb)
+                    model, werr, bpw = affine_arm(path, bits, group, emb, dense=True)
                 except SkippedArm as e:
                     records.append({"bits": bits, "method": method, "group_size": group, "skipped": str(e)})
                     progress(f"{bits}-bit {method}: skipped ({e})")
                     continue
-            model = dense_copy(model)
+            # and the plain mlx-lm modules again: fold.py's sign-folding wrappers (a loaded vqpipe
+            # model's norms and MLPs) fall back to the plain forward once their layers are swapped,
+            # but check their children on every call and run the MLP's SwiGLU outside cpu_eval's
+            # numpy patch: 0.45 CPU-s more per SmolLM2 window than the affine arms
+            unfold_model(dense_copy(model))
+            if not loaded:
+                loaded.extend(data())
+            tok, refs, windows = loaded
+            length = len(windows[0]) if windows else 0
             lp, per = None, []
             for r, w in zip(refs, windows):
                 lp = window_logprobs(model, w, out=lp)  # one buffer for every window
@@ -413,15 +440,22 @@ def write_reference(path, out, n_windows, length, prompts=PROMPTS, gen_tokens=32
                                             "source": src, "generations": gens})
 
 
-def read_reference(refdir, tok, n_windows, length):
-    """(reference.json, refs as :func:`reference` returns them, windows) of a --reference-out
-    directory, checked against the windows this run would evaluate."""
+def reference_doc(refdir, n_windows, length):
+    """reference.json of a --reference-out directory, checked against the settings of this run."""
     refdir = Path(refdir)
     if not (refdir / "reference.json").is_file():
         raise FileNotFoundError(f"{refdir}: not a bench-quality reference (no reference.json)")
     doc = json.loads((refdir / "reference.json").read_text())
     if (doc["windows"], doc["length"]) != (n_windows, length):
         raise ValueError(f"{refdir} holds {doc['windows']} windows x {doc['length']} tokens, not {n_windows} x {length}")
+    return doc
+
+
+def read_reference(refdir, tok, n_windows, length):
+    """(reference.json, refs as :func:`reference` returns them, windows) of a --reference-out
+    directory, checked against the windows this run would evaluate."""
+    refdir = Path(refdir)
+    doc = reference_doc(refdir, n_windows, length)
     windows = text.eval_windows(tok, n_windows, length)
     if not np.array_equal(np.load(refdir / "tokens.npy"), np.stack([np.asarray(w) for w in windows])):
         raise ValueError(f"{refdir}: its windows are not this source's (another tokenizer or text)")
@@ -437,12 +471,15 @@ def arm_part(path, refdir, bits_list, n_windows=20, length=512, seed=0, rotation
     from mlx_lm.utils import load_tokenizer
 
     arms = check_arms(arms, affine_groups)
-    tok = load_tokenizer(Path(path))
-    doc, refs, windows = read_reference(refdir, tok, n_windows, length)
+    doc = reference_doc(refdir, n_windows, length)
+
+    def data():
+        tok = load_tokenizer(Path(path))
+        return (tok, *read_reference(refdir, tok, n_windows, length)[1:])
+
     gens = doc["generations"]
-    records, texts = measure_arms(path, tok, bits_list, arms, refs, windows,
-                                  list(range(n_windows)), quantized or {}, rotation, seed, gens["prompts"],
-                                  gens["max_tokens"], embeddings, progress)
+    records, texts = measure_arms(path, data, bits_list, arms, list(range(n_windows)), quantized or {}, rotation,
+                                  seed, gens["prompts"], gens["max_tokens"], embeddings, progress)
     return records, doc["source"], {**gens, "arms": gens["arms"] + texts}, doc["text"]
 
 
