@@ -20,6 +20,7 @@ LAPACK through the OpenBLAS preload is several times faster than numpy's bundled
 """
 
 import math
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -33,8 +34,22 @@ REFIT_ROWS = 256  # rows per chunk of the H-weighted scale refit (see refit_step
 ROWS = 8192  # rows per GPTQ chunk: a block of them (4 MB) stays in cache (2048: 11.4 CPU-s for a 151,936-row head, 8192: 8.5, all rows at once: 17.3)
 
 
+class Rotated(NamedTuple):
+    """Input moments already in ``rotation``'s basis, R X^T X R^T (calibrate.collect sums them
+    from the rotated activations)."""
+
+    h: mx.array
+    rotation: object  # vqpipe.rotation.Rotation
+
+
 def rotate_hessian(h, rotation):
-    """R H R^T for a symmetric H (mx array, in x in)."""
+    """R H R^T for a symmetric H (mx array, in x in), or a Rotated H's own array when it is in
+    ``rotation``'s basis (anything else is an error: the moments would not match the weights)."""
+    if isinstance(h, Rotated):
+        have, want = (h.rotation.kind, h.rotation.dim, h.rotation.seed), (rotation.kind, rotation.dim, rotation.seed)
+        if have != want:
+            raise ValueError(f"moments rotated by {have} cannot calibrate a layer rotated by {want}")
+        return h.h
     return rotation.apply(rotation.apply(h.astype(mx.float32)).T)
 
 
