@@ -242,9 +242,10 @@ def _chunks(n, size):
 def _refit_rows(w, c, h, ht, gs):
     n, d = w.shape
     groups = d // gs
-    if groups == 1:  # one scale per row (unchanged: the default configs' artifacts pin its bytes)
-        b = (c * (w @ h)).sum(-1, dtype=np.float64)[:, None]
-        cc = np.einsum("ij,ij->i", c @ h, c, dtype=np.float64)[:, None]
+    if groups == 1:  # one scale per row: <c, w H> = <c H, w> (H symmetric), one product for both
+        y = c @ h
+        b = np.einsum("ij,ij->i", y, w, dtype=np.float64)[:, None]
+        cc = np.einsum("ij,ij->i", y, c, dtype=np.float64)[:, None]
         return (b / np.maximum(cc, 1e-300)).astype(np.float32)
     # Per group g: y = c_g H[g, :] (the codes of group g times H's rows of that group, [n, d]);
     # then A[n, g, g'] = <y, c> over group g' and b[n, g] = <y, w> over the whole row. One d x d
