@@ -38,7 +38,7 @@ class Rotated(NamedTuple):
     """Input moments already in ``rotation``'s basis, R X^T X R^T (calibrate.collect sums them
     from the rotated activations)."""
 
-    h: mx.array
+    h: object  # [d, d] float32, numpy or mx
     rotation: object  # vqpipe.rotation.Rotation
 
 
