@@ -5,8 +5,9 @@
 One run in this process (run it in a fresh one; the pipeline's BLAS setup: `source scripts/env.sh`
 or `env $(python -m vqpipe.blas --env)`). Prints wall and CPU seconds (user + system) of
 quantize_model and the CPU seconds spent inside: the calibration forward passes with moment
-collection, the rotated factorisation (R H R^T, Cholesky, triangular inverse), the GPTQ column
-loop, the H-weighted scale refit, and the tied head's layer as a whole. CPU seconds are the figure
+collection (in process the moments are summed in each layer's rotated basis), the factorisation
+(R H R^T where the moments are not rotated yet, i.e. the tied head's; the Cholesky), the GPTQ
+column loop, the H-weighted scale refit, and the tied head's layer as a whole. CPU seconds are the figure
 to quote on a shared machine (wall time grows with the load, CPU time much less).
 """
 
@@ -71,7 +72,7 @@ def main():
     acc = {}
     gptq.gptq = timed(acc, "gptq column loop", gptq.gptq)
     gptq.refit_steps = timed(acc, "scale refit", gptq.refit_steps)
-    qlinear._rotated_factors = timed(acc, "factorisation (R H R^T, Cholesky, inverse)", qlinear._rotated_factors)
+    qlinear._rotated_factors = timed(acc, "factorisation (R H R^T, Cholesky)", qlinear._rotated_factors)
     calibrate.collect = timed(acc, "forward passes + moments", calibrate.collect)
     t0, c0 = time.perf_counter(), cpu()
     model, tok = load(args.source, lazy=True)

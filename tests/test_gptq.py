@@ -261,3 +261,44 @@ def test_ldl_factor_dead_input():
     a = h.astype(np.float64) + np.diag(np.where(np.diag(h) <= 0, 1.0, 0.0))
     a += 0.01 * np.mean(np.diag(h)) * np.eye(96)  # the mean over every input, dead ones as 0
     _ldl_check(h, gptq.ldl_factor(h), a)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_code_lookup_is_searchsorted(bits):
+    from vqpipe.codebook import boundaries, codebook
+
+    bounds = boundaries(codebook(bits, 896)).astype(np.float32)
+    rng = np.random.default_rng(bits)
+    ties = np.concatenate([bounds, np.nextafter(bounds, np.float32(np.inf)), np.nextafter(bounds, np.float32(-np.inf))])
+    t = np.concatenate([rng.standard_normal(20000).astype(np.float32) * 1.5, ties,
+                        np.float32([0, -0.0, 1e30, -1e30, np.inf, -np.inf, 6e-39])])
+    t = np.concatenate([t, t * np.float32(1 + 2 ** -23)])
+    got = gptq._codes(t, gptq._code_table(bounds))
+    assert np.array_equal(got, np.searchsorted(bounds, t))
+
+
+def test_gptq_rejects_non_finite_weights():
+    w = np.ones((4, 16), dtype=np.float32)
+    w[1, 3] = np.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        gptq.gptq(w, None, np.float32([-1, 1]))
+
+
+def test_gram_is_symmetric_and_xtx():
+    from vqpipe.calibrate import gram
+
+    x = mx.random.normal((300, 40), key=mx.random.key(0)) * mx.arange(1, 41)
+    g, want = gram(x), np.array(x).astype(np.float64).T @ np.array(x).astype(np.float64)
+    assert g.dtype == np.float32 and np.array_equal(g, g.T)
+    assert np.abs(g - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_rotated_moments_need_their_rotation():
+    x = mx.random.normal((64, 32), key=mx.random.key(1))
+    r, other = make_rotation("auto", 32, 3), make_rotation("auto", 32, 4)
+    xr = r.apply(x)
+    h = gptq.Rotated(xr.T @ xr, r)
+    want = np.array(gptq.rotate_hessian(x.T @ x, r))
+    assert np.abs(np.array(gptq.rotate_hessian(h, r)) - want).max() <= 1e-5 * np.abs(want).max()
+    with pytest.raises(ValueError, match="cannot calibrate"):
+        gptq.rotate_hessian(h, other)

@@ -104,23 +104,39 @@ def test_affine_arm_quantizes_the_embedding_when_asked(tiny_source):
 
 
 
-def test_stored_moments_quantize_exactly_as_in_process():
+def test_stored_moments_quantize_as_in_process():
+    # In process the moments are summed from the rotated activations (calibrate.collect); stored
+    # ones are rotated afterwards (R H R^T): the same moments to float32 rounding, so the same
+    # quantizer up to codes at a rounding tie and scales an ulp off.
+    from vqpipe.calibrate import collect, decoder
+    from vqpipe.quantize import layer_rotation, split_state
     from vqpipe.stages.calibrate import full_precision_moments
-    from vqpipe.quantize import split_state
 
     inproc, _ = make_model(TIED)
-    quantize_model(inproc, 3, "auto", 1, embeddings=True, group_size=16, calibration=CALIB, sequential=False)
+    rin = quantize_model(inproc, 3, "auto", 1, embeddings=True, group_size=16, calibration=CALIB, sequential=False)
     source, _ = make_model(TIED)
     names, sums = full_precision_moments(source, CALIB)
     assert names["model.embed_tokens"] == "final norm" and len(set(names.values())) == 2 * 4 + 1
+    block = [n for n in names if n.startswith("model.layers.0.")]
+    layer = decoder(source).layers[0]
+    x = decoder(source).embed_tokens(CALIB).astype(mx.float32)
+    rotated, _ = collect(source, block, lambda b: layer(b, "causal", cache=None), [x],
+                         lambda name, dim: layer_rotation("auto", 1, name, dim))
+    for name in block:
+        key, h = rotated[name]
+        assert isinstance(h, gptq.Rotated) and key == names[name]
+        want = np.array(gptq.rotate_hessian(sums[key], h.rotation))
+        assert np.abs(np.array(h.h) - want).max() <= 1e-5 * np.abs(want).max(), name
     stored, _ = make_model(TIED)
-    records = quantize_model(stored, 3, "auto", 1, embeddings=True, group_size=16,
-                             moments={n: (k, sums[k]) for n, k in names.items()})
-    assert all(r["calibrated"] for r in records)
+    rst = quantize_model(stored, 3, "auto", 1, embeddings=True, group_size=16,
+                         moments={n: (k, sums[k]) for n, k in names.items()})
+    assert all(r["calibrated"] for r in rst)
     (ma, xa, pa), (mb, xb, pb) = split_state(inproc), split_state(stored)
     assert ma == mb and xa.keys() == xb.keys() and pa.keys() == pb.keys()
-    for k in xa:
-        assert np.array(xa[k]).tobytes() == np.array(xb[k]).tobytes(), k
+    for a, b in zip(rin, rst):
+        assert a["name"] == b["name"] and a["squared_error"] == pytest.approx(b["squared_error"], rel=1e-3)
+    same = [np.mean(np.array(xa[k]) == np.array(xb[k])) for k in xa if k.endswith(".packed")]
+    assert min(same) > 0.99 and np.mean(same) > 0.999, same
 
 
 def test_calibrate_stage_feeds_quantize(tiny_source, tmp_path):

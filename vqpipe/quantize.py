@@ -27,6 +27,13 @@ def layer_seed(seed, name):
     return int.from_bytes(digest, "little") >> 1
 
 
+def layer_rotation(rotation, seed, name, in_dim):
+    """The rotation quantize_model gives layer ``name`` (``in_dim`` inputs; ``rotation`` a kind)."""
+    from .rotation import make_rotation
+
+    return make_rotation(resolve_kind(rotation, in_dim), in_dim, layer_seed(seed, rotation_owner(name)))
+
+
 def _source_dtype(module):
     """The dtype a Linear/Embedding's weight has in the source (an affine layer's: its scales')."""
     if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
@@ -109,12 +116,15 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
             mx.eval(new.weight)
         else:
             in_dim = weight.shape[1]
-            r = resolve_kind(rotation, in_dim)
+            # one seed for the linears reading one activation: they can share its rotation
+            r, r_seed = resolve_kind(rotation, in_dim), layer_seed(seed, rotation_owner(name))
+            given = getattr(hessian, "rotation", None)  # moments rotated already (calibrate.collect)
+            if given is not None and (given.kind, given.dim, given.seed) == (r, in_dim, r_seed):
+                r = given  # the same rotation, not built twice (a mismatch is gptq.rotate_hessian's error)
             cls = QuantizedEmbedding if kind == "embedding" else QuantizedLinear
             # an embedding gets group scales only as a calibrated tied head (vqpipe/calibrate.py)
             gs = group_size if kind == "linear" or hessian is not None else None
-            # one seed for the linears reading one activation: they can share its rotation
-            new = cls.from_linear(module, layer_bits.get(name, bits), r, layer_seed(seed, rotation_owner(name)), weight=weight,
+            new = cls.from_linear(module, layer_bits.get(name, bits), r, r_seed, weight=weight,
                                   group_size=gs, hessian=hessian, damp=damp)
             if kind == "embedding":
                 new.out_dtype = keep
@@ -146,7 +156,8 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     else:
         from .calibrate import quantize_calibrated
 
-        records = quantize_calibrated(model, calibration, quantize_one, targets, progress, sequential)
+        records = quantize_calibrated(model, calibration, quantize_one, targets, progress, sequential,
+                                      rotation=lambda name, dim: layer_rotation(rotation, seed, name, dim))
     records = [r for r in records if r is not None]
     # Remaining tensors (norms, biases of other layers) in the compute dtype.
     quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}

@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .. import __version__, manifest, record
-from ..calibrate import _batches, collect, decoder, moments, tied_head
+from ..calibrate import _batches, block_forward, collect, decoder, moments, tied_head
 from ..fsutil import atomic_dir, save_safetensors
 
 HEAD = "final norm"
@@ -43,7 +43,7 @@ def full_precision_moments(model, tokens, progress=None):
     for i, layer in enumerate(inner.layers):
         t0 = time.perf_counter()
         block = prefix[id(layer)] + "."
-        stats, h = collect(model, [n for n in linears if n.startswith(block)], lambda x: layer(x, mask, cache=None), h)
+        stats, h = collect(model, [n for n in linears if n.startswith(block)], block_forward(layer, mask), h)
         for name, (key, hess) in stats.items():
             names[name], sums[key] = key, hess
         if progress:
