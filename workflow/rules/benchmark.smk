@@ -156,6 +156,9 @@ rule bench_kivi:
         blas=BLAS,
     log:
         "logs/bench/kivi.log",
+    # bench-decode waits for it: at the default priority it ran among the last short jobs and
+    # bench-decode (~27 s) became the run's tail, one core idle (docs/workflow.md).
+    priority: PRIORITY["source_only"] if config["benchmarks"]["decode"]["enabled"] else PRIORITY["rest"]
     benchmark:
         "results/benchmarks/bench_kivi.tsv"
     conda:
