@@ -41,23 +41,10 @@ from . import kernels
 NSMAX = 128  # most splits per KV head (the scratch holds one partial per split)
 WARPS = 8
 
-_BODY = """
-    constexpr unsigned int W = D * BITS / 32;  // words per token
-    constexpr unsigned int CPW = 32 / BITS;  // codes per word
-    constexpr unsigned int MASK = (1u << BITS) - 1u;
-    // Codes are read in place: field cc of a word, masked where it sits and or'ed into the mantissa
-    // of 2^23, is c * 2^off once 2^23 is subtracted (exact while the field ends below bit 23). The
-    // LOW fields that do are read from the word, the rest from the word shifted by LOW * BITS; the
-    // 2^-off goes into the folded query (keys) or the accumulator's final scaling (values).
-    constexpr unsigned int LOW = 23 / BITS < CPW ? 23 / BITS : CPW;
-    constexpr unsigned int P = 32 / W;  // tokens per pass of the values loop
-    constexpr unsigned int DL = D / 32;  // channels per lane in per-channel loops
-    constexpr unsigned int RP = (R + 3) / 4 * 4;  // query heads padded to float4
-    constexpr unsigned int NGV = (D + G - 1) / G;
-    constexpr unsigned int PS = R * (D + 2);  // one partial: acc[R][D], m[R], l[R]
-    // shared: the scaled query [D][RP], then per warp its folded query [D][RP] and p [32][RP];
-    // after the loop the warps' partials, at the end the final merge's weights
-    constexpr unsigned int SHQ = D * RP + NW * (D + 32) * RP;
+# Pieces v2 and v3 share, pasted in at @SETUP@ (shared-memory layout, indices, this block's
+# chunks), @SOFTMAX@ (the online softmax step over one chunk's scores) and @P_STORE@ (the chunk's
+# p into shared memory, its row sums).
+_SETUP = """
     constexpr unsigned int SHA = SHQ > NW * PS ? SHQ : NW * PS;
     constexpr unsigned int SHB = (NSMAX + 1) * R + 3;
     constexpr unsigned int SH = SHA > SHB ? SHA : SHB;
@@ -82,6 +69,70 @@ _BODY = """
     const unsigned int c0 = split * per;
     const unsigned int c1 = ka_umin(c0 + per, nc);
     const float ninf = ka_neg_inf();
+"""[1:]
+
+_P_STORE = """
+        KA_TG float4* po = (KA_TG float4*)(ps + lane * RP);
+        KA_UNROLL
+        for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
+            float pv4[4];
+            KA_UNROLL
+            for (unsigned int k = 0; k < 4; ++k) {
+                const unsigned int r = 4 * r4 + k < R ? 4 * r4 + k : 0;
+                pv4[k] = valid && 4 * r4 + k < R ? ka_exp(s[4 * r4 + k] - m[r]) : 0.0f;
+                lsum[r] += 4 * r4 + k < R ? pv4[k] : 0.0f;
+            }
+            po[r4] = ka_f4(pv4[0], pv4[1], pv4[2], pv4[3]);
+        }
+"""[1:]
+
+_SOFTMAX = """
+        // online softmax over the chunk; the warp's max is updated only when a score exceeds it
+        // (then exactly as max(m, chunk max) would: otherwise that max is m and the rescale 1)
+        bool grows = false;
+        KA_UNROLL
+        for (unsigned int r = 0; r < R; ++r) {
+            grows = grows || (valid && s[r] > m[r]);
+        }
+        if (ka_any(grows)) {
+            KA_UNROLL
+            for (unsigned int r = 0; r < R; ++r) {
+                float cm = valid ? s[r] : ninf;
+                KA_UNROLL
+                for (unsigned int o = 16; o > 0; o /= 2) {
+                    cm = ka_max(cm, ka_shfl_xor(cm, o));
+                }
+                const float mn = ka_max(m[r], cm);
+                const float alpha = ka_exp(m[r] - mn);  // 0 on the first chunk (m = -inf)
+                lsum[r] *= alpha;
+                zacc[r] *= alpha;
+                KA_UNROLL
+                for (unsigned int cc = 0; cc < CPW; ++cc) {
+                    acc[r][cc] *= alpha;
+                }
+                m[r] = mn;
+            }
+        }
+"""[1:]
+
+_BODY = """
+    constexpr unsigned int W = D * BITS / 32;  // words per token
+    constexpr unsigned int CPW = 32 / BITS;  // codes per word
+    constexpr unsigned int MASK = (1u << BITS) - 1u;
+    // Codes are read in place: field cc of a word, masked where it sits and or'ed into the mantissa
+    // of 2^23, is c * 2^off once 2^23 is subtracted (exact while the field ends below bit 23). The
+    // LOW fields that do are read from the word, the rest from the word shifted by LOW * BITS; the
+    // 2^-off goes into the folded query (keys) or the accumulator's final scaling (values).
+    constexpr unsigned int LOW = 23 / BITS < CPW ? 23 / BITS : CPW;
+    constexpr unsigned int P = 32 / W;  // tokens per pass of the values loop
+    constexpr unsigned int DL = D / 32;  // channels per lane in per-channel loops
+    constexpr unsigned int RP = (R + 3) / 4 * 4;  // query heads padded to float4
+    constexpr unsigned int NGV = (D + G - 1) / G;
+    constexpr unsigned int PS = R * (D + 2);  // one partial: acc[R][D], m[R], l[R]
+    // shared: the scaled query [D][RP], then per warp its folded query [D][RP] and p [32][RP];
+    // after the loop the warps' partials, at the end the final merge's weights
+    constexpr unsigned int SHQ = D * RP + NW * (D + 32) * RP;
+@SETUP@
 
     KA_TG float* qsh = sh;  // [D][RP]: the query times the softmax scale, every head of the group
     KA_TG float* qs = sh + D * RP + warp * (D + 32) * RP;  // [D][RP]: this warp's folded query
@@ -204,44 +255,8 @@ _BODY = """
                 }
             }
         }
-        // online softmax over the chunk; the warp's max is updated only when a score exceeds it
-        // (then exactly as max(m, chunk max) would: otherwise that max is m and the rescale 1)
-        bool grows = false;
-        KA_UNROLL
-        for (unsigned int r = 0; r < R; ++r) {
-            grows = grows || (valid && s[r] > m[r]);
-        }
-        if (ka_any(grows)) {
-            KA_UNROLL
-            for (unsigned int r = 0; r < R; ++r) {
-                float cm = valid ? s[r] : ninf;
-                KA_UNROLL
-                for (unsigned int o = 16; o > 0; o /= 2) {
-                    cm = ka_max(cm, ka_shfl_xor(cm, o));
-                }
-                const float mn = ka_max(m[r], cm);
-                const float alpha = ka_exp(m[r] - mn);  // 0 on the first chunk (m = -inf)
-                lsum[r] *= alpha;
-                zacc[r] *= alpha;
-                KA_UNROLL
-                for (unsigned int cc = 0; cc < CPW; ++cc) {
-                    acc[r][cc] *= alpha;
-                }
-                m[r] = mn;
-            }
-        }
-        KA_TG float4* po = (KA_TG float4*)(ps + lane * RP);
-        KA_UNROLL
-        for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
-            float pv4[4];
-            KA_UNROLL
-            for (unsigned int k = 0; k < 4; ++k) {
-                const unsigned int r = 4 * r4 + k < R ? 4 * r4 + k : 0;
-                pv4[k] = valid && 4 * r4 + k < R ? ka_exp(s[4 * r4 + k] - m[r]) : 0.0f;
-                lsum[r] += 4 * r4 + k < R ? pv4[k] : 0.0f;
-            }
-            po[r4] = ka_f4(pv4[0], pv4[1], pv4[2], pv4[3]);
-        }
+@SOFTMAX@
+@P_STORE@
         KA_SYNCWARP;
         // p·V: lane (vw, vj) takes word vw of tokens vj, vj + P, ...
         KA_UNROLL
@@ -413,30 +428,7 @@ _BODY_V3 = """
     constexpr unsigned int PV = 32 * (RP + NGV);
     constexpr unsigned int WS = D * RP > PV ? D * RP : PV;
     constexpr unsigned int SHQ = D * RP + NW * WS;
-    constexpr unsigned int SHA = SHQ > NW * PS ? SHQ : NW * PS;
-    constexpr unsigned int SHB = (NSMAX + 1) * R + 3;
-    constexpr unsigned int SH = SHA > SHB ? SHA : SHB;
-    KA_SHARED float4 sh4[SH / 4];
-    KA_SHARED unsigned int last;
-    KA_TG float* sh = (KA_TG float*)sh4;
-
-    const unsigned int tid = KA_THREAD;
-    const unsigned int lane = tid % 32u;
-    const unsigned int warp = tid / 32u;
-    const unsigned int split = KA_BLOCK_X;
-    const unsigned int nsplit = KA_NBLOCKS_X;
-    const unsigned int bh = KA_BLOCK_Y;  // b * H + h
-    const unsigned int NGC = kc_shape[2];
-    const unsigned int SC = vc_shape[2];
-    const unsigned int RC = rk_shape[2];
-    @COUNTS@
-    const unsigned int NSP = scratch_shape[1];  // partials per KV head the scratch holds
-    const unsigned int nqc = nq / 32u;
-    const unsigned int nc = nqc + (nr + 31u) / 32u;
-    const unsigned int per = (nc + nsplit - 1u) / nsplit;
-    const unsigned int c0 = split * per;
-    const unsigned int c1 = ka_umin(c0 + per, nc);
-    const float ninf = ka_neg_inf();
+@SETUP@
 
     KA_TG float* qsh = sh;  // [D][RP]: the query times the softmax scale, every head of the group
     KA_TG float* qs = sh + D * RP + warp * WS;  // [D][RP]: this warp's folded query
@@ -609,44 +601,9 @@ _BODY_V3 = """
                 }
             }
         }
-        // online softmax over the chunk, as v2
-        bool grows = false;
-        KA_UNROLL
-        for (unsigned int r = 0; r < R; ++r) {
-            grows = grows || (valid && s[r] > m[r]);
-        }
-        if (ka_any(grows)) {
-            KA_UNROLL
-            for (unsigned int r = 0; r < R; ++r) {
-                float cm = valid ? s[r] : ninf;
-                KA_UNROLL
-                for (unsigned int o = 16; o > 0; o /= 2) {
-                    cm = ka_max(cm, ka_shfl_xor(cm, o));
-                }
-                const float mn = ka_max(m[r], cm);
-                const float alpha = ka_exp(m[r] - mn);  // 0 on the first chunk (m = -inf)
-                lsum[r] *= alpha;
-                zacc[r] *= alpha;
-                KA_UNROLL
-                for (unsigned int cc = 0; cc < CPW; ++cc) {
-                    acc[r][cc] *= alpha;
-                }
-                m[r] = mn;
-            }
-        }
+@SOFTMAX@
         KA_SYNCWARP;  // every lane is done with the folded query: p and the parameters take its place
-        KA_TG float4* po = (KA_TG float4*)(ps + lane * RP);
-        KA_UNROLL
-        for (unsigned int r4 = 0; r4 < RP / 4; ++r4) {
-            float pv4[4];
-            KA_UNROLL
-            for (unsigned int k = 0; k < 4; ++k) {
-                const unsigned int r = 4 * r4 + k < R ? 4 * r4 + k : 0;
-                pv4[k] = valid && 4 * r4 + k < R ? ka_exp(s[4 * r4 + k] - m[r]) : 0.0f;
-                lsum[r] += 4 * r4 + k < R ? pv4[k] : 0.0f;
-            }
-            po[r4] = ka_f4(pv4[0], pv4[1], pv4[2], pv4[3]);
-        }
+@P_STORE@
         if (quant) {
             KA_UNROLL
             for (unsigned int j = 0; j < NGV; ++j) {
@@ -701,6 +658,10 @@ _BODY_V3 = """
     }
 """
 _BODY_V3 += _BODY[_BODY.index("    // the warp's totals"):]
+_BODY, _BODY_V3 = (
+    b.replace("@SETUP@\n", _SETUP).replace("@SOFTMAX@\n", _SOFTMAX).replace("@P_STORE@\n", _P_STORE)
+    for b in (_BODY, _BODY_V3)
+)
 
 # NVRTC may contract a*b+c into FMAs here: unlike the quantizer, attention is only held to the
 # float32 accumulation bound, which contraction keeps.
