@@ -908,9 +908,10 @@ CHUNKS_PER_WARP = 2
 
 
 class Shape(typing.NamedTuple):
-    """How a launch is laid out: warps per block, chunks per warp (sets the splits), chunks whose
-    loads run ahead of the arithmetic (v3's PF, 0 or 1) and the blocks per SM that
-    __launch_bounds__ asks the compiler to fit (0: no bounds)."""
+    """How a launch is laid out: warps per block, chunks per warp (sets the splits; 0: as many
+    splits as fill the GPU, :func:`fill_splits`), chunks whose loads run ahead of the arithmetic
+    (v3's PF, 0 or 1) and the blocks per SM that __launch_bounds__ asks the compiler to fit (0: no
+    bounds)."""
 
     warps: int
     per_warp: int
@@ -930,16 +931,23 @@ def default_shape(bits, version=None):
 
 
 def parse_shape(text):
-    """"8x2" or "8x2:pf1:mb2" (warps x chunks per warp, loads ahead, launch-bounds blocks) -> Shape."""
+    """"8x2", "8xf" or "8x2:pf1:mb2" (warps x chunks per warp or f: fill the GPU, loads ahead,
+    launch-bounds blocks) -> Shape."""
     head, *rest = text.split(":")
     try:
-        w, per = (int(x) for x in head.split("x"))
+        w, per = head.split("x")
+        w, per = int(w), 0 if per == "f" else int(per)
         opts = {x[:2]: int(x[2:]) for x in rest}
     except ValueError:
-        raise ValueError(f"launch shape {text!r}: expected WARPSxCHUNKS[:pfN][:mbN]") from None
-    if set(opts) - {"pf", "mb"} or opts.get("pf", 0) not in (0, 1) or not 1 <= w <= 32 or per < 1:
-        raise ValueError(f"launch shape {text!r}: expected WARPSxCHUNKS[:pfN][:mbN], pf 0 or 1")
+        raise ValueError(f"launch shape {text!r}: expected WARPSx(CHUNKS|f)[:pfN][:mbN]") from None
+    if set(opts) - {"pf", "mb"} or opts.get("pf", 0) not in (0, 1) or not 1 <= w <= 32 or per < 0:
+        raise ValueError(f"launch shape {text!r}: expected WARPSx(CHUNKS|f)[:pfN][:mbN], pf 0 or 1")
     return Shape(w, per, opts.get("pf", 0), opts.get("mb", 0))
+
+
+def shape_text(shape):
+    """The inverse of :func:`parse_shape`."""
+    return f"{shape.warps}x{shape.per_warp or 'f'}:pf{shape.ahead}:mb{shape.minblocks}"
 
 
 # v3's launch per bit width; VQPIPE_KIVI_V3_SHAPE<bits> (e.g. "8x2:pf1") replaces one, for the benchmark
@@ -948,9 +956,48 @@ V3_SHAPES.update({b: parse_shape(os.environ[f"VQPIPE_KIVI_V3_SHAPE{b}"])
                   for b in (2, 4, 8) if f"VQPIPE_KIVI_V3_SHAPE{b}" in os.environ})
 
 
-def default_splits(chunks, warps=WARPS, per_warp=None):
-    """Splits per KV head: about ``per_warp`` chunks (default CHUNKS_PER_WARP) per warp, at most NSMAX."""
+def default_splits(chunks, warps=WARPS, per_warp=None, heads=None):
+    """Splits per KV head: about ``per_warp`` chunks (default CHUNKS_PER_WARP) per warp, at most
+    NSMAX; ``per_warp`` 0: :func:`fill_splits` over ``heads`` (B * KV heads) blocks per split."""
+    if per_warp == 0:
+        if heads is None:
+            raise ValueError("splits that fill the GPU need the number of KV heads")
+        return fill_splits(chunks, warps, heads)
     return max(1, min(NSMAX, -(-chunks // ((per_warp or CHUNKS_PER_WARP) * warps))))
+
+
+# A v3 block at 4 bits takes 128 registers per thread: 16 resident warps per SM (Nsight Compute,
+# fifth H200 window). VQPIPE_KIVI_RESIDENT_WARPS changes the assumption (e.g. for launch bounds).
+RESIDENT_WARPS = int(os.environ.get("VQPIPE_KIVI_RESIDENT_WARPS", "16"))
+
+
+@functools.lru_cache(maxsize=1)
+def multiprocessors():
+    """SMs of CUDA device 0 (the driver's attribute 16), VQPIPE_KIVI_SMS if set; 132 (an H200)
+    where neither answers, e.g. on Metal or without the driver library."""
+    if os.environ.get("VQPIPE_KIVI_SMS"):
+        return int(os.environ["VQPIPE_KIVI_SMS"])
+    try:
+        import ctypes
+
+        cu = ctypes.CDLL("libcuda.so.1")
+        dev, sms = ctypes.c_int(), ctypes.c_int()
+        if cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0 and \
+                cu.cuDeviceGetAttribute(ctypes.byref(sms), 16, dev) == 0 and sms.value > 0:
+            return sms.value
+    except OSError:
+        pass
+    return 132
+
+
+def fill_splits(chunks, warps, heads):
+    """Splits per KV head for latency: one wave of resident blocks over the whole GPU
+    (SMs x blocks per SM / heads), each warp keeping at least one chunk. A decode step's layers run
+    one after another, so a layer's time is its longest block: the fifth H200 window found the
+    throughput-picked shape launching 64 blocks for 132 SMs at 8k (docs/kivi.md)."""
+    per_sm = max(1, RESIDENT_WARPS // warps)
+    want = -(-multiprocessors() * per_sm // heads)
+    return max(1, min(NSMAX, want, -(-chunks // warps)))
 
 
 def _slots(ns):
@@ -982,7 +1029,7 @@ def _launch_spec(queries, rk, bits, g, scale, chunks, splits, warps, meta, versi
     chunk total (every 32 tokens) or the call's settings; :func:`launch_args` keeps the last one."""
     b, h, _, d = rk.shape
     shape = launch_shape(bits, version, warps, ahead, minblocks)
-    ns = splits or default_splits(chunks, shape.warps, shape.per_warp)
+    ns = splits or default_splits(chunks, shape.warps, shape.per_warp, b * h)
     if not 1 <= ns <= NSMAX:
         raise ValueError(f"splits must be in 1..{NSMAX}, got {ns}")
     template = [("T", rk.dtype), ("BITS", bits), ("G", g), ("D", d), ("R", queries.shape[1] // h), ("NW", shape.warps)]
@@ -1025,7 +1072,11 @@ def launch_args(queries, cache, scale, splits=None, warps=None, meta=None, versi
     have = None if cache.scratch is None else cache.scratch[0].shape
     if have is None or have[0] != b * h or have[2] != r * (d + 2) or have[1] < ns:
         cache.scratch = (mx.zeros((b * h, _slots(ns), r * (d + 2)), mx.float32), mx.zeros((b * h,), mx.uint32))
-    if meta == "small":
+    if cache.step_counts is not None:  # a compiled step's view: the counts are one of its inputs
+        if meta != "small":
+            raise ValueError("a compiled KIVI step passes its counts as the 8-byte pair (meta 'small')")
+        counts = cache.step_counts
+    elif meta == "small":
         counts = mx.array([cache.quantized, nres], mx.float32)
     else:
         counts = mx.array([scale, cache.quantized, nres], mx.float32)
