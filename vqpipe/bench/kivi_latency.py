@@ -5,7 +5,8 @@ independent (the GPU overlaps them) over contiguous fp16 arrays, while a model r
 after another over mlx-lm's ``KVCache`` slices. And its contiguous fp16 baseline at 32k read
 158-161 us per layer in every run where a 32k row followed an 8k row in the same process, against
 45-51 in runs where 32k came first. So here every context's arms run in ONE interleaved round
-(A B C ... for 4k, 8k, 32k, 64k alike; no context "comes first"), at the Llama-3-8B geometry
+(A B C ... for 4k, 8k, 32k, 64k alike; no context "comes first"; ``--sequential``: the old
+order, one context after another), at the Llama-3-8B geometry
 (32 query heads, 8 KV heads, D = 128, fp16), ``--layers`` distinct caches per context:
 
 - ``sdpa``: ``mx.fast.scaled_dot_product_attention`` on contiguous caches, layers independent (the
@@ -126,6 +127,8 @@ def main(argv=None):
                    help="launch shapes (decode_kernel.parse_shape), N/SHAPE for bits N only, default: each width's default")
     p.add_argument("--bits", type=lambda t: [int(x) for x in t.split(",") if x], default=[4, 2])
     p.add_argument("--chain-only", action="store_true", help="no independent-layer KIVI arms")
+    p.add_argument("--sequential", action="store_true",
+                   help="time the contexts one after another (each interleaved within itself) instead of all in one interleave")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--inputs", type=int, default=20)
     p.add_argument("--repeats", type=int, default=25)
@@ -156,7 +159,13 @@ def main(argv=None):
                 del got[name]
         arms.update(got)
         arms[f"sdpa-vchain S={s}" + harness.AA_SUFFIX] = got[f"sdpa-vchain S={s}"]
-    times = run_parts(arms, args.inputs, args.repeats, args.warmup)
+    if args.sequential:  # the old probe's order: each context's rounds after the previous context's
+        times = {}
+        for s in args.contexts:
+            times.update(run_parts({k: f for k, f in arms.items() if k.split(harness.AA_SUFFIX)[0].endswith(f" S={s}")},
+                                   args.inputs, args.repeats, args.warmup))
+    else:
+        times = run_parts(arms, args.inputs, args.repeats, args.warmup)
     rows = {}
     for s in args.contexts:
         base = f"sdpa-vchain S={s}"
