@@ -642,9 +642,13 @@ def test_fill_splits_one_wave_over_the_gpu(monkeypatch):
         sh = decode_kernel.parse_shape("8xf")
         assert sh == decode_kernel.Shape(8, 0, 0, 0) and decode_kernel.shape_text(sh) == "8xf:pf0:mb0"
         assert decode_kernel.parse_shape(decode_kernel.shape_text(decode_kernel.Shape(4, 3, 1, 5))) == (4, 3, 1, 5)
-        # 8k at the 8B geometry: 260 chunks, 8 KV heads; 16 resident warps per SM
+        # 8k at the 8B geometry: 260 chunks, 8 KV heads; 128 registers: 16 resident warps per SM
         assert decode_kernel.default_splits(260, 8, 0, 8) == 33  # 264 blocks of 8 warps = 2 per SM
         assert decode_kernel.default_splits(260, 4, 0, 8) == 65  # 520 blocks of 4 warps = 4 per SM
+        r = decode_kernel.resident_blocks
+        assert (r(4, sh), r(4, decode_kernel.Shape(4, 0)), r(2, decode_kernel.Shape(4, 0, 1)), r(2, decode_kernel.Shape(8, 0))) == (2, 4, 3, 1)
+        assert r(2, decode_kernel.Shape(8, 0, 0, 3)) == 3  # launch bounds decide
+        assert decode_kernel.default_splits(260, 4, 0, 8, 3) == 50  # 2 bits, 4 warps: 396 slots
         assert decode_kernel.default_splits(260, 8, 4) == 9  # the throughput shape: 72 blocks
         assert decode_kernel.default_splits(40, 8, 0, 8) == 5  # at least one chunk per warp
         assert decode_kernel.default_splits(10**6, 1, 0, 1) == decode_kernel.NSMAX

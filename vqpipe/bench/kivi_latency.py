@@ -69,7 +69,8 @@ def _kivi(q, c, scale, shape):
 
 def _splits(c, shape):
     chunks = c.quantized // 32 + -(-c.nres // 32)
-    return decode_kernel.default_splits(chunks, shape.warps, shape.per_warp, c.residual_buffers()[0].shape[1])
+    return decode_kernel.default_splits(chunks, shape.warps, shape.per_warp, c.residual_buffers()[0].shape[1],
+                                        decode_kernel.resident_blocks(c.kv_bits, shape))
 
 
 def _shapes_for(shapes, bits):
@@ -139,7 +140,7 @@ def main(argv=None):
             decode_kernel.parse_shape(text)  # a bad shape fails here, before any cache is built
     result = {"kind": "bench-kivi-latency", "environment": env.environment_or_error(),
               "config": {k: v for k, v in vars(args).items() if k != "out"},
-              "multiprocessors": decode_kernel.multiprocessors(), "resident_warps": decode_kernel.RESIDENT_WARPS}
+              "multiprocessors": decode_kernel.multiprocessors(), "registers": {f"{b}:pf{a}": r for (b, a), r in decode_kernel.V3_REGISTERS.items()}}
     if not decode_kernel.active(None):
         print("bench-kivi-latency: needs the decode kernel (a GPU); skipped", flush=True)
         write_json(args.out, result)

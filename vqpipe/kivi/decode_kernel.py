@@ -995,19 +995,30 @@ V3_SHAPES.update({b: parse_shape(os.environ[f"VQPIPE_KIVI_V3_SHAPE{b}"])
                   for b in (2, 4, 8) if f"VQPIPE_KIVI_V3_SHAPE{b}" in os.environ})
 
 
-def default_splits(chunks, warps=WARPS, per_warp=None, heads=None):
+def default_splits(chunks, warps=WARPS, per_warp=None, heads=None, per_sm=None):
     """Splits per KV head: about ``per_warp`` chunks (default CHUNKS_PER_WARP) per warp, at most
-    NSMAX; ``per_warp`` 0: :func:`fill_splits` over ``heads`` (B * KV heads) blocks per split."""
+    NSMAX; ``per_warp`` 0: :func:`fill_splits` over ``heads`` (B * KV heads) blocks per split and
+    ``per_sm`` resident blocks per SM (default: as 128 registers per thread allow)."""
     if per_warp == 0:
         if heads is None:
             raise ValueError("splits that fill the GPU need the number of KV heads")
-        return fill_splits(chunks, warps, heads)
+        return fill_splits(chunks, warps, heads, per_sm or max(1, 16 // warps))
     return max(1, min(NSMAX, -(-chunks // ((per_warp or CHUNKS_PER_WARP) * warps))))
 
 
-# A v3 block at 4 bits takes 128 registers per thread: 16 resident warps per SM (Nsight Compute,
-# fifth H200 window). VQPIPE_KIVI_RESIDENT_WARPS changes the assumption (e.g. for launch bounds).
-RESIDENT_WARPS = int(os.environ.get("VQPIPE_KIVI_RESIDENT_WARPS", "16"))
+# Registers per thread of v3 by (bits, loads ahead) at the 8B geometry (fp16, D 128, 4 query heads
+# per KV head; nvcc 13.0 ptxas for sm_90, scripts/kivi_ptxas.py; 128 at 4 bits is what Nsight
+# Compute saw on the H200). 2 bits needs more than 4: a lane accumulates 16 channels per word, not 8.
+V3_REGISTERS = {(4, 0): 128, (4, 1): 167, (2, 0): 157, (2, 1): 167, (8, 0): 128, (8, 1): 250}
+
+
+def resident_blocks(bits, shape):
+    """Blocks of ``shape`` one SM holds at once, from the registers (65536 per SM, allocated 256 per
+    warp at a time); launch bounds set it. Other geometries are assumed to fit as the 8B one."""
+    if shape.minblocks:
+        return shape.minblocks
+    per_warp = -(-V3_REGISTERS.get((bits, shape.ahead), 128) * 32 // 256) * 256
+    return max(1, 65536 // (per_warp * shape.warps))
 
 
 @functools.lru_cache(maxsize=1)
@@ -1029,12 +1040,11 @@ def multiprocessors():
     return 132
 
 
-def fill_splits(chunks, warps, heads):
+def fill_splits(chunks, warps, heads, per_sm):
     """Splits per KV head for latency: one wave of resident blocks over the whole GPU
-    (SMs x blocks per SM / heads), each warp keeping at least one chunk. A decode step's layers run
+    (SMs x ``per_sm`` / heads), each warp keeping at least one chunk. A decode step's layers run
     one after another, so a layer's time is its longest block: the fifth H200 window found the
     throughput-picked shape launching 64 blocks for 132 SMs at 8k (docs/kivi.md)."""
-    per_sm = max(1, RESIDENT_WARPS // warps)
     want = -(-multiprocessors() * per_sm // heads)
     return max(1, min(NSMAX, want, -(-chunks // warps)))
 
@@ -1068,7 +1078,7 @@ def _launch_spec(queries, rk, bits, g, scale, chunks, splits, warps, meta, versi
     chunk total (every 32 tokens) or the call's settings; :func:`launch_args` keeps the last one."""
     b, h, _, d = rk.shape
     shape = launch_shape(bits, version, warps, ahead, minblocks)
-    ns = splits or default_splits(chunks, shape.warps, shape.per_warp, b * h)
+    ns = splits or default_splits(chunks, shape.warps, shape.per_warp, b * h, resident_blocks(bits, shape))
     if not 1 <= ns <= NSMAX:
         raise ValueError(f"splits must be in 1..{NSMAX}, got {ns}")
     template = [("T", rk.dtype), ("BITS", bits), ("G", g), ("D", d), ("R", queries.shape[1] // h), ("NW", shape.warps)]
