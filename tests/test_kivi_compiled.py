@@ -39,7 +39,7 @@ def _decode(model, caches, token, steps, compiled):
     out, logits = [], []
     for _ in range(steps):
         lg = dec.step(token) if compiled else model(token, cache=caches)[:, -1, :]
-        token = mx.argmax(lg, axis=-1).reshape(1, 1)
+        token = mx.argmax(lg, axis=-1).astype(mx.int32).reshape(1, 1)  # the prompt token is int32 too: one trace dtype
         mx.eval(token, lg)
         out.append(int(token.item()))
         logits.append(np.array(lg))

@@ -105,6 +105,8 @@ class KIVIDecoder:
         c0 = self.caches[0]
         rk = c0.residual_buffers()[0]
         flush_due = (c0.nres + 1 - c0.residual_length) // c0.group_size > 0
+        if c0.offset + 1 >= 2**24:
+            raise ValueError("decode attention passes token counts as float32: at most 2**24 tokens")
         if rk is None or c0.kc is None or flush_due or c0.nres + 1 > rk.shape[2]:
             return self._eager(token)
         kernel = self._kernel()
