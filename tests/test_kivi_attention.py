@@ -427,7 +427,8 @@ def test_launch_shape_per_bit_width():
             shape = decode_kernel.default_shape(bits, version)
             _, spec, got = decode_kernel.launch_args(q, c, 0.1, version=version)
             assert got == shape and spec["threadgroup"] == (shape.warps * 32, 1, 1)
-            assert spec["grid"] == (decode_kernel.default_splits(chunks, shape.warps, shape.per_warp) * shape.warps * 32, 2, 1)
+            ns = decode_kernel.default_splits(chunks, shape.warps, shape.per_warp, 2, decode_kernel.resident_blocks(bits, shape))
+            assert spec["grid"] == (ns * shape.warps * 32, 2, 1)
             assert ("PF", shape.ahead) in spec["template"] if version == "v3" else "PF" not in dict(spec["template"])
         assert decode_kernel.default_shape(bits, "v2") == ((4, 2, 0, 0) if bits == 2 else (8, 4, 0, 0))
         _, fixed, shape = decode_kernel.launch_args(q, c, 0.1, splits=3, warps=2, ahead=0, minblocks=5)
@@ -686,8 +687,8 @@ def test_bench_kivi_latency_on_cpu(tmp_path, monkeypatch):
         d = json.loads(out.read_text())
         assert [r["S"] for r in d["rows"]] == [256, 300] and not d["failed"]
         arms = set(d["rows"][0]["arms"])
-        assert {"sdpa", "sdpa-chain", "sdpa-vchain", "sdpa-vchain (A/A)", "kivi4@8x4:pf0:mb0", "kivi4-chain@4xf:pf0:mb0",
-                "kivi2@4x4:pf1:mb0", "kivi2-chain@8x2:pf1:mb0"} <= arms and "kivi2@4xf:pf0:mb0" not in arms
+        assert {"sdpa", "sdpa-chain", "sdpa-vchain", "sdpa-vchain (A/A)", "kivi4@8xf:pf0:mb0", "kivi4-chain@4xf:pf0:mb0",
+                "kivi2@4xf:pf1:mb0", "kivi2-chain@8x2:pf1:mb0"} <= arms and "kivi2@4xf:pf0:mb0" not in arms
         assert d["rows"][1]["splits"]["kivi4@4xf:pf0:mb0"]["blocks"] % 8 == 0
         assert all(a["total"]["n"] == 2 and a["total"]["median"] > 0 for a in d["rows"][0]["arms"].values())
 

@@ -961,9 +961,10 @@ class Shape(typing.NamedTuple):
 def default_shape(bits, version=None):
     """The launch shape of a kernel version at a bit width. v2, from the H200 op benchmark at 32k
     (docs/results/2026-12-01-h200-kivi2): 4 x 2 at 2 bits (its registers let one 8-warp block fit an
-    SM), 8 x 4 at 4 bits. v3, the fastest of seven shapes at 32k on the H200
-    (docs/results/2026-12-01-h200-kivi4): 8 x 4 with the loads not ahead at 4 bits (128 registers,
-    16 warps per SM), 4 x 4 with the loads one chunk ahead at 2 bits; 8 bits untimed, as 4."""
+    SM), 8 x 4 at 4 bits. v3, the fastest in the chained (model-order) latency benchmark at
+    4k-64k on the H200 (docs/results/2026-12-02-h200-kivi6): 8 warps with splits that fill the GPU
+    (one wave of 2 blocks per SM) and the loads not ahead at 4 bits, 4 warps filling it (3 blocks
+    per SM) with the loads one chunk ahead at 2 bits; 8 bits untimed, as 4 (the same registers)."""
     if (version or VERSION) == "v3":
         return V3_SHAPES.get(bits, V3_SHAPES[4])
     return Shape(4, 2) if bits == 2 else Shape(8, 4)
@@ -990,7 +991,8 @@ def shape_text(shape):
 
 
 # v3's launch per bit width; VQPIPE_KIVI_V3_SHAPE<bits> (e.g. "8x2:pf1") replaces one, for the benchmark
-V3_SHAPES = {2: Shape(4, 4, 1, 0), 4: Shape(8, 4, 0, 0), 8: Shape(8, 4, 0, 0)}
+# (the fourth window's throughput picks, 8x4 at 4 bits and 4x4:pf1 at 2, were 0.5-18 % slower chained)
+V3_SHAPES = {2: Shape(4, 0, 1, 0), 4: Shape(8, 0, 0, 0), 8: Shape(8, 0, 0, 0)}
 V3_SHAPES.update({b: parse_shape(os.environ[f"VQPIPE_KIVI_V3_SHAPE{b}"])
                   for b in (2, 4, 8) if f"VQPIPE_KIVI_V3_SHAPE{b}" in os.environ})
 

@@ -125,8 +125,8 @@ def measure_op(s, args):
         arms[f"kivi{b}"], caches[f"kivi{b}"] = _kivi_arm(qs, kv[b], scale, n), kv[b]
     chunks = kv[args.bits[0]][0].quantized // 32 + -(-kv[args.bits[0]][0].nres // 32)
     for version, sh in args.variants:  # other kernels and launch shapes, at every bit width
-        ns = decode_kernel.default_splits(chunks, sh.warps, sh.per_warp)
         for b in args.bits:
+            ns = decode_kernel.default_splits(chunks, sh.warps, sh.per_warp, HK, decode_kernel.resident_blocks(b, sh))
             name = f"kivi{b}:{version}:w{sh.warps}c{sh.per_warp}" + (f"pf{sh.ahead}mb{sh.minblocks}" if version == "v3" else "")
             arms[name], caches[name] = _kivi_arm(qs, kv[b], scale, n, splits=ns, warps=sh.warps, version=version,
                                                  ahead=sh.ahead, minblocks=sh.minblocks), kv[b]
