@@ -135,3 +135,26 @@ class KIVIDecoder:
     def greedy(self, token):
         """The greedy next token [B, 1] after ``token``."""
         return mx.argmax(self.step(token), axis=-1).astype(token.dtype).reshape(token.shape[0], 1)
+
+
+def stream(model, caches, prompt, max_tokens, prefill_step=2048):
+    """Greedy ids one by one (for streaming): every prompt token but the last through the eager
+    model in chunks (as mlx-lm prefills), then :class:`KIVIDecoder` steps, step i + 1 queued before
+    token i is read. ``caches``: fresh packed caches (``make_kivi_cache(..., packed=True)``)."""
+    prompt = mx.array(prompt)
+    n = int(prompt.size)
+    if n < 1:
+        raise ValueError("compiled KIVI decode: empty prompt")
+    for a in range(0, n - 1, prefill_step):
+        model(prompt[None, a : min(a + prefill_step, n - 1)], cache=caches)
+        mx.eval([c.state for c in caches])
+    dec = KIVIDecoder(model, caches)
+    token = prompt[None, n - 1 :].astype(mx.int32)
+    token = dec.greedy(token)
+    for i in range(max_tokens):
+        nxt = None
+        if i + 1 < max_tokens:
+            nxt = dec.greedy(token)
+            mx.async_eval(nxt)
+        yield int(token.item())
+        token = nxt
