@@ -142,11 +142,51 @@ if want ncu; then
   fi
 fi
 
+# The sixth window's steps. "latency": bench-kivi-latency (vqpipe/bench/kivi_latency.py; LAT_ARGS),
+# every context's arms in one interleave, then the same contexts one after another (LATSEQ_ARGS, the
+# old probe's order, to tell which fp16 32k baseline is right); "pick_latency" exports the v3 shape
+# per bit width whose chained arm is fastest summed over the contexts; "compiled_decode": end to end
+# with the compiled step (DEC_ARGS2); "gputests": the KIVI GPU tests in 8 xdist workers (GPUTEST_LIMIT).
+if want latency; then
+  echo "== bench-kivi-latency, contexts interleaved $(since)"
+  timeout ${LAT_LIMIT:-150} $PY -m vqpipe.bench.kivi_latency --out "$OUT/kivi_latency.json" ${LAT_ARGS:-} 2>&1 | tee "$OUT/latency.log"
+  [ -n "${LATSEQ_ARGS:-}" ] && echo "== bench-kivi-latency, contexts in sequence $(since)" &&
+    timeout ${LATSEQ_LIMIT:-60} $PY -m vqpipe.bench.kivi_latency --out "$OUT/kivi_latency_seq.json" --sequential $LATSEQ_ARGS 2>&1 | tee "$OUT/latency_seq.log"
+fi
+if want pick_latency && [ -f "$OUT/kivi_latency.json" ]; then
+  echo "== pick the v3 launch shape from the chained arms $(since)"
+  eval "$($PY - "$OUT/kivi_latency.json" <<'EOF2'
+import json, re, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+for bits in (4, 2):
+    tot = {}
+    for row in rows:
+        for k, a in row["arms"].items():
+            m = re.fullmatch(rf"kivi{bits}-chain@(\S+)", k)
+            if m:
+                tot.setdefault(m.group(1), []).append(a["total"]["median"] / row["arms"]["sdpa-vchain"]["total"]["median"])
+    full = {k: sum(v) for k, v in tot.items() if len(v) == len(rows)}
+    if full:
+        print(f"export VQPIPE_KIVI_V3_SHAPE{bits}={min(full, key=full.get)}")
+EOF2
+)"
+  env | grep VQPIPE_KIVI_V3_SHAPE | tee "$OUT/picked_shape.txt"
+fi
+if want compiled_decode; then
+  echo "== end to end, eager and compiled $(since)"
+  timeout ${DEC2_LIMIT:-200} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_decode.json" --parts decode --compiled ${DEC_ARGS2:-} 2>&1 | tee "$OUT/decode.log"
+fi
+if want gputests; then
+  echo "== KIVI GPU tests, 8 workers $(since)"
+  timeout ${GPUTEST_LIMIT:-240} $PY -m pytest -q -ra -p no:cacheprovider -m gpu -n 8 --dist load tests/test_kivi_attention.py \
+    tests/test_kivi_compiled.py tests/test_kivi_kernels.py ${GPUTEST_K:+-k "$GPUTEST_K"} 2>&1 | tee "$OUT/gputests.log" | tail -n 25
+fi
+
 want cpu_suite && echo "== quantizer, cache and dispatch tests on this device (kernels on by default) $(since)" &&
 pt cpu_suite 120 tests/test_kivi_quant.py tests/test_kivi_cache.py tests/test_kivi_kernels.py -m "not gpu"
 
 echo "== summary $(since)"
-for f in kernels generation nvrtc attn cpu_suite; do
+for f in kernels generation nvrtc attn gputests cpu_suite; do
   [ -f "$OUT/$f.log" ] || continue
   printf '%-10s ' "$f"
   grep -E "^[0-9]+ (passed|failed)|(passed|failed|skipped|error).* in [0-9.]+s" "$OUT/$f.log" | tail -n 1

@@ -427,7 +427,8 @@ def test_launch_shape_per_bit_width():
             shape = decode_kernel.default_shape(bits, version)
             _, spec, got = decode_kernel.launch_args(q, c, 0.1, version=version)
             assert got == shape and spec["threadgroup"] == (shape.warps * 32, 1, 1)
-            assert spec["grid"] == (decode_kernel.default_splits(chunks, shape.warps, shape.per_warp) * shape.warps * 32, 2, 1)
+            ns = decode_kernel.default_splits(chunks, shape.warps, shape.per_warp, 2, decode_kernel.resident_blocks(bits, shape))
+            assert spec["grid"] == (ns * shape.warps * 32, 2, 1)
             assert ("PF", shape.ahead) in spec["template"] if version == "v3" else "PF" not in dict(spec["template"])
         assert decode_kernel.default_shape(bits, "v2") == ((4, 2, 0, 0) if bits == 2 else (8, 4, 0, 0))
         _, fixed, shape = decode_kernel.launch_args(q, c, 0.1, splits=3, warps=2, ahead=0, minblocks=5)
@@ -630,3 +631,77 @@ def test_bench_kivi_quality_quick(tiny_source, tmp_path):
     assert set(res) == {"fp", "kivi2", "mlx-q4"}
     assert res["fp"]["kl"]["median"] == pytest.approx(0, abs=1e-6) and res["fp"]["top1"]["median"] == 1
     assert res["kivi2"]["kl"]["median"] > 0 and res["kivi2"]["ppl"]["n"] == 1
+
+
+def test_fill_splits_one_wave_over_the_gpu(monkeypatch):
+    """'WxF' shapes: as many splits as one wave of resident blocks over every SM needs, each warp
+    keeping at least one chunk, at most NSMAX; the text form round-trips."""
+    monkeypatch.setenv("VQPIPE_KIVI_SMS", "132")
+    decode_kernel.multiprocessors.cache_clear()
+    try:
+        assert decode_kernel.multiprocessors() == 132
+        sh = decode_kernel.parse_shape("8xf")
+        assert sh == decode_kernel.Shape(8, 0, 0, 0) and decode_kernel.shape_text(sh) == "8xf:pf0:mb0"
+        assert decode_kernel.parse_shape(decode_kernel.shape_text(decode_kernel.Shape(4, 3, 1, 5))) == (4, 3, 1, 5)
+        # 8k at the 8B geometry: 260 chunks, 8 KV heads; 128 registers: 16 resident warps per SM
+        assert decode_kernel.default_splits(260, 8, 0, 8) == 33  # 264 blocks of 8 warps = 2 per SM
+        assert decode_kernel.default_splits(260, 4, 0, 8) == 65  # 520 blocks of 4 warps = 4 per SM
+        r = decode_kernel.resident_blocks
+        assert (r(4, sh), r(4, decode_kernel.Shape(4, 0)), r(2, decode_kernel.Shape(4, 0, 1)), r(2, decode_kernel.Shape(8, 0))) == (2, 4, 3, 1)
+        assert r(2, decode_kernel.Shape(8, 0, 0, 3)) == 3  # launch bounds decide
+        assert decode_kernel.default_splits(260, 4, 0, 8, 3) == 50  # 2 bits, 4 warps: 396 slots
+        assert decode_kernel.default_splits(260, 8, 4) == 9  # the throughput shape: 72 blocks
+        assert decode_kernel.default_splits(40, 8, 0, 8) == 5  # at least one chunk per warp
+        assert decode_kernel.default_splits(10**6, 1, 0, 1) == decode_kernel.NSMAX
+        with pytest.raises(ValueError, match="KV heads"):
+            decode_kernel.default_splits(260, 8, 0)
+        k, v = _kv(1, 2, 4133, 128, "float16")
+        c = _filled(4, 32, 128, k, v, [4132, 1])
+        _, spec, shape = decode_kernel.launch_args(mx.zeros((1, 8, 1, 128), mx.float16), c, 0.1, warps=4)
+        assert spec["grid"][0] == decode_kernel.default_splits(130, 4, shape.per_warp) * 128
+        monkeypatch.setitem(decode_kernel.V3_SHAPES, 4, sh)
+        _, spec, shape = decode_kernel.launch_args(mx.zeros((1, 8, 1, 128), mx.float16), c, 0.1)
+        assert shape == sh and spec["grid"][0] == min(-(-132 * 2 // 2), -(-130 // 8)) * 256
+    finally:
+        decode_kernel.multiprocessors.cache_clear()
+    for bad in ("8xg", "8x-1", "0xf"):
+        with pytest.raises(ValueError):
+            decode_kernel.parse_shape(bad)
+
+
+def test_bench_kivi_latency_on_cpu(tmp_path, monkeypatch):
+    """bench-kivi-latency on CPU with the tile path standing in for the kernel: every context's arms
+    in one interleave, a floor per context, the split table; skipped cleanly without a kernel."""
+    import json
+
+    from vqpipe.bench import kivi_latency
+
+    out = tmp_path / "lat.json"
+    assert kivi_latency.main(["--out", str(out), "--contexts", "256", "--layers", "1"]) == 0
+    assert "rows" not in json.loads(out.read_text())  # no kernel here: said so, nothing timed
+    monkeypatch.setattr(decode_kernel, "active", lambda use_kernels=None: use_kernels is not False)
+    monkeypatch.setattr(decode_kernel, "decode_attention", lambda q, c, scale, **kw: attention.attend_tiles(q, c, scale))
+    for extra in ([], ["--sequential"]):
+        assert kivi_latency.main(["--out", str(out), "--contexts", "256,300", "--layers", "2", "--inputs", "2", "--repeats", "2",
+                                  "--warmup", "1", "--shapes", "default,4/4xf,2/8x2:pf1"] + extra) == 0
+        d = json.loads(out.read_text())
+        assert [r["S"] for r in d["rows"]] == [256, 300] and not d["failed"]
+        arms = set(d["rows"][0]["arms"])
+        assert {"sdpa", "sdpa-chain", "sdpa-vchain", "sdpa-vchain (A/A)", "kivi4@8xf:pf0:mb0", "kivi4-chain@4xf:pf0:mb0",
+                "kivi2@4xf:pf1:mb0", "kivi2-chain@8x2:pf1:mb0"} <= arms and "kivi2@4xf:pf0:mb0" not in arms
+        assert d["rows"][1]["splits"]["kivi4@4xf:pf0:mb0"]["blocks"] % 8 == 0
+        assert all(a["total"]["n"] == 2 and a["total"]["median"] > 0 for a in d["rows"][0]["arms"].values())
+
+
+def test_bench_kivi_attn_compiled_decode_arms(tmp_path):
+    """bench-kivi-attn's decode part with --compiled: fp16 through decode_step's split mode and each
+    KIVI width through the compiled step, beside the eager arms (CPU: the tile path)."""
+    import json
+
+    from vqpipe.stages import bench_kivi_attn
+
+    out = tmp_path / "d.json"
+    assert bench_kivi_attn.main(["--out", str(out), "--quick", "--parts", "decode", "--compiled", "--work", str(tmp_path / "m")]) == 0
+    (dec,) = json.loads(out.read_text())["decode"]
+    assert set(dec["arms"]) == {"fp16", "kivi4", "kivi2", "fp16+s", "kivi4+c", "kivi2+c"}
+    assert all(dec["compiled_steps"][k]["compiled"] >= 1 for k in ("kivi4", "kivi2"))

@@ -113,18 +113,24 @@ def encode_prompt(tokenizer, text, use_template, system_prompt=None):
     return tokenizer.encode(prompt, add_special_tokens=False)
 
 
-def compiled_generate(model, tokenizer, prompt, max_tokens, mode):
-    """Stream greedy text through decode_step, stopping at an EOS token; mlx-lm's summary lines."""
+def compiled_generate(model, tokenizer, prompt, max_tokens, mode, cache=None):
+    """Stream greedy text through decode_step (``cache`` None) or, over a packed KIVI ``cache``,
+    vqpipe.kivi.compiled, stopping at an EOS token; mlx-lm's summary lines."""
     import time
 
     import mlx.core as mx
     from .decode_step import Decoder
 
-    dec = Decoder(model, len(prompt) + max_tokens, mode)
+    if cache is None:
+        ids = Decoder(model, len(prompt) + max_tokens, mode).tokens(mx.array(prompt), max_tokens)
+    else:
+        from .kivi.compiled import stream
+
+        ids, mode = stream(model, cache, prompt, max_tokens), f"{mode}, packed KIVI-{cache[0].kv_bits}"
     detok, n = tokenizer.detokenizer, 0
     print("=" * 10)
     t0 = time.perf_counter()
-    for tok in dec.tokens(mx.array(prompt), max_tokens):
+    for tok in ids:
         if n == 0:
             t1 = time.perf_counter()
         if tok in tokenizer.eos_token_ids:
@@ -149,11 +155,14 @@ def main(argv=None):
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the tokenizer's chat template (default: when the tokenizer has one)")
     p.add_argument("--compiled", choices=("whole", "split"),
-                   help="greedy decode through vqpipe.decode_step's compiled step (docs/decode.md)")
+                   help="greedy decode through vqpipe.decode_step's compiled step (docs/decode.md); "
+                   "whole with --kv-packed: vqpipe.kivi.compiled's step over the packed KIVI cache (docs/kivi.md)")
     args = p.parse_args(argv)
     check_args(p, args)
-    if args.compiled and (args.temp != 0 or args.kv_bits is not None):
-        p.error("--compiled decodes greedily with the full-precision cache: no --temp, no --kv-bits")
+    kivi_ok = args.kv_packed and args.compiled == "whole"
+    if args.compiled and (args.temp != 0 or (args.kv_bits is not None and not kivi_ok)):
+        p.error("--compiled decodes greedily with the full-precision cache, or in mode whole with "
+                "--kv-bits N --kv-packed: no --temp, no --kv-bits without --kv-packed")
     import mlx.core as mx
     from mlx_lm import generate
 
@@ -170,9 +179,13 @@ def main(argv=None):
     mx.random.seed(args.seed)
     text = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n")
     prompt = encode_prompt(tokenizer, text, use_template, args.system_prompt)
-    if args.compiled:
+    if args.compiled and args.kv_bits is None:
         return compiled_generate(model, tokenizer, prompt, args.max_tokens, args.compiled)
     cache = make_cache(model, args)
+    if args.compiled:
+        compiled_generate(model, tokenizer, prompt, args.max_tokens, args.compiled, cache)
+        print(kv_summary(cache))
+        return 0
     generate(model, tokenizer, prompt, verbose=True, max_tokens=args.max_tokens,
              sampler=make_sampler(args), prompt_cache=cache)
     line = kv_summary(cache)

@@ -104,6 +104,11 @@ def attend_tiles(queries, cache, scale, mask=None, tile=TILE):
             issued = 0
     if res[0].shape[2]:
         mt = _tile_mask(mask, lq, cache.offset, cache.quantized, cache.offset)
+        valid = cache.residual_mask()  # a compiled step reads its whole residual buffer
+        if valid is not None:
+            if mt is not None:
+                raise ValueError("a compiled KIVI step attends with one query and no mask")
+            mt = valid
         m, l, o = _step(q, res[0].astype(mx.float32), res[1].astype(mx.float32), m, l, o, mt)
     return (o / l).reshape(b, hq, lq, -1).astype(queries.dtype)
 

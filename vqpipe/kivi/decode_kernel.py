@@ -30,6 +30,7 @@ side by side (the kernel of H200 run 2, equal to v2 at 4 bits, was removed when 
 import functools
 import hashlib
 import os
+import re
 import struct
 import typing
 
@@ -813,12 +814,50 @@ _COUNTS = {
 }
 
 
+_IDENT = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+_OPS = set("+-*/%&|^<>=!~?:.")
+
+
+def _squeezed(code):
+    """One line of C without the whitespace the tokens do not need: a space stays only between two
+    identifier characters (``unsigned int``) or two operator characters (``a - -b``); string
+    literals are copied as they are."""
+    out, i, n = [], 0, len(code)
+    while i < n:
+        ch = code[i]
+        if ch == '"':
+            j = code.index('"', i + 1)
+            out.append(code[i : j + 1])
+            i = j + 1
+        elif ch.isspace():
+            while i < n and code[i].isspace():
+                i += 1
+            prev, nxt = (out[-1][-1] if out else ""), (code[i] if i < n else "")
+            if (prev in _IDENT and nxt in _IDENT) or (prev in _OPS and nxt in _OPS):
+                out.append(" ")
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)
+
+
 def _minified(src):
-    """``src`` without comments, indentation and blank lines. MLX's cuda_kernel rebuilds the whole
-    kernel source string on every call (mlx/backend/cuda/custom_kernel.cpp, build_kernel) before it
-    looks the compiled kernel up by name, so the source's length is host time per launch."""
-    lines = (line.split("//")[0].strip() for line in src.splitlines())
-    return "\n".join(line for line in lines if line) + "\n"
+    """``src`` without comments, indentation and the whitespace its tokens do not need, one line
+    but for the preprocessor's; ``unsigned int`` as ``unsigned``. MLX's cuda_kernel rebuilds the
+    whole kernel source string on every call (mlx/backend/cuda/custom_kernel.cpp, build_kernel) and
+    copies it into the primitive, and the fifth H200 window measured a launch's host time growing
+    ~0.3 us per kB of what MLX is handed: the source's length is host time per launch."""
+    lines = [re.sub(r"\bunsigned int\b", "unsigned", line.split("//")[0].strip()) for line in src.splitlines()]
+    out, run = [], []
+    for line in lines:
+        if line.startswith("#"):  # preprocessor lines stay lines of their own
+            out += [_squeezed(" ".join(run))] if run else []
+            out.append(line)
+            run = []
+        elif line:
+            run.append(line)
+    out += [_squeezed(" ".join(run))] if run else []
+    return "\n".join(x for x in out if x) + "\n"
 
 
 # __launch_bounds__ through the header: MLX writes the kernel's "__global__ void name(...)" itself,
@@ -908,9 +947,10 @@ CHUNKS_PER_WARP = 2
 
 
 class Shape(typing.NamedTuple):
-    """How a launch is laid out: warps per block, chunks per warp (sets the splits), chunks whose
-    loads run ahead of the arithmetic (v3's PF, 0 or 1) and the blocks per SM that
-    __launch_bounds__ asks the compiler to fit (0: no bounds)."""
+    """How a launch is laid out: warps per block, chunks per warp (sets the splits; 0: as many
+    splits as fill the GPU, :func:`fill_splits`), chunks whose loads run ahead of the arithmetic
+    (v3's PF, 0 or 1) and the blocks per SM that __launch_bounds__ asks the compiler to fit (0: no
+    bounds)."""
 
     warps: int
     per_warp: int
@@ -921,36 +961,94 @@ class Shape(typing.NamedTuple):
 def default_shape(bits, version=None):
     """The launch shape of a kernel version at a bit width. v2, from the H200 op benchmark at 32k
     (docs/results/2026-12-01-h200-kivi2): 4 x 2 at 2 bits (its registers let one 8-warp block fit an
-    SM), 8 x 4 at 4 bits. v3, the fastest of seven shapes at 32k on the H200
-    (docs/results/2026-12-01-h200-kivi4): 8 x 4 with the loads not ahead at 4 bits (128 registers,
-    16 warps per SM), 4 x 4 with the loads one chunk ahead at 2 bits; 8 bits untimed, as 4."""
+    SM), 8 x 4 at 4 bits. v3, the fastest in the chained (model-order) latency benchmark at
+    4k-64k on the H200 (docs/results/2026-12-02-h200-kivi6): 8 warps with splits that fill the GPU
+    (one wave of 2 blocks per SM) and the loads not ahead at 4 bits, 4 warps filling it (3 blocks
+    per SM) with the loads one chunk ahead at 2 bits; 8 bits untimed, as 4 (the same registers)."""
     if (version or VERSION) == "v3":
         return V3_SHAPES.get(bits, V3_SHAPES[4])
     return Shape(4, 2) if bits == 2 else Shape(8, 4)
 
 
 def parse_shape(text):
-    """"8x2" or "8x2:pf1:mb2" (warps x chunks per warp, loads ahead, launch-bounds blocks) -> Shape."""
+    """"8x2", "8xf" or "8x2:pf1:mb2" (warps x chunks per warp or f: fill the GPU, loads ahead,
+    launch-bounds blocks) -> Shape."""
     head, *rest = text.split(":")
     try:
-        w, per = (int(x) for x in head.split("x"))
+        w, per = head.split("x")
+        w, per = int(w), 0 if per == "f" else int(per)
         opts = {x[:2]: int(x[2:]) for x in rest}
     except ValueError:
-        raise ValueError(f"launch shape {text!r}: expected WARPSxCHUNKS[:pfN][:mbN]") from None
-    if set(opts) - {"pf", "mb"} or opts.get("pf", 0) not in (0, 1) or not 1 <= w <= 32 or per < 1:
-        raise ValueError(f"launch shape {text!r}: expected WARPSxCHUNKS[:pfN][:mbN], pf 0 or 1")
+        raise ValueError(f"launch shape {text!r}: expected WARPSx(CHUNKS|f)[:pfN][:mbN]") from None
+    if set(opts) - {"pf", "mb"} or opts.get("pf", 0) not in (0, 1) or not 1 <= w <= 32 or per < 0:
+        raise ValueError(f"launch shape {text!r}: expected WARPSx(CHUNKS|f)[:pfN][:mbN], pf 0 or 1")
     return Shape(w, per, opts.get("pf", 0), opts.get("mb", 0))
 
 
+def shape_text(shape):
+    """The inverse of :func:`parse_shape`."""
+    return f"{shape.warps}x{shape.per_warp or 'f'}:pf{shape.ahead}:mb{shape.minblocks}"
+
+
 # v3's launch per bit width; VQPIPE_KIVI_V3_SHAPE<bits> (e.g. "8x2:pf1") replaces one, for the benchmark
-V3_SHAPES = {2: Shape(4, 4, 1, 0), 4: Shape(8, 4, 0, 0), 8: Shape(8, 4, 0, 0)}
+# (the fourth window's throughput picks, 8x4 at 4 bits and 4x4:pf1 at 2, were 0.5-18 % slower chained)
+V3_SHAPES = {2: Shape(4, 0, 1, 0), 4: Shape(8, 0, 0, 0), 8: Shape(8, 0, 0, 0)}
 V3_SHAPES.update({b: parse_shape(os.environ[f"VQPIPE_KIVI_V3_SHAPE{b}"])
                   for b in (2, 4, 8) if f"VQPIPE_KIVI_V3_SHAPE{b}" in os.environ})
 
 
-def default_splits(chunks, warps=WARPS, per_warp=None):
-    """Splits per KV head: about ``per_warp`` chunks (default CHUNKS_PER_WARP) per warp, at most NSMAX."""
+def default_splits(chunks, warps=WARPS, per_warp=None, heads=None, per_sm=None):
+    """Splits per KV head: about ``per_warp`` chunks (default CHUNKS_PER_WARP) per warp, at most
+    NSMAX; ``per_warp`` 0: :func:`fill_splits` over ``heads`` (B * KV heads) blocks per split and
+    ``per_sm`` resident blocks per SM (default: as 128 registers per thread allow)."""
+    if per_warp == 0:
+        if heads is None:
+            raise ValueError("splits that fill the GPU need the number of KV heads")
+        return fill_splits(chunks, warps, heads, per_sm or max(1, 16 // warps))
     return max(1, min(NSMAX, -(-chunks // ((per_warp or CHUNKS_PER_WARP) * warps))))
+
+
+# Registers per thread of v3 by (bits, loads ahead) at the 8B geometry (fp16, D 128, 4 query heads
+# per KV head; nvcc 13.0 ptxas for sm_90, scripts/kivi_ptxas.py; 128 at 4 bits is what Nsight
+# Compute saw on the H200). 2 bits needs more than 4: a lane accumulates 16 channels per word, not 8.
+V3_REGISTERS = {(4, 0): 128, (4, 1): 167, (2, 0): 157, (2, 1): 167, (8, 0): 128, (8, 1): 250}
+
+
+def resident_blocks(bits, shape):
+    """Blocks of ``shape`` one SM holds at once, from the registers (65536 per SM, allocated 256 per
+    warp at a time); launch bounds set it. Other geometries are assumed to fit as the 8B one."""
+    if shape.minblocks:
+        return shape.minblocks
+    per_warp = -(-V3_REGISTERS.get((bits, shape.ahead), 128) * 32 // 256) * 256
+    return max(1, 65536 // (per_warp * shape.warps))
+
+
+@functools.lru_cache(maxsize=1)
+def multiprocessors():
+    """SMs of CUDA device 0 (the driver's attribute 16), VQPIPE_KIVI_SMS if set; 132 (an H200)
+    where neither answers, e.g. on Metal or without the driver library."""
+    if os.environ.get("VQPIPE_KIVI_SMS"):
+        return int(os.environ["VQPIPE_KIVI_SMS"])
+    try:
+        import ctypes
+
+        cu = ctypes.CDLL("libcuda.so.1")
+        dev, sms = ctypes.c_int(), ctypes.c_int()
+        if cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0 and \
+                cu.cuDeviceGetAttribute(ctypes.byref(sms), 16, dev) == 0 and sms.value > 0:
+            return sms.value
+    except OSError:
+        pass
+    return 132
+
+
+def fill_splits(chunks, warps, heads, per_sm):
+    """Splits per KV head for latency: one wave of resident blocks over the whole GPU
+    (SMs x ``per_sm`` / heads), each warp keeping at least one chunk. A decode step's layers run
+    one after another, so a layer's time is its longest block: the fifth H200 window found the
+    throughput-picked shape launching 64 blocks for 132 SMs at 8k (docs/kivi.md)."""
+    want = -(-multiprocessors() * per_sm // heads)
+    return max(1, min(NSMAX, want, -(-chunks // warps)))
 
 
 def _slots(ns):
@@ -982,7 +1080,7 @@ def _launch_spec(queries, rk, bits, g, scale, chunks, splits, warps, meta, versi
     chunk total (every 32 tokens) or the call's settings; :func:`launch_args` keeps the last one."""
     b, h, _, d = rk.shape
     shape = launch_shape(bits, version, warps, ahead, minblocks)
-    ns = splits or default_splits(chunks, shape.warps, shape.per_warp)
+    ns = splits or default_splits(chunks, shape.warps, shape.per_warp, b * h, resident_blocks(bits, shape))
     if not 1 <= ns <= NSMAX:
         raise ValueError(f"splits must be in 1..{NSMAX}, got {ns}")
     template = [("T", rk.dtype), ("BITS", bits), ("G", g), ("D", d), ("R", queries.shape[1] // h), ("NW", shape.warps)]
@@ -1025,7 +1123,11 @@ def launch_args(queries, cache, scale, splits=None, warps=None, meta=None, versi
     have = None if cache.scratch is None else cache.scratch[0].shape
     if have is None or have[0] != b * h or have[2] != r * (d + 2) or have[1] < ns:
         cache.scratch = (mx.zeros((b * h, _slots(ns), r * (d + 2)), mx.float32), mx.zeros((b * h,), mx.uint32))
-    if meta == "small":
+    if cache.step_counts is not None:  # a compiled step's view: the counts are one of its inputs
+        if meta != "small":
+            raise ValueError("a compiled KIVI step passes its counts as the 8-byte pair (meta 'small')")
+        counts = cache.step_counts
+    elif meta == "small":
         counts = mx.array([cache.quantized, nres], mx.float32)
     else:
         counts = mx.array([scale, cache.quantized, nres], mx.float32)
@@ -1040,7 +1142,7 @@ def decode_attention(queries, cache, scale, splits=None, warps=None, version=Non
     (:class:`Shape`; defaults :func:`default_shape`) change only the order of float32 sums;
     ``version`` picks the kernel (:data:`VERSIONS`), ``meta`` how scale and counts reach it
     (:data:`META_MODES`)."""
-    if cache.offset >= 2**24:
+    if isinstance(cache.offset, int) and cache.offset >= 2**24:  # (a compiled step checks its own)
         raise ValueError("decode attention passes token counts as float32: at most 2**24 tokens")
     version = version or VERSION
     inputs, spec, shape = launch_args(queries, cache, scale, splits, warps, meta, version, ahead, minblocks)

@@ -36,6 +36,9 @@ class PackedKIVICache(_BaseCache):
     scratch = None
     last_out = None
     launch_memo = None
+    # The decode launch's counts (quantized, residual) as a float32 [2] array when the cache is a
+    # compiled step's view of itself (vqpipe/kivi/compiled.py); None: made per launch from the ints.
+    step_counts = None
     nres = 0
     offset = 0
     quantized = 0
@@ -97,6 +100,10 @@ class PackedKIVICache(_BaseCache):
         if self._rk is None:
             return None
         return self._rk[..., : self.nres, :], self._rv[..., : self.nres, :]
+
+    def residual_mask(self):
+        """Which of :meth:`residual`'s tokens count (a bool [1, n] array), or None: all of them."""
+        return None
 
     def residual_buffers(self):
         """(keys, values, n): the residual buffers whole and how many tokens they hold."""

@@ -125,8 +125,8 @@ def measure_op(s, args):
         arms[f"kivi{b}"], caches[f"kivi{b}"] = _kivi_arm(qs, kv[b], scale, n), kv[b]
     chunks = kv[args.bits[0]][0].quantized // 32 + -(-kv[args.bits[0]][0].nres // 32)
     for version, sh in args.variants:  # other kernels and launch shapes, at every bit width
-        ns = decode_kernel.default_splits(chunks, sh.warps, sh.per_warp)
         for b in args.bits:
+            ns = decode_kernel.default_splits(chunks, sh.warps, sh.per_warp, HK, decode_kernel.resident_blocks(b, sh))
             name = f"kivi{b}:{version}:w{sh.warps}c{sh.per_warp}" + (f"pf{sh.ahead}mb{sh.minblocks}" if version == "v3" else "")
             arms[name], caches[name] = _kivi_arm(qs, kv[b], scale, n, splits=ns, warps=sh.warps, version=version,
                                                  ahead=sh.ahead, minblocks=sh.minblocks), kv[b]
@@ -310,7 +310,30 @@ def _filled(model, kind, s, dtype):
     return caches
 
 
-def measure_decode(model, s, kinds, args, dtype):
+def _split_decoder(model, s, dtype, capacity):
+    """decode_step's split-mode compiled step (compiled blocks around MLX's fused SDPA) over a static
+    fp16 cache filled like :func:`_filled`: (decoder, [position, buffers])."""
+    from ..decode_step import Decoder
+
+    dec = Decoder(model, capacity, "split")
+    caches = dec.new_cache()
+    hk, d = model.args.num_key_value_heads, _head_dim(model.args)
+    for j, c in enumerate(caches):
+        for a in range(0, s, 4096):
+            n = min(4096, s - a)
+            kk, vk = mx.random.split(mx.random.key(j * 1000003 + a))
+            c.update_and_fetch(mx.random.normal((1, hk, n, d), key=kk).astype(dtype),
+                               mx.random.normal((1, hk, n, d), key=vk).astype(dtype))
+        mx.eval(c.keys, c.values)
+    dec.position = s
+    return dec, [mx.array(s, mx.int32), [(c.keys, c.values) for c in caches]]
+
+
+def _decode_arms(model, s, kinds, args, dtype):
+    """Per arm a function doing one greedy step: eager mlx-lm over each cache kind and, with
+    ``--compiled``, ``fp16+s`` (decode_step's split mode) and ``kivi<bits>+c`` (vqpipe.kivi.compiled)."""
+    from ..kivi.compiled import KIVIDecoder
+
     caches = {k: _filled(model, k, s, dtype) for k in kinds}
     tok = {k: mx.array([[1]]) for k in kinds}
 
@@ -323,14 +346,40 @@ def measure_decode(model, s, kinds, args, dtype):
         return fn
 
     arms = {k: step(k) for k in kinds}
+    if not args.compiled:
+        return arms, {}
+    dec, st = _split_decoder(model, s, dtype, s + 4 * (args.decode_steps + args.warmup) + 64)
+    box = {"fp16+s": mx.array([[1]], mx.int32)}
+
+    def split_step(i):
+        box["fp16+s"], st[0], st[1], _ = dec.step(box["fp16+s"], st[0], st[1])
+        return box["fp16+s"]
+
+    arms["fp16+s"] = split_step
+    decoders = {}
+    for k in kinds[1:]:
+        decoders[k] = KIVIDecoder(model, _filled(model, k, s, dtype))
+        box[k + "+c"] = mx.array([[1]])
+
+        def kivi_step(i, k=k):
+            box[k + "+c"] = decoders[k].greedy(box[k + "+c"])
+            return box[k + "+c"]
+
+        arms[k + "+c"] = kivi_step
+    return arms, decoders
+
+
+def measure_decode(model, s, kinds, args, dtype):
+    arms, decoders = _decode_arms(model, s, kinds, args, dtype)
     times = harness.run_interleaved(harness.with_aa(arms, "fp16"), 1, args.decode_steps, args.warmup)
     floor = harness.aa_floor(times, "fp16")
-    row = {"S": s, "noise_floor": floor, "arms": {}}
-    for k in kinds:
+    row = {"S": s, "noise_floor": floor, "arms": {},
+           "compiled_steps": {k: {"traces": d.traces, "compiled": d.compiled_steps, "eager": d.eager_steps} for k, d in decoders.items()}}
+    for k in arms:
         st = _stats(times[k])
         row["arms"][k] = {**st, "tok_per_s_median": 1 / st["median"], "tok_per_s_mean": len(times[k]) / sum(times[k]),
                           "vs_fp16": harness.compare(times["fp16"], times[k], floor)["speedup"]}
-    del caches
+    del arms, decoders
     mx.clear_cache()
     return row
 
@@ -378,7 +427,7 @@ def run_decode(args, op_rows, out, save=lambda: None):
                 print(f"decode {model_name}/{weights} S={s}: " + "; ".join(
                     f"{k} {row['arms'][k]['tok_per_s_median']:.1f} tok/s ({row['arms'][k]['vs_fp16']:.2f}x"
                     + (f", Amdahl {row['amdahl'][k]:.2f}x" if "amdahl" in row and k in row["amdahl"] else "") + ")"
-                    for k in kinds) + f"; floor {row['noise_floor']:.1%}", flush=True)
+                    for k in row["arms"]) + f"; floor {row['noise_floor']:.1%}", flush=True)
             del model
             mx.clear_cache()
 
@@ -438,6 +487,8 @@ def parse_args(argv):
     p.add_argument("--weights", nargs="+", default=["full"], choices=("full", "affine4"))
     p.add_argument("--contexts", type=_ints, default=[8192, 32768, 65536])
     p.add_argument("--decode-steps", type=int, default=24)
+    p.add_argument("--compiled", action="store_true", help="decode: also fp16 through decode_step's split mode (fp16+s) "
+                   "and each KIVI width through vqpipe.kivi.compiled (kivi<bits>+c)")
     p.add_argument("--work", default="/tmp/vqpipe-kivi-attn", help="where synthetic models are built")
     p.add_argument("--quick", action="store_true", help="a small CPU run of every part")
     args = p.parse_args(argv)
