@@ -20,7 +20,7 @@ for m in ${MS:-1 4 8}; do for s in $SHAPES; do ALL="$ALL $s:4:$m"; done; done
 if want time; then
   echo "== GPU time $(since)"
   timeout "${TIME_LIMIT:-300}" $PY -m vqpipe.bench.qmv_gpu_time --out "$OUT/gpu-time.json" \
-    --variants ${VARIANTS:-qmv:auto:0 qmv_tc qmv_tc:0:0:3 qmv_tc:264} --cases ${CASES:-$ALL} ${TIME_ARGS:-} 2>&1 | tee "$OUT/gpu-time.log"
+    --variants ${VARIANTS:-qmv:auto:0 qmv_tc:0:0:0:1 qmv_tc:0:0:0:2 qmv_tc:0:0:3:2 qmv_tc:396:0:0:1} --cases ${CASES:-$ALL} ${TIME_ARGS:-} 2>&1 | tee "$OUT/gpu-time.log"
 fi
 
 if want profile; then
@@ -32,7 +32,7 @@ if want profile; then
       --section WarpStateStats --section InstructionStats --section Occupancy --section LaunchStats \
       --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed.sum,l1tex__data_pipe_lsu_wavefronts.sum \
       -f -o "$OUT/profile" $PY -m vqpipe.bench.qmv_gpu_time --check-only --inputs 1 --max-pool 2 \
-      --out "$OUT/profile-check.json" --variants ${PROFILE_VARIANTS:-qmv:auto:0 qmv_tc} \
+      --out "$OUT/profile-check.json" --variants ${PROFILE_VARIANTS:-qmv_tc:0:0:0:1 qmv_tc:0:0:0:2} \
       --cases ${PROFILE_CASES:-l3-gateup:4:1 l3-lm_head:4:1 l3-gateup:4:8} 2>&1 | tail -n 20
     "$NCU" --import "$OUT/profile.ncu-rep" --page details > "$OUT/profile-details.txt" 2>&1
     "$NCU" --import "$OUT/profile.ncu-rep" --page raw --csv > "$OUT/profile-raw.csv" 2>&1
@@ -44,7 +44,12 @@ fi
 
 if want tests; then
   echo "== GPU tests $(since)"
-  timeout "${TEST_LIMIT:-200}" $PY -m pytest -q -p no:cacheprovider -m gpu -n 8 --dist load ${TESTS:-tests/test_qmv_tc.py} \
-    2>&1 | tail -n 25 | tee "$OUT/gpu-tests.log"
+  timeout "${TEST_LIMIT:-200}" $PY -m pytest -q -p no:cacheprovider -m gpu -n 8 --dist load \
+    ${TESTS:-tests/test_qmv_tc.py tests/test_qmv.py tests/test_fused.py} 2>&1 | tail -n 25 | tee "$OUT/gpu-tests.log"
+  # the layers' GPU tests again with revision 8 taking every call it can (bf16, 4 bits)
+  echo "== GPU tests, VQPIPE_QMV_TC=1 $(since)"
+  VQPIPE_QMV_TC=1 timeout "${TEST_LIMIT:-200}" $PY -m pytest -q -p no:cacheprovider -m gpu -n 8 --dist load \
+    ${TC_TESTS:-tests/test_fused.py tests/test_qmv.py -k "generation or layer or embedding or fused or bias"} 2>&1 | tail -n 25 \
+    | tee "$OUT/gpu-tests-tc1.log"
 fi
 echo "== done $(since)"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from vqpipe import qmv, qmv_tc
-from vqpipe.bitpack import pack
+from vqpipe.bitpack import pack, unpack
 
 
 def _codes(rng, n, k):
@@ -85,10 +85,11 @@ def _d_pos(lane, i):
     return g + 8 * (i // 2), 2 * t + i % 2  # (row, column)
 
 
-def _off(w, byte, lc):
-    """qtc_off<B>: the kernel's byte offset into the 16-copy table (one shift, one and-or)."""
-    w = int(w)
-    return ((w << 7 if byte == 0 else w >> (8 * byte - 7)) & 0x7F80) | lc
+def _entry(w, byte, lane):
+    """qtc_pair<B>: the table slot the kernel reads (byte extract, * 128 + the lane's copy * 8) as
+    (entry, copy)."""
+    addr = (((int(w) >> (8 * byte)) & 0xFF) << 7) + ((lane & 15) << 3)
+    return addr >> 7, (addr >> 3) & 15
 
 
 def _halves(word):
@@ -96,48 +97,51 @@ def _halves(word):
 
 
 def emulate(x_bits, repacked, n_out, scales, codebook, group_size=None):
-    """The kernel's arithmetic in float64 (products and sums exact here), indices as the kernel's."""
+    """The kernel's arithmetic in float64 (products and sums exact here), indices as the kernel's: per
+    tile and row half h one mma whose A rows 0-7 hold hi and rows 8-15 lo of rows 8h .. 8h + 7."""
     hi, lo = qmv_tc.pair_table(codebook)
     m, k = x_bits.shape
     nc, nb = k // 128, -(-n_out // 16)
     words = repacked.reshape(nb, nc, 2, 32, 4)
     y = np.zeros((m, nb * 16))
     for rb in range(nb):
-        acc = np.zeros((16, 8))
+        acc = np.zeros((2, 16, 8))
         for c in range(nc):
             for p in range(4):
                 for s in range(2):
-                    a_mat, b_mat = {}, np.zeros((16, 8))
-                    for part, tab in (("hi", hi), ("lo", lo)):
+                    b_mat = np.zeros((16, 8))
+                    for lane in range(32):
+                        g, t = divmod(lane, 4)
+                        if g < m:  # b: the 16 bytes at x + g * K + c * 128 + 32p + 8t
+                            xw = x_bits[g, c * 128 + 32 * p + 8 * t:][:8]
+                            for j in range(2):
+                                for h in range(2):
+                                    b_mat[_b_pos(lane, j, h)] = float(qmv_tc._bf16_value(xw[4 * s + 2 * j + h]))
+                    for h in range(2):
                         a = np.zeros((16, 16))
                         for lane in range(32):
-                            g, t, lc = lane // 4, lane % 4, (lane % 16) << 3
-                            wa, wb = words[rb, c, 0, lane, p], words[rb, c, 1, lane, p]
+                            w = words[rb, c, h, lane, p]
                             regs = []
-                            for wd, byte in ((wa, 2 * s), (wb, 2 * s), (wa, 2 * s + 1), (wb, 2 * s + 1)):
-                                off = _off(wd, byte, lc)
-                                assert (off >> 3) & 15 == lane % 16  # the lane's own copy: no bank conflicts
-                                regs.append(tab[off >> 7])
+                            for byte in (2 * s, 2 * s + 1):
+                                e, copy = _entry(w, byte, lane)
+                                assert copy == lane % 16  # the lane's own copy: no bank conflicts
+                                regs += [hi[e], lo[e]]
                             for j in range(4):
-                                for h, v in enumerate(_halves(regs[j])):
-                                    a[_a_pos(lane, j, h)] = v
-                            if part == "hi" and g < m:  # b: the 16 bytes at x + g * K + c * 128 + 32p + 8t
-                                xw = x_bits[g, c * 128 + 32 * p + 8 * t:][:8]
-                                for j in range(2):
-                                    for h in range(2):
-                                        b_mat[_b_pos(lane, j, h)] = float(qmv_tc._bf16_value(xw[4 * s + 2 * j + h]))
-                        a_mat[part] = a
-                    part_sum = a_mat["hi"] @ b_mat + a_mat["lo"] @ b_mat
-                    if group_size:
-                        grp = (c * 128 + 32 * p) // group_size
-                        rows = np.minimum(np.arange(16) + 16 * rb, n_out - 1)
-                        part_sum = part_sum * scales[rows, grp][:, None]
-                    acc += part_sum
+                                for half, v in enumerate(_halves(regs[j])):
+                                    a[_a_pos(lane, j, half)] = v
+                        d = a @ b_mat
+                        if group_size:
+                            grp = (c * 128 + 32 * p) // group_size
+                            row = np.minimum(np.arange(8) + 16 * rb + 8 * h, n_out - 1)
+                            d = d * np.tile(scales[row, grp], 2)[:, None]
+                        acc[h] += d
         for lane in range(32):
             for i in range(4):
-                row, col = _d_pos(lane, i)
+                h, e = divmod(i, 2)
+                g, t = divmod(lane, 4)
+                (r_hi, col), (r_lo, _) = _d_pos(lane, e), _d_pos(lane, e + 2)
                 if col < m:
-                    y[col, 16 * rb + row] = acc[row, col]
+                    y[col, 16 * rb + 8 * h + g] = acc[h][r_hi, col] + acc[h][r_lo, col]
     y = y[:, :n_out]
     return y if group_size else y * scales[None, :]
 
@@ -257,3 +261,64 @@ def test_gpu_deterministic():
     args = (rp, 4096, mx.array(rng.uniform(0.5, 1.5, 4096).astype(np.float32)), mx.array(rng.standard_normal(16).astype(np.float32)))
     a, b = qmv_tc.launch(x, *args), qmv_tc.launch(x, *args)
     assert np.array_equal(np.array(a.view(mx.uint16)), np.array(b.view(mx.uint16)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu(), reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("m", [1, 4])
+def test_gpu_layer_takes_the_tensor_core_kernel(m, monkeypatch):
+    import mlx.nn as nn
+
+    from vqpipe.qlinear import QuantizedLinear
+
+    lin = nn.Linear(512, 640, bias=True)
+    layer = QuantizedLinear.from_linear(lin, 4, "auto", seed=3)
+    x = mx.random.normal((1, m, 512), key=mx.random.key(4)).astype(mx.bfloat16)
+    calls = []
+    real = qmv_tc.launch
+    monkeypatch.setattr(qmv_tc, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with qmv_tc.mode("1"):
+        on = layer(x)
+    with qmv_tc.mode("0"):
+        off = layer(x)  # revision 6
+    assert calls and "_qmv_tc_packed" in layer.__dict__ and "_qmv_tc_packed" not in layer.parameters()
+    xr = np.array(layer.rotation.apply(x).astype(mx.float32)).reshape(m, 512).astype(np.float64)
+    w = np.array(layer.codebook).astype(np.float64)[np.array(unpack(layer.packed, 4, 512))]
+    s = np.array(layer.scales).astype(np.float64)
+    ref, bound = tc_bound(xr, w, s, 512)
+    bias = np.array(layer.bias.astype(mx.float32)).astype(np.float64)
+    got = np.array(on.astype(mx.float32)).reshape(m, 640).astype(np.float64)
+    assert np.all(np.abs(got - ref - bias) <= bound + 2.0**-7 * np.abs(bias))
+    assert float(mx.max(mx.abs(on.astype(mx.float32) - off.astype(mx.float32)))) < 0.02 * float(mx.max(mx.abs(off)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu(), reason="needs MLX's CUDA backend")
+def test_gpu_generation_tensor_core_against_revision_6(tmp_path_factory, monkeypatch):
+    from mlx_lm import load
+
+    from test_qmv import _decode
+    from vqpipe.quantize import quantize_model
+    from vqpipe.stages.download import fetch
+
+    path = fetch("synth:tiny", tmp_path_factory.mktemp("qmvtc") / "tiny", seed=0)
+    model, tok = load(str(path))
+    quantize_model(model, 4, embeddings=False, dtype=mx.bfloat16)  # bf16 activations into every linear
+    calls = []
+    real = qmv_tc.launch
+    monkeypatch.setattr(qmv_tc, "launch", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    prompt = tok.encode("The rotation spreads the outliers over every coordinate, and the codebook")
+    with qmv_tc.mode("1"):
+        on = _decode(model, prompt, 8, True)
+    assert calls and all(s[:-1] == (1, 1) for s in calls)  # decode steps (fused groups included), not prefill
+    with qmv_tc.mode("0"):
+        off = _decode(model, prompt, 8, True)
+    same = 0
+    while same < 8 and on[0][:same] == off[0][:same]:
+        p_off = np.exp(off[1][same])
+        assert float(np.sum(p_off * (off[1][same] - on[1][same]))) < 2e-2
+        same += 1
+    if on[0] != off[0]:  # only where the two best logits are within what the kernels can disagree by
+        i = next(j for j in range(8) if on[0][j] != off[0][j])
+        top2 = np.sort(off[1][i])[-2:]
+        assert top2[1] - top2[0] <= 2 * np.abs(on[1][i] - off[1][i]).max()

@@ -28,6 +28,7 @@ the table fill is paid a few times per SM. Only 4 bits, bfloat16 x, in_features 
 other cases stay on revision 6, vqpipe/qmv.py).
 """
 
+import contextlib
 import functools
 import hashlib
 import math
@@ -46,7 +47,14 @@ NCOPIES = 16
 TARGET_WARPS = int(os.environ.get("VQPIPE_QMV_TC_WARPS", "4096"))  # split K while fewer warps than this
 MAX_BLOCKS = int(os.environ.get("VQPIPE_QMV_TC_BLOCKS", "528"))  # 4 threadgroups per H200 SM
 MIN_BLOCKS = int(os.environ.get("VQPIPE_QMV_TC_MINB", "0"))  # __launch_bounds__ min blocks (0: none)
+PREFETCH = int(os.environ.get("VQPIPE_QMV_TC_PF", "2"))  # items (row block, chunk) of codes in flight per warp
 GROUP_SIZES = (32, 64, 128, 256)
+# "1": every call the kernel takes (4 bits, bf16 x, in_features % 128 == 0, M <= 8); "0": never (revision 6);
+# "auto": where it measured faster than revision 6 on the H200 (:func:`auto_rule`, docs/qmv.md "Revision 8")
+MODES = ("0", "1", "auto")
+_mode = os.environ.get("VQPIPE_QMV_TC", "0")
+if _mode not in MODES:
+    raise ValueError(f"VQPIPE_QMV_TC must be one of {MODES}, got {_mode!r}")
 INPUT_NAMES = ["x", "packed", "scales", "codebook", "bias", "seg"]
 
 _HEADER = r"""
@@ -57,11 +65,15 @@ __device__ __forceinline__ void qtc_mma(float* d, unsigned int a0, unsigned int 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ unsigned int qtc_bits(__nv_bfloat16 v) { return (unsigned int)__bfloat16_as_ushort(v); }
-// Byte offset of byte B of packed word w in the pair table: entry (w >> 8B) & 255, 128 bytes per
-// entry (16 copies of 8 bytes); one shift and one and-or with the lane's copy offset lc
+// The (hi, lo) pair entry for byte B of packed word w: entry (w >> 8B) & 255 at 128 bytes per entry (16
+// copies of 8 bytes) from tb, the 32-bit shared address of this lane's copy: a byte extract (prmt) and a
+// shift-add (lea), then one 8-byte shared load
 template <int B>
-__device__ __forceinline__ unsigned int qtc_off(unsigned int w, unsigned int lc) {
-    return ((B == 0 ? (w << 7) : (w >> (8 * B - 7))) & 0x7f80u) | lc;
+__device__ __forceinline__ uint2 qtc_pair(unsigned int w, unsigned int tb) {
+    uint2 e;
+    const unsigned int a = tb + (__byte_perm(w, 0u, 0x4440u | B) << 7);
+    asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(e.x), "=r"(e.y) : "r"(a));
+    return e;
 }
 // 8 bfloat16 activations (16 bytes) at p: one 16-byte load where x is 16-byte aligned
 __device__ __forceinline__ uint4 qtc_ldx(const __nv_bfloat16* p, bool aligned) {
@@ -94,8 +106,8 @@ _BODY = r"""
         tab_s[f] = make_uint2(qtc_bits(h0) | (qtc_bits(h1) << 16), qtc_bits(l0) | (qtc_bits(l1) << 16));
     }
     __syncthreads();
-    const unsigned int g = lane >> 2, t = lane & 3u, lc = (lane & 15u) << 3;
-    const char* tab = reinterpret_cast<const char*>(tab_s);
+    const unsigned int g = lane >> 2, t = lane & 3u;
+    const unsigned int tb = (unsigned int)__cvta_generic_to_shared(tab_s) + ((lane & 15u) << 3);  // this lane's copy
     const unsigned int c_beg = ks * NC / KS, ncl = (ks + 1u) * NC / KS - c_beg;
     const unsigned int step = gridDim.x * RW;
     // Every warp of a threadgroup runs the same number of row-block rounds (the block's first warp's), warps
@@ -105,17 +117,37 @@ _BODY = r"""
     const bool xal = (reinterpret_cast<size_t>(x) & 15u) == 0u;
     const __nv_bfloat16* xr = reinterpret_cast<const __nv_bfloat16*>(x) + (size_t)(xon ? g : 0u) * K + 8u * t;
     const uint4* pw = reinterpret_cast<const uint4*>(packed) + lane;  // block (rb, c): 64 uint4 at (rb * NC + c) * 64
-    unsigned int rb = blockIdx.x * RW + rw, c = 0u;
-    uint4 n0 = make_uint4(0u, 0u, 0u, 0u), n1 = n0;
-    if (rb < NB) { const uint4* p = pw + (size_t)(rb * NC + c_beg) * 64u; n0 = p[0]; n1 = p[32]; }
-    float ah[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}}, al[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    float tot[4] = {0.f, 0.f, 0.f, 0.f};
+    // Codes of the next PF items (row block, chunk) in registers: item i + PF is requested while item i
+    // is computed, across row-block boundaries
+    unsigned int rb = blockIdx.x * RW + rw, c = 0u, frb = rb, fc = 0u;
+    uint4 q0[PF], q1[PF];
+    #pragma unroll
+    for (int j = 0; j < PF; ++j) {
+        q0[j] = make_uint4(0u, 0u, 0u, 0u); q1[j] = q0[j];
+        if (frb < NB) { const uint4* p = pw + (size_t)(frb * NC + c_beg + fc) * 64u; q0[j] = p[0]; q1[j] = p[32]; }
+        if (++fc == ncl) { fc = 0u; frb += step; }
+    }
+    // acc[h][s]: rows 8h .. 8h + 7 of the block, tile parity s; the mma's rows 0-7 take hi, 8-15 lo
+    float acc[2][2][4] = {{{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}}, {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}}};
+    float tot[4] = {0.f, 0.f, 0.f, 0.f};                // rows g, g + 8 x activation rows 2t, 2t + 1
+    // tot += group scale * (hi + lo sums) of rows g (h = 0) and g + 8 (h = 1), then a fresh group
+    auto flush = [&](unsigned int grp, unsigned int r0, unsigned int r1) {
+        const float s0 = static_cast<float>(scales[r0 * NG + grp]), s1 = static_cast<float>(scales[r1 * NG + grp]);
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int h = i >> 1, e = i & 1;
+            tot[i] += (h ? s1 : s0) * ((acc[h][0][e] + acc[h][1][e]) + (acc[h][0][e + 2] + acc[h][1][e + 2]));
+        }
+        #pragma unroll
+        for (int i = 0; i < 16; ++i) { (&acc[0][0][0])[i] = 0.f; }
+    };
     while (rb < lim) {
-        const uint4 w0 = n0, w1 = n1;                   // rows g and g + 8: one word per tile pair
+        const uint4 w0 = q0[0], w1 = q1[0];             // rows g and g + 8: one word per tile pair
+        #pragma unroll
+        for (int j = 0; j + 1 < PF; ++j) { q0[j] = q0[j + 1]; q1[j] = q1[j + 1]; }
+        if (frb < NB) { const uint4* p = pw + (size_t)(frb * NC + c_beg + fc) * 64u; q0[PF - 1] = p[0]; q1[PF - 1] = p[32]; }
+        if (++fc == ncl) { fc = 0u; frb += step; }
         const unsigned int cc = c_beg + c;
-        unsigned int nrb = rb, nc = c + 1u;
-        if (nc == ncl) { nc = 0u; nrb += step; }
-        if (nrb < NB) { const uint4* p = pw + (size_t)(nrb * NC + c_beg + nc) * 64u; n0 = p[0]; n1 = p[32]; }
         uint4 xv[4];                                    // (past NB: stale codes, nothing is stored)
         #pragma unroll
         for (int p = 0; p < 4; ++p) {
@@ -124,34 +156,29 @@ _BODY = r"""
         const unsigned int o0 = rb * 16u + g, o0c = o0 < OUT ? o0 : OUT - 1u, o1c = o0 + 8u < OUT ? o0 + 8u : OUT - 1u;
         #pragma unroll
         for (int p = 0; p < 4; ++p) {
-            const unsigned int a = (&w0.x)[p], b = (&w1.x)[p];
             const unsigned int* xb = &xv[p].x;
             #pragma unroll
-            for (int s = 0; s < 2; ++s) {
-                const uint2 e0 = *reinterpret_cast<const uint2*>(tab + (s ? qtc_off<2>(a, lc) : qtc_off<0>(a, lc)));
-                const uint2 e1 = *reinterpret_cast<const uint2*>(tab + (s ? qtc_off<2>(b, lc) : qtc_off<0>(b, lc)));
-                const uint2 e2 = *reinterpret_cast<const uint2*>(tab + (s ? qtc_off<3>(a, lc) : qtc_off<1>(a, lc)));
-                const uint2 e3 = *reinterpret_cast<const uint2*>(tab + (s ? qtc_off<3>(b, lc) : qtc_off<1>(b, lc)));
-                qtc_mma(ah[s], e0.x, e1.x, e2.x, e3.x, xb[2 * s], xb[2 * s + 1]);
-                qtc_mma(al[s], e0.y, e1.y, e2.y, e3.y, xb[2 * s], xb[2 * s + 1]);
-            }
-            if (GS > 0 && ((cc * 4u + p + 1u) % GP) == 0u) {  // a scale group ends here
-                const unsigned int grp = (cc * 4u + p) / GP;
-                const float s0 = static_cast<float>(scales[o0c * NG + grp]), s1 = static_cast<float>(scales[o1c * NG + grp]);
+            for (int h = 0; h < 2; ++h) {
+                const unsigned int w = h ? (&w1.x)[p] : (&w0.x)[p];
                 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    tot[i] += (i < 2 ? s0 : s1) * ((ah[0][i] + ah[1][i]) + (al[0][i] + al[1][i]));
-                    ah[0][i] = ah[1][i] = al[0][i] = al[1][i] = 0.f;
+                for (int s = 0; s < 2; ++s) {               // one 8-byte lookup = (a0 hi, a1 lo), one = (a2 hi, a3 lo)
+                    const uint2 e0 = s ? qtc_pair<2>(w, tb) : qtc_pair<0>(w, tb);
+                    const uint2 e1 = s ? qtc_pair<3>(w, tb) : qtc_pair<1>(w, tb);
+                    qtc_mma(acc[h][s], e0.x, e0.y, e1.x, e1.y, xb[2 * s], xb[2 * s + 1]);
                 }
             }
+            if (GS > 0 && ((cc * 4u + p + 1u) % GP) == 0u) { flush((cc * 4u + p) / GP, o0c, o1c); }  // a group ends
         }
         if (c + 1u == ncl) {                            // this warp's share of row block rb is done
-            if (GS == 0) {
+            if (GS > 0 && ((cc * 4u + 4u) % GP) != 0u) { flush((cc * 4u + 3u) / GP, o0c, o1c); }  // split between warps
+            if (GS == 0) {                              // hi sums (D rows 0-7) + lo sums (rows 8-15)
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    tot[i] = (ah[0][i] + ah[1][i]) + (al[0][i] + al[1][i]);
-                    ah[0][i] = ah[1][i] = al[0][i] = al[1][i] = 0.f;
+                    const int h = i >> 1, e = i & 1;
+                    tot[i] = (acc[h][0][e] + acc[h][1][e]) + (acc[h][0][e + 2] + acc[h][1][e + 2]);
                 }
+                #pragma unroll
+                for (int i = 0; i < 16; ++i) { (&acc[0][0][0])[i] = 0.f; }
             }
             if (KS > 1u) {                              // partials added in warp order
                 float* mine = red_s + ((rw * KS + ks) * 32u + lane) * 4u;
@@ -178,7 +205,7 @@ _BODY = r"""
             #pragma unroll
             for (int i = 0; i < 4; ++i) { tot[i] = 0.f; }
         }
-        rb = nrb; c = nc;
+        if (++c == ncl) { c = 0u; rb += step; }
     }
 """
 
@@ -233,6 +260,40 @@ def supports(bits, in_features, dtype, m):
     return bits == BITS and dtype == mx.bfloat16 and in_features % CHUNK == 0 and 1 <= m <= qmv.MAX_M
 
 
+def auto_rule(m, out_features, in_features):
+    """Where the tensor-core kernel beat revision 6 (GPU time on the H200, docs/qmv.md "Revision 8")."""
+    return m >= 2 and out_features * in_features >= 4096 * 4096
+
+
+def wanted(x, bits, out_features):
+    """Whether qmv.launch takes this kernel for activation ``x`` (per call: kept cheap)."""
+    if _mode == "0" or bits != BITS or x.dtype != mx.bfloat16 or x.shape[-1] % CHUNK:
+        return False
+    m = math.prod(x.shape[:-1])
+    if not 1 <= m <= qmv.MAX_M:
+        return False
+    return _mode == "1" or auto_rule(m, out_features, x.shape[-1])
+
+
+def set_mode(mode):
+    """``"0"``, ``"1"`` or ``"auto"`` (also ``VQPIPE_QMV_TC`` at import). Returns the previous mode."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"qmv_tc: mode must be one of {MODES}, got {mode!r}")
+    previous, _mode = _mode, mode
+    return previous
+
+
+@contextlib.contextmanager
+def mode(value):
+    """``with qmv_tc.mode("1"): ...`` runs the block in that mode, then restores it."""
+    previous = set_mode(value)
+    try:
+        yield
+    finally:
+        set_mode(previous)
+
+
 def render(outputs=1, minblocks=None):
     """(name, header, body), minified; the name carries a digest (MLX caches kernels by name)."""
     minblocks = MIN_BLOCKS if minblocks is None else minblocks
@@ -257,7 +318,7 @@ def split_k(row_blocks, chunks, target=None):
 
 @functools.lru_cache(maxsize=256)
 def launch_spec(x_shape, out_features, scales_shape, bias_shape, dtype, bias_dtype=None, group_size=None,
-                scales_dtype=mx.float32, splits=None, max_blocks=None, target=None):
+                scales_dtype=mx.float32, splits=None, max_blocks=None, target=None, prefetch=None):
     """Template, grid, threadgroup and output shapes of one call (ValueError naming the problem)."""
     k, m = x_shape[-1], math.prod(x_shape[:-1])
     if not supports(BITS, k, dtype, m):
@@ -280,7 +341,7 @@ def launch_spec(x_shape, out_features, scales_shape, bias_shape, dtype, bias_dty
     lead = tuple(x_shape[:-1])
     return {
         "template": [("T", dtype), ("BT", dtype if bias_dtype is None else bias_dtype), ("ST", scales_dtype),
-                     ("GS", int(group_size or 0))],
+                     ("GS", int(group_size or 0)), ("PF", int(PREFETCH if prefetch is None else prefetch))],
         "grid": (32 * blocks, ks, rw),
         "threadgroup": (32, ks, rw),
         "output_shapes": [lead + (b - a,) for a, b in zip([0] + ends, ends)],

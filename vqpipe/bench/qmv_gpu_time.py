@@ -125,8 +125,9 @@ class Variant:
     def __init__(self, text, drv, cache):
         parts = text.split(":")
         self.tc = parts[0] == "qmv_tc"
-        if self.tc:  # qmv_tc[:BLOCKS[:TARGET_WARPS[:MINBLOCKS]]]: revision 8, the tensor-core kernel
-            blocks, target, minb = (parts[1:] + ["0", "0", "0"][len(parts) - 1:])[:3]
+        if self.tc:  # qmv_tc[:BLOCKS[:TARGET_WARPS[:MINBLOCKS[:PREFETCH]]]]: revision 8, the tensor-core kernel
+            blocks, target, minb, pf = (parts[1:] + ["0", "0", "0", "0"])[:4]
+            self.pf = int(pf) or None
             self.name, self.mod, self.drv, self.cache = text, importlib.import_module("vqpipe.qmv_tc"), drv, cache
             self.blocks, self.target, self.minb, self.ablations = int(blocks) or None, int(target) or None, int(minb), ()
             return
@@ -143,7 +144,7 @@ class Variant:
             if bits != 4:
                 raise ValueError("qmv_tc takes 4 bits only")
             return self.mod.launch_spec(tuple(x_shape), p_shape[0], tuple(s_shape), None, mx.bfloat16,
-                                        max_blocks=self.blocks, target=self.target)
+                                        max_blocks=self.blocks, target=self.target, prefetch=self.pf)
         kw = {"max_blocks": self.blocks}
         if self.stages is not None:
             kw["stages"] = self.stages
