@@ -2,8 +2,9 @@
 # qmv revision 8 (vqpipe/qmv_tc.py, the tensor-core mat-vec) on the H200: the GPU-time matrix against
 # revision 6 (vqpipe/bench/qmv_gpu_time.py: CUDA events outside MLX, copy and plain-read arms, a float64
 # check per variant), an Nsight Compute profile of one launch per case (bank conflicts, pipes), the GPU
-# tests (pytest -m gpu, 8 xdist workers). STEPS picks steps (default "time profile tests"); VARIANTS,
-# CASES, PROFILE_CASES, TESTS override. Results under $OUT. docs/qmv.md "Revision 8".
+# tests (pytest -m gpu, 8 xdist workers). STEPS picks steps (default "time profile tests"; "final": the
+# default configuration against revision 6 at M = 1, 2, 4, 8, then the ablations); VARIANTS, CASES,
+# PROFILE_CASES, TESTS override. Results under $OUT. docs/qmv.md "Revision 8".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu_qmv8}
@@ -21,6 +22,17 @@ if want time; then
   echo "== GPU time $(since)"
   timeout "${TIME_LIMIT:-300}" $PY -m vqpipe.bench.qmv_gpu_time --out "$OUT/gpu-time.json" \
     --variants ${VARIANTS:-qmv:auto:0 qmv_tc:0:0:0:1 qmv_tc:0:0:0:2 qmv_tc:0:0:3:2 qmv_tc:396:0:0:1} --cases ${CASES:-$ALL} ${TIME_ARGS:-} 2>&1 | tee "$OUT/gpu-time.log"
+fi
+
+if want final; then
+  echo "== GPU time, default configuration $(since)"
+  ALL=""; for m in 1 2 4 8; do for s in $SHAPES; do ALL="$ALL $s:4:$m"; done; done
+  timeout "${TIME_LIMIT:-120}" $PY -m vqpipe.bench.qmv_gpu_time --out "$OUT/gpu-time-final.json" \
+    --variants qmv:auto:0 qmv_tc --cases $ALL 2>&1 | tee "$OUT/gpu-time-final.log"
+  echo "== GPU time, ablations $(since)"
+  timeout "${ABL_LIMIT:-60}" $PY -m vqpipe.bench.qmv_gpu_time --out "$OUT/gpu-time-abl.json" \
+    --variants qmv_tc qmv_tc:0:0:0:0:tcnolut qmv_tc:0:0:0:0:tcnoload qmv_tc:0:0:0:0:tcnolut+tcnoload qmv_tc:264:0:0:2 \
+    --cases l3-gateup:4:1 l3-lm_head:4:1 qwen-lm_head:4:1 l3-gateup:4:8 l3-lm_head:4:8 2>&1 | tee "$OUT/gpu-time-abl.log"
 fi
 
 if want profile; then

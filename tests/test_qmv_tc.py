@@ -172,8 +172,10 @@ def test_emulated_kernel_equals_the_formula(m, group_size):
 def test_launch_spec_and_split():
     spec = qmv_tc.launch_spec((1, 1, 4096), 4096, (4096,), None, mx.bfloat16)
     assert spec["threadgroup"] == (32, 8, 1) and spec["grid"][1:] == (8, 1)  # 256 row blocks: split 8 ways
-    spec = qmv_tc.launch_spec((1, 4096), 128256, (128256,), None, mx.bfloat16)
-    assert spec["threadgroup"] == (32, 1, 8) and spec["grid"][0] == 32 * qmv_tc.MAX_BLOCKS
+    spec = qmv_tc.launch_spec((1, 4096), 128256, (128256,), None, mx.bfloat16)  # one warp per long row block
+    assert spec["threadgroup"] == (32, 1, 8) and spec["grid"][0] == 32 * 528 and ("PF", 2) in spec["template"]
+    spec = qmv_tc.launch_spec((1, 4096), 28672, (28672,), None, mx.bfloat16)  # split 4 ways: PF 1, 3 per SM
+    assert spec["threadgroup"] == (32, 4, 2) and spec["grid"][0] == 32 * 396 and ("PF", 1) in spec["template"]
     assert qmv_tc.split_k(256, 1) == 1  # never more warps than chunks
     with pytest.raises(ValueError, match="in_features % 128"):
         qmv_tc.launch_spec((1, 100), 16, (16,), None, mx.bfloat16)
@@ -183,6 +185,22 @@ def test_launch_spec_and_split():
         qmv_tc.launch_spec((1, 128), 16, (8,), None, mx.bfloat16)
     spec = qmv_tc.launch_spec((2, 256), 48, (48,), None, mx.bfloat16, splits=(16, 32))
     assert spec["output_shapes"] == [(2, 16), (2, 16), (2, 16)]
+
+
+def test_dispatch_modes_and_auto_rule():
+    x1, x4 = mx.zeros((1, 1, 4096), mx.bfloat16), mx.zeros((4, 4096), mx.bfloat16)
+    with qmv_tc.mode("0"):
+        assert not qmv_tc.wanted(x4, 4, 28672)
+    with qmv_tc.mode("1"):
+        assert qmv_tc.wanted(x1, 4, 64) and not qmv_tc.wanted(x1, 3, 64)
+        assert not qmv_tc.wanted(x1.astype(mx.float16), 4, 64) and not qmv_tc.wanted(mx.zeros((1, 100), mx.bfloat16), 4, 64)
+        assert not qmv_tc.wanted(mx.zeros((9, 4096), mx.bfloat16), 4, 64)  # prefill: the dense path
+    with qmv_tc.mode("auto"):
+        assert qmv_tc.wanted(x1, 4, 128256) and not qmv_tc.wanted(x1, 4, 28672)  # M = 1: the heads only
+        assert qmv_tc.wanted(x4, 4, 28672) and not qmv_tc.wanted(mx.zeros((4, 896), mx.bfloat16), 4, 1152)
+        assert qmv_tc.wanted(mx.zeros((8, 896), mx.bfloat16), 4, 1152)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        qmv_tc.set_mode("yes")
 
 
 def test_render_names_and_bounds():

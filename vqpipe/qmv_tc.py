@@ -45,9 +45,11 @@ ROWS = 16  # output rows per row block (the mma's M)
 WARPS = 8  # warps per threadgroup (256 threads share one pair table)
 NCOPIES = 16
 TARGET_WARPS = int(os.environ.get("VQPIPE_QMV_TC_WARPS", "4096"))  # split K while fewer warps than this
-MAX_BLOCKS = int(os.environ.get("VQPIPE_QMV_TC_BLOCKS", "528"))  # 4 threadgroups per H200 SM
+# Threadgroups at most (0: by PF, prefetch_for), more row blocks grid-stride: 396 = the 3 per H200 SM that
+# 72 registers (PF = 1) leave resident, 528 for PF = 2 (96 registers: 2 resident, a second round)
+MAX_BLOCKS = int(os.environ.get("VQPIPE_QMV_TC_BLOCKS", "0"))
 MIN_BLOCKS = int(os.environ.get("VQPIPE_QMV_TC_MINB", "0"))  # __launch_bounds__ min blocks (0: none)
-PREFETCH = int(os.environ.get("VQPIPE_QMV_TC_PF", "2"))  # items (row block, chunk) of codes in flight per warp
+PREFETCH = int(os.environ.get("VQPIPE_QMV_TC_PF", "0"))  # items of codes in flight per warp (0: prefetch_for)
 GROUP_SIZES = (32, 64, 128, 256)
 # "1": every call the kernel takes (4 bits, bf16 x, in_features % 128 == 0, M <= 8); "0": never (revision 6);
 # "auto": where it measured faster than revision 6 on the H200 (:func:`auto_rule`, docs/qmv.md "Revision 8")
@@ -261,8 +263,13 @@ def supports(bits, in_features, dtype, m):
 
 
 def auto_rule(m, out_features, in_features):
-    """Where the tensor-core kernel beat revision 6 (GPU time on the H200, docs/qmv.md "Revision 8")."""
-    return m >= 2 and out_features * in_features >= 4096 * 4096
+    """Where the tensor-core kernel beat revision 6 (GPU time on the H200, docs/qmv.md "Revision 8"):
+    M = 1 only the vocabulary heads (8B 1.01x, qwen 1.31x; revision 6 is faster on gate|up and on
+    every qwen layer), M = 2..7 layers of >= 8 M weights (M = 4: 1.45-2.6x there, 0.96-0.98x below),
+    M = 8 everywhere (1.30-4.09x)."""
+    if m == 1:
+        return out_features >= 65536
+    return m >= 8 or out_features * in_features >= 8 << 20
 
 
 def wanted(x, bits, out_features):
@@ -306,6 +313,15 @@ def render(outputs=1, minblocks=None):
     return f"vqpipe_qmvtc{outputs}_{digest}", header, body
 
 
+def prefetch_for(ks, chunks):
+    """PF, the (row block, chunk) items whose codes a warp has in flight: 2 where one warp walks whole
+    long rows (KS = 1, >= 16 chunks: the 8B head, 1.07x faster than PF = 1 at M = 1 on the H200), else 1
+    (72 registers instead of 96: 3 threadgroups per SM instead of 2; q|k|v 1.42x, qwen head 1.17x)."""
+    if PREFETCH:
+        return PREFETCH
+    return 2 if ks == 1 and chunks >= 16 else 1
+
+
 def split_k(row_blocks, chunks, target=None):
     """KS, the warps splitting a row block's chunks: the smallest power of two up to 8 giving
     ``target`` warps, never more than the chunks."""
@@ -334,14 +350,17 @@ def launch_spec(x_shape, out_features, scales_shape, bias_shape, dtype, bias_dty
     nb, nc = -(-out_features // ROWS), k // CHUNK
     ks = split_k(nb, nc, target)
     rw = WARPS // ks
-    blocks = min(-(-nb // rw), MAX_BLOCKS if max_blocks is None else max_blocks)
+    pf = prefetch_for(ks, nc) if prefetch is None else int(prefetch)
+    if max_blocks is None:
+        max_blocks = MAX_BLOCKS if MAX_BLOCKS else (528 if pf == 2 else 396)
+    blocks = min(-(-nb // rw), max_blocks)
     ends = list(splits or ()) + [out_features]
     if len(ends) > qmv.MAX_OUTPUTS or any(b <= a for a, b in zip([0] + ends, ends)):
         raise ValueError(f"qmv_tc: splits {splits} must increase strictly inside (0, {out_features})")
     lead = tuple(x_shape[:-1])
     return {
         "template": [("T", dtype), ("BT", dtype if bias_dtype is None else bias_dtype), ("ST", scales_dtype),
-                     ("GS", int(group_size or 0)), ("PF", int(PREFETCH if prefetch is None else prefetch))],
+                     ("GS", int(group_size or 0)), ("PF", pf)],
         "grid": (32 * blocks, ks, rw),
         "threadgroup": (32, ks, rw),
         "output_shapes": [lead + (b - a,) for a, b in zip([0] + ends, ends)],

@@ -79,6 +79,17 @@ ABLATIONS = {
         ("const uint4 v = *reinterpret_cast<const uint4*>(p + off);",
          "const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p + off));"),
     ],
+    # revision 8 (qmv_tc): tcnolut, the pair lookup replaced by two ALU ops on its address (no shared-memory
+    # load); tcnoload, the codes made from their address instead of loaded (nothing streams but x)
+    "tcnolut": [
+        ('asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(e.x), "=r"(e.y) : "r"(a));',
+         "e.x = a * 2654435761u; e.y = a ^ 0x3f803f80u;"),
+    ],
+    "tcnoload": [
+        ("q0[PF - 1] = p[0]; q1[PF - 1] = p[32];",
+         "{ const unsigned int o_ = (unsigned int)(size_t)p; q0[PF - 1] = make_uint4(o_ * 2654435761u, o_ * 2246822519u, "
+         "o_ * 3266489917u, o_ * 668265263u); q1[PF - 1] = make_uint4(o_ ^ 1u, o_ ^ 2u, o_ ^ 3u, o_ ^ 4u); }"),
+    ],
     "noload": [
         ("const uint4 v = *reinterpret_cast<const uint4*>(p + off);",
          "const uint4 v = make_uint4(off * 2654435761u, (off + 1u) * 2246822519u, (off + 2u) * 3266489917u, "
@@ -125,11 +136,12 @@ class Variant:
     def __init__(self, text, drv, cache):
         parts = text.split(":")
         self.tc = parts[0] == "qmv_tc"
-        if self.tc:  # qmv_tc[:BLOCKS[:TARGET_WARPS[:MINBLOCKS[:PREFETCH]]]]: revision 8, the tensor-core kernel
-            blocks, target, minb, pf = (parts[1:] + ["0", "0", "0", "0"])[:4]
+        if self.tc:  # qmv_tc[:BLOCKS[:TARGET_WARPS[:MINBLOCKS[:PREFETCH[:ABLATIONS]]]]]: revision 8 (tensor cores)
+            blocks, target, minb, pf, abl = (parts[1:] + ["0", "0", "0", "0", ""][len(parts) - 1:])[:5]
             self.pf = int(pf) or None
             self.name, self.mod, self.drv, self.cache = text, importlib.import_module("vqpipe.qmv_tc"), drv, cache
-            self.blocks, self.target, self.minb, self.ablations = int(blocks) or None, int(target) or None, int(minb), ()
+            self.blocks, self.target, self.minb = int(blocks) or None, int(target) or None, int(minb)
+            self.ablations = tuple(a for a in abl.split("+") if a)
             return
         mod, stages, blocks, lut, abl, rows = parts + ["auto", "0", "auto", "", "auto"][len(parts) - 1:]
         self.name, self.mod = text, importlib.import_module(f"vqpipe.{mod}")
