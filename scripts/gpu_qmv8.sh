@@ -2,7 +2,8 @@
 # qmv revision 8 (vqpipe/qmv_tc.py, the tensor-core mat-vec) on the H200: the GPU-time matrix against
 # revision 6 (vqpipe/bench/qmv_gpu_time.py: CUDA events outside MLX, copy and plain-read arms, a float64
 # check per variant), an Nsight Compute profile of one launch per case (bank conflicts, pipes), the GPU
-# tests (pytest -m gpu, 8 xdist workers). STEPS picks steps (default "time profile tests"; "final": the
+# tests (pytest -m gpu, 8 xdist workers; "tc1": the layer tests again with VQPIPE_QMV_TC=1). STEPS picks
+# steps (default "time profile tests"; "final": the
 # default configuration against revision 6 at M = 1, 2, 4, 8, then the ablations); VARIANTS, CASES,
 # PROFILE_CASES, TESTS override. Results under $OUT. docs/qmv.md "Revision 8".
 set -uo pipefail
@@ -58,6 +59,7 @@ if want tests; then
   echo "== GPU tests $(since)"
   timeout "${TEST_LIMIT:-200}" $PY -m pytest -q -p no:cacheprovider -m gpu -n 8 --dist load \
     ${TESTS:-tests/test_qmv_tc.py tests/test_qmv.py tests/test_fused.py} 2>&1 | tail -n 25 | tee "$OUT/gpu-tests.log"
+  want tc1 || { echo "== done $(since)"; exit 0; }
   # the layers' GPU tests again with revision 8 taking every call it can (bf16, 4 bits)
   echo "== GPU tests, VQPIPE_QMV_TC=1 $(since)"
   VQPIPE_QMV_TC=1 timeout "${TEST_LIMIT:-200}" $PY -m pytest -q -p no:cacheprovider -m gpu -n 8 --dist load \

@@ -54,7 +54,7 @@ GROUP_SIZES = (32, 64, 128, 256)
 # "1": every call the kernel takes (4 bits, bf16 x, in_features % 128 == 0, M <= 8); "0": never (revision 6);
 # "auto": where it measured faster than revision 6 on the H200 (:func:`auto_rule`, docs/qmv.md "Revision 8")
 MODES = ("0", "1", "auto")
-_mode = os.environ.get("VQPIPE_QMV_TC", "0")
+_mode = os.environ.get("VQPIPE_QMV_TC", "auto")
 if _mode not in MODES:
     raise ValueError(f"VQPIPE_QMV_TC must be one of {MODES}, got {_mode!r}")
 INPUT_NAMES = ["x", "packed", "scales", "codebook", "bias", "seg"]
