@@ -196,7 +196,8 @@ def test_dispatch_modes_and_auto_rule():
         assert not qmv_tc.wanted(x1.astype(mx.float16), 4, 64) and not qmv_tc.wanted(mx.zeros((1, 100), mx.bfloat16), 4, 64)
         assert not qmv_tc.wanted(mx.zeros((9, 4096), mx.bfloat16), 4, 64)  # prefill: the dense path
     with qmv_tc.mode("auto"):
-        assert qmv_tc.wanted(x1, 4, 128256) and not qmv_tc.wanted(x1, 4, 28672)  # M = 1: the heads only
+        assert qmv_tc.wanted(x1, 4, 128256) and not qmv_tc.wanted(x1, 4, 28672)  # M = 1: heads, long rows
+        assert qmv_tc.wanted(mx.zeros((1, 14336), mx.bfloat16), 4, 4096)
         assert qmv_tc.wanted(x4, 4, 28672) and not qmv_tc.wanted(mx.zeros((4, 896), mx.bfloat16), 4, 1152)
         assert qmv_tc.wanted(mx.zeros((8, 896), mx.bfloat16), 4, 1152)
     with pytest.raises(ValueError, match="mode must be one of"):

@@ -263,12 +263,12 @@ def supports(bits, in_features, dtype, m):
 
 
 def auto_rule(m, out_features, in_features):
-    """Where the tensor-core kernel beat revision 6 (GPU time on the H200, docs/qmv.md "Revision 8"):
-    M = 1 only the vocabulary heads (8B 1.01x, qwen 1.31x; revision 6 is faster on gate|up and on
-    every qwen layer), M = 2..7 layers of >= 8 M weights (M = 4: 1.45-2.6x there, 0.96-0.98x below),
-    M = 8 everywhere (1.30-4.09x)."""
+    """Where the tensor-core kernel beat revision 6 (GPU time on the H200, n = 20, A/A <= 2.6 %; docs/qmv.md
+    "Revision 8"): M = 1 the vocabulary heads (8B 1.02x, qwen 1.31x) and long rows (8B down 1.08x), not
+    gate|up (0.94x) nor the qwen layers (0.76-0.91x); M = 2..7 layers of >= 8 Mi weights (1.03-2.6x; the
+    qwen q|k|v and down below that: 0.82-0.98x); M = 8 every layer (1.31-4.08x)."""
     if m == 1:
-        return out_features >= 65536
+        return out_features >= 65536 or in_features >= 8192
     return m >= 8 or out_features * in_features >= 8 << 20
 
 
