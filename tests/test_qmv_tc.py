@@ -200,6 +200,7 @@ def test_dispatch_modes_and_auto_rule():
         assert qmv_tc.wanted(mx.zeros((1, 14336), mx.bfloat16), 4, 4096)
         assert qmv_tc.wanted(x4, 4, 28672) and not qmv_tc.wanted(mx.zeros((4, 896), mx.bfloat16), 4, 1152)
         assert qmv_tc.wanted(mx.zeros((8, 896), mx.bfloat16), 4, 1152)
+        assert not qmv_tc.wanted(mx.zeros((8, 512), mx.bfloat16), 4, 1152)  # narrow: the residual would dominate
     with pytest.raises(ValueError, match="mode must be one of"):
         qmv_tc.set_mode("yes")
 

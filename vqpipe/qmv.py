@@ -28,6 +28,8 @@ Layout (revision 6, see docs/qmv.md):
   the H200 they were slower at 4 bits (fewer warps, exposed lookup latency), so revision 6's lookups
   stay the default. What bounds the default at M = 1 is its instruction stream (~6 per weight value)
   and the L1 data pipe, not HBM (profiled: docs/qmv.md).
+- Revision 8 (vqpipe/qmv_tc.py, CUDA): tensor cores for 4 bits and bf16 activations, taken by
+  :func:`launch` where ``qmv_tc.wanted`` says so (M >= 2 on large layers, the heads at M = 1).
 - float32 accumulation in a fixed order (per lane, 5-step xor butterfly, KS partials in warp order),
   then * s[o] (+ b[o]) and one cast to x's dtype: deterministic, not bit-identical to the dense path
   (which works in x's dtype, codebook included).

@@ -267,6 +267,8 @@ def auto_rule(m, out_features, in_features):
     "Revision 8"): M = 1 the vocabulary heads (8B 1.02x, qwen 1.31x) and long rows (8B down 1.08x), not
     gate|up (0.94x) nor the qwen layers (0.76-0.91x); M = 2..7 layers of >= 8 Mi weights (1.03-2.6x; the
     qwen q|k|v and down below that: 0.82-0.98x); M = 8 every layer (1.31-4.08x)."""
+    if in_features < 768:  # the weight's hi + lo residual (2^-16) would pass the float32 bound's (K/4 + 64) 2^-24
+        return False
     if m == 1:
         return out_features >= 65536 or in_features >= 8192
     return m >= 8 or out_features * in_features >= 8 << 20
