@@ -303,12 +303,17 @@ def mode(value):
         set_mode(previous)
 
 
+# MLX writes "__global__ void name(...)" after the header and __global__ is a macro (crt/host_defines.h), so the
+# header can redefine it to carry __launch_bounds__ (as vqpipe/kivi/decode_kernel.py does)
+_BOUNDS = "#undef __global__\n#define __global__ __location__(global) __launch_bounds__(256, {})\n"
+
+
 def render(outputs=1, minblocks=None):
     """(name, header, body), minified; the name carries a digest (MLX caches kernels by name)."""
     minblocks = MIN_BLOCKS if minblocks is None else minblocks
     header = _HEADER
-    if minblocks:  # MLX writes "__global__ void name(...)" after the header: the bounds ride on the macro
-        header = f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__(256, {minblocks})\n" + header
+    if minblocks:
+        header = _BOUNDS.format(minblocks) + header
     body = _BODY.replace("QMV_EPILOGUE", qmv.epilogue_code(outputs))
     header, body = qmv.minify(header), qmv.minify(body)
     digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]

@@ -17,7 +17,11 @@ Arms per shape, interleaved (A B C ... A B C ...), with an A/A copy of the first
   the default cap; LUT ``auto``, 0 = revision 6's lookups, 1 = revision 7's pair tables; ABLATIONS a
   ``+``-joined subset of ``ABLATIONS``, kernels that skip a part of the work so the time they save says
   what that part costs; ROWS ``auto``, 2 or 4 output rows per warp), each checked against a float64 evaluation of the formula on 512 rows first
-  (an ablation's check is expected to fail: it computes something else).
+  (an ablation's check is expected to fail: it computes something else);
+- revision 8, the tensor-core kernel (vqpipe/qmv_tc.py): ``qmv_tc:BLOCKS:TARGET:MINBLOCKS:PF:ABLATIONS`` (0 or
+  empty = its default: grid cap, warps wanted before K is split, a __launch_bounds__ minimum, codes in flight,
+  ``tcnolut``/``tcnoload``); its check runs on copy 0 repacked, its timed launches read the pool's random words
+  as they are (any permutation of random words is as random).
 
     python -m vqpipe.bench.qmv_gpu_time --out FILE.json [--variants qmv:0:0 qmv:4:0 qmv_v6 qmv:auto:0:1:nolut]
 
