@@ -73,10 +73,12 @@ def test_ring_choice():
 
 
 def test_ablations_change_the_kernel_they_name():
+    from vqpipe import qmv_tc
+
     name, header, body = qmv.render("cuda", 1)
     for abl in gt.ABLATIONS:
-        h2, b2 = gt.ablate(header, body, [abl])
-        assert (h2, b2) != (header, body)
+        src = qmv_tc.render(1)[1:] if abl.startswith("tc") else (header, body)  # revision 8's own ablations
+        assert gt.ablate(*src, [abl]) != src
     h2, b2 = gt.ablate(header, body, ["nolut", "noload"])
     assert "cb_s[qmv_index" not in b2 and "*reinterpret_cast<const uint4*>(p + off)" not in h2
     assert "reinterpret_cast<const unsigned char*>(t) + qmv_pair_off" not in h2
@@ -84,6 +86,14 @@ def test_ablations_change_the_kernel_they_name():
         gt.ablate(header, body, ["nofma"])
     with pytest.raises(ValueError, match="matches nothing"):
         gt.ablate("", "", ["noload"])
+
+
+def test_tc_variant_names_parse():
+    v = gt.Variant("qmv_tc:264:0:0:2", None, {})
+    assert (v.tc, v.blocks, v.target, v.minb, v.pf, v.ablations) == (True, 264, None, 0, 2, ())
+    v = gt.Variant("qmv_tc:0:0:3:0:tcnolut+tcnoload", None, {})
+    assert (v.blocks, v.minb, v.pf, v.ablations) == (None, 3, None, ("tcnolut", "tcnoload"))
+    assert not gt.Variant("qmv_tc", None, {}).ablations
 
 
 def test_variant_names_parse():

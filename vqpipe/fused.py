@@ -97,7 +97,7 @@ class FusedGroup:
         dialect = qmv.dispatch(x) if self.bits in qmv.BITS else None  # 5/6-bit groups run dense
         if dialect is not None:  # one launch: rotation in its prologue, one output per sibling
             return qmv.launch(dialect, x, self.packed, scales, self.codebook, self.bits, bias,
-                              self.group_size, rotation, self.splits)
+                              self.group_size, rotation, self.splits, owner=self)
         y = dense_forward(rotation.apply(x), self.packed, scales, self.codebook, self.bits, bias, self.group_size)
         return mx.split(y, self.splits, axis=-1)
 

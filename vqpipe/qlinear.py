@@ -229,7 +229,7 @@ class QuantizedLinear(nn.Module):
             # the kernel rotates x in its prologue where it can (else MLX ops rotate it first)
             return qmv.launch(
                 dialect, x, self["packed"], self["scales"], self["codebook"], self.bits, self.get("bias"),
-                self.group_size, rotation,
+                self.group_size, rotation, owner=self,
             )
         return dense_forward(rotation.apply(x), self.packed, self.scales, self.codebook, self.bits,
                              self.get("bias"), self.group_size)

@@ -28,6 +28,8 @@ Layout (revision 6, see docs/qmv.md):
   the H200 they were slower at 4 bits (fewer warps, exposed lookup latency), so revision 6's lookups
   stay the default. What bounds the default at M = 1 is its instruction stream (~6 per weight value)
   and the L1 data pipe, not HBM (profiled: docs/qmv.md).
+- Revision 8 (vqpipe/qmv_tc.py, CUDA): tensor cores for 4 bits and bf16 activations, taken by
+  :func:`launch` where ``qmv_tc.wanted`` says so (M >= 2 on large layers, the heads at M = 1).
 - float32 accumulation in a fixed order (per lane, 5-step xor butterfly, KS partials in warp order),
   then * s[o] (+ b[o]) and one cast to x's dtype: deterministic, not bit-identical to the dense path
   (which works in x's dtype, codebook included).
@@ -1152,13 +1154,20 @@ def _prepare(key, dialect, bits, rotation):
     return entry
 
 
-def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=None, rotation=None, splits=None):
+def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=None, rotation=None, splits=None,
+           owner=None):
     """One fused launch in ``dialect`` (no switch or backend check: see :func:`quantized_matvec`).
 
     ``x`` is the activation, rotated already unless ``rotation`` is given: then the kernel rotates
     it in its prologue where :func:`rotation_operands` and the shared memory allow, else it is
     rotated first by MLX ops. ``splits`` (row indices) cut the output rows into up to 3 outputs,
-    returned as a list. Arguments are validated once per signature, then looked up."""
+    returned as a list. Arguments are validated once per signature, then looked up. ``owner`` (the
+    layer or fused group): where ``qmv_tc.wanted`` says so, the tensor-core kernel (revision 8) runs
+    on the owner's repacked copy of ``packed`` (made once, cached on it), the rotation as MLX ops."""
+    if owner is not None and dialect == "cuda" and qmv_tc.wanted(x, bits, packed.shape[0]):
+        xr = x if rotation is None else rotation.apply(x)
+        return qmv_tc.launch(xr, qmv_tc.packed_for(owner, packed), packed.shape[0], scales, codebook, bias,
+                             group_size, splits)
     rkey = None if rotation is None else (rotation.kind, rotation.dim, rotation.seed, _rotate_in_kernel)
     key = (x.shape, x.dtype, packed.shape, packed.dtype, scales.shape, scales.dtype, codebook.shape,
            codebook.dtype, None if bias is None else (bias.shape, bias.dtype), bits, dialect, group_size, rkey,
@@ -1191,3 +1200,6 @@ def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=Non
         output_dtypes=spec["output_dtypes"],
     )
     return outs if splits is not None else outs[0]
+
+
+from . import qmv_tc  # noqa: E402  (revision 8 uses this module's epilogue; imported last: no cycle at import)

@@ -17,7 +17,11 @@ Arms per shape, interleaved (A B C ... A B C ...), with an A/A copy of the first
   the default cap; LUT ``auto``, 0 = revision 6's lookups, 1 = revision 7's pair tables; ABLATIONS a
   ``+``-joined subset of ``ABLATIONS``, kernels that skip a part of the work so the time they save says
   what that part costs; ROWS ``auto``, 2 or 4 output rows per warp), each checked against a float64 evaluation of the formula on 512 rows first
-  (an ablation's check is expected to fail: it computes something else).
+  (an ablation's check is expected to fail: it computes something else);
+- revision 8, the tensor-core kernel (vqpipe/qmv_tc.py): ``qmv_tc:BLOCKS:TARGET:MINBLOCKS:PF:ABLATIONS`` (0 or
+  empty = its default: grid cap, warps wanted before K is split, a __launch_bounds__ minimum, codes in flight,
+  ``tcnolut``/``tcnoload``); its check runs on copy 0 repacked, its timed launches read the pool's random words
+  as they are (any permutation of random words is as random).
 
     python -m vqpipe.bench.qmv_gpu_time --out FILE.json [--variants qmv:0:0 qmv:4:0 qmv_v6 qmv:auto:0:1:nolut]
 
@@ -40,7 +44,8 @@ import numpy as np
 from . import cuda_time as ct
 
 SHAPES = {"l3-qkv": (4096, 6144), "l3-gateup": (4096, 28672), "l3-down": (14336, 4096), "l3-lm_head": (4096, 128256),
-          "qwen-gateup": (896, 9728), "qwen-lm_head": (896, 151936)}
+          "qwen-gateup": (896, 9728), "qwen-lm_head": (896, 151936), "l3-o": (4096, 4096), "qwen-qkv": (896, 1152),
+          "qwen-down": (4864, 896)}
 READ_SRC = r"""
 extern "C" __global__ void stream_read(const uint4* p, unsigned long long n, unsigned int* out) {
     unsigned int acc = 0u;
@@ -77,6 +82,17 @@ ABLATIONS = {
     "ldcs": [
         ("const uint4 v = *reinterpret_cast<const uint4*>(p + off);",
          "const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p + off));"),
+    ],
+    # revision 8 (qmv_tc): tcnolut, the pair lookup replaced by two ALU ops on its address (no shared-memory
+    # load); tcnoload, the codes made from their address instead of loaded (nothing streams but x)
+    "tcnolut": [
+        ('asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(e.x), "=r"(e.y) : "r"(a));',
+         "e.x = a * 2654435761u; e.y = a ^ 0x3f803f80u;"),
+    ],
+    "tcnoload": [
+        ("q0[PF - 1] = p[0]; q1[PF - 1] = p[32];",
+         "{ const unsigned int o_ = (unsigned int)(size_t)p; q0[PF - 1] = make_uint4(o_ * 2654435761u, o_ * 2246822519u, "
+         "o_ * 3266489917u, o_ * 668265263u); q1[PF - 1] = make_uint4(o_ ^ 1u, o_ ^ 2u, o_ ^ 3u, o_ ^ 4u); }"),
     ],
     "noload": [
         ("const uint4 v = *reinterpret_cast<const uint4*>(p + off);",
@@ -123,6 +139,14 @@ def unpack_rows(words, bits, n_in):
 class Variant:
     def __init__(self, text, drv, cache):
         parts = text.split(":")
+        self.tc = parts[0] == "qmv_tc"
+        if self.tc:  # qmv_tc[:BLOCKS[:TARGET_WARPS[:MINBLOCKS[:PREFETCH[:ABLATIONS]]]]]: revision 8 (tensor cores)
+            blocks, target, minb, pf, abl = (parts[1:] + ["0", "0", "0", "0", ""][len(parts) - 1:])[:5]
+            self.pf = int(pf) or None
+            self.name, self.mod, self.drv, self.cache = text, importlib.import_module("vqpipe.qmv_tc"), drv, cache
+            self.blocks, self.target, self.minb = int(blocks) or None, int(target) or None, int(minb)
+            self.ablations = tuple(a for a in abl.split("+") if a)
+            return
         mod, stages, blocks, lut, abl, rows = parts + ["auto", "0", "auto", "", "auto"][len(parts) - 1:]
         self.name, self.mod = text, importlib.import_module(f"vqpipe.{mod}")
         self.stages = None if stages in ("", "auto") else int(stages)
@@ -132,6 +156,11 @@ class Variant:
         self.blocks, self.drv, self.cache = int(blocks) or None, drv, cache
 
     def spec(self, x_shape, p_shape, s_shape, bits, mx):
+        if self.tc:
+            if bits != 4:
+                raise ValueError("qmv_tc takes 4 bits only")
+            return self.mod.launch_spec(tuple(x_shape), p_shape[0], tuple(s_shape), None, mx.bfloat16,
+                                        max_blocks=self.blocks, target=self.target, prefetch=self.pf)
         kw = {"max_blocks": self.blocks}
         if self.stages is not None:
             kw["stages"] = self.stages
@@ -142,13 +171,15 @@ class Variant:
         return self.mod.launch_spec(x_shape, p_shape, s_shape, 1 << bits, None, bits, mx.bfloat16, **kw)
 
     def function(self, spec):
-        name, header, body = self.mod.render("cuda", 1)
+        if self.tc:
+            name, header, body = self.mod.render(1, self.minb)
+        else:
+            name, header, body = self.mod.render("cuda", 1)
         header, body = ablate(header, body, self.ablations)
         tmpl = [(k, _dtype_name(v)) for k, v in spec["template"]]
         key = (name, tuple(tmpl), self.ablations)
         if key not in self.cache:
-            inputs = [("x", "bfloat16", 3), ("packed", "uint32", 2), ("scales", "float32", 1), ("codebook", "float32", 1),
-                      ("bias", "bfloat16", 2), ("rot_s", "float32", 2), ("rot_l", "float32", 2), ("seg", "int32", 1)]
+            inputs = TC_INPUTS if self.tc else QMV_INPUTS
             src = ct.kernel_source(name, header, body, inputs, [("out0", "bfloat16")], tmpl)
             t0 = time.perf_counter()
             cubin, _ = ct.compile_cubin(src)
@@ -157,8 +188,31 @@ class Variant:
         return self.cache[key]
 
 
+QMV_INPUTS = [("x", "bfloat16", 3), ("packed", "uint32", 2), ("scales", "float32", 1), ("codebook", "float32", 1),
+              ("bias", "bfloat16", 2), ("rot_s", "float32", 2), ("rot_l", "float32", 2), ("seg", "int32", 1)]
+TC_INPUTS = [("x", "bfloat16", 3), ("packed", "uint32", 1), ("scales", "float32", 1), ("codebook", "float32", 1),
+             ("bias", "bfloat16", 2), ("seg", "int32", 1)]
+
+
+def tc_args(body, bufs, x_shape, p_shape, s_shape):
+    """qmv_tc's parameters in MLX's order (the same rule as :func:`kernel_args`, for TC_INPUTS)."""
+    u64, i32 = ctypes.c_uint64, ctypes.c_int32
+    shapes = {"x": x_shape, "packed": (p_shape[0] * p_shape[1],), "scales": s_shape, "codebook": (16,), "bias": (1, 1),
+              "seg": (1,)}
+    args = []
+    for name, _, _ in TC_INPUTS:
+        args.append(u64(bufs[name]))
+        if f"{name}_shape" in body:
+            args.append(ct.shape_arg(shapes[name]))
+        if f"{name}_ndim" in body:
+            args.append(i32(len(shapes[name])))
+    return args + [u64(bufs["out"])]
+
+
 def kernel_args(body, bufs, x_shape, p_shape, s_shape):
     """ctypes values in MLX's parameter order (pointer, then shape/ndim where the body uses them)."""
+    if "qtc_mma" in body:
+        return tc_args(body, bufs, x_shape, p_shape, s_shape)
     u64, i32 = ctypes.c_uint64, ctypes.c_int32
     args = [u64(bufs["x"]), ct.shape_arg(x_shape), i32(len(x_shape)),
             u64(bufs["packed"]), ct.shape_arg(p_shape)]
@@ -232,9 +286,14 @@ def measure_shape(drv, name, n_in, n_out, bits, m, variants, pool, args, read_fn
         fn, regs, secs, src = v.function(spec)
         body = src
         bufs.update(x=xbufs[0], packed=copy_ptr[0])
+        if v.tc:  # the check needs copy 0 in the kernel's order; the timed copies are random words either way
+            if "tc_packed" not in bufs:
+                bufs["tc_packed"] = drv.upload(np.ascontiguousarray(v.mod.repack(host["packed"])))
+            bufs["packed"] = bufs["tc_packed"]
         err = check(drv, fn, spec, body, bufs, x_shape, p_shape, s_shape, host, bits, rows)
         grid = (spec["grid"][0] // 32, 1, 1)
         block = spec["threadgroup"]
+        bufs["packed"] = copy_ptr[0]
         launches = [drv.params(kernel_args(body, dict(bufs, x=xbufs[k % len(xbufs)], packed=copy_ptr[k % copies]),
                                            x_shape, p_shape, s_shape)) for k in range(max(copies, len(xbufs)) * 2)]
 
