@@ -57,9 +57,14 @@ def _check(tiny, bits, steps=70):
     # 70 steps from 299 tokens cross two flushes (every 32 tokens): those steps run eagerly
     assert dec.eager_steps == 2 and dec.compiled_steps == steps - 2
     assert all(a.offset == b.offset and a.quantized == b.quantized and a.nres == b.nres for a, b in zip(ce, cc))
+    # The reference BLAS gives byte-identical caches; OpenBLAS (what make test preloads) rounds the
+    # compiled graph's products differently from eager's, and a rounding-level difference can move
+    # a value across a code boundary: residuals to rounding, codes all but a few the same.
     for a, b in zip(ce, cc):
-        ka, kb = a.residual()[0], b.residual()[0]
-        assert mx.array_equal(ka, kb) and mx.array_equal(a.kc[:, :, : a.quantized // 32], b.kc[:, :, : b.quantized // 32])
+        ka, kb = np.array(a.residual()[0]), np.array(b.residual()[0])
+        assert np.max(np.abs(ka - kb)) <= 1e-5 * np.max(np.abs(ka))
+        qa, qb = (np.array(c.kc[:, :, : c.quantized // 32]) for c in (a, b))
+        assert qa.shape == qb.shape and np.mean(qa != qb) <= 1e-3, np.mean(qa != qb)
     return dec
 
 
