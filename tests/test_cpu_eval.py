@@ -67,6 +67,32 @@ def test_swiglu_and_log_softmax():
     assert np.array_equal(cpu_eval.log_softmax(mx.array(logits[:3]), rows=2), z)
 
 
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims,d", [(64, 64), (32, 64), (16, 16)])  # dims < d: the rest passes through
+@pytest.mark.parametrize("base,scale,offset", [(10000.0, 1.0, 0), (100000.0, 1.0, 0), (1234.5, 0.25, 7), (1e7, 1.0, 3)])
+def test_rope_is_mlx_rope_bit_for_bit(traditional, dims, d, base, scale, offset):
+    """MLX's own cos/sin table and the fallback's elementwise order: the same bits as mx.fast.rope,
+    for transposed views (how attention hands q and k over) and plain arrays."""
+    x = mx.random.normal((2, 70, 3, d), key=mx.random.key(dims + d)).transpose(0, 2, 1, 3)
+    for a in (x, mx.contiguous(x)):
+        kw = {"traditional": traditional, "base": base, "scale": scale, "offset": offset}
+        want = np.asarray(mx.fast.rope(a, dims, **kw))
+        assert np.asarray(cpu_eval.rope(a, dims, **kw)).tobytes() == want.tobytes()
+    freqs = mx.linspace(1.0, 400.0, dims // 2)
+    kw = {"traditional": traditional, "base": None, "scale": scale, "offset": offset, "freqs": freqs}
+    assert np.array_equal(np.asarray(cpu_eval.rope(x, dims, **kw)), np.asarray(mx.fast.rope(x, dims, **kw)))
+
+
+def test_rope_leaves_what_it_does_not_cover_to_mlx(monkeypatch):
+    """bf16 inputs and a KV cache's array offset go to MLX's rope as they came."""
+    calls = []
+    monkeypatch.setattr(cpu_eval, "_MX_ROPE", lambda *a, **k: calls.append(k["offset"]) or a[0])
+    x = mx.random.normal((1, 2, 5, 16))
+    cpu_eval.rope(x.astype(mx.bfloat16), 16, traditional=False, base=1e4, scale=1.0, offset=0)
+    cpu_eval.rope(x, 16, traditional=False, base=1e4, scale=1.0, offset=mx.array(3))
+    assert len(calls) == 2 and isinstance(calls[1], mx.array)
+
+
 def test_patch_is_scoped_and_the_forward_agrees():
     from mlx_lm.models import llama
 
@@ -76,11 +102,12 @@ def test_patch_is_scoped_and_the_forward_agrees():
                            "num_attention_heads": 4, "num_key_value_heads": 2})
     tokens = mx.array([[1, 5, 9, 2, 77, 31, 4, 100]])
     want = model(tokens)
-    sdpa, glu = mx.fast.scaled_dot_product_attention, llama.swiglu
+    sdpa, glu, rope = mx.fast.scaled_dot_product_attention, llama.swiglu, mx.fast.rope
     with cpu_eval.numpy_exponentials():
         assert mx.fast.scaled_dot_product_attention is cpu_eval.attention and llama.swiglu is cpu_eval.swiglu
+        assert mx.fast.rope is cpu_eval.rope
         got = model(tokens)
-    assert mx.fast.scaled_dot_product_attention is sdpa and llama.swiglu is glu
+    assert mx.fast.scaled_dot_product_attention is sdpa and llama.swiglu is glu and mx.fast.rope is rope
     assert mx.abs(got - want).max().item() < 1e-4 * max(1.0, mx.abs(want).max().item())
     with pytest.raises(ValueError, match="sinks"):
         cpu_eval.attention(*qkv(), 0.3, None, sinks=mx.zeros((6,)))

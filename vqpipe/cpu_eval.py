@@ -109,6 +109,57 @@ def swiglu(gate, x, rows=32):
     return mx.array(out).astype(gate.dtype)
 
 
+# mx.fast.rope as MLX's CPU backend runs it (fast.cpp's fallback): cos/sin of a [length, dims/2]
+# angle table, then x1 cos - x2 sin and x1 sin + x2 cos, one elementwise op at a time. Each call
+# rebuilds the table and walks the [B, H, L, D] input through seven MLX ops (a SmolLM2 window's
+# 60 calls: 0.070 CPU-s; in numpy 0.038). The numpy version reads the table from MLX itself, once
+# per setting: MLX's rope of a probe whose first half is 1 and second half 0 is exactly (cos, sin)
+# (1 c - 0 s = c, 1 s + 0 c = s), so the values are MLX's bit for bit, whatever its formula
+# (tests/test_cpu_eval.py). One table per (length, dims, base, scale, offset): a few per process.
+_ROPE_TABLES = {}
+
+
+def _rope_table(n, dims, traditional, base, scale, offset, freqs):
+    key = (n, dims, traditional, base, scale, offset, None if freqs is None else np.asarray(freqs).tobytes())
+    if key not in _ROPE_TABLES:
+        probe = np.zeros((1, 1, n, dims), dtype=np.float32)
+        probe[..., _rope_halves(dims, traditional)[0]] = 1
+        cs = np.asarray(_MX_ROPE(mx.array(probe), dims, traditional=traditional, base=base, scale=scale,
+                                 offset=offset, freqs=freqs))[0, 0]
+        first, second = _rope_halves(dims, traditional)
+        _ROPE_TABLES[key] = (np.ascontiguousarray(cs[:, first]), np.ascontiguousarray(cs[:, second]))
+    return _ROPE_TABLES[key]
+
+
+def _rope_halves(dims, traditional):
+    """The slices of the rotated pairs' first and second members along the feature axis."""
+    return (slice(0, dims, 2), slice(1, dims, 2)) if traditional else (slice(0, dims // 2), slice(dims // 2, dims))
+
+
+def rope(x, dims, *, traditional, base=None, scale=1.0, offset=0, freqs=None, stream=None):
+    """mx.fast.rope in numpy with MLX's own cos/sin table: the same values bit for bit. Anything
+    but a float32 input with a plain integer offset (a KV cache's array offset, bf16) goes to MLX."""
+    if x.dtype != mx.float32 or type(offset) is not int or dims % 2 or dims > x.shape[-1] or x.ndim < 2 \
+            or stream is not None:
+        return _MX_ROPE(x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs,
+                        **({} if stream is None else {"stream": stream}))
+    a = np.ascontiguousarray(_np(x))  # q and k arrive as transposed views: one copy, then long rows
+    cos, sin = _rope_table(a.shape[-2], dims, traditional, base, scale, offset, freqs)
+    first, second = _rope_halves(dims, traditional)
+    x1, x2 = a[..., first], a[..., second]
+    out = np.empty_like(a)
+    out[..., dims:] = a[..., dims:]  # features past dims pass through
+    o1, o2 = out[..., first], out[..., second]
+    np.multiply(x1, cos, out=o1)
+    o1 -= x2 * sin
+    np.multiply(x1, sin, out=o2)
+    o2 += x2 * cos
+    return mx.array(out)
+
+
+_MX_ROPE = mx.fast.rope
+
+
 def log_softmax(logits, rows=16, out=None):
     """(log-probabilities, float32 numpy) of [..., V] MLX logits, ``rows`` rows at a time: each
     row's passes then run in cache (a [512, 49152] window: 84 -> 45 ms), with the same values.
@@ -163,12 +214,12 @@ def window_logprobs(model, tokens, out=None):
 
 @contextlib.contextmanager
 def numpy_exponentials():
-    """Within: MLX's scaled dot-product attention and mlx-lm's swiglu (llama, qwen2 and every
-    other model module that imported it) computed with numpy. Not thread-safe (it patches module
+    """Within: MLX's scaled dot-product attention, its RoPE and mlx-lm's swiglu (llama, qwen2 and
+    every other model module that imported it) computed with numpy. Not thread-safe (it patches module
     attributes); restored on exit."""
     import sys
 
-    patched = [(mx.fast, "scaled_dot_product_attention", attention)]
+    patched = [(mx.fast, "scaled_dot_product_attention", attention), (mx.fast, "rope", rope)]
     for name, module in list(sys.modules.items()):
         if name.startswith("mlx_lm.models.") and getattr(module, "swiglu", None) is not None:
             patched.append((module, "swiglu", swiglu))

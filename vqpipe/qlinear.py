@@ -194,7 +194,7 @@ class QuantizedLinear(nn.Module):
 
     def dequantized_weight(self, dtype=mx.float32):
         """W_hat (out x in) in the original basis: (s * C[q]) R. For analysis, not the forward."""
-        w = self.codebook.astype(dtype)[unpack(self.packed, self.bits, self.in_features)]
+        w = dequant.codes_to_values(self.packed, self.codebook, self.bits, self.in_features, dtype)
         s = expand_scales(self.scales.astype(dtype), self.group_size, self.in_features)
         if self.scales.ndim == 1:  # per row: scaling commutes with R
             return self.rotation.apply_transpose(w) * s

@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from . import allocate
 from .codebook import check_bits
 from .fused import fuse_model, rotation_owner
+from .plain_model import plain_model
 from .qlinear import QuantizedEmbedding, QuantizedLinear
 from .rotation import KINDS, resolve_kind
 
@@ -205,10 +206,13 @@ def skeleton(model_dir):
     """An mlx-lm model object for ``model_dir``'s config.json with no weights read.
 
     MLX is lazy: the random initial parameters are never computed, since they are replaced.
+    Built without mlx_lm.utils where that gives the same model (vqpipe/plain_model.py).
     """
-    from mlx_lm.utils import load_model
+    model = plain_model(model_dir)
+    if model is None:
+        from mlx_lm.utils import load_model
 
-    model, _ = load_model(Path(model_dir), lazy=True, strict=False)
+        model, _ = load_model(Path(model_dir), lazy=True, strict=False)
     return model
 
 

@@ -82,7 +82,10 @@ def save_quantized(model, tokenizer, source_dir, out_dir, info):
     with atomic_dir(out_dir, manifest=True) as tmp:
         save_safetensors(tmp / "quantized.safetensors", tensors)
         copy_model_files(source_dir, tmp, {"vqpipe": {k: info[k] for k in ("bits", "rotation", "seed")}})
-        ref = reference_logits(model, tokenizer)
+        from ..dequant import decoded_once
+
+        with decoded_once():  # the 4 prompts decode each layer once (as validate does), not 4 times
+            ref = reference_logits(model, tokenizer)
         save_safetensors(tmp / "reference.safetensors", ref)
         env = environment()  # the reference logits' setup: validate compares against it
         (tmp / "reference.json").write_text(json.dumps(

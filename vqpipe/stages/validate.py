@@ -16,7 +16,6 @@ Writes a JSON verdict (atomically) and exits with:
 """
 
 import argparse
-import contextlib
 import json
 import math
 import sys
@@ -57,30 +56,11 @@ def _finite(x):
     return x if x is not None and math.isfinite(x) else None
 
 
-@contextlib.contextmanager
 def decoded_once():
-    """Within: each layer's codes are decoded to codebook values once, on the first prompt; later
-    prompts reuse those arrays. Decoding is most of a short prompt's CPU forward (SmolLM2: 0.8 of
-    1.0 s, every weight of 30 blocks and the embedding), the values are the same every time (a
-    deterministic gather), and everything else the model does runs per prompt as before, so a
-    reservoir that differs anywhere still differs. Keyed by the arrays themselves (held, so no
-    id is reused); rows gathered from an embedding are new arrays each prompt and never hit."""
-    from .. import dequant
+    """vqpipe.dequant.decoded_once: each layer decoded on the first prompt, reused by the rest."""
+    from ..dequant import decoded_once as once
 
-    decode, cache = dequant.codes_to_values, {}
-
-    def cached(packed, codebook, bits, n, dtype):
-        key = (id(packed), id(codebook), bits, n, dtype)
-        hit = cache.get(key)
-        if hit is None or hit[0] is not packed or hit[1] is not codebook:
-            hit = cache[key] = (packed, codebook, decode(packed, codebook, bits, n, dtype))
-        return hit[2]
-
-    dequant.codes_to_values = cached
-    try:
-        yield
-    finally:
-        dequant.codes_to_values = decode
+    return once()
 
 
 def _reservoir_labels(reservoir_dir):
