@@ -59,6 +59,9 @@ def main():
     p.add_argument("--group-size", type=int, default=64, help="0: one scale per row")
     p.add_argument("--rotation", default="auto")
     p.add_argument("--sequential", action="store_true", help="sequential moments (default: full precision)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="quantize_model's threads (vqpipe/parallel.py); the phases' CPU seconds are "
+                   "only meaningful with 1 (with more, a phase's timer also counts the other threads)")
     p.add_argument("--digest", action="store_true",
                    help="also print a sha256 of every quantized layer's arrays (exactness checks)")
     args = p.parse_args()
@@ -82,10 +85,10 @@ def main():
     t1, c1 = time.perf_counter(), cpu()
     records = quantize_model(model, args.bits, args.rotation, 0, embeddings=True, dtype=None,
                              group_size=args.group_size or None, calibration=tokens, sequential=args.sequential,
-                             progress=layers.append)
+                             progress=layers.append, threads=args.threads)
     wall, cpus = time.perf_counter() - t1, cpu() - c1
     head = [r for r in records if r["kind"] == "embedding"]
-    out = {"source": args.source, "bits": args.bits, "calibration_tokens": int(tokens.size),
+    out = {"source": args.source, "bits": args.bits, "calibration_tokens": int(tokens.size), "threads": args.threads,
            "load_cpu_s": load_cpu, "quantize_model_wall_s": wall, "quantize_model_cpu_s": cpus,
            "phases_cpu_s": acc, "head_layer_wall_s": head[0]["seconds"] if head else None,
            "layers": len(records), "load_avg_1min": open("/proc/loadavg").read().split()[0]}
