@@ -72,6 +72,9 @@ def main():
     from vqpipe.quantize import quantize_model
     from vqpipe.stages.quantize import calibration_tokens
 
+    from vqpipe import malloc
+
+    malloc.keep_freed_memory()  # as the quantize stage does when it calibrates
     acc = {}
     gptq.gptq = timed(acc, "gptq column loop", gptq.gptq)
     gptq.refit_steps = timed(acc, "scale refit", gptq.refit_steps)

@@ -92,7 +92,9 @@ def _quantize_grouped(weight, bits, rotation, group_size, hessian, damp, pool):
     levels = codebook(bits, in_features)
     root = math.sqrt(in_features)
     unit = (levels / root).astype(np.float32)  # the stored codebook: code values per unit step*root
-    w = np.array(rotation.apply(weight.astype(mx.float32)), dtype=np.float32)
+    w = rotation.apply(weight.astype(mx.float32))
+    mx.eval(w)  # the GIL is released while MLX computes: the pool's threads run meanwhile
+    w = np.asarray(w)  # MLX's buffer, no copy (the jobs only read it; 545 MB for a 151,936-row head)
     h = n = None  # no moments: round to nearest with the same scales
     if hessian is not None:
         h, n = _rotated_factors(hessian, rotation, gptq.DAMP if damp is None else damp)

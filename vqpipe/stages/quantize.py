@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from .. import __version__
 from ..codebook import BITS
-from .. import manifest, parallel, record
+from .. import malloc, manifest, parallel, record
 from ..fsutil import atomic_dir, save_safetensors
 from ..fused import fuse_model
 from ..quantize import assemble, build_layers, quantize_model, skeleton, split_state
@@ -160,6 +160,8 @@ def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=Tru
         calib = {**minfo["calibration"], "moments": str(moments)}
     elif calib is not None:
         calib["sequential"] = sequential
+    if calib is not None:  # GPTQ's large temporaries stay mapped (vqpipe/malloc.py)
+        malloc.keep_freed_memory()
     t0 = time.perf_counter()
     records = quantize_model(model, bits, rotation, seed, embeddings, lm_head, DTYPES[dtype], progress,
                              group_size, tokens, damp, moments=stored, sequential=sequential,
