@@ -133,26 +133,27 @@ def _quantize_rows(w, n, levels, unit, group_size, h, bits):
     from . import gptq
 
     idx, _ = gptq.gptq(w, n, levels, group_size)
-    s = gptq.refit_steps(w, unit[idx], group_size, h)
+    c = unit[idx]  # code values, for the refit and the error
+    s = gptq.refit_steps(w, c, group_size, h)
     if group_size is None:
         scales = s[:, 0].astype(np.float32)
     elif np.all(np.abs(s) < 65504):
         scales = s.astype(np.float16)
     else:
         return s, None, None
-    return s, pack(idx, bits), _squared_error(w, idx, unit, scales, group_size)
+    return s, pack(idx, bits), _squared_error(w, c, scales, group_size)
 
 
-def _squared_error(w, idx, unit, scales, group_size):
-    """||w_o - s_o * unit[idx_o]||^2 per row o (float64), a chunk of rows at a time (no weight-sized
-    temporaries). Per row, so the total does not depend on how the rows were split into jobs."""
-    out = np.empty(w.shape[0], dtype=np.float64)
-    for r0 in range(0, w.shape[0], _ROW_CHUNK):
-        s = scales[r0 : r0 + _ROW_CHUNK].astype(np.float32)
-        s = s[:, None] if group_size is None else np.repeat(s, group_size, axis=1)
-        d = w[r0 : r0 + _ROW_CHUNK] - unit[idx[r0 : r0 + _ROW_CHUNK]] * s
-        out[r0 : r0 + _ROW_CHUNK] = np.einsum("ij,ij->i", d, d, dtype=np.float64)
-    return out
+def _squared_error(w, c, scales, group_size):
+    """||w_o - s_o * c_o||^2 per row o (float64; ``c`` the code values of a job's rows, at most
+    _ROW_CHUNK). Per row, so the total does not depend on how the rows were split into jobs."""
+    rows, d = w.shape
+    s = scales.astype(np.float32)
+    if group_size is None:
+        e = w - c * s[:, None]
+    else:  # the steps broadcast over their groups (no repeated [rows, d] copy of them)
+        e = (w.reshape(rows, -1, group_size) - c.reshape(rows, -1, group_size) * s[:, :, None]).reshape(rows, d)
+    return np.einsum("ij,ij->i", e, e, dtype=np.float64)
 
 
 _FACTORS = []  # [(hessian, rotation state key, (h, u))]: the last few (a block's distinct inputs)
