@@ -31,7 +31,7 @@ def _quantize(threads, **kw):
                                 {}], ids=["full-precision", "sequential", "data-free"])
 def test_threads_give_the_same_bytes(monkeypatch, kw):
     one = _quantize(1, **kw)
-    # Uneven row jobs of a few rows (the real ones are >= 256 rows: these layers would be one job).
+    # Uneven row jobs of a few rows (the real ones are >= 1024 rows: these layers would be one job).
     monkeypatch.setattr(qlinear, "_job_rows", lambda rows, threads: max(2, rows // 5))
     three = _quantize(3, **kw)
     assert one[0] == three[0] and one[2] == three[2]
@@ -52,9 +52,14 @@ def test_stored_moments_on_threads(monkeypatch):
 
 
 def test_job_rows():
-    assert qlinear._job_rows(151936, 1) == 8192 and qlinear._job_rows(896, 1) == 896
-    assert qlinear._job_rows(896, 2) == 448 and qlinear._job_rows(128, 2) == 256
-    assert qlinear._job_rows(151936, 2) == 8192
+    from vqpipe.gptq import _chunks
+
+    def jobs(rows, threads):
+        return [b - a for a, b in _chunks(rows, qlinear._job_rows(rows, threads))]
+
+    assert jobs(896, 1) == [896] and jobs(896, 2) == [896] and jobs(128, 2) == [128]
+    assert jobs(4864, 1) == [4864] and jobs(4864, 2) == [2432, 2432]
+    assert jobs(151936, 1) == jobs(151936, 2) == [8192] * 18 + [151936 - 18 * 8192]
 
 
 def test_pool_inline_and_threaded():

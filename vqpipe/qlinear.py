@@ -121,9 +121,11 @@ def _quantize_grouped(weight, bits, rotation, group_size, hessian, damp, pool):
 def _job_rows(rows, threads):
     """Rows per pool job: _ROW_CHUNK bounds the temporaries (no 545 MB code array for a 151,936-row
     head; packing in cache: 1.6-2.1 -> 0.55 CPU-s for it); with more threads a layer is split so
-    every thread gets a part, but not below 256 rows (a part's GPTQ column loop costs numpy calls
-    per column whatever its rows)."""
-    return min(_ROW_CHUNK, max(256, -(-rows // threads)))
+    every thread gets a part, but not below 1024 rows: the GPTQ column loop is numpy calls on
+    vectors of a part's rows, and numpy holds the GIL through an element-wise loop of 500 elements
+    or fewer (the threads would take turns). A 896-row layer stays one job; the other layers of
+    its block run beside it."""
+    return min(_ROW_CHUNK, max(1024, -(-rows // threads)))
 
 
 def _quantize_rows(w, n, levels, unit, group_size, h, bits):
