@@ -1,6 +1,6 @@
 """Time calibrated quantization (quantize_model with GPTQ) and split its CPU seconds by phase.
 
-    python scripts/calib_time.py --source results/models/qwen2.5-0.5b/source --windows 2 [--bits 4]
+    python scripts/calib_time.py --source results/models/qwen2.5-0.5b/source --windows 2 [--bits 4] [--threads 2]
 
 One run in this process (run it in a fresh one; the pipeline's BLAS setup: `source scripts/env.sh`
 or `env $(python -m vqpipe.blas --env)`). Prints wall and CPU seconds (user + system) of
@@ -8,7 +8,9 @@ quantize_model and the CPU seconds spent inside: the calibration forward passes 
 collection (in process the moments are summed in each layer's rotated basis), the factorisation
 (R H R^T where the moments are not rotated yet, i.e. the tied head's; the Cholesky), the GPTQ
 column loop, the H-weighted scale refit, and the tied head's layer as a whole. CPU seconds are the figure
-to quote on a shared machine (wall time grows with the load, CPU time much less).
+to quote on a shared machine (wall time grows with the load, CPU time much less). Split the
+phases at --threads 1: with more, the layers' numpy work runs on other threads beside the
+timed calls (vqpipe/parallel.py), and a phase's timer counts them too.
 """
 
 import argparse

@@ -75,6 +75,17 @@ def test_pool_inline_and_threaded():
     assert parallel.default_threads() >= 1
 
 
+def test_pool_threads_yield_to_the_main_thread():
+    import os
+    import threading
+
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with parallel.Pool(2) as pool:
+        nice = pool.map(lambda _: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), range(4))
+    assert all(n == min(19, main + parallel.POOL_NICE) for n in nice)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
+
+
 def test_pool_sets_blas_to_one_thread_and_back():
     before = [getter() for _, getter in _getters()]
     with parallel.Pool(2):

@@ -7,6 +7,11 @@ while the main thread runs MLX for the next (the calibration forward, the Choles
 Only the main thread touches MLX. With one thread nothing is deferred: the work runs where it is
 submitted, in the order it is submitted, as it did before this module.
 
+The pool's threads run at a lower priority (nice + POOL_NICE) than the main thread and MLX's:
+the main thread's chain (the next block's forward, its factors) gates the pool's next work, so
+when the pool's threads and that chain share a core the chain must not be slowed to a third of
+it; the pool still gets every cycle the chain leaves, and both cores when the chain waits.
+
 Each BLAS call must then run on one thread: OpenBLAS threads on top of ours oversubscribe the
 cores, and OpenBLAS's waiting threads spin (docs/quantize.md, "Second pass"). ``Pool`` sets both
 OpenBLAS libraries of the process (numpy's and the one MLX binds) to one thread while it runs
@@ -15,7 +20,10 @@ more than one.
 
 import ctypes
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
+
+POOL_NICE = 10  # CFS weight 110 against the main thread's 1024
 
 
 def default_threads():
@@ -46,7 +54,7 @@ class Pool:
 
     def __init__(self, threads=1):
         self.threads = check_threads(threads)
-        self._ex = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        self._ex = ThreadPoolExecutor(self.threads, initializer=_lower_priority) if self.threads > 1 else None
         self._blas = _set_blas_threads(1) if self._ex else []
 
     def submit(self, fn, *args):
@@ -68,6 +76,16 @@ class Pool:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _lower_priority():
+    """Raise this thread's nice value (Linux: per thread; elsewhere, or if refused, nothing)."""
+    if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + POOL_NICE))
+        except OSError:
+            pass
 
 
 # (set, get) symbol names of the OpenBLAS builds we meet: Debian's (preloaded for MLX, vqpipe/blas.py)
