@@ -1,6 +1,6 @@
 """Time calibrated quantization (quantize_model with GPTQ) and split its CPU seconds by phase.
 
-    python scripts/calib_time.py --source results/models/qwen2.5-0.5b/source --windows 2 [--bits 4]
+    python scripts/calib_time.py --source results/models/qwen2.5-0.5b/source --windows 2 [--bits 4] [--threads 2]
 
 One run in this process (run it in a fresh one; the pipeline's BLAS setup: `source scripts/env.sh`
 or `env $(python -m vqpipe.blas --env)`). Prints wall and CPU seconds (user + system) of
@@ -8,7 +8,9 @@ quantize_model and the CPU seconds spent inside: the calibration forward passes 
 collection (in process the moments are summed in each layer's rotated basis), the factorisation
 (R H R^T where the moments are not rotated yet, i.e. the tied head's; the Cholesky), the GPTQ
 column loop, the H-weighted scale refit, and the tied head's layer as a whole. CPU seconds are the figure
-to quote on a shared machine (wall time grows with the load, CPU time much less).
+to quote on a shared machine (wall time grows with the load, CPU time much less). Split the
+phases at --threads 1: with more, the layers' numpy work runs on other threads beside the
+timed calls (vqpipe/parallel.py), and a phase's timer counts them too.
 """
 
 import argparse
@@ -59,6 +61,9 @@ def main():
     p.add_argument("--group-size", type=int, default=64, help="0: one scale per row")
     p.add_argument("--rotation", default="auto")
     p.add_argument("--sequential", action="store_true", help="sequential moments (default: full precision)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="quantize_model's threads (vqpipe/parallel.py); the phases' CPU seconds are "
+                   "only meaningful with 1 (with more, a phase's timer also counts the other threads)")
     p.add_argument("--digest", action="store_true",
                    help="also print a sha256 of every quantized layer's arrays (exactness checks)")
     args = p.parse_args()
@@ -69,6 +74,9 @@ def main():
     from vqpipe.quantize import quantize_model
     from vqpipe.stages.quantize import calibration_tokens
 
+    from vqpipe.prefault import hold_freed_heap
+
+    hold_freed_heap()  # as `python -m vqpipe quantize` does (vqpipe/__main__.py)
     acc = {}
     gptq.gptq = timed(acc, "gptq column loop", gptq.gptq)
     gptq.refit_steps = timed(acc, "scale refit", gptq.refit_steps)
@@ -82,10 +90,10 @@ def main():
     t1, c1 = time.perf_counter(), cpu()
     records = quantize_model(model, args.bits, args.rotation, 0, embeddings=True, dtype=None,
                              group_size=args.group_size or None, calibration=tokens, sequential=args.sequential,
-                             progress=layers.append)
+                             progress=layers.append, threads=args.threads)
     wall, cpus = time.perf_counter() - t1, cpu() - c1
     head = [r for r in records if r["kind"] == "embedding"]
-    out = {"source": args.source, "bits": args.bits, "calibration_tokens": int(tokens.size),
+    out = {"source": args.source, "bits": args.bits, "calibration_tokens": int(tokens.size), "threads": args.threads,
            "load_cpu_s": load_cpu, "quantize_model_wall_s": wall, "quantize_model_cpu_s": cpus,
            "phases_cpu_s": acc, "head_layer_wall_s": head[0]["seconds"] if head else None,
            "layers": len(records), "load_avg_1min": open("/proc/loadavg").read().split()[0]}

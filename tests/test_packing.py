@@ -34,3 +34,16 @@ def test_known_layout():
 def test_too_large_index():
     with pytest.raises(ValueError, match="does not fit in 2 bits"):
         pack(np.array([[4]], dtype=np.uint8), 2)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_bytewise_packing_is_the_word_layout(bits):
+    # pack builds 2/4/8-bit words from bytes; the layout is value i at bits [bits*i, bits*i + bits)
+    # of the little-endian stream, i.e. the word fields below.
+    idx = np.random.default_rng(bits).integers(0, 1 << bits, (37, 70)).astype(np.uint8)
+    padded = np.zeros((37, 96), dtype=np.uint8)
+    padded[:, :70] = idx
+    fields = padded.reshape(37, -1, 32 // bits).astype(np.uint32) << np.arange(0, 32, bits, dtype=np.uint32)
+    want = np.bitwise_or.reduce(fields, axis=-1)
+    got = pack(idx, bits)
+    assert got.dtype == np.uint32 and got.flags.c_contiguous and np.array_equal(got, want)

@@ -423,6 +423,13 @@ def test_layer_bits_reach_the_command(bare):
     assert "--layer-bits" not in llama[0]
 
 
+def test_quantize_threads_follow_the_job(bare):
+    """The quantize job's cores reach GPTQ's pool (vqpipe/parallel.py) and OpenBLAS alike: one
+    each under the default profile, where make run runs two jobs on 2 cores."""
+    tiny, _ = quantize_commands(bare, "thr", "{group_size: 64}")
+    assert "OPENBLAS_NUM_THREADS=1 " in tiny[0] and " --threads 1 " in tiny[0]
+
+
 def planned_jobs(output):
     """[(rule, {wildcard: value}, priority)] of a dry run's job blocks, in the order printed."""
     jobs = []

@@ -161,31 +161,44 @@ def quantize_calibrated(model, tokens, quantize_one, targets, progress=None, seq
     h = [inner.embed_tokens(b).astype(mx.float32) for b in _batches(tokens)]
     mx.eval(h)
     mask = "causal" if tokens.shape[1] > 1 else None
+    pending = []  # (name, H key, complete) of the block before
+
+    def complete(jobs):
+        for name, key, done in jobs:
+            records[name] = done()
+            if key is not None:
+                records[name]["hessian"] = key
+
     for i, (layer, bname) in enumerate(zip(inner.layers, block_names)):
         t0 = time.perf_counter()
         names = [n for n in kinds if kinds[n] == "linear" and n.startswith(bname + ".")]
         stats, outs = collect(model, names, block_forward(layer, mask), h, rotation)
-        for name in names:
-            key, hess = stats[name]
-            records[name] = quantize_one(name, "linear", hess)
-            records[name]["hessian"] = key
+        jobs = [(name, stats[name][0], quantize_one(name, "linear", stats[name][1], defer=True)) for name in names]
+        # Block i's numpy work (vqpipe/parallel.py) runs while block i + 1's forward and factors
+        # are computed here; block i - 1's is waited for now, so two blocks at most are in flight.
+        complete(pending)
+        pending = jobs
         if sequential:  # the next block's input from the quantized block
+            complete(pending)
+            pending = []
             run = block_forward(inner.layers[i], mask)
             outs = [run(x) for x in h]
             mx.eval(outs)
         h = outs
         if progress:
             progress(f"[block {i + 1}/{len(inner.layers)}] {len(names)} layers {time.perf_counter() - t0:.2f}s")
-    rest = [n for n in kinds if n not in records]
+    rest = [n for n in kinds if n not in records and n not in {name for name, _, _ in pending}]
     normed = [inner.norm(x) for x in h] if rest else []
     for name in rest:
         # An lm_head, untied or tied (the embedding table itself), reads the final norm's output;
         # anything else goes data-free. The tied table is quantized last: until then every block's
         # calibration input came from the dense table.
         reads_norm = name.split(".")[-1] == "lm_head" or name == head
-        records[name] = quantize_one(name, kinds[name], moments(normed) if reads_norm else None)
-        if reads_norm:
-            records[name]["hessian"] = "final norm"
+        pending.append((name, "final norm" if reads_norm else None,
+                        quantize_one(name, kinds[name], moments(normed) if reads_norm else None, defer=True)))
+        complete(pending[:-1])
+        pending = pending[-1:]
+    complete(pending)
     return [records[n] for n, _ in targets if n in records]
 
 

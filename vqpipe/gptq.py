@@ -60,28 +60,33 @@ def ldl_factor(h, damp=DAMP):
     Dead inputs (zero diagonal) get a unit diagonal; their weights are multiplied by zero anyway.
     If the damped H is still not positive definite in float32, the damping grows tenfold.
     """
-    a = np.array(h, dtype=np.float32)  # a private copy: its diagonal is damped in place
+    a = np.asarray(h, dtype=np.float32)
     d = a.shape[0]
     diag = a.diagonal().copy()
     dead = diag <= 0
     mean = mx.mean(mx.array(np.where(dead, np.float32(0), diag))).item()
     mean = mean if mean > 0 else 1.0
     base = diag + dead.astype(np.float32)
+    # With J the reversal, J A J = L L^T gives A = V V^T for the upper V = J L J, and
+    # I + N = V diag(V)^-1: one Cholesky (d^3 / 3 flops) and no inverse. The inverse's upper
+    # Cholesky factor U that GPTQ is usually written with is V^-1 (a triangular inverse, as
+    # many flops again); see gptq() for why V itself is enough. J A J is made once, in a private
+    # copy whose diagonal is damped in place (a dense damp * mean * I cost two d x d temporaries,
+    # 95 MB each at d = 4864, for the same float32 sums); reversed reads are the slow passes here.
+    rev = np.ascontiguousarray(a[::-1, ::-1])
     for _ in range(4):
-        # The diagonal only: adding damp * mean * I as a dense matrix cost two d x d temporaries
-        # (95 MB each at d = 4864) for the same float32 sums.
-        np.fill_diagonal(a, base + np.float32(damp * mean))
-        # With J the reversal, J A J = L L^T gives A = V V^T for the upper V = J L J, and
-        # I + N = V diag(V)^-1: one Cholesky (d^3 / 3 flops) and no inverse. The inverse's upper
-        # Cholesky factor U that GPTQ is usually written with is V^-1 (a triangular inverse, as
-        # many flops again); see gptq() for why V itself is enough.
-        low = mx.linalg.cholesky(mx.array(np.ascontiguousarray(a[::-1, ::-1])), stream=mx.cpu)
-        v = np.array(low)[::-1, ::-1]
-        pivots = np.diag(v).copy()
-        if np.all(np.isfinite(v)) and np.all(pivots > 0):
-            n = np.triu(v, 1)
-            n /= pivots[None, :]
-            return n
+        np.fill_diagonal(rev, (base + np.float32(damp * mean))[::-1])
+        low = mx.linalg.cholesky(mx.array(rev), stream=mx.cpu)
+        mx.eval(low)  # the GIL is released while MLX computes (other threads run; vqpipe/parallel.py)
+        low = np.asarray(low)  # MLX's buffer, no copy
+        pivots = low.diagonal()[::-1].copy()
+        # MLX leaves L's upper triangle zero, so J L J / pivots is already strictly upper but for
+        # its unit diagonal: the same float32 quotients as triu(V, 1) / pivots, in one pass.
+        if np.all(pivots > 0):
+            n = np.divide(low[::-1, ::-1], pivots[None, :], out=np.empty((d, d), dtype=np.float32))
+            np.fill_diagonal(n, 0)
+            if np.isfinite(n).all():
+                return n
         damp *= 10
     raise ValueError(f"calibration second moments (dim {d}) are not positive definite even with damping {damp / 10:g}")
 

@@ -30,7 +30,7 @@ def env_off(name):
 PREFAULT_MIN = 64 << 20  # smaller loads are not worth a thread
 _PREFAULT_STEP = 16 << 20
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and nothing is prefaulted
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -2, -3, -4
 # Any mallopt() of these turns off glibc's dynamic mmap threshold for good (it starts at 128 KiB and
 # rises to the size of each freed mmapped chunk, up to 32 MiB, with the trim threshold at twice that).
 # Afterwards we set the state it settles in once a chunk of >= 32 MiB was freed (as the copies of a
@@ -63,7 +63,9 @@ def _glibc():
 # Memory given back to this VM's kernel is reported to the hypervisor and costs a trapped fault per
 # page when touched again; calibrate's numpy blocks (25 MB SwiGLU outputs, attention scores) were
 # freed and refaulted all the time: 8 windows, system time 2.88 -> 1.66 s (n = 2 each).
-_HOLD_HEAP = ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 1 << 30))
+# The top pad (256 MiB more per heap growth) is what the calibrated quantize timings of
+# docs/quantize.md "Fourth pass" were measured with (GPTQ temporaries of 17-29 MB).
+_HOLD_HEAP = ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 256 << 20))
 
 
 def hold_freed_heap():

@@ -22,19 +22,26 @@ from . import dequant, qmv
 from . import rotation as rot
 from .codebook import LAYER_BITS, boundaries, check_bits, codebook
 from .bitpack import pack, unpack
+from .parallel import Pool
 
 _ROW_CHUNK = 8192  # rows quantized at a time: bounds temporaries for 150k-row embeddings
 
 
-def quantize_weight(weight, bits, rotation, group_size=None, hessian=None, damp=None):
+def quantize_weight(weight, bits, rotation, group_size=None, hessian=None, damp=None, pool=None):
     """Quantize ``weight`` (out x in) -> (packed, scales, codebook, squared_error).
 
     ``squared_error`` is ||W - W_hat||^2, computed in the rotated space (R is orthogonal).
     Without ``group_size`` and ``hessian`` this is the data-free per-row method, unchanged.
+    With ``pool`` (vqpipe/parallel.py) the numpy work of group scales / GPTQ runs there and this
+    returns a function that gives the tuple (call it on the thread that uses MLX).
     """
     check_bits(bits, LAYER_BITS)
     if group_size is not None or hessian is not None:
-        return _quantize_grouped(weight, bits, rotation, group_size, hessian, damp)
+        finish = _quantize_grouped(weight, bits, rotation, group_size, hessian, damp, pool or Pool(1))
+        return finish if pool is not None else finish()
+    if pool is not None:
+        done = quantize_weight(weight, bits, rotation)
+        return lambda: done
     out_features, in_features = weight.shape
     levels = codebook(bits, in_features)
     bounds = boundaries(levels).astype(np.float32)
@@ -74,8 +81,10 @@ def check_group_size(group_size, in_features):
         raise ValueError(f"group size {group_size!r} must be a positive integer dividing in_features {in_features}")
 
 
-def _quantize_grouped(weight, bits, rotation, group_size, hessian, damp):
-    """Group scales and/or GPTQ: steps and codes in numpy, then the stored layout."""
+def _quantize_grouped(weight, bits, rotation, group_size, hessian, damp, pool):
+    """Group scales and/or GPTQ; returns a function giving quantize_weight's tuple. Here, on the
+    calling thread: the MLX part (the rotated weight, the factors of H); on ``pool``: GPTQ, refit,
+    packing and error of row chunks (rows are independent: the bytes do not depend on the chunks)."""
     from . import gptq
 
     out_features, in_features = weight.shape
@@ -83,35 +92,74 @@ def _quantize_grouped(weight, bits, rotation, group_size, hessian, damp):
     levels = codebook(bits, in_features)
     root = math.sqrt(in_features)
     unit = (levels / root).astype(np.float32)  # the stored codebook: code values per unit step*root
-    w = np.array(rotation.apply(weight.astype(mx.float32)), dtype=np.float32)
     h = n = None  # no moments: round to nearest with the same scales
     if hessian is not None:
         h, n = _rotated_factors(hessian, rotation, gptq.DAMP if damp is None else damp)
-    idx, _ = gptq.gptq(w, n, levels.astype(np.float32), group_size)
-    # Row chunks from here on (rows are independent; the bytes do not depend on the chunk): no
-    # weight-sized code values (545 MB for a 151,936-row head) and packing in cache (1.6-2.1 ->
-    # 0.55 CPU-s for that head at 4 bits).
-    chunks = gptq._chunks(out_features, _ROW_CHUNK)
-    s = np.concatenate([gptq.refit_steps(w[a:b], unit[idx[a:b]], group_size, h) for a, b in chunks])
+    levels = levels.astype(np.float32)
+    jobs = []
+    for a, b in gptq._chunks(out_features, _job_rows(out_features, pool.threads)):
+        # Each job's rows rotated on their own (a row's rotation does not depend on the others),
+        # so the pool starts on the first job while MLX rotates the next: the 151,936-row head's
+        # rotation had left a core idle for ~2 s. The GIL is released while MLX computes.
+        w = rotation.apply(weight[a:b].astype(mx.float32))
+        mx.eval(w)
+        # MLX's buffer, no copy (the job only reads it)
+        jobs.append(pool.submit(_quantize_rows, np.asarray(w), n, levels, unit, group_size, h, bits))
+
+    def finish():
+        parts = [job.result() for job in jobs]
+        s = np.concatenate([p[0] for p in parts])
+        if group_size is None:
+            scales = s[:, 0].astype(np.float32)
+        else:
+            if any(p[1] is None for p in parts):
+                raise ValueError("a group scale overflows float16; quantize this layer without --group-size")
+            scales = s.astype(np.float16)
+        packed = np.concatenate([p[1] for p in parts])
+        error = float(np.sum(np.concatenate([p[2] for p in parts])))
+        return mx.array(packed), mx.array(scales), mx.array(unit), error
+
+    return finish
+
+
+def _job_rows(rows, threads):
+    """Rows per pool job: _ROW_CHUNK bounds the temporaries (no 545 MB code array for a 151,936-row
+    head; packing in cache: 1.6-2.1 -> 0.55 CPU-s for it); with more threads a layer is split so
+    every thread gets a part, but not below 1024 rows: the GPTQ column loop is numpy calls on
+    vectors of a part's rows, and numpy holds the GIL through an element-wise loop of 500 elements
+    or fewer (the threads would take turns). A 896-row layer stays one job; the other layers of
+    its block run beside it."""
+    return min(_ROW_CHUNK, max(1024, -(-rows // threads)))
+
+
+def _quantize_rows(w, n, levels, unit, group_size, h, bits):
+    """Codes, refit steps, packed words and squared error per row of a row chunk (numpy only: it
+    runs on a pool thread). Returns (steps [rows, groups], packed or None where a step overflows
+    float16, error per row float64)."""
+    from . import gptq
+
+    idx, _ = gptq.gptq(w, n, levels, group_size)
+    c = unit[idx]  # code values, for the refit and the error
+    s = gptq.refit_steps(w, c, group_size, h)
     if group_size is None:
         scales = s[:, 0].astype(np.float32)
-    else:
-        if not np.all(np.abs(s) < 65504):
-            raise ValueError("a group scale overflows float16; quantize this layer without --group-size")
+    elif np.all(np.abs(s) < 65504):
         scales = s.astype(np.float16)
-    packed = np.concatenate([pack(idx[a:b], bits) for a, b in chunks])
-    return mx.array(packed), mx.array(scales), mx.array(unit), _squared_error(w, idx, unit, scales, group_size)
+    else:
+        return s, None, None
+    return s, pack(idx, bits), _squared_error(w, c, scales, group_size)
 
 
-def _squared_error(w, idx, unit, scales, group_size):
-    """||W_r - s * unit[idx]||^2, a chunk of rows at a time (no weight-sized temporaries)."""
-    total = 0.0
-    for r0 in range(0, w.shape[0], _ROW_CHUNK):
-        s = scales[r0 : r0 + _ROW_CHUNK].astype(np.float32)
-        s = s[:, None] if group_size is None else np.repeat(s, group_size, axis=1)
-        c = unit[idx[r0 : r0 + _ROW_CHUNK]]
-        total += float(np.sum((w[r0 : r0 + _ROW_CHUNK] - c * s).astype(np.float64) ** 2))
-    return total
+def _squared_error(w, c, scales, group_size):
+    """||w_o - s_o * c_o||^2 per row o (float64; ``c`` the code values of a job's rows, at most
+    _ROW_CHUNK). Per row, so the total does not depend on how the rows were split into jobs."""
+    rows, d = w.shape
+    s = scales.astype(np.float32)
+    if group_size is None:
+        e = w - c * s[:, None]
+    else:  # the steps broadcast over their groups (no repeated [rows, d] copy of them)
+        e = (w.reshape(rows, -1, group_size) - c.reshape(rows, -1, group_size) * s[:, :, None]).reshape(rows, d)
+    return np.einsum("ij,ij->i", e, e, dtype=np.float64)
 
 
 _FACTORS = []  # [(hessian, rotation state key, (h, u))]: the last few (a block's distinct inputs)
@@ -180,17 +228,24 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear, bits, rotation="auto", seed=0, weight=None, group_size=None, hessian=None,
-                    damp=None):
+                    damp=None, pool=None):
         """Quantize an ``nn.Linear`` (or a dequantized ``weight`` of another layer); ``hessian`` is
-        the input second moments X^T X (in x in) from calibration, for GPTQ."""
+        the input second moments X^T X (in x in) from calibration, for GPTQ. With ``pool``
+        (vqpipe/parallel.py) the numpy work runs there and this returns a function that gives
+        the layer (call it on the thread that uses MLX)."""
         weight = linear.weight if weight is None else weight
         out_features, in_features = weight.shape
         r = rotation if isinstance(rotation, rot.Rotation) else rot.make_rotation(rotation, in_features, seed)
-        packed, scales, levels, error = quantize_weight(weight, bits, r, group_size, hessian, damp)
+        pending = quantize_weight(weight, bits, r, group_size, hessian, damp, pool)
         bias = linear.get("bias") if isinstance(linear, nn.Module) else None
-        layer = cls(in_features, out_features, bits, r, packed, scales, levels, bias, group_size)
-        layer.squared_error = error
-        return layer
+
+        def layer():
+            packed, scales, levels, error = pending() if pool is not None else pending
+            new = cls(in_features, out_features, bits, r, packed, scales, levels, bias, group_size)
+            new.squared_error = error
+            return new
+
+        return layer if pool is not None else layer()
 
     def dequantized_weight(self, dtype=mx.float32):
         """W_hat (out x in) in the original basis: (s * C[q]) R. For analysis, not the forward."""

@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from . import allocate
 from .codebook import check_bits
 from .fused import fuse_model, rotation_owner
+from .parallel import Pool, check_threads
 from .plain_model import plain_model
 from .qlinear import QuantizedEmbedding, QuantizedLinear
 from .rotation import KINDS, resolve_kind
@@ -76,7 +77,7 @@ def _targets(model, embeddings, lm_head):
 
 def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_head=True,
                    dtype=mx.float32, progress=None, group_size=None, calibration=None, damp=None,
-                   fuse=True, sequential=True, moments=None, layer_bits=None):
+                   fuse=True, sequential=True, moments=None, layer_bits=None, threads=1):
     """Quantize ``model`` in place, one layer at a time; returns per-layer records.
 
     Every nn.Linear (and affine nn.QuantizedLinear, dequantized first) becomes a QuantizedLinear.
@@ -86,7 +87,9 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     turns on GPTQ with input second moments collected block by block (vqpipe/calibrate.py).
     ``moments`` ({name: (key, H)}, vqpipe/stages/calibrate.py) gives GPTQ stored full-precision moments
     instead (no forward pass). ``layer_bits`` (rules [{match, add|bits}], vqpipe/allocate.py) gives
-    the layers they match their own width; the others get ``bits``. ``dtype=None`` keeps each tensor that is not quantized in its source dtype. Linears that read
+    the layers they match their own width; the others get ``bits``. ``dtype=None`` keeps each tensor that is not quantized in its source dtype.
+    ``threads`` > 1 runs the numpy work of group scales / GPTQ on that many threads, beside the
+    MLX work of the next layers (vqpipe/parallel.py); the result is the same. Linears that read
     the same activation (q/k/v, gate/up) share one rotation (the seed of the first:
     vqpipe/fused.py), and with ``fuse`` they are computed as one (rows concatenated), as the
     loaders do, so the reference logits come from the same code path.
@@ -102,19 +105,22 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     targets = [(name, kind) for name, _, kind in targets]
     modules = dict(model.named_modules())
     done = [0]
+    pool = Pool(check_threads(threads))
 
-    def quantize_one(name, kind, hessian):
+    def quantize_one(name, kind, hessian, defer=False):
+        """The layer's record; with ``defer``, a function that completes the layer and returns its
+        record, while the layer's numpy work runs on the pool meanwhile."""
         t0 = time.perf_counter()
         module = modules.pop(name)
         keep = dtype or _source_dtype(module)
         # In the source dtype: quantize_weight casts row chunks to float32, so a 150k-row embedding
         # never has a whole float32 copy (nor a squared one) alive at once.
         weight = _dense_weight(module, keep)
-        record = None
         if kind == "dense-embedding":
             new = nn.Embedding(*weight.shape)
             new.weight = weight.astype(keep)
             mx.eval(new.weight)
+            finish, gs = (lambda: new), None
         else:
             in_dim = weight.shape[1]
             # one seed for the linears reading one activation: they can share its rotation
@@ -125,40 +131,36 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
             cls = QuantizedEmbedding if kind == "embedding" else QuantizedLinear
             # an embedding gets group scales only as a calibrated tied head (vqpipe/calibrate.py)
             gs = group_size if kind == "linear" or hessian is not None else None
-            new = cls.from_linear(module, layer_bits.get(name, bits), r, r_seed, weight=weight,
-                                  group_size=gs, hessian=hessian, damp=damp)
-            if kind == "embedding":
-                new.out_dtype = keep
-            if "bias" in module:
-                new.bias = module.bias.astype(dtype or module.bias.dtype)
-            mx.eval(new.parameters())
-            total = _sum_squares(weight)
-            record = {
-                "name": name, "kind": kind, "shape": list(weight.shape), "bits": new.bits, "rotation": new.rotation.kind,
-                "group_size": gs, "calibrated": hessian is not None,
-                "squared_error": new.squared_error, "weight_sq": total,
-                "rel_mse": new.squared_error / max(total, 1e-30), "seconds": time.perf_counter() - t0,
-            }
-        model.update_modules(tree_unflatten([(name, new)]))
-        done[0] += 1
-        if progress and calibration is None:
-            progress(f"[{done[0]}/{len(targets)}] {name} {kind} {time.perf_counter() - t0:.2f}s")
-        return record
+            finish = cls.from_linear(module, layer_bits.get(name, bits), r, r_seed, weight=weight,
+                                     group_size=gs, hessian=hessian, damp=damp, pool=pool)
 
-    if moments is not None:  # {name: (key, H)} from a calibrate artifact (vqpipe/stages/calibrate.py)
-        records = []
-        for name, kind in targets:
-            key, hess = moments.get(name, (None, None)) if kind != "dense-embedding" else (None, None)
-            records.append(quantize_one(name, kind, hess))
-            if hess is not None:
-                records[-1]["hessian"] = key
-    elif calibration is None:
-        records = [quantize_one(name, kind, None) for name, kind in targets]
-    else:
-        from .calibrate import quantize_calibrated
+        def complete():  # MLX from here on: on this (the main) thread
+            new = finish()
+            record = None
+            if kind != "dense-embedding":
+                if kind == "embedding":
+                    new.out_dtype = keep
+                if "bias" in module:
+                    new.bias = module.bias.astype(dtype or module.bias.dtype)
+                mx.eval(new.parameters())
+                total = _sum_squares(weight)
+                record = {
+                    "name": name, "kind": kind, "shape": list(weight.shape), "bits": new.bits,
+                    "rotation": new.rotation.kind, "group_size": gs, "calibrated": hessian is not None,
+                    "squared_error": new.squared_error, "weight_sq": total,
+                    "rel_mse": new.squared_error / max(total, 1e-30), "seconds": time.perf_counter() - t0,
+                }
+            model.update_modules(tree_unflatten([(name, new)]))
+            done[0] += 1
+            if progress and calibration is None:
+                progress(f"[{done[0]}/{len(targets)}] {name} {kind} {time.perf_counter() - t0:.2f}s")
+            return record
 
-        records = quantize_calibrated(model, calibration, quantize_one, targets, progress, sequential,
-                                      rotation=lambda name, dim: layer_rotation(rotation, seed, name, dim))
+        return complete if defer else complete()
+
+    with pool:
+        records = _quantize_all(model, targets, quantize_one, moments, calibration, progress, sequential,
+                                lambda name, dim: layer_rotation(rotation, seed, name, dim))
     records = [r for r in records if r is not None]
     # Remaining tensors (norms, biases of other layers) in the compute dtype.
     quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
@@ -171,6 +173,35 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     if fuse:
         fuse_model(model)
     return records
+
+
+LOOKAHEAD = 3  # layers prepared (rotated, factorised) while earlier ones' numpy work runs
+
+
+def _quantize_all(model, targets, quantize_one, moments, calibration, progress, sequential, rotation):
+    """Every target's record, in order: with stored ``moments`` or ``calibration`` tokens, or data-free."""
+    if moments is not None:  # {name: (key, H)} from a calibrate artifact (vqpipe/stages/calibrate.py)
+        records, pending = [], []
+
+        def complete_first():
+            key, complete = pending.pop(0)
+            records.append(complete())
+            if key is not None:
+                records[-1]["hessian"] = key
+
+        for name, kind in targets:
+            key, hess = moments.get(name, (None, None)) if kind != "dense-embedding" else (None, None)
+            pending.append((key if hess is not None else None, quantize_one(name, kind, hess, defer=True)))
+            if len(pending) > LOOKAHEAD:
+                complete_first()
+        while pending:
+            complete_first()
+        return records
+    if calibration is None:
+        return [quantize_one(name, kind, None) for name, kind in targets]
+    from .calibrate import quantize_calibrated
+
+    return quantize_calibrated(model, calibration, quantize_one, targets, progress, sequential, rotation=rotation)
 
 
 def quantized_layers(model):

@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from .. import __version__
 from ..codebook import BITS
-from .. import manifest, record
+from .. import manifest, parallel, record
 from ..fsutil import atomic_dir, save_safetensors
 from ..fused import fuse_model
 from ..quantize import assemble, build_layers, quantize_model, skeleton, split_state
@@ -138,7 +138,7 @@ def calibration_tokens(tokenizer, text="none", windows=16, length=512, seed=0):
 
 def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=True, dtype="source",
         progress=print, group_size=None, calibration="none", calib_windows=16, calib_length=512,
-        calib_seed=0, damp=None, moments=None, sequential=True, layer_bits=None):
+        calib_seed=0, damp=None, moments=None, sequential=True, layer_bits=None, threads=1):
     from mlx_lm.utils import load
 
     if dtype not in DTYPES:
@@ -166,7 +166,7 @@ def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=Tru
     t0 = time.perf_counter()
     records = quantize_model(model, bits, rotation, seed, embeddings, lm_head, DTYPES[dtype], progress,
                              group_size, tokens, damp, moments=stored, sequential=sequential,
-                             layer_bits=layer_bits)
+                             layer_bits=layer_bits, threads=threads)
     seconds = time.perf_counter() - t0
     info = {
         "vqpipe_version": __version__, "source": str(source), "bits": bits, "rotation": rotation,
@@ -209,6 +209,9 @@ def main(argv=None):
                    '(N bits over --bits) or {"match": REGEX, "bits": N} for the layers whose names match')
     p.add_argument("--moments", default=None, metavar="DIR",
                    help="GPTQ with the full-precision moments of a calibrate-stage artifact (no forward pass)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads for the numpy work of GPTQ and group scales (vqpipe/parallel.py; the result "
+                   "does not depend on it); default: the cores this process may run on")
     args = p.parse_args(argv)
     try:
         layer_bits = None if args.layer_bits is None else json.loads(args.layer_bits)
@@ -219,7 +222,8 @@ def main(argv=None):
         run(args.source, args.out, args.bits, args.rotation, args.seed, args.embeddings, args.lm_head, args.dtype,
             group_size=args.group_size, calibration=args.calibration, calib_windows=args.calib_windows,
             calib_length=args.calib_length, calib_seed=args.calib_seed, damp=args.damp, moments=args.moments,
-            sequential=args.sequential, layer_bits=layer_bits)
+            sequential=args.sequential, layer_bits=layer_bits,
+            threads=parallel.default_threads() if args.threads is None else args.threads)
     except (ValueError, OSError) as e:  # OSError: e.g. disk full, named with its path
         where = "" if isinstance(e, ValueError) or e.filename else f"writing {args.out}: "
         print(f"vqpipe quantize: error: {where}{e}", file=sys.stderr)

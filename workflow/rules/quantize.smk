@@ -35,4 +35,6 @@ rule quantize:
         vqpipe_cmd(
             "quantize --source {input.source:q} --out {output:q} --bits {params.bits}"
             " --rotation {params.rotation} --seed {params.seed} --dtype {params.dtype}{params.flags}"
+            # the job's cores for GPTQ's numpy work (vqpipe/parallel.py): the bytes do not depend on it
+            " --threads {threads}"
         )
