@@ -297,8 +297,9 @@ def _head_dim(args):
     return getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
 
 
-def _filled(model, kind, s, dtype):
-    caches = _make(model, kind)
+def _fill(model, caches, s, dtype, state):
+    """s random keys and values into every cache, 4096 at a time (the same per layer for every kind);
+    ``state(c)`` is what to evaluate after each cache."""
     hk, d = model.args.num_key_value_heads, _head_dim(model.args)
     for j, c in enumerate(caches):
         for a in range(0, s, 4096):
@@ -306,7 +307,12 @@ def _filled(model, kind, s, dtype):
             kk, vk = mx.random.split(mx.random.key(j * 1000003 + a))
             c.update_and_fetch(mx.random.normal((1, hk, n, d), key=kk).astype(dtype),
                                mx.random.normal((1, hk, n, d), key=vk).astype(dtype))
-        mx.eval(c.state[:6] if isinstance(c, PackedKIVICache) else c.state)
+        mx.eval(state(c))
+
+
+def _filled(model, kind, s, dtype):
+    caches = _make(model, kind)
+    _fill(model, caches, s, dtype, lambda c: c.state[:6] if isinstance(c, PackedKIVICache) else c.state)
     return caches
 
 
@@ -317,14 +323,7 @@ def _split_decoder(model, s, dtype, capacity):
 
     dec = Decoder(model, capacity, "split")
     caches = dec.new_cache()
-    hk, d = model.args.num_key_value_heads, _head_dim(model.args)
-    for j, c in enumerate(caches):
-        for a in range(0, s, 4096):
-            n = min(4096, s - a)
-            kk, vk = mx.random.split(mx.random.key(j * 1000003 + a))
-            c.update_and_fetch(mx.random.normal((1, hk, n, d), key=kk).astype(dtype),
-                               mx.random.normal((1, hk, n, d), key=vk).astype(dtype))
-        mx.eval(c.keys, c.values)
+    _fill(model, caches, s, dtype, lambda c: (c.keys, c.values))
     dec.position = s
     return dec, [mx.array(s, mx.int32), [(c.keys, c.values) for c in caches]]
 
