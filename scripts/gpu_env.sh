@@ -17,3 +17,20 @@ gpu_record_env() {
     ${PY:-python3} -c "import mlx.core as mx, sys; print('python', sys.version.split()[0], 'mlx', mx.__version__, mx.default_device(), 'metal', mx.metal.is_available(), 'cuda', mx.cuda.is_available())"
   } 2>&1 | tee "$1"
 }
+
+# Nsight Compute over the qmv kernels of one command, if ncu is installed:
+#   gpu_ncu_profile PREFIX LIMIT_S [more ncu options] COMMAND...
+# writes PREFIX.ncu-rep, its details page (PREFIX-details.txt) and raw metrics (PREFIX-raw.csv).
+gpu_ncu_profile() {
+  local out=$1 limit=$2 ncu
+  shift 2
+  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  [ -n "$ncu" ] || { echo "== no Nsight Compute on this host"; return 0; }
+  echo "== Nsight Compute ($ncu)"
+  timeout "$limit" "$ncu" --kernel-name regex:vqpipe_qmv --section SpeedOfLight \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
+    --section WarpStateStats --section InstructionStats --section Occupancy --section LaunchStats \
+    -f -o "$out" "$@" 2>&1 | tail -n 40
+  "$ncu" --import "$out.ncu-rep" --page details > "$out-details.txt" 2>&1
+  "$ncu" --import "$out.ncu-rep" --page raw --csv > "$out-raw.csv" 2>&1
+}

@@ -38,20 +38,10 @@ BASE=""
 [ -f vqpipe/qmv_v6.py ] && BASE="qmv_v6"
 
 if want profile; then
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-  if [ -n "$NCU" ]; then
-    echo "== Nsight Compute ($NCU) $(since)"
-    timeout "${PROFILE_LIMIT:-150}" "$NCU" --kernel-name regex:vqpipe_qmv --section SpeedOfLight \
-      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
-      --section SchedulerStats --section WarpStateStats --section InstructionStats --section Occupancy \
-      --section LaunchStats -f -o "$OUT/profile" $PY -m vqpipe.bench.qmv_gpu_time --check-only --inputs 1 \
-      --max-pool 2 --out "$OUT/profile-check.json" --variants ${PROFILE_VARIANTS:-$BASE qmv:auto:0} \
-      --cases ${PROFILE_CASES:-l3-gateup:4:1 l3-lm_head:4:1} 2>&1 | tail -n 40
-    "$NCU" --import "$OUT/profile.ncu-rep" --page details > "$OUT/profile-details.txt" 2>&1
-    "$NCU" --import "$OUT/profile.ncu-rep" --page raw --csv > "$OUT/profile-raw.csv" 2>&1
-  else
-    echo "== no Nsight Compute on this host"
-  fi
+  echo "== profile $(since)"
+  gpu_ncu_profile "$OUT/profile" "${PROFILE_LIMIT:-150}" --section MemoryWorkloadAnalysis_Tables \
+    $PY -m vqpipe.bench.qmv_gpu_time --check-only --inputs 1 --max-pool 2 --out "$OUT/profile-check.json" \
+    --variants ${PROFILE_VARIANTS:-$BASE qmv:auto:0} --cases ${PROFILE_CASES:-l3-gateup:4:1 l3-lm_head:4:1}
 fi
 
 if want gpu_time; then

@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu_qmv8}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+source scripts/gpu_env.sh
 STEPS=${STEPS:-time profile tests}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 t0=$(date +%s)
@@ -37,22 +38,13 @@ if want final; then
 fi
 
 if want profile; then
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-  if [ -n "$NCU" ]; then
-    echo "== Nsight Compute $(since)"
-    timeout "${PROFILE_LIMIT:-120}" "$NCU" --kernel-name regex:vqpipe_qmv --section SpeedOfLight \
-      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
-      --section WarpStateStats --section InstructionStats --section Occupancy --section LaunchStats \
-      --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed.sum,l1tex__data_pipe_lsu_wavefronts.sum \
-      -f -o "$OUT/profile" $PY -m vqpipe.bench.qmv_gpu_time --check-only --inputs 1 --max-pool 2 \
-      --out "$OUT/profile-check.json" --variants ${PROFILE_VARIANTS:-qmv_tc:0:0:0:1 qmv_tc:0:0:0:2} \
-      --cases ${PROFILE_CASES:-l3-gateup:4:1 l3-lm_head:4:1 l3-gateup:4:8} 2>&1 | tail -n 20
-    "$NCU" --import "$OUT/profile.ncu-rep" --page details > "$OUT/profile-details.txt" 2>&1
-    "$NCU" --import "$OUT/profile.ncu-rep" --page raw --csv > "$OUT/profile-raw.csv" 2>&1
-    rm -f "$OUT/profile.ncu-rep"
-  else
-    echo "== no Nsight Compute on this host"
-  fi
+  echo "== profile $(since)"
+  gpu_ncu_profile "$OUT/profile" "${PROFILE_LIMIT:-120}" \
+    --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed.sum,l1tex__data_pipe_lsu_wavefronts.sum \
+    $PY -m vqpipe.bench.qmv_gpu_time --check-only --inputs 1 --max-pool 2 --out "$OUT/profile-check.json" \
+    --variants ${PROFILE_VARIANTS:-qmv_tc:0:0:0:1 qmv_tc:0:0:0:2} \
+    --cases ${PROFILE_CASES:-l3-gateup:4:1 l3-lm_head:4:1 l3-gateup:4:8}
+  rm -f "$OUT/profile.ncu-rep"
 fi
 
 if want tests; then
