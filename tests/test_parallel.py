@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vqpipe import parallel, qlinear
+from vqpipe import blas, parallel, qlinear
 from vqpipe.quantize import quantize_model, split_state
 
 from test_reservoir import make_model
@@ -95,7 +95,7 @@ def test_pool_sets_blas_to_one_thread_and_back():
 
 def _getters():
     """(name, get_num_threads) of the OpenBLAS builds Pool sets (none found: nothing to check)."""
-    found = [(setter, old) for setter, old in parallel._set_blas_threads(1)]
+    found = [(setter, old) for setter, old in blas.set_threads(1)]
     for setter, old in found:
         setter(old)
     import ctypes
@@ -104,7 +104,7 @@ def _getters():
 
     out = []
     for lib in (ctypes.CDLL(None), ctypes.CDLL(umath.__file__)):
-        for _, get_name in parallel._OPENBLAS:
+        for _, get_name in blas.OPENBLAS_THREADS:
             fn = getattr(lib, get_name, None)
             if fn is not None:
                 fn.restype = ctypes.c_int

@@ -163,6 +163,41 @@ def _openblas_details():
     return out
 
 
+# (set, get) symbol names of the OpenBLAS builds we meet: Debian's (preloaded for MLX, above)
+# and numpy's wheel (scipy-openblas, 64-bit integers and a symbol suffix).
+OPENBLAS_THREADS = [("openblas_set_num_threads", "openblas_get_num_threads"),
+             ("scipy_openblas_set_num_threads64_", "scipy_openblas_get_num_threads64_"),
+             ("openblas_set_num_threads64_", "openblas_get_num_threads64_")]
+
+
+def set_threads(n):
+    """Set every OpenBLAS loaded in this process to ``n`` threads; [(setter, previous count)]."""
+    import numpy  # noqa: F401  (loads numpy's OpenBLAS, so its symbols can be found)
+
+    libs = [ctypes.CDLL(None)]
+    try:
+        from numpy._core import _multiarray_umath as umath
+
+        libs.append(ctypes.CDLL(umath.__file__))
+    except (ImportError, OSError):
+        pass
+    done, seen = [], set()
+    for lib in libs:
+        for set_name, get_name in OPENBLAS_THREADS:
+            try:
+                setter, getter = getattr(lib, set_name), getattr(lib, get_name)
+            except AttributeError:
+                continue
+            if ctypes.cast(setter, ctypes.c_void_p).value in seen:
+                continue
+            seen.add(ctypes.cast(setter, ctypes.c_void_p).value)
+            setter.argtypes, getter.restype = [ctypes.c_int], ctypes.c_int
+            old = getter()
+            setter(n)
+            done.append((setter, old))
+    return done
+
+
 def in_use():
     """Which BLAS MLX's CPU matmuls call in this process: ``{"name", "path", "preloaded", ...}``."""
     import mlx.core  # noqa: F401  (load libmlx and its BLAS before looking)

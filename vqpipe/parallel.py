@@ -18,10 +18,11 @@ OpenBLAS libraries of the process (numpy's and the one MLX binds) to one thread 
 more than one.
 """
 
-import ctypes
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+
+from . import blas
 
 POOL_NICE = 10  # CFS weight 110 against the main thread's 1024
 
@@ -55,7 +56,7 @@ class Pool:
     def __init__(self, threads=1):
         self.threads = check_threads(threads)
         self._ex = ThreadPoolExecutor(self.threads, initializer=_lower_priority) if self.threads > 1 else None
-        self._blas = _set_blas_threads(1) if self._ex else []
+        self._blas = blas.set_threads(1) if self._ex else []
 
     def submit(self, fn, *args):
         return _Done(fn, args) if self._ex is None else self._ex.submit(fn, *args)
@@ -86,38 +87,3 @@ def _lower_priority():
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + POOL_NICE))
         except OSError:
             pass
-
-
-# (set, get) symbol names of the OpenBLAS builds we meet: Debian's (preloaded for MLX, vqpipe/blas.py)
-# and numpy's wheel (scipy-openblas, 64-bit integers and a symbol suffix).
-_OPENBLAS = [("openblas_set_num_threads", "openblas_get_num_threads"),
-             ("scipy_openblas_set_num_threads64_", "scipy_openblas_get_num_threads64_"),
-             ("openblas_set_num_threads64_", "openblas_get_num_threads64_")]
-
-
-def _set_blas_threads(n):
-    """Set every OpenBLAS loaded in this process to ``n`` threads; [(setter, previous count)]."""
-    import numpy  # noqa: F401  (loads numpy's OpenBLAS, so its symbols can be found)
-
-    libs = [ctypes.CDLL(None)]
-    try:
-        from numpy._core import _multiarray_umath as umath
-
-        libs.append(ctypes.CDLL(umath.__file__))
-    except (ImportError, OSError):
-        pass
-    done, seen = [], set()
-    for lib in libs:
-        for set_name, get_name in _OPENBLAS:
-            try:
-                setter, getter = getattr(lib, set_name), getattr(lib, get_name)
-            except AttributeError:
-                continue
-            if ctypes.cast(setter, ctypes.c_void_p).value in seen:
-                continue
-            seen.add(ctypes.cast(setter, ctypes.c_void_p).value)
-            setter.argtypes, getter.restype = [ctypes.c_int], ctypes.c_int
-            old = getter()
-            setter(n)
-            done.append((setter, old))
-    return done
