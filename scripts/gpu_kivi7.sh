@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The seventh KIVI window's GPU job (kernel v4): PART=a: a v4 smoke test (stops here if it fails),
-# the KIVI GPU tests in 8 workers, bench-kivi-latency (fp16 SDPA, v3 default, v4 shapes, chained and
-# independent, every context in one interleave); PART=b: end to end at the 8B geometry (compiled and
-# eager, v4 by default), then the same with v3 (VQPIPE_KIVI_DECODE=v3).
+# The seventh KIVI window's GPU job (kernel v4). PART=a: a v4 smoke test (stops here if it fails),
+# the KIVI GPU tests in 8 workers (GPUTEST_K), bench-kivi-latency (LAT_ARGS: fp16 SDPA, v3, v4 shapes,
+# chained and independent, every context in one interleave). PART=b: Nsight Compute on one launch
+# per arm (NCU_ARMS; the probe adds sdpa first, which takes 2 of NCU_COUNT kernels), then end to
+# end at the 8B geometry (compiled and eager) with VQPIPE_KIVI_DECODE as exported (the seventh
+# window's run b had auto, i.e. v4, as the default), and with v3 too if V3_TOO is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu_kivi7}
@@ -32,12 +34,12 @@ else
     [ -n "$NCU" ] || break
     echo "== ncu at $s $(since)"
     timeout ${NCU_LIMIT:-60} "$NCU" --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
-      --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats -k regex:"kivi_decode_attn|sdpa" -c 6 \
+      --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats -k regex:"kivi_decode_attn|sdpa" -c ${NCU_COUNT:-8} \
       $PY -m vqpipe.bench.kivi_floor --out "$OUT/floor_ncu_$s.json" --contexts $s --layers 2 --repeats 1 --warmup 0 \
-      --arms sdpa-chain,kivi4-chain,kivi4-v3-chain > "$OUT/ncu_$s.log" 2>&1
+      --arms ${NCU_ARMS:-kivi4-v4-chain,kivi4-v3-chain} > "$OUT/ncu_$s.log" 2>&1
     grep -E "kivi_decode_attn|sdpa|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|No Eligible|Issued Warp" "$OUT/ncu_$s.log" | head -n 80
   done
-  echo "== end to end, v4 (auto) $(since)"
+  echo "== end to end, VQPIPE_KIVI_DECODE=${VQPIPE_KIVI_DECODE:-default} $(since)"
   timeout ${DEC_LIMIT:-200} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_decode_v4.json" --parts decode --compiled ${DEC_ARGS:-} 2>&1 | tee "$OUT/decode_v4.log"
   if [ -n "${V3_TOO:-}" ]; then
     echo "== end to end, v3 $(since)"

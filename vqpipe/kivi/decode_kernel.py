@@ -25,6 +25,11 @@ Versions (:data:`VERSIONS`): "v3", the default, does the above with all of a chu
 issued before its arithmetic (optionally a chunk ahead); "v2" (the same arithmetic, loads next to
 their use: one round trip per token-word in its values loop, docs/kivi.md) is kept to be timed
 side by side (the kernel of H200 run 2, equal to v2 at 4 bits, was removed when v3 beat both).
+"v4" (CUDA only, 2 and 4 bits, :func:`v4_unsupported`) does the dot products of the quantized
+chunks on tensor cores (``mma.sync.m16n8k16`` bf16 -> f32: the codes exact in bf16, the folded
+query and p times the value scale as bf16 hi + lo in the mma's rows 0-7 and 8-15), each warp's
+chunks staged in shared memory by cp.async, double buffered; the residual on CUDA cores. Its bound
+is the float32 one plus 2^-16 of the score and value magnitudes (docs/kivi.md, "Seventh window").
 """
 
 import functools
@@ -1142,10 +1147,12 @@ INPUTS = ["q", "kc", "kp", "vc", "vp", "rk", "rv", "meta", "scratch", "counters"
 
 
 VERSIONS = ("v3", "v2", "v4")
-# the kernel a launch uses unless told (VQPIPE_KIVI_DECODE): "auto" (the default) is v4 where it serves
-# the geometry on CUDA (:func:`v4_unsupported`), v3 elsewhere; VERSION is the CUDA-core kernel that
-# geometry-free callers (the host rendering, the fallback) take
-DEFAULT = os.environ.get("VQPIPE_KIVI_DECODE", "auto")
+# the kernel a launch uses unless told (VQPIPE_KIVI_DECODE): v3 (the default: in the model's order,
+# chained, v4 was 7-15 % slower at 4k-8k and tied at 32k on the H200, docs/kivi.md "Seventh window");
+# "auto" is v4 where it serves the geometry on CUDA (:func:`v4_unsupported`), v3 elsewhere; "v4" the
+# same with v3 as the fallback. VERSION is the CUDA-core kernel geometry-free callers (the host
+# rendering, the fallback) take
+DEFAULT = os.environ.get("VQPIPE_KIVI_DECODE", "v3")
 if DEFAULT not in VERSIONS + ("auto",):
     raise ValueError(f"VQPIPE_KIVI_DECODE={DEFAULT!r}: expected auto or one of {', '.join(VERSIONS)}")
 VERSION = "v3" if DEFAULT in ("auto", "v4") else DEFAULT
