@@ -64,7 +64,7 @@ def _chain(x, layers, attend):
 
 def _kivi(q, c, scale, shape):
     return decode_kernel.decode_attention(q, c, scale, warps=shape.warps, ahead=shape.ahead, minblocks=shape.minblocks,
-                                          splits=_splits(c, shape))
+                                          splits=_splits(c, shape), version=shape.version or "v3")
 
 
 def _splits(c, shape):
@@ -75,13 +75,15 @@ def _splits(c, shape):
 
 def _shapes_for(shapes, bits):
     """The shapes of ``--shapes`` that apply at ``bits``: "SHAPE" at every width, "N/SHAPE" at N only,
-    "default" the width's default v3 shape (decode_kernel.V3_SHAPES)."""
+    "default" the width's default v3 shape (decode_kernel.V3_SHAPES), "v4" kernel v4's (decode_kernel.V4_SHAPE;
+    a shape text ending ":v4" is v4 at that shape)."""
     out = []
     for text in shapes:
         only, _, shape = text.rpartition("/")
         if only and int(only) != bits:
             continue
-        out.append(decode_kernel.shape_text(decode_kernel.default_shape(bits, "v3")) if shape == "default" else shape)
+        named = {"default": "v3", "v4": "v4"}
+        out.append(decode_kernel.shape_text(decode_kernel.default_shape(bits, named[shape])) if shape in named else shape)
     return list(dict.fromkeys(out))
 
 

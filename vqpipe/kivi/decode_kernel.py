@@ -25,6 +25,11 @@ Versions (:data:`VERSIONS`): "v3", the default, does the above with all of a chu
 issued before its arithmetic (optionally a chunk ahead); "v2" (the same arithmetic, loads next to
 their use: one round trip per token-word in its values loop, docs/kivi.md) is kept to be timed
 side by side (the kernel of H200 run 2, equal to v2 at 4 bits, was removed when v3 beat both).
+"v4" (CUDA only, 2 and 4 bits, :func:`v4_unsupported`) does the dot products of the quantized
+chunks on tensor cores (``mma.sync.m16n8k16`` bf16 -> f32: the codes exact in bf16, the folded
+query and p times the value scale as bf16 hi + lo in the mma's rows 0-7 and 8-15), each warp's
+chunks staged in shared memory by cp.async, double buffered; the residual on CUDA cores. Its bound
+is the float32 one plus 2^-16 of the score and value magnitudes (docs/kivi.md, "Seventh window").
 """
 
 import functools
@@ -664,6 +669,361 @@ _BODY, _BODY_V3 = (
     for b in (_BODY, _BODY_V3)
 )
 
+# v4 (seventh window): the dot products on tensor cores. mma.sync m16n8k16 bf16 -> f32. Codes are
+# small integers, exact in bfloat16; the other operand (the folded query for the scores, p times the
+# value scale for p·V) is a float32 split into bf16 hi + lo, hi in rows 0-7 of the mma's A operand
+# and lo in rows 8-15 (the GQA group has at most 8 heads, so the padding rows carry the low halves:
+# one mma does both), the two row halves' sums added at the end. Per warp, its chunks (32 quantized
+# tokens) are staged in its own shared memory with cp.async, double buffered (the next chunk's
+# bytes in flight during this one's arithmetic); residual chunks (after the quantized ones) go
+# through CUDA cores, their own running state, merged with the block's other partials.
+# CUDA only (Metal has no mma.sync; the dispatch keeps v3 there).
+_V4_HEADER = r"""
+// (x & (M | M << 16)) | bf16x2(128, 128) is bf16x2(128 + c0, 128 + c1) for codes c < 128 (the code
+// in the mantissa of 128.0); one fma takes 128 off exactly: bf16x2(c0, c1)
+template <unsigned int M2>
+__device__ __forceinline__ unsigned int kv4_pair(unsigned int x) {
+    unsigned int r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "r"(M2), "r"(0x43004300u));
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(r), "r"(0x3F803F80u), "r"(0xC300C300u));
+    return r;
+}
+// (a, b) -> bf16x2 hi = (rn(a), rn(b)) in the low and high halves, lo = rn of what hi misses
+__device__ __forceinline__ void kv4_split(float a, float b, unsigned int& hi, unsigned int& lo) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(b), "f"(a));
+    const float ra = a - __uint_as_float(hi << 16), rb = b - __uint_as_float(hi & 0xffff0000u);
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(rb), "f"(ra));
+}
+__device__ __forceinline__ void kv4_mma(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void kv4_cp16(const void* dst, const void* src) {
+    const unsigned int d = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src));
+}
+__device__ __forceinline__ void kv4_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void kv4_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+__device__ __forceinline__ void kv4_wait0() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+"""
+
+_BODY_V4 = """
+    constexpr unsigned int W = D * BITS / 32;  // words per token
+    constexpr unsigned int CPW = 32 / BITS;  // codes per word
+    constexpr unsigned int MASK = (1u << BITS) - 1u;
+    constexpr unsigned int M2 = MASK | (MASK << 16);
+    constexpr unsigned int HC = CPW / 2;  // a pair: fields j and j + HC of one word (bits 16 apart)
+    constexpr unsigned int KT = D / 16;  // score k-tiles (16 channels)
+    constexpr unsigned int KI = W / 4;  // key words per lane and token (lane t: words t, t + 4, ...)
+    constexpr unsigned int KH = CPW / 4;  // k-tiles per key word
+    constexpr unsigned int NB = D / 32;  // value blocks of 32 channels (inside one value group)
+    constexpr unsigned int NT = D / 8;  // value n-tiles (8 channels)
+    constexpr unsigned int NGV = (D + G - 1) / G;
+    constexpr unsigned int WQ = W / 4;  // 16-byte pieces per token's value words
+    constexpr unsigned int RP = (R + 3) / 4 * 4;
+    constexpr unsigned int DL = D / 32;
+    constexpr unsigned int PS = R * (D + 2);
+    // a stage: key words [W][32] (16-byte pieces swizzled by the word, no bank conflicts when lanes
+    // (g, t) read word t + 4i of token g), key parameters [D], value words [32][W] (pieces swizzled by
+    // the token pair), value parameters [32][NGV]
+    constexpr unsigned int SK = 0, SKP = W * 32, SV = SKP + D, SVP = SV + 32 * W, STG = SVP + 32 * NGV;
+    constexpr unsigned int RES = (D + 32) * RP;  // the residual loop's query and p, over the stages
+    constexpr unsigned int WA = 2 * STG > RES ? 2 * STG : RES;
+    constexpr unsigned int SHQ = NW * WA > 2 * NW * PS ? NW * WA : 2 * NW * PS;
+@SETUP@
+    const unsigned int g = lane / 4u, t = lane % 4u;  // the mma's lane coordinates
+    KA_TG unsigned int* wsh = (KA_TG unsigned int*)(sh + warp * WA);
+    // this lane's query channels (head g), times the softmax scale: k-tile (i, h), k = 2t + e is
+    // channel CPW (t + 4i) + 2h + e HC, k = 2t + 8 + e is that + 1
+    float qv[KT][4];
+    KA_UNROLL
+    for (unsigned int i = 0; i < KI; ++i) {
+        KA_UNROLL
+        for (unsigned int h = 0; h < KH; ++h) {
+            const unsigned int c = CPW * (t + 4u * i) + 2u * h;
+            const unsigned int cs[4] = {c, c + HC, c + 1u, c + 1u + HC};
+            KA_UNROLL
+            for (unsigned int k = 0; k < 4; ++k) {
+                qv[i * KH + h][k] = g < R ? static_cast<float>(q[(bh * R + g) * D + cs[k]]) * sm : 0.0f;
+            }
+        }
+    }
+    // value n-tile v = 4 kb + u, column n: channel 32 kb + hw(n) * (16 / BITS) + fo(n) + u; lane g's
+    // column: half-word hw of the block's words, fields fo .. fo + 3 of it
+    const unsigned int hw = g % (2u * BITS), fo = (g / (2u * BITS)) * 4u;
+    const unsigned int sel = hw % 2u ? 0x7632u : 0x5410u;  // prmt: the two tokens' high or low halves
+    float m = ninf, l = 0.0f, zacc[NGV], acc[NT][4];
+    KA_UNROLL
+    for (unsigned int j = 0; j < NGV; ++j) {
+        zacc[j] = 0.0f;
+    }
+    KA_UNROLL
+    for (unsigned int v = 0; v < NT; ++v) {
+        acc[v][0] = acc[v][1] = acc[v][2] = acc[v][3] = 0.0f;
+    }
+    const unsigned int cq1 = ka_umin(c1, nqc);
+    // issue chunk c's copies into stage st (16 bytes each, the warp's lanes in turn)
+    // issue chunk cl's copies into stage st (16 bytes each, the warp's lanes in turn)
+    auto load = [&](unsigned int cl, unsigned int st) {
+        KA_TG unsigned int* sb = wsh + st * STG;
+        const unsigned int grp = cl * 32u / G;
+        const unsigned int* kb = kc + ((bh * NGC + grp) * W) * G + (cl * 32u) % G;
+        for (unsigned int e = lane; e < W * 8u; e += 32u) {
+            const unsigned int w = e / 8u, tc = e % 8u;
+            kv4_cp16(sb + SK + w * 32u + ((tc ^ (2u * (w % 4u))) * 4u), kb + w * G + tc * 4u);
+        }
+        const unsigned int* pb = (const unsigned int*)kp + (bh * NGC + grp) * D;
+        for (unsigned int e = lane; e < D / 4u; e += 32u) {
+            kv4_cp16(sb + SKP + e * 4u, pb + e * 4u);
+        }
+        const unsigned int* vb = vc + (bh * SC + cl * 32u) * W;
+        for (unsigned int e = lane; e < 8u * W; e += 32u) {
+            const unsigned int tk = e / WQ, pc = e % WQ;
+            kv4_cp16(sb + SV + tk * W + ((pc ^ ((tk / 2u) % WQ)) * 4u), vb + e * 4u);
+        }
+        const unsigned int* qb = (const unsigned int*)vp + (bh * SC + cl * 32u) * NGV;
+        for (unsigned int e = lane; e < 8u * NGV; e += 32u) {
+            kv4_cp16(sb + SVP + e * 4u, qb + e * 4u);
+        }
+    };
+    unsigned int c = c0 + warp;
+    if (c < cq1) {
+        load(c, 0u);
+    }
+    kv4_commit();
+    for (unsigned int st = 0; c < cq1; c += NW, st ^= 1u) {
+        if (c + NW < cq1) {
+            load(c + NW, st ^ 1u);
+        }
+        kv4_commit();
+        kv4_wait1();
+        KA_SYNCWARP;
+        const KA_TG unsigned int* sb = wsh + st * STG;
+        // the folded query (A: rows g = hi, g + 8 = lo) and the zeros' bias of head g
+        unsigned int af[KT][4];
+        float bias = 0.0f;
+        KA_UNROLL
+        for (unsigned int i = 0; i < KI; ++i) {
+            KA_UNROLL
+            for (unsigned int h = 0; h < KH; ++h) {
+                const unsigned int c_ = CPW * (t + 4u * i) + 2u * h;
+                const unsigned int cs[4] = {c_, c_ + HC, c_ + 1u, c_ + 1u + HC};
+                float x[4];
+                KA_UNROLL
+                for (unsigned int k = 0; k < 4; ++k) {
+                    const float2 sz = ka_unpair(sb[SKP + cs[k]]);
+                    x[k] = qv[i * KH + h][k] * sz.x;
+                    bias += qv[i * KH + h][k] * sz.y;
+                }
+                kv4_split(x[0], x[1], af[i * KH + h][0], af[i * KH + h][1]);
+                kv4_split(x[2], x[3], af[i * KH + h][2], af[i * KH + h][3]);
+            }
+        }
+        bias += ka_shfl_xor(bias, 1u);
+        bias += ka_shfl_xor(bias, 2u);
+        // scores: n-tile u = tokens 8u .. 8u + 7 (B column g = token 8u + g); lane (g, t) gets head
+        // g's scores of tokens 8u + 2t + e as rows g (hi) + g + 8 (lo)
+        float s[4][2];
+        KA_UNROLL
+        for (unsigned int u = 0; u < 4; ++u) {
+            float cc[4] = {bias, bias, 0.0f, 0.0f};
+            const unsigned int tok = 8u * u + g;
+            KA_UNROLL
+            for (unsigned int i = 0; i < KI; ++i) {
+                const unsigned int w = t + 4u * i;
+                const unsigned int x = sb[SK + w * 32u + (((tok / 4u) ^ (2u * t)) * 4u) + tok % 4u];
+                KA_UNROLL
+                for (unsigned int h = 0; h < KH; ++h) {
+                    kv4_mma(cc, af[i * KH + h], kv4_pair<M2>(x >> (BITS * 2u * h)), kv4_pair<M2>(x >> (BITS * (2u * h + 1u))));
+                }
+            }
+            s[u][0] = cc[0] + cc[2];
+            s[u][1] = cc[1] + cc[3];
+        }
+@V4SOFTMAX@
+        // p·V: k-tile kk = tokens 16 kk .. 16 kk + 15: k = 2t + e is token 16 kk + 2t + e (p of
+        // n-tile 2 kk), k = 2t + 8 + e token 16 kk + 8 + 2t + e (n-tile 2 kk + 1)
+        KA_UNROLL
+        for (unsigned int kk = 0; kk < 2; ++kk) {
+            const unsigned int tk[4] = {16u * kk + 2u * t, 16u * kk + 2u * t + 1u, 16u * kk + 8u + 2u * t, 16u * kk + 9u + 2u * t};
+            const float pk[4] = {s[2 * kk][0], s[2 * kk][1], s[2 * kk + 1][0], s[2 * kk + 1][1]};
+            KA_UNROLL
+            for (unsigned int kb = 0; kb < NB; ++kb) {
+                const unsigned int j = 32u * kb / G;
+                unsigned int a[4];
+                float xs[4];
+                KA_UNROLL
+                for (unsigned int e = 0; e < 4; ++e) {
+                    const float2 sz = ka_unpair(sb[SVP + tk[e] * NGV + j]);
+                    xs[e] = pk[e] * sz.x;
+                    if (32u * kb % G == 0u) {
+                        zacc[j] += pk[e] * sz.y;
+                    }
+                }
+                kv4_split(xs[0], xs[1], a[0], a[1]);
+                kv4_split(xs[2], xs[3], a[2], a[3]);
+                const unsigned int wd = BITS * kb + hw / 2u;  // the word of lane g's half-word
+                unsigned int xw[4];
+                KA_UNROLL
+                for (unsigned int e = 0; e < 4; ++e) {
+                    xw[e] = sb[SV + tk[e] * W + (((wd / 4u) ^ ((tk[e] / 2u) % WQ)) * 4u) + wd % 4u];
+                }
+                const unsigned int y01 = __byte_perm(xw[0], xw[1], sel), y23 = __byte_perm(xw[2], xw[3], sel);
+                KA_UNROLL
+                for (unsigned int u = 0; u < 4; ++u) {
+                    kv4_mma(acc[4 * kb + u], a, kv4_pair<M2>(y01 >> (BITS * (fo + u))), kv4_pair<M2>(y23 >> (BITS * (fo + u))));
+                }
+            }
+        }
+        KA_SYNCWARP;  // every lane is done with this stage before the next pass refills it
+    }
+    kv4_wait0();
+    l += ka_shfl_xor(l, 1u);
+    l += ka_shfl_xor(l, 2u);
+    KA_UNROLL
+    for (unsigned int j = 0; j < NGV; ++j) {
+        zacc[j] += ka_shfl_xor(zacc[j], 1u);
+        zacc[j] += ka_shfl_xor(zacc[j], 2u);
+    }
+    // the residual chunks of this warp (after the quantized ones): CUDA cores, lane = token, as v3
+    // does them, their own running state; the warp's stages hold the scaled query and p
+    KA_SYNCWARP;
+    KA_TG float* qres = (KA_TG float*)wsh;  // [D][RP]
+    KA_TG float* ps = qres + D * RP;  // [32][RP]
+    for (unsigned int e = lane; e < D * RP; e += 32u) {
+        const unsigned int d = e / RP, r = e % RP;
+        qres[e] = r < R ? static_cast<float>(q[(bh * R + r) * D + d]) * sm : 0.0f;
+    }
+    KA_SYNCWARP;
+    float m2[R], l2[R], a2[R][DL];
+    KA_UNROLL
+    for (unsigned int r = 0; r < R; ++r) {
+        m2[r] = ninf;
+        l2[r] = 0.0f;
+        KA_UNROLL
+        for (unsigned int i = 0; i < DL; ++i) {
+            a2[r][i] = 0.0f;
+        }
+    }
+    for (unsigned int cr = c; cr < c1; cr += NW) {
+        const unsigned int rt = cr * 32u + lane - nq;
+        const bool valid = rt < nr;
+        float sr[R];
+        KA_UNROLL
+        for (unsigned int r = 0; r < R; ++r) {
+            sr[r] = 0.0f;
+        }
+        if (valid) {
+            const KA_DEV T* kr = rk + (bh * RC + rt) * D;
+            KA_UNROLL_4
+            for (unsigned int d = 0; d < D; ++d) {
+                const float x = static_cast<float>(kr[d]);
+                KA_UNROLL
+                for (unsigned int r = 0; r < R; ++r) {
+                    sr[r] += qres[d * RP + r] * x;
+                }
+            }
+        }
+        KA_UNROLL
+        for (unsigned int r = 0; r < R; ++r) {
+            float cm = valid ? sr[r] : ninf;
+            KA_UNROLL
+            for (unsigned int o = 16; o > 0; o /= 2) {
+                cm = ka_max(cm, ka_shfl_xor(cm, o));
+            }
+            const float mn = ka_max(m2[r], cm);
+            const float alpha = ka_exp(m2[r] - mn);
+            l2[r] *= alpha;
+            KA_UNROLL
+            for (unsigned int i = 0; i < DL; ++i) {
+                a2[r][i] *= alpha;
+            }
+            m2[r] = mn;
+            ps[lane * RP + r] = valid ? ka_exp(sr[r] - mn) : 0.0f;
+        }
+        KA_SYNCWARP;
+        const unsigned int nt = ka_umin(32u, nq + nr - cr * 32u);
+        for (unsigned int tt = 0; tt < nt; ++tt) {
+            const KA_DEV T* vr = rv + (bh * RC + cr * 32u + tt - nq) * D;
+            KA_UNROLL
+            for (unsigned int r = 0; r < R; ++r) {
+                const float pr = ps[tt * RP + r];
+                l2[r] += pr;
+                KA_UNROLL
+                for (unsigned int i = 0; i < DL; ++i) {
+                    a2[r][i] += pr * static_cast<float>(vr[lane + 32u * i]);
+                }
+            }
+        }
+        KA_SYNCWARP;
+    }
+    KA_BARRIER;  // every warp is done with its stages: the partials take their place
+    KA_TG float* mine = sh + 2u * warp * PS;  // the tensor-core partial, then the residual one
+    if (g < R) {
+        KA_UNROLL
+        for (unsigned int v = 0; v < NT; ++v) {
+            const unsigned int kb = v / 4u, u = v % 4u;
+            KA_UNROLL
+            for (unsigned int e = 0; e < 2; ++e) {
+                const unsigned int n = 2u * t + e;
+                const unsigned int ch = 32u * kb + (n % (2u * BITS)) * (16u / BITS) + (n / (2u * BITS)) * 4u + u;
+                mine[g * (D + 2) + ch] = (acc[v][e] + acc[v][2 + e]) + zacc[ch / G];
+            }
+        }
+        if (t == 0u) {
+            mine[g * (D + 2) + D] = m;
+            mine[g * (D + 2) + D + 1] = l;
+        }
+    }
+    KA_UNROLL
+    for (unsigned int r = 0; r < R; ++r) {
+        KA_UNROLL
+        for (unsigned int i = 0; i < DL; ++i) {
+            mine[PS + r * (D + 2) + lane + 32u * i] = a2[r][i];
+        }
+        if (lane == 0u) {
+            mine[PS + r * (D + 2) + D] = m2[r];
+            mine[PS + r * (D + 2) + D + 1] = l2[r];
+        }
+    }
+    KA_BARRIER;
+"""
+
+_V4_SOFTMAX = """
+        // online softmax: lane (g, t) holds 8 of head g's 32 scores; the max over t by two shuffles
+        float cm = ka_max(ka_max(ka_max(s[0][0], s[0][1]), ka_max(s[1][0], s[1][1])),
+                          ka_max(ka_max(s[2][0], s[2][1]), ka_max(s[3][0], s[3][1])));
+        cm = ka_max(cm, ka_shfl_xor(cm, 1u));
+        cm = ka_max(cm, ka_shfl_xor(cm, 2u));
+        if (ka_any(cm > m)) {
+            const float mn = ka_max(m, cm);
+            const float alpha = ka_exp(m - mn);  // 0 on the first chunk (m = -inf)
+            l *= alpha;
+            KA_UNROLL
+            for (unsigned int j = 0; j < NGV; ++j) {
+                zacc[j] *= alpha;
+            }
+            KA_UNROLL
+            for (unsigned int v = 0; v < NT; ++v) {
+                acc[v][0] *= alpha;
+                acc[v][1] *= alpha;
+                acc[v][2] *= alpha;
+                acc[v][3] *= alpha;
+            }
+            m = mn;
+        }
+        KA_UNROLL
+        for (unsigned int u = 0; u < 4; ++u) {
+            s[u][0] = ka_exp(s[u][0] - m);
+            s[u][1] = ka_exp(s[u][1] - m);
+            l += s[u][0] + s[u][1];
+        }
+"""
+
+_BODY_V4 = _BODY_V4.replace("@SETUP@\n", _SETUP).replace("@V4SOFTMAX@\n", _V4_SOFTMAX)
+_BODY_V4 += _BODY[_BODY.index("    // the block's partial: its warps merged"):].replace("w < NW;", "w < 2u * NW;")
+
 # NVRTC may contract a*b+c into FMAs here: unlike the quantizer, attention is only held to the
 # float32 accumulation bound, which contraction keeps.
 _CUDA_HEADER = """
@@ -786,11 +1146,16 @@ DIALECTS = {
 INPUTS = ["q", "kc", "kp", "vc", "vp", "rk", "rv", "meta", "scratch", "counters", "after"]
 
 
-VERSIONS = ("v3", "v2")
-# the kernel a launch uses unless told (VQPIPE_KIVI_DECODE): v3 unless the GPU says otherwise
-VERSION = os.environ.get("VQPIPE_KIVI_DECODE", "v3")
-if VERSION not in VERSIONS:
-    raise ValueError(f"VQPIPE_KIVI_DECODE={VERSION!r}: expected one of {', '.join(VERSIONS)}")
+VERSIONS = ("v3", "v2", "v4")
+# the kernel a launch uses unless told (VQPIPE_KIVI_DECODE): v3 (the default: in the model's order,
+# chained, v4 was 7-15 % slower at 4k-8k and tied at 32k on the H200, docs/kivi.md "Seventh window");
+# "auto" is v4 where it serves the geometry on CUDA (:func:`v4_unsupported`), v3 elsewhere; "v4" the
+# same with v3 as the fallback. VERSION is the CUDA-core kernel geometry-free callers (the host
+# rendering, the fallback) take
+DEFAULT = os.environ.get("VQPIPE_KIVI_DECODE", "v3")
+if DEFAULT not in VERSIONS + ("auto",):
+    raise ValueError(f"VQPIPE_KIVI_DECODE={DEFAULT!r}: expected auto or one of {', '.join(VERSIONS)}")
+VERSION = "v3" if DEFAULT in ("auto", "v4") else DEFAULT
 
 # How the launch hands the kernel the softmax scale and the token counts (quantized, residual):
 # - "small" (the default): the scale as a template argument (its float32 bits, exact; one compile
@@ -873,11 +1238,14 @@ def render(dialect, version=None, meta=None, warps=WARPS, minblocks=0, minify=Tr
     (CUDA only): __launch_bounds__(32 * warps, minblocks), registers capped so that many blocks of
     ``warps`` warps fit an SM; ``minify``: strip comments and indentation (:func:`_minified`)."""
     spec = DIALECTS[dialect]
-    body = {"v3": _BODY_V3, "v2": _BODY}[version or VERSION].replace("NSMAX", str(NSMAX))
+    version = version or VERSION
+    if version == "v4" and dialect != "cuda":
+        raise ValueError("kernel v4 is CUDA only (mma.sync); Metal takes v3")
+    body = {"v3": _BODY_V3, "v2": _BODY, "v4": _BODY_V4}[version].replace("NSMAX", str(NSMAX))
     body = body.replace("@COUNTS@", _COUNTS[meta or META])
     for token in sorted(spec["tokens"], key=len, reverse=True):  # KA_TG before KA_T..., longest first
         body = body.replace(token, spec["tokens"][token])
-    header = spec["header"]
+    header = spec["header"] + (_V4_HEADER if version == "v4" else "")
     if minblocks and dialect == "cuda":
         header = _BOUNDS.format(threads=32 * warps, blocks=minblocks) + header
     if minify:
@@ -886,9 +1254,14 @@ def render(dialect, version=None, meta=None, warps=WARPS, minblocks=0, minify=Tr
     return f"kivi_decode_attn_{digest}", header, body
 
 
-def shared_floats(head_dim, ratio, warps=WARPS, group_size=32, version=None):
+def shared_floats(head_dim, ratio, warps=WARPS, group_size=32, version=None, bits=4):
     """Floats of shared memory a kernel version declares (its SH)."""
     rp = -(-ratio // 4) * 4
+    if version == "v4":  # per warp two stages (key words and parameters, value words and parameters)
+        w, ngv = head_dim * bits // 32, -(-head_dim // group_size)
+        stg = 64 * w + head_dim + 32 * ngv
+        wa = max(2 * stg, (head_dim + 32) * rp)
+        return max(warps * wa, 2 * warps * ratio * (head_dim + 2), (NSMAX + 1) * ratio + 3)
     if (version or VERSION) == "v3":
         shq = head_dim * rp + warps * max(head_dim * rp, 32 * (rp + -(-head_dim // group_size)))
     else:
@@ -913,6 +1286,37 @@ def unsupported(head_dim, value_dim, bits, group_size, ratio, warps=None, versio
     if 4 * (shared_floats(head_dim, ratio, warps, group_size, version) + 1) > 48 * 1024:
         return f"shared memory over 48 KiB ({warps} warps, D {head_dim}, {ratio} query heads per KV head)"
     return None
+
+
+@functools.lru_cache(maxsize=256)
+def v4_unsupported(head_dim, value_dim, bits, group_size, ratio, warps=None):
+    """Why kernel v4 cannot serve this geometry (a sentence; :func:`pick_version` then takes v3), or None."""
+    w = head_dim * bits // 32
+    if bits not in (2, 4):
+        return f"{bits}-bit codes (v4 unpacks 2 and 4 bits: bf16(128 + c) needs c < 128)"
+    if value_dim != head_dim or head_dim % 32 or w % 4 or (w // 4) & (w // 4 - 1):
+        return f"head dim {head_dim} at {bits} bits: v4 needs D % 32 == 0 and D * bits / 128 a power of two"
+    if group_size % 32:
+        return f"group_size {group_size} is not a multiple of 32"
+    if not 1 <= ratio <= 8:
+        return f"{ratio} query heads per KV head (v4's mma rows hold at most 8)"
+    warps = warps or V4_SHAPE.warps
+    if 4 * (shared_floats(head_dim, ratio, warps, group_size, "v4", bits) + 1) > 48 * 1024:
+        return f"shared memory over 48 KiB ({warps} warps, D {head_dim}, {bits} bits)"
+    return None
+
+
+def pick_version(version, head_dim, value_dim, bits, group_size, ratio, warps=None, dialect=None):
+    """The kernel a launch runs: ``version`` (None: :data:`DEFAULT`); "auto" is v4 on CUDA where it
+    serves the geometry, else v3; an explicit "v4" it cannot serve (or off CUDA) falls back to v3."""
+    version = version or DEFAULT
+    if version in ("auto", "v4"):
+        dialect = dialect or gpu.backend()
+        if (version == "v4" or dialect == "cuda") and dialect != "metal" and \
+                v4_unsupported(head_dim, value_dim, bits, group_size, ratio, warps) is None:
+            return "v4"
+        return "v3"
+    return version
 
 
 _kernels = {}
@@ -949,13 +1353,14 @@ CHUNKS_PER_WARP = 2
 class Shape(typing.NamedTuple):
     """How a launch is laid out: warps per block, chunks per warp (sets the splits; 0: as many
     splits as fill the GPU, :func:`fill_splits`), chunks whose loads run ahead of the arithmetic
-    (v3's PF, 0 or 1) and the blocks per SM that __launch_bounds__ asks the compiler to fit (0: no
-    bounds)."""
+    (v3's PF, 0 or 1), the blocks per SM that __launch_bounds__ asks the compiler to fit (0: no
+    bounds) and the kernel version ("": the default's)."""
 
     warps: int
     per_warp: int
     ahead: int = 0
     minblocks: int = 0
+    version: str = ""
 
 
 def default_shape(bits, version=None):
@@ -965,6 +1370,8 @@ def default_shape(bits, version=None):
     4k-64k on the H200 (docs/results/2026-12-02-h200-kivi6): 8 warps with splits that fill the GPU
     (one wave of 2 blocks per SM) and the loads not ahead at 4 bits, 4 warps filling it (3 blocks
     per SM) with the loads one chunk ahead at 2 bits; 8 bits untimed, as 4 (the same registers)."""
+    if version == "v4":
+        return V4_SHAPE
     if (version or VERSION) == "v3":
         return V3_SHAPES.get(bits, V3_SHAPES[4])
     return Shape(4, 2) if bits == 2 else Shape(8, 4)
@@ -972,8 +1379,10 @@ def default_shape(bits, version=None):
 
 def parse_shape(text):
     """"8x2", "8xf" or "8x2:pf1:mb2" (warps x chunks per warp or f: fill the GPU, loads ahead,
-    launch-bounds blocks) -> Shape."""
+    launch-bounds blocks), optionally ":v4" (a version) -> Shape."""
     head, *rest = text.split(":")
+    version = next((x for x in rest if x in VERSIONS), "")
+    rest = [x for x in rest if x not in VERSIONS]
     try:
         w, per = head.split("x")
         w, per = int(w), 0 if per == "f" else int(per)
@@ -982,12 +1391,12 @@ def parse_shape(text):
         raise ValueError(f"launch shape {text!r}: expected WARPSx(CHUNKS|f)[:pfN][:mbN]") from None
     if set(opts) - {"pf", "mb"} or opts.get("pf", 0) not in (0, 1) or not 1 <= w <= 32 or per < 0:
         raise ValueError(f"launch shape {text!r}: expected WARPSx(CHUNKS|f)[:pfN][:mbN], pf 0 or 1")
-    return Shape(w, per, opts.get("pf", 0), opts.get("mb", 0))
+    return Shape(w, per, opts.get("pf", 0), opts.get("mb", 0), version)
 
 
 def shape_text(shape):
     """The inverse of :func:`parse_shape`."""
-    return f"{shape.warps}x{shape.per_warp or 'f'}:pf{shape.ahead}:mb{shape.minblocks}"
+    return f"{shape.warps}x{shape.per_warp or 'f'}:pf{shape.ahead}:mb{shape.minblocks}" + (f":{shape.version}" if shape.version else "")
 
 
 # v3's launch per bit width; VQPIPE_KIVI_V3_SHAPE<bits> (e.g. "8x2:pf1") replaces one, for the benchmark
@@ -995,6 +1404,10 @@ def shape_text(shape):
 V3_SHAPES = {2: Shape(4, 0, 1, 0), 4: Shape(8, 0, 0, 0), 8: Shape(8, 0, 0, 0)}
 V3_SHAPES.update({b: parse_shape(os.environ[f"VQPIPE_KIVI_V3_SHAPE{b}"])
                   for b in (2, 4, 8) if f"VQPIPE_KIVI_V3_SHAPE{b}" in os.environ})
+# v4: 4-warp blocks filling the GPU, two resident per SM (40 KiB of stages each at D 128, 4 bits;
+# registers up to 255 leave two); VQPIPE_KIVI_V4_SHAPE replaces it
+V4_SHAPE = parse_shape(os.environ.get("VQPIPE_KIVI_V4_SHAPE", "4xf"))._replace(version="v4")
+V4_BLOCKS = 2
 
 
 def default_splits(chunks, warps=WARPS, per_warp=None, heads=None, per_sm=None):
@@ -1019,6 +1432,8 @@ def resident_blocks(bits, shape):
     warp at a time); launch bounds set it. Other geometries are assumed to fit as the 8B one."""
     if shape.minblocks:
         return shape.minblocks
+    if shape.version == "v4":
+        return max(1, V4_BLOCKS * 4 // shape.warps)
     per_warp = -(-V3_REGISTERS.get((bits, shape.ahead), 128) * 32 // 256) * 256
     return max(1, 65536 // (per_warp * shape.warps))
 
@@ -1065,7 +1480,7 @@ def scale_bits(scale):
 def launch_shape(bits, version=None, warps=None, ahead=None, minblocks=None):
     """The default shape of ``version`` at ``bits`` with the given fields replaced; ``warps`` given
     alone keeps the default chunks per warp of an explicit warp count (CHUNKS_PER_WARP)."""
-    shape = default_shape(bits, version)
+    shape = default_shape(bits, version)._replace(version=version or "")
     if warps is not None:
         shape = shape._replace(warps=warps, per_warp=CHUNKS_PER_WARP)
     if ahead is not None:
@@ -1086,6 +1501,8 @@ def _launch_spec(queries, rk, bits, g, scale, chunks, splits, warps, meta, versi
     template = [("T", rk.dtype), ("BITS", bits), ("G", g), ("D", d), ("R", queries.shape[1] // h), ("NW", shape.warps)]
     if version == "v3":
         template.append(("PF", shape.ahead))
+    if version == "v4" and queries.shape[1] // h > 8:
+        raise ValueError("kernel v4 serves at most 8 query heads per KV head")
     if meta == "small":
         template.append(("SCALE_BITS", scale_bits(scale)))
     spec = {
@@ -1105,7 +1522,8 @@ def launch_args(queries, cache, scale, splits=None, warps=None, meta=None, versi
     rk, rv, nres = cache.residual_buffers()
     b, h, _, d = rk.shape
     g, bits = cache.group_size, cache.kv_bits
-    version, meta = version or VERSION, meta or META
+    version = pick_version(version, d, rv.shape[3], bits, g, queries.shape[1] // h, warps)
+    meta = meta or META
     if cache.kc is None:  # nothing quantized yet: one zero group stands in for the buffers
         w = d * bits // 32
         kc, kp = mx.zeros((b, h, 1, w, g), mx.uint32), mx.zeros((b, h, 1, d, 2), mx.float16)
@@ -1144,8 +1562,7 @@ def decode_attention(queries, cache, scale, splits=None, warps=None, version=Non
     (:data:`META_MODES`)."""
     if isinstance(cache.offset, int) and cache.offset >= 2**24:  # (a compiled step checks its own)
         raise ValueError("decode attention passes token counts as float32: at most 2**24 tokens")
-    version = version or VERSION
     inputs, spec, shape = launch_args(queries, cache, scale, splits, warps, meta, version, ahead, minblocks)
-    out = _kernel(gpu.backend(), version, meta, shape.warps, shape.minblocks)(inputs=inputs, **spec)[0]
+    out = _kernel(gpu.backend(), shape.version, meta, shape.warps, shape.minblocks)(inputs=inputs, **spec)[0]
     cache.last_out = out
     return out if out.dtype == queries.dtype else out.astype(queries.dtype)
