@@ -97,6 +97,37 @@ def test_flipped_bit_in_a_reservoir_dir_stops_validate(crash_work, tmp_path, cap
     assert "tokenizer.json" in capsys.readouterr().err and not (tmp_path / "v.json").exists()
 
 
+@pytest.mark.parametrize("name, at", [("model.safetensors", -4096), ("config.json", 2)])
+def test_flipped_bit_in_the_source_stops_quantize(tiny_source, tmp_path, capsys, name, at):
+    """The source's checksums are computed beside the quantization (a helper thread), not before
+    it: a flipped bit is still the error the stage reports, with the file named and nothing
+    written, whether the damaged weights were quantized (a weight byte) or the load failed on the
+    damage first (config.json no longer JSON)."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_source, src)
+    assert manifest.verify(src) is True
+    flip(src / name, at, 1)
+    out = tmp_path / "q"
+    rc = quantize.main(["--source", str(src), "--out", str(out), "--bits", "4", "--threads", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "vqpipe quantize: error:" in err and f"{name}: SHA-256" in err, err
+    assert not out.exists() and list(tmp_path.iterdir()) == [src]  # no output, no temporary
+
+
+def test_background_verify_gives_verify_result(tmp_path):
+    d = tmp_path / "a"
+    d.mkdir()
+    (d / "x.bin").write_bytes(b"abc")
+    assert manifest.Background(d).result() is False  # no manifest: nothing checked
+    manifest.write(d)
+    assert manifest.Background(d).result() is True
+    flip(d / "x.bin", 1)
+    check = manifest.Background(d)
+    for _ in range(2):  # the error each time it is asked for
+        with pytest.raises(manifest.ManifestError, match="x.bin: SHA-256"):
+            check.result()
+
+
 def test_manifest_extra_missing_and_corrupted(tmp_path):
     d = tmp_path / "a"
     d.mkdir()

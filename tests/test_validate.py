@@ -169,22 +169,47 @@ def test_setup_differences():
     assert validate.setup_differences({}, env)  # a reference without an environment record is refused
 
 
-def test_decoded_once_gives_the_same_logits_and_decodes_each_layer_once(quantized_dir, monkeypatch):
+@pytest.fixture(scope="module")
+def grouped_dir(tmp_path_factory, tiny_source):
+    """Group scales (the dense path multiplies them into the weight: dequant.scaled_values)."""
+    out = tmp_path_factory.mktemp("validate") / "b4-auto-g64"
+    quantize.run(tiny_source, out, bits=4, rotation="auto", seed=0, group_size=64, progress=lambda *_: None)
+    return out
+
+
+def own_forwards(model, tok):
+    """The reference logits as separate forwards, one prompt at a time, nothing shared."""
+    out = []
+    for t in quantize.reference_tokens(tok):
+        y = model(t[None]).astype(mx.float32)
+        mx.eval(y)
+        out.append(np.asarray(y[0]).tobytes())
+    return out
+
+
+@pytest.mark.parametrize("which", ["quantized_dir", "grouped_dir"])
+def test_decoded_once_gives_the_same_logits_and_decodes_each_layer_once(which, request, monkeypatch):
+    """reference_logits builds the prompts' forwards together, each weight decoded once for all of
+    them (dequant.decoded_once), and computes them a block at a time: the bytes of each prompt's
+    own forward, and the model's blocks are its own again afterwards."""
     from vqpipe import dequant
 
-    model, tok = quantize.load_quantized(quantized_dir)
-    want = quantize.reference_logits(model, tok)
+    model, tok = quantize.load_quantized(request.getfixturevalue(which))
+    blocks = list(model.model.layers)
+    want = own_forwards(model, tok)
     calls = []
     decode = dequant.codes_to_values
     monkeypatch.setattr(dequant, "codes_to_values", lambda p, *a: calls.append(id(p)) or decode(p, *a))
-    with validate.decoded_once():
-        got = quantize.reference_logits(model, tok)
+    got = quantize.reference_logits(model, tok)
+    assert [np.asarray(got[f"logits.{i}"]).tobytes() for i in range(len(want))] == want
     assert dequant.codes_to_values is not decode and calls  # the patch is restored to what was there
-    assert all(np.asarray(got[k]).tobytes() == np.asarray(want[k]).tobytes() for k in want)
+    assert dequant.scaled_values.__name__ == "scaled_values"  # and decoded_once's own
+    assert all(a is b for a, b in zip(model.model.layers, blocks)) and len(model.model.layers) == len(blocks)
     n = len(quantize.REFERENCE_PROMPTS)
     layers = len([m for _, m in model.named_modules() if isinstance(m, vqpipe.qlinear.QuantizedLinear)])
     # every weight decoded on the first prompt only; later prompts decode just their embedding rows
     assert len(calls) < layers + n and len(set(calls)) == len(calls)
+    assert want == own_forwards(model, tok)  # nothing of the shared decoding is left behind
 
 
 def test_a_changed_code_fails_every_prompt(artifact, tmp_path, monkeypatch):

@@ -77,6 +77,17 @@ def codes_to_values(packed, codebook, bits, n, dtype):
     return w if w.shape[1] == n else mx.contiguous(w[:, :n])
 
 
+def _times_group_scales(w, scales, group_size):
+    rows, g = scales.shape
+    return (w.reshape(rows, g, group_size) * scales.astype(w.dtype)[:, :, None]).reshape(rows, w.shape[1])
+
+
+def scaled_values(packed, codebook, bits, n, dtype, scales, group_size):
+    """C[q] times its group scales ([rows, n]; scales [rows, n // group_size]): the weight the
+    dense path multiplies by (vqpipe/qlinear.py dense_forward)."""
+    return _times_group_scales(codes_to_values(packed, codebook, bits, n, dtype), scales, group_size)
+
+
 
 @contextlib.contextmanager
 def using_tables(flag):
@@ -98,19 +109,32 @@ def decoded_once():
     reservoir that differs anywhere still differs. validate runs its prompts in it, and quantize
     the same prompts for the reference logits validate compares with (bit-identical either way,
     tests/test_validate.py). Keyed by the arrays themselves (held, so no id is reused); rows
-    gathered from an embedding are new arrays each prompt and never hit."""
-    global codes_to_values  # qlinear calls dequant.codes_to_values: the module attribute is patched
-    decode, cache = codes_to_values, {}
+    gathered from an embedding are new arrays each prompt and never hit.
+
+    A layer with group scales is kept as the scaled weight (``scaled_values``), its unscaled codes
+    a temporary of that product, so the group-scale multiply runs once too (the same product in
+    the same dtype: the same bytes) and one weight-sized array a layer is held, not two."""
+    global codes_to_values, scaled_values  # qlinear calls them as module attributes: those are patched
+    decode, scale, cache = codes_to_values, scaled_values, {}
+
+    def lookup(key, arrays, make):
+        hit = cache.get(key)
+        if hit is None or any(a is not b for a, b in zip(hit[0], arrays)):
+            hit = cache[key] = (arrays, make())
+        return hit[1]
 
     def cached(packed, codebook, bits, n, dtype):
-        key = (id(packed), id(codebook), bits, n, dtype)
-        hit = cache.get(key)
-        if hit is None or hit[0] is not packed or hit[1] is not codebook:
-            hit = cache[key] = (packed, codebook, decode(packed, codebook, bits, n, dtype))
-        return hit[2]
+        return lookup(("codes", id(packed), id(codebook), bits, n, dtype), (packed, codebook),
+                      lambda: decode(packed, codebook, bits, n, dtype))
 
-    codes_to_values = cached
+    def cached_scaled(packed, codebook, bits, n, dtype, scales, group_size):
+        # from the uncached decode: the unscaled values are not held beside the scaled ones
+        return lookup(("scaled", id(packed), id(codebook), id(scales), bits, n, dtype, group_size),
+                      (packed, codebook, scales),
+                      lambda: _times_group_scales(decode(packed, codebook, bits, n, dtype), scales, group_size))
+
+    codes_to_values, scaled_values = cached, cached_scaled
     try:
         yield
     finally:
-        codes_to_values = decode
+        codes_to_values, scaled_values = decode, scale

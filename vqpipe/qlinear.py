@@ -198,13 +198,11 @@ def dense_forward(xr, packed, scales, codebook, bits, bias=None, group_size=None
     Per-row scales multiply the matmul's output (the formula the artifacts' reference logits were
     made with); per-group scales multiply the rebuilt weight."""
     dt, n = xr.dtype, xr.shape[-1]
-    w = dequant.codes_to_values(packed, codebook, bits, n, dt)  # no uint32 temporaries (vqpipe/dequant.py)
+    # no uint32 temporaries (vqpipe/dequant.py)
     if scales.ndim == 1:
-        y = (xr @ w.T) * scales.astype(dt)
+        y = (xr @ dequant.codes_to_values(packed, codebook, bits, n, dt).T) * scales.astype(dt)
     else:  # the same products as w * repeat(scales), without a weight-sized repeat of the scales
-        rows, g = scales.shape
-        w = (w.reshape(rows, g, group_size) * scales.astype(dt)[:, :, None]).reshape(rows, n)
-        y = xr @ w.T
+        y = xr @ dequant.scaled_values(packed, codebook, bits, n, dt, scales, group_size).T
     return y if bias is None else y + bias.astype(dt)
 
 

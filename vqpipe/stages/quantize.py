@@ -25,7 +25,8 @@ from ..codebook import BITS
 from .. import manifest, parallel, record
 from ..fsutil import atomic_dir, save_safetensors
 from ..fused import fuse_model
-from ..quantize import assemble, build_layers, quantize_model, skeleton, split_state
+from ..prefault import Prefault
+from ..quantize import assemble, build_layers, quantize_model, quantized_layers, skeleton, split_state
 from ..rotation import KINDS
 
 REFERENCE_PROMPTS = (
@@ -36,6 +37,7 @@ REFERENCE_PROMPTS = (
 )
 DTYPES = {"source": None, "float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 _CONFIG_DROP = ("quantization", "quantization_config")
+PREFAULT_SLACK = 96 << 20  # the reference logits' other buffers taken from the same heap top
 
 
 def copy_model_files(src, dst, extra_config=None):
@@ -58,14 +60,60 @@ def reference_tokens(tokenizer):
     return [mx.array(tokenizer.encode(p), dtype=mx.int32) for p in REFERENCE_PROMPTS]
 
 
+class _Tap:
+    """Stands in for a transformer block while the forwards are built: keeps its outputs."""
+
+    def __init__(self, block, outs):
+        self.block, self.outs = block, outs
+
+    def __getattr__(self, name):  # a model may read its blocks' attributes (sliding windows, ...)
+        return getattr(self.block, name)
+
+    def __call__(self, *args, **kwargs):
+        y = self.block(*args, **kwargs)
+        self.outs.append(y)
+        return y
+
+
 def reference_logits(model, tokenizer):
-    """{"tokens.i", "logits.i"}: float32 logits of each reference prompt, one forward each."""
-    out = {}
-    for i, tokens in enumerate(reference_tokens(tokenizer)):
-        logits = model(tokens[None]).astype(mx.float32)
+    """{"tokens.i", "logits.i"}: float32 logits of each reference prompt, one forward each.
+
+    The forwards are built first (MLX is lazy) with each layer's weight decoded once for all of
+    them (dequant.decoded_once), then computed a transformer block at a time, every prompt's
+    block l before any block l + 1, so a block's decoded weights are freed once its last prompt
+    has used them: one block's (and the head's) are alive at a time, not the whole model's.
+    Each prompt runs the same operations on the same values as a forward of its own: the same
+    bytes. (qwen2.5-0.5b, on its own: the whole model's 2 GB of decoded float32 weights were held
+    and faulted in; peak RSS 3.18 -> 1.19 GB, 13.8 -> 4.4 s; docs/quantize.md, "Fifth pass".)"""
+    from ..dequant import decoded_once
+
+    tokens = reference_tokens(tokenizer)
+    inner = getattr(model, "model", None)
+    blocks = getattr(inner, "layers", None)
+    outs = []
+    tapped = isinstance(blocks, list) and len(blocks) > 0
+    if tapped:
+        inner.layers = [_Tap(b, outs) for b in blocks]
+    try:
+        with decoded_once():
+            logits = [model(t[None]).astype(mx.float32) for t in tokens]
+    finally:
+        if tapped:
+            inner.layers = blocks
+    # The largest decoded weight (a tied head's: qwen2.5-0.5b 545 MB of float32) is fresh memory,
+    # whose page faults cost 1-3 s a GB on our VM: a helper thread populates it from the heap while
+    # the blocks are computed (vqpipe/prefault.py; a no-op below 64 MB and on a GPU).
+    biggest = max((m.out_features * m.in_features * 4 for m in quantized_layers(model).values()), default=0)
+    with Prefault(biggest + PREFAULT_SLACK):
+        if tapped and len(outs) == len(blocks) * len(tokens):
+            for l in range(len(blocks)):  # outs: prompt 0's blocks in order, then prompt 1's, ...
+                mx.eval(outs[l::len(blocks)])
+        del outs[:]
         mx.eval(logits)
-        out[f"tokens.{i}"] = tokens
-        out[f"logits.{i}"] = logits[0]
+    out = {}
+    for i, (t, y) in enumerate(zip(tokens, logits)):
+        out[f"tokens.{i}"] = t
+        out[f"logits.{i}"] = y[0]
     return out
 
 
@@ -82,10 +130,7 @@ def save_quantized(model, tokenizer, source_dir, out_dir, info):
     with atomic_dir(out_dir, manifest=True) as tmp:
         save_safetensors(tmp / "quantized.safetensors", tensors)
         copy_model_files(source_dir, tmp, {"vqpipe": {k: info[k] for k in ("bits", "rotation", "seed")}})
-        from ..dequant import decoded_once
-
-        with decoded_once():  # the 4 prompts decode each layer once (as validate does), not 4 times
-            ref = reference_logits(model, tokenizer)
+        ref = reference_logits(model, tokenizer)  # each layer decoded once for the 4 prompts
         save_safetensors(tmp / "reference.safetensors", ref)
         env = environment()  # the reference logits' setup: validate compares against it
         (tmp / "reference.json").write_text(json.dumps(
@@ -139,8 +184,6 @@ def calibration_tokens(tokenizer, text="none", windows=16, length=512, seed=0):
 def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=True, dtype="source",
         progress=print, group_size=None, calibration="none", calib_windows=16, calib_length=512,
         calib_seed=0, damp=None, moments=None, sequential=True, layer_bits=None, threads=1):
-    from mlx_lm.utils import load
-
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if group_size is not None and group_size < 1:
@@ -150,7 +193,30 @@ def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=Tru
     source = Path(source)
     if not (source / "config.json").is_file():
         raise ValueError(f"source model directory {source} has no config.json")
-    manifest.verify(source)  # a download-stage artifact: checked before anything is read
+    # A download-stage artifact: its checksums are computed beside the load and the first blocks
+    # (a helper thread) and checked before anything is written; a damaged source is reported as
+    # such even where the damage made the quantization itself fail first.
+    check = manifest.Background(source)
+    try:
+        info = _quantize(source, bits, rotation, seed, embeddings, lm_head, dtype, progress, group_size,
+                         calibration, calib_windows, calib_length, calib_seed, damp, moments, sequential,
+                         layer_bits, threads)
+    except BaseException:
+        check.result()
+        raise
+    check.result()
+    save_quantized(info.pop("model"), info.pop("tokenizer"), source, out, info)
+    progress(f"quantized {len(info['records'])} layers in {info['quantize_seconds']:.1f}s, "
+             f"peak RSS {info['peak_rss_bytes'] / 2**20:.0f} MiB -> {out}")
+    return info
+
+
+def _quantize(source, bits, rotation, seed, embeddings, lm_head, dtype, progress, group_size,
+              calibration, calib_windows, calib_length, calib_seed, damp, moments, sequential, layer_bits,
+              threads):
+    """The quantized model, its tokenizer and the record's fields (run's work before saving)."""
+    from mlx_lm.utils import load
+
     model, tokenizer = load(str(source), lazy=True)
     tokens, calib = calibration_tokens(tokenizer, calibration, calib_windows, calib_length, calib_seed)
     stored = None
@@ -173,9 +239,8 @@ def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=Tru
         "seed": seed, "embeddings": embeddings, "lm_head": lm_head, "dtype": dtype,
         "group_size": group_size, "calibration": calib, "damp": damp, "layer_bits": layer_bits or [],
         "quantize_seconds": seconds, "peak_rss_bytes": peak_rss_bytes(), "records": records,
+        "model": model, "tokenizer": tokenizer,
     }
-    save_quantized(model, tokenizer, source, out, info)
-    progress(f"quantized {len(records)} layers in {seconds:.1f}s, peak RSS {info['peak_rss_bytes'] / 2**20:.0f} MiB -> {out}")
     return info
 
 

@@ -56,13 +56,6 @@ def _finite(x):
     return x if x is not None and math.isfinite(x) else None
 
 
-def decoded_once():
-    """vqpipe.dequant.decoded_once: each layer decoded on the first prompt, reused by the rest."""
-    from ..dequant import decoded_once as once
-
-    return once()
-
-
 def _reservoir_labels(reservoir_dir):
     """Best-effort (model, variant, persist) from the standard results/ layout."""
     parts = Path(reservoir_dir).resolve().parts
@@ -123,8 +116,7 @@ def run(reservoir, reference, model_name=None, variant=None, persist_rotation=No
     progress(f"loaded {reservoir} in {verdict['load_seconds']:.2f}s")
 
     t0 = time.perf_counter()
-    with decoded_once():
-        got = reference_logits(model, tokenizer)
+    got = reference_logits(model, tokenizer)  # each layer decoded once for every prompt
     verdict["forward_seconds"] = time.perf_counter() - t0
     n = len(REFERENCE_PROMPTS)
     worst, failures = 0.0, []  # worst: None once a difference is not a finite number
