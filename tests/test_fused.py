@@ -8,7 +8,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from vqpipe import fused
+from vqpipe import blas, fused
 from vqpipe.stages.download import fetch
 from vqpipe.bitpack import unpack_numpy
 from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
@@ -57,7 +57,11 @@ def test_fused_equals_unfused_in_float32(sources, preset):
     assert a.o_proj.rotation.seed != a.q_proj.rotation.seed
     prompt = tok.encode("The rotation spreads the outliers over every coordinate")
     x = mx.array(prompt)[None]
-    assert np.array_equal(np.array(ref(x)), np.array(got(x)))  # prefill: the dense path, same bytes
+    a, b = np.array(ref(x)), np.array(got(x))
+    if blas.width_invariant():
+        assert np.array_equal(a, b)  # prefill: the dense path, same bytes
+    else:  # a fused product rounds differently from its parts here (OpenBLAS Haswell kernels)
+        assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
     assert _greedy(ref, prompt, 8) == _greedy(got, prompt, 8)  # decode steps (M = 1)
 
 

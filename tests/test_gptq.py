@@ -8,7 +8,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from vqpipe import gptq
+from vqpipe import blas, gptq
 from vqpipe import reservoir as R
 from vqpipe.bitpack import unpack
 from vqpipe.qlinear import QuantizedLinear, quantize_weight
@@ -243,6 +243,7 @@ def test_gptq_and_refit_do_not_depend_on_the_row_chunk():
     h = np.array(gptq.rotate_hessian(mx.array(x.T @ x), r), dtype=np.float32)
     n = gptq.ldl_factor(h)
     levels = np.array([-1.5, -0.5, 0.5, 1.5], dtype=np.float32)
+    exact = blas.width_invariant()
     for gs in (None, 32):
         whole = gptq.gptq(wr, n, levels, gs, rows=10**6)
         for rows in (2, 7, 100, 128):  # 100: the last row joins the chunk before
@@ -251,7 +252,11 @@ def test_gptq_and_refit_do_not_depend_on_the_row_chunk():
         c = levels[whole[0]]
         s = gptq.refit_steps(wr, c, gs, h, chunk=10**6)
         for chunk in (2, 13, 100):
-            assert np.array_equal(s, gptq.refit_steps(wr, c, gs, h, chunk=chunk))
+            got = gptq.refit_steps(wr, c, gs, h, chunk=chunk)
+            if exact:
+                assert np.array_equal(s, got)
+            else:  # its products' rounding depends on the chunk's width here (blas.width_invariant)
+                assert np.abs(s - got).max() <= 1e-5 * np.abs(s).max()
 
 
 def test_ldl_factor_dead_input():

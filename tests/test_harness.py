@@ -184,6 +184,19 @@ def test_blas_policy_and_env():
     assert environ["PATH"] == f"/venv/bin{os.pathsep}/bin"
 
 
+def test_avx512_machines_get_width_invariant_kernels(tmp_path, monkeypatch):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma avx512f avx512cd avx512bw avx512dq avx512vl\n")
+    assert blas._has_avx512(str(info))
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma avx512f\n")
+    assert not blas._has_avx512(str(info)) and not blas._has_avx512(str(tmp_path / "missing"))
+    monkeypatch.setattr(blas, "_has_avx512", lambda: True)
+    assert blas.env_for("reference", {})["OPENBLAS_CORETYPE"] == blas.AVX512_CORE
+    assert blas.env_for("openblas", {"OPENBLAS_CORETYPE": "Haswell"})["OPENBLAS_CORETYPE"] == "Haswell"
+    monkeypatch.setattr(blas, "_has_avx512", lambda: False)
+    assert "OPENBLAS_CORETYPE" not in blas.env_for("reference", {})
+
+
 def test_numeric_setup_is_one_definition():
     one, two = ({"backend": "cpu", "device": "cpu", "blas": {"name": "openblas", "threads": t},
                  "versions": {"mlx": "0.32.4"}} for t in (1, 2))

@@ -30,9 +30,10 @@ def _quantize(threads, **kw):
 @pytest.mark.parametrize("kw", [{"calibration": CALIB, "sequential": False}, {"calibration": CALIB},
                                 {}], ids=["full-precision", "sequential", "data-free"])
 def test_threads_give_the_same_bytes(monkeypatch, kw):
+    # Uneven row jobs of a few rows (the real ones are >= 1024 rows: these layers would be one job),
+    # the same jobs on one thread and on three.
+    monkeypatch.setattr(qlinear, "_job_rows", lambda rows: max(2, rows // 5))
     one = _quantize(1, **kw)
-    # Uneven row jobs of a few rows (the real ones are >= 1024 rows: these layers would be one job).
-    monkeypatch.setattr(qlinear, "_job_rows", lambda rows, threads: max(2, rows // 5))
     three = _quantize(3, **kw)
     assert one[0] == three[0] and one[2] == three[2]
     assert one[1].keys() == three[1].keys() and all(one[1][k] == three[1][k] for k in one[1])
@@ -44,8 +45,8 @@ def test_stored_moments_on_threads(monkeypatch):
     source, _ = make_model(TIED)
     names, sums = full_precision_moments(source, CALIB)
     moments = {n: (k, sums[k]) for n, k in names.items()}
+    monkeypatch.setattr(qlinear, "_job_rows", lambda rows: max(2, rows // 3))
     one = _quantize(1, moments=moments)
-    monkeypatch.setattr(qlinear, "_job_rows", lambda rows, threads: max(2, rows // 3))
     two = _quantize(2, moments=moments)
     assert one == two
     assert all(r.get("hessian") for r in one[2])
@@ -54,12 +55,12 @@ def test_stored_moments_on_threads(monkeypatch):
 def test_job_rows():
     from vqpipe.gptq import _chunks
 
-    def jobs(rows, threads):
-        return [b - a for a, b in _chunks(rows, qlinear._job_rows(rows, threads))]
+    def jobs(rows):
+        return [b - a for a, b in _chunks(rows, qlinear._job_rows(rows))]
 
-    assert jobs(896, 1) == [896] and jobs(896, 2) == [896] and jobs(128, 2) == [128]
-    assert jobs(4864, 1) == [4864] and jobs(4864, 2) == [2432, 2432]
-    assert jobs(151936, 1) == jobs(151936, 2) == [8192] * 18 + [151936 - 18 * 8192]
+    assert jobs(896) == [896] and jobs(128) == [128] and jobs(2048) == [1024, 1024]
+    assert jobs(4864) == [2432, 2432]
+    assert jobs(151936) == [8192] * 18 + [151936 - 18 * 8192]
 
 
 def test_pool_inline_and_threaded():

@@ -89,7 +89,46 @@ def env_for(setup, env=None):
     else:
         out.pop("LD_PRELOAD", None)
     out["VQPIPE_BLAS"] = setup
+    if "OPENBLAS_CORETYPE" not in out and _has_avx512():
+        out["OPENBLAS_CORETYPE"] = AVX512_CORE
     return out
+
+
+# OpenBLAS picks its kernels by CPU model, and Debian 12's 0.3.21 does not know AMD family 26
+# (Zen 5): it falls back to Haswell, whose sgemm rounds differently depending on the matrix's
+# width (a product split in columns or rows is not the same bytes; measured 2026-12-03), which
+# broke thread-count and fused-vs-unfused bit-identity, and runs at half the speed (112 against
+# 222 GFLOP/s, 1024^3 fp32, one thread). Any CPU with AVX-512 gets the SkylakeX kernels, which
+# are width-invariant, so artifacts are the same bytes on every such machine. Applies to numpy's
+# own OpenBLAS too (GPTQ runs there). An OPENBLAS_CORETYPE already set is kept.
+AVX512_CORE = "SkylakeX"
+_AVX512_FLAGS = {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
+
+
+def width_invariant():
+    """Whether this process's products (numpy's BLAS and MLX's) give a column block of a product the
+    same bytes as the product of those columns alone; OpenBLAS's Haswell kernels do not, so results
+    that differ only in how a product is split (fused vs separate projections, row chunks) are equal
+    to rounding there, not in bytes."""
+    import mlx.core as mx
+    import numpy as np
+
+    r = np.random.default_rng(0)
+    a, b = r.standard_normal((32, 16), dtype=np.float32), r.standard_normal((16, 21), dtype=np.float32)
+    ok = np.array_equal((a @ b)[:, :7], a @ b[:, :7]) and np.array_equal((a @ b)[:11], a[:11] @ b)
+    whole = np.array(mx.array(a) @ mx.array(b))
+    return ok and np.array_equal(whole[:, :7], np.array(mx.array(a) @ mx.array(b[:, :7])))
+
+
+def _has_avx512(cpuinfo="/proc/cpuinfo"):
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return _AVX512_FLAGS <= set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return False
 
 
 class _DlInfo(ctypes.Structure):
@@ -286,7 +325,7 @@ def main(argv=None):
     except (ValueError, RuntimeError) as e:
         print(f"vqpipe.blas: error: {e}", file=sys.stderr)
         return 2
-    pairs = [(k, env.get(k, "")) for k in ("VQPIPE_BLAS", "LD_PRELOAD")]
+    pairs = [(k, env.get(k, "")) for k in ("VQPIPE_BLAS", "LD_PRELOAD", "OPENBLAS_CORETYPE") if k in env or k != "OPENBLAS_CORETYPE"]
     if args.exports:
         print("\n".join(f"export {k}='{v}'" for k, v in pairs))
     elif args.env:

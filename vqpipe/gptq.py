@@ -119,8 +119,9 @@ def gptq(w, n, levels, group_size=None, block=BLOCK, rows=ROWS):
     idx = np.empty((out, d), dtype=np.uint8)
     steps = np.empty((out, d // gs), dtype=np.float32)
     # Rows are independent: a chunk of them at a time keeps a block's working set in cache (one
-    # 151,936-row head column is 600 kB). Every entry sees the same operations in the same order
-    # as with all rows at once, so the result does not depend on ``rows``.
+    # 151,936-row head column is 600 kB). Every entry sees the same operations as with all rows at
+    # once; the bytes can still depend on ``rows`` where the BLAS's product rounding depends on the
+    # matrix width (OpenBLAS's Haswell kernels), so callers keep ``rows`` fixed.
     for r0, r1 in _chunks(out, rows):
         i, s = _gptq_rows(w[r0:r1], n, bounds, levels, gs, block, root)
         idx[r0:r1], steps[r0:r1] = i.T, s.T

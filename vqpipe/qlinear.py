@@ -25,6 +25,7 @@ from .bitpack import pack, unpack
 from .parallel import Pool
 
 _ROW_CHUNK = 8192  # rows quantized at a time: bounds temporaries for 150k-row embeddings
+_JOB_PARTS = 2  # pool jobs per layer (_job_rows)
 
 
 def quantize_weight(weight, bits, rotation, group_size=None, hessian=None, damp=None, pool=None):
@@ -97,7 +98,7 @@ def _quantize_grouped(weight, bits, rotation, group_size, hessian, damp, pool):
         h, n = _rotated_factors(hessian, rotation, gptq.DAMP if damp is None else damp)
     levels = levels.astype(np.float32)
     jobs = []
-    for a, b in gptq._chunks(out_features, _job_rows(out_features, pool.threads)):
+    for a, b in gptq._chunks(out_features, _job_rows(out_features)):
         # Each job's rows rotated on their own (a row's rotation does not depend on the others),
         # so the pool starts on the first job while MLX rotates the next: the 151,936-row head's
         # rotation had left a core idle for ~2 s. The GIL is released while MLX computes.
@@ -122,14 +123,17 @@ def _quantize_grouped(weight, bits, rotation, group_size, hessian, damp, pool):
     return finish
 
 
-def _job_rows(rows, threads):
+def _job_rows(rows):
     """Rows per pool job: _ROW_CHUNK bounds the temporaries (no 545 MB code array for a 151,936-row
-    head; packing in cache: 1.6-2.1 -> 0.55 CPU-s for it); with more threads a layer is split so
-    every thread gets a part, but not below 1024 rows: the GPTQ column loop is numpy calls on
+    head; packing in cache: 1.6-2.1 -> 0.55 CPU-s for it); a layer is split in _JOB_PARTS so two
+    threads each get a part, but not below 1024 rows: the GPTQ column loop is numpy calls on
     vectors of a part's rows, and numpy holds the GIL through an element-wise loop of 500 elements
     or fewer (the threads would take turns). A 896-row layer stays one job; the other layers of
-    its block run beside it."""
-    return min(_ROW_CHUNK, max(1024, -(-rows // threads)))
+    its block run beside it. The split must not depend on the thread count: OpenBLAS's Haswell
+    kernels (used on AMD family 26, 2026-12-03) give products that depend on the matrix's width,
+    so a different split is a different rounding; one split makes every thread count give the
+    same bytes."""
+    return min(_ROW_CHUNK, max(1024, -(-rows // _JOB_PARTS)))
 
 
 def _quantize_rows(w, n, levels, unit, group_size, h, bits):
