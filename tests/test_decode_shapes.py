@@ -44,10 +44,11 @@ def test_compiled_arms_on_cpu(tmp_path):
     out = tmp_path / "c.json"
     with mx.stream(mx.cpu):
         assert decode_shapes.main(["--preset", "tiny-llama", "--out", str(out), "--bits", "2", "--compiled", "--split",
-                                   "--prompt-lengths", "16", "--gen-tokens", "3", "--repeats", "2", "--copy-mib", "16"]) == 0
+                                   "--epilogue-bits", "2", "--prompt-lengths", "16", "--gen-tokens", "3", "--repeats", "2", "--copy-mib", "16"]) == 0
     doc = json.loads(out.read_text())
     arms = {r["arm"] for r in doc["records"]}
-    assert arms == {"bf16", "affine4", "vqpipe-b2", "bf16+c", "affine4+c", "vqpipe-b2+c", "bf16+s", "affine4+s", "vqpipe-b2+s"}
+    assert arms == {"bf16", "affine4", "vqpipe-b2", "bf16+c", "affine4+c", "vqpipe-b2+c", "bf16+s", "affine4+s", "vqpipe-b2+s",
+                    "vqpipe-b2+e+s"}  # the epilogue arm in split mode only
     prof = doc["step_profile"]
     for arm in ("bf16", "affine4", "vqpipe-b2"):  # the compiled trace fuses elementwise chains
         assert prof[arm + "+c"]["ops"] < prof[arm]["ops"]
@@ -55,7 +56,12 @@ def test_compiled_arms_on_cpu(tmp_path):
         assert fused[arm + "+c"] > fused[arm]  # (mlx-lm compiles its SwiGLU itself)
     pairs = {(c["baseline_arm"], c["other_arm"]) for c in doc["comparisons"]}
     assert {("vqpipe-b2", "vqpipe-b2+c"), ("bf16+c", "vqpipe-b2+c"), ("affine4+c", "vqpipe-b2+c"), ("bf16", "bf16+c"),
-            ("vqpipe-b2", "vqpipe-b2+s"), ("vqpipe-b2+c", "vqpipe-b2+s"), ("bf16+s", "vqpipe-b2+s")} <= pairs
+            ("vqpipe-b2", "vqpipe-b2+s"), ("vqpipe-b2+c", "vqpipe-b2+s"), ("bf16+s", "vqpipe-b2+s"),
+            ("vqpipe-b2+s", "vqpipe-b2+e+s"), ("affine4+s", "vqpipe-b2+e+s")} <= pairs
     assert len(pairs) == len(doc["comparisons"]) // 2  # one comparison per pair and phase
     same = {t["b"]: t for t in doc["texts"] if t.get("what", "").startswith("compiled")}
     assert set(same) == {"affine4+c", "vqpipe-b2+c", "affine4+s", "vqpipe-b2+s"} and all(t["pairs"] == 2 for t in same.values())
+    # on the CPU the epilogue arm adds after the dense path, as the plain split step does: the same tokens
+    epi = [t for t in doc["texts"] if t.get("what", "").startswith("residual")]
+    assert [(t["a"], t["b"]) for t in epi] == [("vqpipe-b2+s", "vqpipe-b2+e+s")] and epi[0]["identical_ids"] == epi[0]["pairs"] == 2
+    assert prof["vqpipe-b2+e+s"]["ops"] == prof["vqpipe-b2+s"]["ops"]  # no kernel here, so no primitive saved

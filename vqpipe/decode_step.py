@@ -115,9 +115,14 @@ class Decoder:
       called between them, eagerly, on the buffers sliced to the valid length (a host int): no mask,
       the fast kernel, and nothing else left to Python. mlx-lm's llama/qwen2 block layout only.
     - ``"eager"``: the whole step uncompiled (tests; what the static cache alone costs).
+
+
+    ``epilogue`` (split mode; default ``VQPIPE_QMV_EPILOGUE=1``, off): o_proj's and down_proj's
+    residual adds go into their mat-vec kernels' epilogues (vqpipe/qmv.py ``epilogue_code``), two
+    primitives fewer per layer where the kernels run; elsewhere the same adds as MLX ops.
     """
 
-    def __init__(self, model, capacity, mode="whole"):
+    def __init__(self, model, capacity, mode="whole", epilogue=None):
         check_model(model)
         if capacity < 2:
             raise ValueError(f"static KV cache capacity must be >= 2, got {capacity}")
@@ -127,10 +132,15 @@ class Decoder:
             raise ValueError(f"split compiled decode supports model types {SPLIT_TYPES}, "
                              f"not {getattr(model, 'model_type', None)!r}")
         self.model, self.capacity, self.mode = model, int(capacity), mode
+        if epilogue is None:
+            from . import qmv
+
+            epilogue = qmv.EPILOGUE
+        self.epilogue = bool(epilogue) and mode == "split"
         self._layout = None
         self.traces = 0  # Python runs of the step (whole) or of the blocks' first parts (split): traces when compiled
         if mode == "split":
-            self._parts = [_block_parts(layer, self._traced) for layer in model.layers]
+            self._parts = [_block_parts(layer, self._traced, self.epilogue) for layer in model.layers]
             self._embed = mx.compile(model.model.embed_tokens)
             self._head = mx.compile(self._logits)
             self._run = self._split_step
@@ -250,9 +260,33 @@ class Decoder:
         return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "ids": ids}
 
 
-def _block_parts(layer, traced):
+def _plus_linear(linear, x, h):
+    """``h + linear(x)``, the add in the mat-vec's epilogue where ``linear`` is a vqpipe layer."""
+    from .qlinear import QuantizedLinear
+
+    return linear.add_to(x, h) if type(linear) is QuantizedLinear else h + linear(x)
+
+
+def _plus_mlp(mlp, x, h):
+    """``h + mlp(x)``, the add in down_proj's epilogue where the MLP is mlx-lm's llama/qwen2
+    ``down(swiglu(gate(x), up(x)))`` (or vqpipe/fold.py's SignedMLP of it) over vqpipe layers."""
+    from mlx_lm.models.activations import swiglu
+
+    from .fold import BLOCK_MODULES, SignedMLP
+    from .qlinear import QuantizedLinear
+
+    if isinstance(mlp, SignedMLP):
+        return mlp.add_to(x, h)
+    plain = type(mlp).__module__ in BLOCK_MODULES and set(mlp.children()) == {"gate_proj", "up_proj", "down_proj"}
+    if plain and type(mlp.down_proj) is QuantizedLinear:
+        return mlp.down_proj.add_to(swiglu(mlp.gate_proj(x), mlp.up_proj(x)), h)
+    return h + mlp(x)
+
+
+def _block_parts(layer, traced, epilogue=False):
     """(before attention, after attention, scale) of one mlx-lm llama/qwen2 decoder block for one
-    token, the first two compiled; the same operations as the block's ``__call__``."""
+    token, the first two compiled; the same operations as the block's ``__call__``. ``epilogue``:
+    the two residual adds through :func:`_plus_linear` / :func:`_plus_mlp` (the same function)."""
     attn = layer.self_attn
 
     def before(h, pos, kb, vb):
@@ -267,7 +301,11 @@ def _block_parts(layer, traced):
         return q, mx.slice_update(kb, k, start, axes=(2,)), mx.slice_update(vb, v, start, axes=(2,))
 
     def after(h, o):
-        h = h + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(1, 1, -1))
+        o = o.transpose(0, 2, 1, 3).reshape(1, 1, -1)
+        if epilogue:
+            h = _plus_linear(attn.o_proj, o, h)
+            return _plus_mlp(layer.mlp, layer.post_attention_layernorm(h), h)
+        h = h + attn.o_proj(o)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     return mx.compile(before), mx.compile(after), attn.scale

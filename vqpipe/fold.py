@@ -107,6 +107,13 @@ class SignedMLP(nn.Module):
         gate, up = self.group.compute(x, flip=True)
         return self.down_proj.forward(swiglu(gate, up), self.unsigned)
 
+    def add_to(self, x, residual):
+        """``residual + self(x)``, the add in down_proj's epilogue (QuantizedLinear.add_to)."""
+        if not all(self.get(name) is layer for name, layer in self.layers):
+            return residual + self(x)
+        gate, up = self.group.compute(x, flip=True)
+        return self.down_proj.add_to(swiglu(gate, up), residual, self.unsigned)
+
 
 def _group(layers):
     """The FusedGroup serving exactly ``layers``, or None."""

@@ -510,17 +510,23 @@ def output_names(n):
     return [f"out{k}" for k in range(n)]
 
 
-def epilogue_code(n):
+def epilogue_code(n, residual=False):
     """The epilogue for row o and activation row m of the float32 sum ``sum``: the row scale, the
-    bias, one cast, the store into n outputs split at seg."""
+    bias, one cast, the store into n outputs split at seg. ``residual`` (one output only): the
+    addend ``residual[m, o]`` (x's dtype, the output's shape) added in float32 before the cast, so
+    the output is T(h + W.x) where the unfused step computes T(h + T(W.x)): one rounding fewer. The
+    epilogue runs once per output element, after any split-K reduction, so it is added once."""
+    if residual and n != 1:
+        raise ValueError("qmv: the residual epilogue writes one output")
+    add = "s_ += static_cast<float>(residual[m * OUT + o]); " if residual else ""
     return ("{ float s_ = sum; if (GS == 0) { s_ *= static_cast<float>(scales[o]); } "
-            "if (has_bias) { s_ += static_cast<float>(bias[o]); } const T v = static_cast<T>(s_); "
+            "if (has_bias) { s_ += static_cast<float>(bias[o]); } " + add + "const T v = static_cast<T>(s_); "
             + store_code(n) + " }")
 
 
-def body_source(n):
+def body_source(n, residual=False):
     """The kernel description with the epilogue for n outputs, dialect tokens still in place."""
-    return _SOURCE.replace("QMV_EPILOGUE", epilogue_code(n))
+    return _SOURCE.replace("QMV_EPILOGUE", epilogue_code(n, residual))
 
 
 def store_code(n):
@@ -808,17 +814,17 @@ def minify(source):
     return "\n".join(line for line in lines if line) + "\n"
 
 
-def render(dialect, outputs=1):
-    """(name, header, body) of the kernel in one dialect, writing ``outputs`` outputs, minified.
-    The name carries a digest of the source: MLX caches compiled kernels (in memory and as PTX on
-    disk) by name alone."""
+def render(dialect, outputs=1, residual=False):
+    """(name, header, body) of the kernel in one dialect, writing ``outputs`` outputs (``residual``:
+    with the residual epilogue), minified. The name carries a digest of the source: MLX caches
+    compiled kernels (in memory and as PTX on disk) by name alone."""
     spec = DIALECTS[dialect]
-    body = body_source(outputs)
+    body = body_source(outputs, residual)
     for token, text in spec["tokens"].items():
         body = re.sub(rf"\b{token}\b", text, body)
     header, body = minify(spec["header"]), minify(body)
     digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
-    return f"vqpipe_qmv{outputs}_{digest}", header, body
+    return f"vqpipe_qmv{outputs}{'r' if residual else ''}_{digest}", header, body
 
 
 def set_enabled(flag):
@@ -848,6 +854,11 @@ def kernels_active(use_kernels=None):
     return gpu.active(use_kernels, _enabled, backend(), "the qmv kernel")
 
 
+# Residual adds in the o_proj / down_proj epilogues of decode_step's split mode (one Add primitive
+# fewer each per layer). Off by default until measured on the H200 (docs/decode.md).
+EPILOGUE = os.environ.get("VQPIPE_QMV_EPILOGUE", "0") == "1"
+
+
 def rows_of(x):
     """M: the number of activation rows, the product of all but the last dimension."""
     return math.prod(x.shape[:-1])
@@ -875,13 +886,13 @@ def compiled_kernel_count():
     return len(_instances)
 
 
-def _kernel(dialect, outputs=1):
-    key = (dialect, outputs)
+def _kernel(dialect, outputs=1, residual=False):
+    key = (dialect, outputs, residual)
     if key not in _kernels:
-        name, header, body = render(dialect, outputs)
+        name, header, body = render(dialect, outputs, residual)
         make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
-        _kernels[key] = make(name=name, input_names=INPUT_NAMES, output_names=output_names(outputs), source=body,
-                             header=header)
+        _kernels[key] = make(name=name, input_names=INPUT_NAMES + (["residual"] if residual else []),
+                             output_names=output_names(outputs), source=body, header=header)
     return _kernels[key]
 
 
@@ -1136,7 +1147,7 @@ _prepared = {}  # argument signature -> (spec, cast scales, cast codebook, rotat
 
 def _prepare(key, dialect, bits, rotation):
     (x_shape, x_dtype, p_shape, p_dtype, s_shape, s_dtype, c_shape, c_dtype, b_sig, _, _, group_size, _, splits,
-     max_blocks, max_blocks_rot, stages, _) = key
+     max_blocks, max_blocks_rot, stages, _, residual) = key
     cast_scales = s_dtype not in SCALE_DTYPES  # e.g. bfloat16 scales: one cast to float32 per call
     m = math.prod(x_shape[:-1])
     ops = rotation_operands(rotation) if rotation is not None and _rotate_in_kernel and prologue_allowed(bits, m) else None
@@ -1148,14 +1159,20 @@ def _prepare(key, dialect, bits, rotation):
                        x_dtype, None if b_sig is None else b_sig[1], p_dtype, group_size,
                        mx.float32 if cast_scales else s_dtype, xcap, splits, max_blocks_rot if xcap else max_blocks,
                        stages, dialect, LUT)
-    _instances.add((dialect, len(spec["output_shapes"]), *(str(v) for _, v in spec["template"])))
+    _instances.add((dialect, len(spec["output_shapes"]), residual, *(str(v) for _, v in spec["template"])))
     seg = mx.array(list(splits) if splits else [0], mx.int32)
     _prepared[key] = entry = (spec, cast_scales, c_dtype != mx.float32, xcap > 0, seg)
     return entry
 
 
+def residual_fits(residual, x, out_features, splits=None):
+    """Whether the kernels' epilogue can add ``residual`` (:func:`epilogue_code`): one output, and the
+    addend exactly the output's shape and dtype (no broadcast, no promotion)."""
+    return splits is None and residual.dtype == x.dtype and residual.shape == (*x.shape[:-1], out_features)
+
+
 def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=None, rotation=None, splits=None,
-           owner=None):
+           owner=None, residual=None):
     """One fused launch in ``dialect`` (no switch or backend check: see :func:`quantized_matvec`).
 
     ``x`` is the activation, rotated already unless ``rotation`` is given: then the kernel rotates
@@ -1163,15 +1180,19 @@ def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=Non
     rotated first by MLX ops. ``splits`` (row indices) cut the output rows into up to 3 outputs,
     returned as a list. Arguments are validated once per signature, then looked up. ``owner`` (the
     layer or fused group): where ``qmv_tc.wanted`` says so, the tensor-core kernel (revision 8) runs
-    on the owner's repacked copy of ``packed`` (made once, cached on it), the rotation as MLX ops."""
+    on the owner's repacked copy of ``packed`` (made once, cached on it), the rotation as MLX ops.
+    ``residual``: returns ``residual + y``, added in the epilogue where :func:`residual_fits` (one
+    rounding fewer in bf16/fp16, bit-identical in float32), else by an MLX add after the launch."""
+    if residual is not None and not residual_fits(residual, x, packed.shape[0], splits):
+        return residual + launch(dialect, x, packed, scales, codebook, bits, bias, group_size, rotation, splits, owner)
     if owner is not None and dialect == "cuda" and qmv_tc.wanted(x, bits, packed.shape[0]):
         xr = x if rotation is None else rotation.apply(x)
         return qmv_tc.launch(xr, qmv_tc.packed_for(owner, packed), packed.shape[0], scales, codebook, bias,
-                             group_size, splits)
+                             group_size, splits, residual)
     rkey = None if rotation is None else (rotation.kind, rotation.dim, rotation.seed, _rotate_in_kernel)
     key = (x.shape, x.dtype, packed.shape, packed.dtype, scales.shape, scales.dtype, codebook.shape,
            codebook.dtype, None if bias is None else (bias.shape, bias.dtype), bits, dialect, group_size, rkey,
-           None if splits is None else tuple(splits), MAX_BLOCKS, MAX_BLOCKS_ROT, STAGES, LUT)
+           None if splits is None else tuple(splits), MAX_BLOCKS, MAX_BLOCKS_ROT, STAGES, LUT, residual is not None)
     entry = _prepared.get(key) or _prepare(key, dialect, int(bits), rotation)
     spec, cast_scales, cast_codebook, in_kernel, seg = entry
     if in_kernel:
@@ -1182,7 +1203,7 @@ def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=Non
         if spec["padded_in"] != x.shape[-1]:  # zeros past in_features: the padded indices then add nothing
             x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, spec["padded_in"] - x.shape[-1])])
         rot_s = rot_l = _placeholder(mx.float32)
-    outs = _kernel(dialect, len(spec["output_shapes"]))(
+    outs = _kernel(dialect, len(spec["output_shapes"]), residual is not None)(
         inputs=[
             x,
             packed,
@@ -1192,7 +1213,7 @@ def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=Non
             rot_s,
             rot_l,
             seg,
-        ],
+        ] + ([] if residual is None else [residual]),
         template=spec["template"],
         grid=spec["grid"],
         threadgroup=spec["threadgroup"],

@@ -308,16 +308,17 @@ def mode(value):
 _BOUNDS = "#undef __global__\n#define __global__ __location__(global) __launch_bounds__(256, {})\n"
 
 
-def render(outputs=1, minblocks=None):
-    """(name, header, body), minified; the name carries a digest (MLX caches kernels by name)."""
+def render(outputs=1, minblocks=None, residual=False):
+    """(name, header, body), minified; the name carries a digest (MLX caches kernels by name).
+    ``residual``: the epilogue adds the residual input (qmv.epilogue_code), once, after split K."""
     minblocks = MIN_BLOCKS if minblocks is None else minblocks
     header = _HEADER
     if minblocks:
         header = _BOUNDS.format(minblocks) + header
-    body = _BODY.replace("QMV_EPILOGUE", qmv.epilogue_code(outputs))
+    body = _BODY.replace("QMV_EPILOGUE", qmv.epilogue_code(outputs, residual))
     header, body = qmv.minify(header), qmv.minify(body)
     digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
-    return f"vqpipe_qmvtc{outputs}_{digest}", header, body
+    return f"vqpipe_qmvtc{outputs}{'r' if residual else ''}_{digest}", header, body
 
 
 def prefetch_for(ks, chunks):
@@ -378,12 +379,13 @@ def launch_spec(x_shape, out_features, scales_shape, bias_shape, dtype, bias_dty
 _kernels = {}
 
 
-def _kernel(outputs):
-    if outputs not in _kernels:
-        name, header, body = render(outputs)
-        _kernels[outputs] = mx.fast.cuda_kernel(name=name, input_names=INPUT_NAMES,
-                                                output_names=qmv.output_names(outputs), source=body, header=header)
-    return _kernels[outputs]
+def _kernel(outputs, residual=False):
+    key = (outputs, residual)
+    if key not in _kernels:
+        name, header, body = render(outputs, residual=residual)
+        _kernels[key] = mx.fast.cuda_kernel(name=name, input_names=INPUT_NAMES + (["residual"] if residual else []),
+                                            output_names=qmv.output_names(outputs), source=body, header=header)
+    return _kernels[key]
 
 
 def packed_for(owner, packed):
@@ -397,17 +399,20 @@ def packed_for(owner, packed):
     return cached[1]
 
 
-def launch(x, repacked, out_features, scales, codebook, bias=None, group_size=None, splits=None):
-    """One tensor-core launch on the rotated activation ``x`` (bf16) with words from :func:`repack`."""
+def launch(x, repacked, out_features, scales, codebook, bias=None, group_size=None, splits=None, residual=None):
+    """One tensor-core launch on the rotated activation ``x`` (bf16) with words from :func:`repack`;
+    ``residual`` (the output's shape and dtype, :func:`qmv.residual_fits`): added in the epilogue."""
+    if residual is not None and not qmv.residual_fits(residual, x, out_features, splits):
+        return residual + launch(x, repacked, out_features, scales, codebook, bias, group_size, splits)
     cast = scales.dtype not in qmv.SCALE_DTYPES
     spec = launch_spec(x.shape, out_features, scales.shape, None if bias is None else bias.shape, x.dtype,
                        None if bias is None else bias.dtype, group_size,
                        mx.float32 if cast else scales.dtype, None if splits is None else tuple(splits))
     seg = mx.array(list(splits) if splits else [0], mx.int32)
-    outs = _kernel(len(spec["output_shapes"]))(
+    outs = _kernel(len(spec["output_shapes"]), residual is not None)(
         inputs=[x, repacked, scales.astype(mx.float32) if cast else scales,
                 codebook if codebook.dtype == mx.float32 else codebook.astype(mx.float32),
-                qmv._placeholder(x.dtype) if bias is None else bias, seg],
+                qmv._placeholder(x.dtype) if bias is None else bias, seg] + ([] if residual is None else [residual]),
         template=spec["template"], grid=spec["grid"], threadgroup=spec["threadgroup"],
         output_shapes=spec["output_shapes"], output_dtypes=spec["output_dtypes"])
     return outs if splits is not None else outs[0]

@@ -20,7 +20,10 @@ memory from the preset's config:
   weights, so ``X+c`` vs ``X`` is what compilation buys and ``vqpipe-bN+c`` vs ``bf16+c`` what the
   kernel contributes once both are compiled;
 - ``ARM+s`` (``--split``): the same through decode_step's split mode (per block two compiled
-  functions around MLX's fused attention).
+  functions around MLX's fused attention);
+- ``vqpipe-bN+e+s`` (``--epilogue-bits N``): the same model as ``vqpipe-bN``, split mode with
+  o_proj's and down_proj's residual adds in their kernels' epilogues (``Decoder(epilogue=True)``,
+  two primitives fewer per layer); this arm runs in split mode only.
 
 The vqpipe arms carry random codes, not a quantization of the bf16 weights (quantizing 8 B weights
 through quantize.py takes longer than a GPU session here): the kernels' speed does not depend on
@@ -66,6 +69,7 @@ UNPACK = "+u"  # arm suffix: the old dense-path weight rebuild (uint32 unpack, t
 NOFOLD = "-nofold"  # arm suffix: rotation signs not folded (vqpipe/fold.py)
 COMPILED = "+c"  # arm suffix: decode through vqpipe.decode_step, the whole step compiled
 SPLIT = "+s"  # arm suffix: decode_step's split mode (compiled blocks around MLX's fused SDPA)
+EPI = "+e"  # arm suffix: residual adds in the mat-vec epilogues (split mode only)
 MODES = {COMPILED: "whole", SPLIT: "split"}
 
 
@@ -190,8 +194,8 @@ def _eager_step(model, prompt):
     return lambda: model(tok, cache=cache)
 
 
-def _compiled_step(model, prompt, steps, mode):
-    dec = Decoder(model, prompt.size + steps + 2, mode)
+def _compiled_step(model, prompt, steps, mode, epilogue=False):
+    dec = Decoder(model, prompt.size + steps + 2, mode, epilogue=epilogue)
     tok, pos, state = dec.start(prompt)
     st = {"state": state, "pos": pos}
     del state
@@ -204,7 +208,7 @@ def _compiled_step(model, prompt, steps, mode):
     return step
 
 
-def step_profile(model, vocab, rot=False, context=64, steps=8, mode=None, tables=True):
+def step_profile(model, vocab, rot=False, context=64, steps=8, mode=None, tables=True, epilogue=False):
     """One decode step, unpipelined: host time to build its graph (Python; for a compiled step, the
     C++ replay of its trace), to encode it (``mx.async_eval`` returns once the kernels are queued)
     and the whole step to ``mx.synchronize``, median over ``steps``; plus the graph's primitives
@@ -212,7 +216,7 @@ def step_profile(model, vocab, rot=False, context=64, steps=8, mode=None, tables
     host (docs/decode.md)."""
     with qmv.rotating_in_kernel(rot), dequant.using_tables(tables):
         prompt = mx.random.randint(0, vocab - 16, (context,), key=mx.random.key(7))
-        step = _compiled_step(model, prompt, steps, mode) if mode else _eager_step(model, prompt)
+        step = _compiled_step(model, prompt, steps, mode, epilogue) if mode else _eager_step(model, prompt)
         build, encode, total = [], [], []
         for _ in range(steps):
             mx.synchronize()
@@ -244,19 +248,22 @@ def run(args, progress=print):
         models[f"vqpipe-b{b}{UNPACK}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
     for b in args.unfolded_bits:
         models[f"vqpipe-b{b}{NOFOLD}"] = random_vqpipe(args.preset, b, fold=False)
+    for b in args.epilogue_bits:  # the same model object: only the split step's residual adds differ
+        models[f"vqpipe-b{b}{EPI}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
     kvpp = roofline.kv_bytes_per_position(config, 2)
     info = {name: {"weight_bytes": weight_bytes(m, config)} for name, m in models.items()}
     for name, i in info.items():
         progress(f"built {name}: {i['weight_bytes'] / 2**30:.2f} GiB read per token (weights)")
-    arm_names = [*models] + ([n + COMPILED for n in models] if args.compiled else []) + \
-        ([n + SPLIT for n in models] if args.split else [])
+    plain = [n for n in models if not n.endswith(EPI)]  # +e arms exist in split mode only
+    arm_names = plain + ([n + COMPILED for n in plain] if args.compiled else []) + \
+        [n + SPLIT for n in models if args.split or n.endswith(EPI)]
     info.update({n: info[model_arm(n)] for n in arm_names})
     profiles, skipped = {}, {}
     for name in list(arm_names):
         m = models[model_arm(name)]
         try:
             profiles[name] = p = step_profile(m, config["vocab_size"], model_arm(name).endswith(ROT), mode=decode_mode(name),
-                                              tables=not model_arm(name).endswith(UNPACK))
+                                              tables=not model_arm(name).endswith(UNPACK), epilogue=model_arm(name).endswith(EPI))
         except Exception as e:  # a compiled arm that cannot trace is reported, not fatal to the eager arms
             if not is_compiled(name):
                 raise
@@ -270,7 +277,7 @@ def run(args, progress=print):
             from .step_attribution import line, timing
 
             p.update(timing(m, config["vocab_size"], decode_mode(name), model_arm(name).endswith(ROT),
-                            context=args.prompt_lengths[0]))
+                            context=args.prompt_lengths[0], epilogue=model_arm(name).endswith(EPI)))
             progress("  attribution " + line(name, {**p, "profile": p}))
     baseline = "bf16"
     aa = baseline + harness.AA_SUFFIX
@@ -287,7 +294,8 @@ def run(args, progress=print):
         prompts = [mx.random.randint(0, config["vocab_size"] - 16, (P,), key=mx.random.key(1000 * P + k))
                    for k in range(args.prompts)]
         log = {name: [] for name in [*arm_names, aa]}
-        decoders = {n: Decoder(models[model_arm(n)], P + max(args.gen_tokens, 8), decode_mode(n)) for n in arm_names if is_compiled(n)}
+        decoders = {n: Decoder(models[model_arm(n)], P + max(args.gen_tokens, 8), decode_mode(n), epilogue=model_arm(n).endswith(EPI))
+                    for n in arm_names if is_compiled(n)}
 
         def call(name, k, n_tokens):
             model = models[model_arm(name)]
@@ -330,6 +338,8 @@ def run(args, progress=print):
                     bases += [model_arm(name), baseline + sfx, "affine4" + sfx]
                     if sfx == SPLIT:
                         bases.append(model_arm(name) + COMPILED)
+                    if arm.endswith(EPI):  # the same step without the epilogue adds
+                        bases.append(arm.removesuffix(EPI) + sfx)
                 for base in dict.fromkeys(bases):
                     if name != base and base in log:
                         cmp = harness.compare(samples[base][phase], samples[name][phase], floor[phase])
@@ -343,7 +353,12 @@ def run(args, progress=print):
                 same = [a["ids"] == b["ids"] for a, b in zip(log[base], log[name])]
                 texts.append({"context": P, "a": base, "b": name, "identical_ids": sum(same), "pairs": len(same),
                               "what": "exact rewrite (fold / weight rebuild), same weights"})
-            if is_compiled(name) and model_arm(name) != baseline:  # compiled vs eager, same weights
+            if arm_of := (model_arm(name).removesuffix(EPI) + SPLIT if model_arm(name).endswith(EPI) else None):
+                if arm_of in log:  # the epilogue adds vs the plain split step: same weights, one rounding fewer
+                    same = [a["ids"] == b["ids"] for a, b in zip(log[arm_of], log[name])]
+                    texts.append({"context": P, "a": arm_of, "b": name, "identical_ids": sum(same), "pairs": len(same),
+                                  "what": "residual adds in the epilogue vs after it, same weights"})
+            elif is_compiled(name) and model_arm(name) != baseline:  # compiled vs eager, same weights
                 same = [a["ids"] == b["ids"] for a, b in zip(log[model_arm(name)], log[name])]
                 texts.append({"context": P, "a": model_arm(name), "b": name, "identical_ids": sum(same), "pairs": len(same),
                               "what": "compiled step vs eager mlx-lm, same weights"})
@@ -365,6 +380,8 @@ def parse_args(argv):
                    help=f"add a vqpipe-bN{UNPACK} arm per N: the old dense-path weight rebuild (prefill A/B)")
     p.add_argument("--unfolded-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
                    help=f"add a vqpipe-bN{NOFOLD} arm per N: rotation signs not folded (decode A/B)")
+    p.add_argument("--epilogue-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
+                   help=f"add a vqpipe-bN{EPI}{SPLIT} arm per N: split mode, residual adds in the mat-vec epilogues")
     p.add_argument("--compiled", action="store_true",
                    help=f"add an ARM{COMPILED} arm per arm: decode through vqpipe.decode_step's compiled step")
     p.add_argument("--split", action="store_true",
