@@ -325,7 +325,9 @@ def main(argv=None):
     except (ValueError, RuntimeError) as e:
         print(f"vqpipe.blas: error: {e}", file=sys.stderr)
         return 2
-    pairs = [(k, env.get(k, "")) for k in ("VQPIPE_BLAS", "LD_PRELOAD", "OPENBLAS_CORETYPE") if k in env or k != "OPENBLAS_CORETYPE"]
+    pairs = [(k, env.get(k, "")) for k in ("VQPIPE_BLAS", "LD_PRELOAD")]
+    if "OPENBLAS_CORETYPE" in env:
+        pairs.append(("OPENBLAS_CORETYPE", env["OPENBLAS_CORETYPE"]))
     if args.exports:
         print("\n".join(f"export {k}='{v}'" for k, v in pairs))
     elif args.env:
