@@ -29,7 +29,7 @@ def test_runs_on_cpu(tmp_path):
 def test_spin_kernel_holds_the_gpu():
     if not sa.on_cuda():
         pytest.skip("needs CUDA")
-    mx.eval(sa.spin(1.0))  # compiled
+    mx.eval(sa.spin(30.0))  # compiled: the duration is a template argument, so each value is its own kernel
     mx.synchronize()
     t0 = time.perf_counter()
     mx.eval(sa.spin(30.0))
