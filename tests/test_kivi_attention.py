@@ -607,7 +607,9 @@ def test_v4_covers_2_and_4_bits_and_falls_back_to_v3():
     assert decode_kernel.shared_floats(128, 4, 4, 32, "v4r", 4) >= 2 * 4 * 4 * 130 > decode_kernel.shared_floats(128, 4, 1, 32, "v4", 4)
     v4r = decode_kernel.render("cuda", "v4r", minify=False)[2]
     v4 = decode_kernel.render("cuda", "v4", minify=False)[2]
+    v4m = decode_kernel.render("cuda", "v4m", minify=False)[2]
     assert "qres" in v4r and "qres" not in v4 and "kv4_ld4(rv" in v4 and "w < 2u * NW;" in v4r and "w < 2u * NW;" not in v4
+    assert "qres" in v4m and "w < 2u * NW;" in v4m and "V4O" in v4m and "V4O" in v4 and "V4O" not in v4r
     with pytest.raises(ValueError, match="CUDA only"):
         decode_kernel.render("metal", "v4r")
     with pytest.raises(ValueError, match="CUDA only"):
@@ -713,9 +715,10 @@ def test_v4_within_its_bound_for_every_split_count_and_block_size(case):
     v3 = np.array(decode_kernel.decode_attention(q, c, d**-0.5, version="v3").astype(mx.float32))
     assert np.all(np.abs(v3 - outs[0]) <= 2 * tol + 2 * _ulp(want, dt))
     # v4r (the seventh window's v4: the residual on CUDA cores, v3's merge), kept to be timed against
-    for ns in (None, 7):
-        old = decode_kernel.decode_attention(q, c, d**-0.5, splits=ns, version="v4r")
-        assert_within(old, q, c, d**-0.5, None, f"v4r splits {ns}", split=V4_SPLIT)
+    # and v4m (v4r with v4's final merge)
+    for ver, ns in itertools.product(("v4r", "v4m"), (None, 7)):
+        old = decode_kernel.decode_attention(q, c, d**-0.5, splits=ns, version=ver)
+        assert_within(old, q, c, d**-0.5, None, f"{ver} splits {ns}", split=V4_SPLIT)
         assert np.all(np.abs(np.array(old.astype(mx.float32)) - outs[0]) <= 2 * tol + 2 * _ulp(want, dt))
     # "auto" on CUDA takes v4 here (the default stays v3: docs/kivi.md, "Seventh window")
     if kernels.backend() == "cuda":

@@ -1220,6 +1220,9 @@ _V4_COMMON = _BODY_V4.replace("@SETUP@\n", _SETUP).replace("@V4SOFTMAX@\n", _V4_
 # partial (2 NW partials per block), v3's final merge
 _BODY_V4R = (_V4_COMMON.replace("@V4TAIL@\n", _V4_RES_CUDA_CORES).replace("V4P", "2u")
              + _BODY[_BODY.index("    // the block's partial: its warps merged"):].replace("w < NW;", "w < 2u * NW;"))
+# v4m: v4r with v4's final merge (to time the eighth window's two changes apart)
+_BODY_V4M = (_V4_COMMON.replace("@V4TAIL@\n", _V4_RES_CUDA_CORES).replace("V4P", "2u")
+             + _BLOCK_MERGE.replace("w < NW;", "w < 2u * NW;") + _V4_MERGE)
 # v4 (eighth window): the residual through the mma path into the one running state (NW partials per
 # block), the final merge with its loads in flight together (_V4_MERGE)
 _BODY_V4 = (_V4_COMMON.replace("@V4TAIL@\n", _V4_RES_MMA.replace("@V4SOFTMAX@\n", re.sub("(?m)^(?=.)", "    ", _V4_SOFTMAX)))
@@ -1347,8 +1350,10 @@ DIALECTS = {
 INPUTS = ["q", "kc", "kp", "vc", "vp", "rk", "rv", "meta", "scratch", "counters", "after"]
 
 
-VERSIONS = ("v3", "v2", "v4", "v4r")
-V4_FAMILY = ("v4", "v4r")  # the tensor-core kernels (v4r: the seventh window's, its residual on CUDA cores)
+VERSIONS = ("v3", "v2", "v4", "v4r", "v4m")
+# the tensor-core kernels: v4r the seventh window's (its residual on CUDA cores, v3's final merge), v4m
+# v4r with v4's final merge; both kept to be timed against v4
+V4_FAMILY = ("v4", "v4r", "v4m")
 # the kernel a launch uses unless told (VQPIPE_KIVI_DECODE): v3 (the default: in the model's order,
 # chained, v4 was 7-15 % slower at 4k-8k and tied at 32k on the H200, docs/kivi.md "Seventh window");
 # "auto" is v4 where it serves the geometry on CUDA (:func:`v4_unsupported`), v3 elsewhere; "v4" the
@@ -1443,7 +1448,7 @@ def render(dialect, version=None, meta=None, warps=WARPS, minblocks=0, minify=Tr
     version = version or VERSION
     if version in V4_FAMILY and dialect != "cuda":
         raise ValueError("kernel v4 is CUDA only (mma.sync); Metal takes v3")
-    body = {"v3": _BODY_V3, "v2": _BODY, "v4": _BODY_V4, "v4r": _BODY_V4R}[version].replace("NSMAX", str(NSMAX))
+    body = {"v3": _BODY_V3, "v2": _BODY, "v4": _BODY_V4, "v4r": _BODY_V4R, "v4m": _BODY_V4M}[version].replace("NSMAX", str(NSMAX))
     body = body.replace("@COUNTS@", _COUNTS[meta or META])
     for token in sorted(spec["tokens"], key=len, reverse=True):  # KA_TG before KA_T..., longest first
         body = body.replace(token, spec["tokens"][token])
@@ -1463,7 +1468,7 @@ def shared_floats(head_dim, ratio, warps=WARPS, group_size=32, version=None, bit
         w, ngv = head_dim * bits // 32, -(-head_dim // group_size)
         stg = 64 * w + head_dim + 32 * ngv
         wa = max(2 * stg, (head_dim + 32) * rp)
-        parts = 2 if version == "v4r" else 1  # v4r: a residual partial per warp beside the tensor-core one
+        parts = 1 if version == "v4" else 2  # v4r, v4m: a residual partial per warp beside the tensor-core one
         return max(warps * wa, parts * warps * ratio * (head_dim + 2), (NSMAX + 1) * ratio + 3)
     if (version or VERSION) == "v3":
         shq = head_dim * rp + warps * max(head_dim * rp, 32 * (rp + -(-head_dim // group_size)))
