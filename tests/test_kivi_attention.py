@@ -720,7 +720,7 @@ def test_v4_within_its_bound_for_every_split_count_and_block_size(case):
         old = decode_kernel.decode_attention(q, c, d**-0.5, splits=ns, version=ver)
         assert_within(old, q, c, d**-0.5, None, f"{ver} splits {ns}", split=V4_SPLIT)
         assert np.all(np.abs(np.array(old.astype(mx.float32)) - outs[0]) <= 2 * tol + 2 * _ulp(want, dt))
-    # "auto" on CUDA takes v4 here (the default stays v3: docs/kivi.md, "Seventh window")
+    # "auto" (the default) on CUDA takes v4 here
     if kernels.backend() == "cuda":
         assert decode_kernel.launch_args(q, c, d**-0.5, version="auto")[2].version == "v4"
         assert mx.array_equal(decode_kernel.decode_attention(q, c, d**-0.5, version="auto"),

@@ -21,15 +21,19 @@ scratch buffer and counts itself done; the last block of a KV head merges all sp
 (log-sum-exp weights) and writes the output. The counter is reset by that block, so the scratch
 needs no clearing between launches. In float32 throughout; codes become floats exactly.
 
-Versions (:data:`VERSIONS`): "v3", the default, does the above with all of a chunk's global loads
+Versions (:data:`VERSIONS`; the default :data:`DEFAULT`, "auto", is v4 where it serves, v3 elsewhere): "v3" does the above with all of a chunk's global loads
 issued before its arithmetic (optionally a chunk ahead); "v2" (the same arithmetic, loads next to
 their use: one round trip per token-word in its values loop, docs/kivi.md) is kept to be timed
 side by side (the kernel of H200 run 2, equal to v2 at 4 bits, was removed when v3 beat both).
 "v4" (CUDA only, 2 and 4 bits, :func:`v4_unsupported`) does the dot products of the quantized
 chunks on tensor cores (``mma.sync.m16n8k16`` bf16 -> f32: the codes exact in bf16, the folded
 query and p times the value scale as bf16 hi + lo in the mma's rows 0-7 and 8-15), each warp's
-chunks staged in shared memory by cp.async, double buffered; the residual on CUDA cores. Its bound
-is the float32 one plus 2^-16 of the score and value magnitudes (docs/kivi.md, "Seventh window").
+chunks staged in shared memory by cp.async, double buffered; the residual chunks through the same
+mma path and running state (their keys and values as bf16 hi + lo: exact for float16 and bfloat16),
+then a final merge whose loads of all splits are in flight together. Its bound is the float32 one
+plus 2^-16 of the score and value magnitudes (twice that with a float32 residual; docs/kivi.md,
+"Seventh window", "Eighth window"). "v4r" (the seventh window's v4: the residual on CUDA cores with
+its own partial, v3's final merge) and "v4m" (v4r with v4's merge) are kept to be timed against it.
 """
 
 import functools
@@ -1354,12 +1358,12 @@ VERSIONS = ("v3", "v2", "v4", "v4r", "v4m")
 # the tensor-core kernels: v4r the seventh window's (its residual on CUDA cores, v3's final merge), v4m
 # v4r with v4's final merge; both kept to be timed against v4
 V4_FAMILY = ("v4", "v4r", "v4m")
-# the kernel a launch uses unless told (VQPIPE_KIVI_DECODE): v3 (the default: in the model's order,
-# chained, v4 was 7-15 % slower at 4k-8k and tied at 32k on the H200, docs/kivi.md "Seventh window");
-# "auto" is v4 where it serves the geometry on CUDA (:func:`v4_unsupported`), v3 elsewhere; "v4" the
-# same with v3 as the fallback. VERSION is the CUDA-core kernel geometry-free callers (the host
-# rendering, the fallback) take
-DEFAULT = os.environ.get("VQPIPE_KIVI_DECODE", "v3")
+# the kernel a launch uses unless told (VQPIPE_KIVI_DECODE): "auto", the default, is v4 where it
+# serves the geometry on CUDA (:func:`v4_unsupported`), v3 elsewhere (Metal, 8 bits, more than 8 query
+# heads per KV head): in the model's order, chained, v4 was 15-35 % faster than v3 at 4k-64k at 2 and
+# 4 bits on the H200 (docs/kivi.md "Eighth window"); "v4" the same with v3 as the fallback. VERSION
+# is the CUDA-core kernel geometry-free callers (the host rendering, the fallback) take
+DEFAULT = os.environ.get("VQPIPE_KIVI_DECODE", "auto")
 if DEFAULT not in VERSIONS + ("auto",):
     raise ValueError(f"VQPIPE_KIVI_DECODE={DEFAULT!r}: expected auto or one of {', '.join(VERSIONS)}")
 VERSION = "v3" if DEFAULT in ("auto",) + V4_FAMILY else DEFAULT
