@@ -5,9 +5,11 @@ It follows the CUDA body's index arithmetic literally: the stages as the cp.asyn
 body's formulas, the mma done on the matrices the PTX fragment layout says those registers hold,
 the codes unpacked by the same bit operations (bf16x2(128 + c) minus 128), the float32 -> bf16 hi +
 lo split rounded to nearest even, float32 everywhere else. A wrong lane formula gives a wrong
-answer here, on the CPU, before any GPU time. What it does not model: the mma's internal
-accumulation order (float64 here, then one float32 rounding), cp.async timing, the residual path
-(plain CUDA-core code, v3's arithmetic) and the block/split merges (v3's code).
+answer here, on the CPU, before any GPU time. The residual chunks (eighth window) go through the
+same mma path and running state, their full-precision keys and values split hi + lo as the body
+loads them (rows past the residual's end clamped to row 0, their scores -inf, their values 0).
+What it does not model: the mma's internal accumulation order (float64 here, then one float32
+rounding), cp.async timing, and the block/split merges (float64 here).
 """
 
 import numpy as np
@@ -85,10 +87,87 @@ def unpair(u):
     return lo, hi
 
 
-def tc_partial(q, sm, kc, kp, vc, vp, chunks, bits, g_size):
-    """The tensor-core partial of one warp over ``chunks``: (m [R], l [R], acc [R][D]) unnormalized,
-    as the body writes it. q [R, D] float32; kc [NG, W, G], kp [NG, D] (uint32 half2 bits), vc [S, W],
-    vp [S, NGV] (uint32)."""
+def _softmax(s, m, l_, zacc, acc):
+    """The body's online softmax step over one chunk's score fragments s [32][4][2]; zacc and acc
+    rescaled in place; returns (p, m, l)."""
+    cm = s.reshape(8, 4, 8).max(axis=(1, 2)).repeat(4)
+    if np.any(cm > m):
+        mn = np.maximum(m, cm)
+        alpha = np.exp(m - mn).astype(F32)
+        l_ = (l_ * alpha).astype(F32)
+        zacc *= alpha[:, None]
+        for v in range(len(acc)):
+            for lane in range(32):
+                acc[v][lane] = [F32(a * alpha[lane]) for a in acc[v][lane]]
+        m = mn
+    with np.errstate(invalid="ignore"):
+        p = np.exp(s - m[:, None, None]).astype(F32)
+    return p, m, (l_ + p.sum(axis=(1, 2), dtype=F32)).astype(F32)
+
+
+def _residual_chunk(qv, m, l_, zacc, acc, rk, rv, r0, nr, bits):
+    """One residual chunk (residual tokens r0 .. r0 + 31) as _V4_RES_MMA does it: A = qv as hi + lo,
+    B = the keys (then the values) as hi + lo, two mmas per tile; updates zacc/acc, returns (m, l)."""
+    d = rk.shape[1]
+    cpw, hc = 32 // bits, 16 // bits
+    ki, kh, nb = d * bits // 128, cpw // 4, d // 32
+    ar = np.zeros((32, d // 16, 4, 2), F32)
+    for lane in range(32):
+        for k in range(d // 16):
+            ar[lane, k, 0], ar[lane, k, 1] = split(qv[lane, k, :2])
+            ar[lane, k, 2], ar[lane, k, 3] = split(qv[lane, k, 2:])
+    row = lambda buf, rt: buf[rt if rt < nr else 0]  # noqa: E731
+    s = np.zeros((32, 4, 2), F32)
+    for u in range(4):
+        cc = [[F32(0)] * 4 for _ in range(32)]
+        for i in range(ki):
+            for h in range(kh):
+                bh, bl = [], []
+                for lane in range(32):
+                    g, t = divmod(lane, 4)
+                    x = row(rk, r0 + 8 * u + g)[cpw * (t + 4 * i) : cpw * (t + 4 * i) + cpw].astype(F32)
+                    h0, l0 = split([x[2 * h], x[2 * h + hc]])
+                    h1, l1 = split([x[2 * h + 1], x[2 * h + 1 + hc]])
+                    bh.append((h0, h1))
+                    bl.append((l0, l1))
+                mma(cc, [ar[ln, i * kh + h] for ln in range(32)], bh)
+                mma(cc, [ar[ln, i * kh + h] for ln in range(32)], bl)
+        for lane in range(32):
+            g, t = divmod(lane, 4)
+            for e in range(2):
+                ok = r0 + 8 * u + 2 * t + e < nr
+                s[lane, u, e] = F32(cc[lane][e] + cc[lane][2 + e]) if ok else F32(-np.inf)
+    s, m, l_ = _softmax(s, m, l_, zacc, acc)
+    for kk in range(2):
+        a_fr = []
+        for lane in range(32):
+            g, t = divmod(lane, 4)
+            h01, l01 = split([s[lane, 2 * kk, 0], s[lane, 2 * kk, 1]])
+            h23, l23 = split([s[lane, 2 * kk + 1, 0], s[lane, 2 * kk + 1, 1]])
+            a_fr.append((h01, l01, h23, l23))
+        for kb in range(nb):
+            bh, bl = [[] for _ in range(4)], [[] for _ in range(4)]
+            for lane in range(32):
+                g, t = divmod(lane, 4)
+                vo = (g % (2 * bits)) * (16 // bits) + (g // (2 * bits)) * 4
+                tk = (16 * kk + 2 * t, 16 * kk + 2 * t + 1, 16 * kk + 8 + 2 * t, 16 * kk + 9 + 2 * t)
+                y = [row(rv, r0 + te)[32 * kb + vo : 32 * kb + vo + 4].astype(F32) if r0 + te < nr else np.zeros(4, F32) for te in tk]
+                for u in range(4):
+                    h0, l0 = split([y[0][u], y[1][u]])
+                    h1, l1 = split([y[2][u], y[3][u]])
+                    bh[u].append((h0, h1))
+                    bl[u].append((l0, l1))
+            for u in range(4):
+                mma(acc[4 * kb + u], a_fr, bh[u])
+                mma(acc[4 * kb + u], a_fr, bl[u])
+    return m, l_
+
+
+def tc_partial(q, sm, kc, kp, vc, vp, chunks, bits, g_size, rk=None, rv=None, nr=0, nq=None):
+    """The partial of one warp over ``chunks``: (m [R], l [R], acc [R][D]) unnormalized, as the body
+    writes it. q [R, D] float32; kc [NG, W, G], kp [NG, D] (uint32 half2 bits), vc [S, W], vp [S, NGV]
+    (uint32); chunks from nq // 32 on (nq: default len(vc)) are the residual's: rk, rv [RC, D] float32 (the buffers'
+    values), nr of them valid."""
     r_, d = q.shape
     w_, cpw, hc = d * bits // 32, 32 // bits, 16 // bits
     ki, kh, nb, nt = w_ // 4, cpw // 4, d // 32, d // 8
@@ -105,7 +184,11 @@ def tc_partial(q, sm, kc, kp, vc, vp, chunks, bits, g_size):
     l_ = np.zeros(32, F32)
     zacc = np.zeros((32, ngv), F32)
     acc = [[[F32(0)] * 4 for _ in range(32)] for _ in range(nt)]
+    nqc = (vc.shape[0] if nq is None else nq) // 32
     for cl in chunks:
+        if cl >= nqc:
+            m, l_ = _residual_chunk(qv, m, l_, zacc, acc, rk, rv, (cl - nqc) * 32, nr, bits)
+            continue
         ks, kps, vs, vps = stage(kc, kp, vc, vp, cl, bits, g_size)
         af = np.zeros((32, d // 16, 4, 2), F32)
         bias = np.zeros(32, F32)
@@ -138,17 +221,7 @@ def tc_partial(q, sm, kc, kp, vc, vp, chunks, bits, g_size):
                     mma(cc, [af[ln, i * kh + h] for ln in range(32)], b)
             for lane in range(32):
                 s[lane, u] = (F32(cc[lane][0] + cc[lane][2]), F32(cc[lane][1] + cc[lane][3]))
-        cm = s.reshape(8, 4, 8).max(axis=(1, 2)).repeat(4)
-        if np.any(cm > m):
-            mn = np.maximum(m, cm)
-            alpha = np.exp(m - mn).astype(F32)
-            l_, zacc = (l_ * alpha).astype(F32), (zacc * alpha[:, None]).astype(F32)
-            for v in range(nt):
-                for lane in range(32):
-                    acc[v][lane] = [F32(a * alpha[lane]) for a in acc[v][lane]]
-            m = mn
-        s = np.exp(s - m[:, None, None]).astype(F32)
-        l_ = (l_ + s.sum(axis=(1, 2), dtype=F32)).astype(F32)
+        s, m, l_ = _softmax(s, m, l_, zacc, acc)
         for kk in range(2):
             for kb in range(nb):
                 j = 32 * kb // g_size

@@ -510,17 +510,23 @@ def test_bf16_hi_lo_split_error_is_within_2_to_minus_16():
 
 
 def _v4_model(cache, q, scale, splits, warps):
-    """The model's answer over the quantized tokens: the chunks cut into ``splits`` runs (blocks) of
-    ``warps`` interleaved warps, as the kernel assigns them, the partials merged in float64."""
-    b, h = cache.kc.shape[:2]
+    """The model's answer: the chunks (quantized, then the residual's) cut into ``splits`` runs
+    (blocks) of ``warps`` interleaved warps, as the kernel assigns them, the partials merged in float64."""
+    rkb, rvb, nr = cache.residual_buffers()
+    b, h = rkb.shape[:2]
     d, bits, g, nq = q.shape[-1], cache.kv_bits, cache.group_size, cache.quantized
     r = q.shape[1] // h
-    kc, vc = np.array(cache.kc), np.array(cache.vc)
-    kp = np.array(cache.kp.astype(mx.float16)).view(np.uint32)[..., 0]
-    vp = np.array(cache.vp.astype(mx.float16)).view(np.uint32)[..., 0]
+    if cache.kc is None:  # nothing quantized: stand-ins no chunk reads (as launch_args passes)
+        kc, vc = np.zeros((b, h, 1, d * bits // 32, g), np.uint32), np.zeros((b, h, 0, d * bits // 32), np.uint32)
+        kp, vp = np.zeros((b, h, 1, d), np.uint32), np.zeros((b, h, 0, -(-d // g)), np.uint32)
+    else:
+        kc, vc = np.array(cache.kc), np.array(cache.vc)
+        kp = np.array(cache.kp.astype(mx.float16)).view(np.uint32)[..., 0]
+        vp = np.array(cache.vp.astype(mx.float16)).view(np.uint32)[..., 0]
+    rk, rv = (np.array(a.astype(mx.float32)) for a in (rkb, rvb))
     qn = np.array(q.astype(mx.float32)).reshape(b, h, r, d)
     out = np.zeros((b, h, r, d))
-    nc = nq // 32
+    nc = nq // 32 + -(-nr // 32)
     per = -(-nc // splits)
     for bi, hi in itertools.product(range(b), range(h)):
         parts = []
@@ -529,7 +535,7 @@ def _v4_model(cache, q, scale, splits, warps):
                 chunks = list(range(sp * per + w, min(nc, sp * per + per), warps))
                 if chunks:
                     parts.append(kivi_v4_model.tc_partial(qn[bi, hi], scale, kc[bi, hi], kp[bi, hi], vc[bi, hi], vp[bi, hi],
-                                                          chunks, bits, g))
+                                                          chunks, bits, g, rk[bi, hi], rv[bi, hi], nr, nq))
         mm = np.max([p[0] for p in parts], axis=0)
         wts = [np.exp(p[0].astype(np.float64) - mm) for p in parts]
         num = sum(wt[:, None] * p[2] for wt, p in zip(wts, parts))
@@ -537,29 +543,38 @@ def _v4_model(cache, q, scale, splits, warps):
     return out.reshape(b, h * r, 1, d)
 
 
-# (bits, G, D, KV heads, GQA ratio, tokens, splits x warps): 1/2 KV heads, GQA 1-8, D 64/128,
-# 2/4 bits, G 32/64/128, one chunk per warp up to several
+# (bits, G, D, KV heads, GQA ratio, tokens, residual length, splits x warps, dtype): 1/2 KV heads,
+# GQA 1-8, D 64/128, 2/4 bits, G 32/64/128, one chunk per warp up to several, residuals of 1 to 5
+# chunks (ragged, and the residual alone), float32 residuals (their keys and values split too)
 V4_MODEL_CASES = [
-    (4, 32, 128, 1, 4, 160, [(1, 4), (3, 1), (2, 2)]),
-    (2, 32, 128, 2, 8, 96, [(1, 1), (2, 4)]),
-    (4, 64, 64, 1, 1, 256, [(1, 4), (4, 1)]),
-    (2, 32, 64, 1, 7, 128, [(1, 2)]),
-    (4, 128, 64, 2, 3, 288, [(1, 4), (2, 3)]),
-    (2, 64, 128, 1, 5, 128, [(1, 4)]),
-    (4, 32, 64, 1, 2, 64, [(1, 1)]),
-    (4, 32, 128, 1, 6, 64, [(2, 1)]),
+    (4, 32, 128, 1, 4, 160, 40, [(1, 4), (3, 1), (2, 2)], "float16"),
+    (2, 32, 128, 2, 8, 96, 4, [(1, 1), (2, 4)], "float16"),
+    (4, 64, 64, 1, 1, 256, 70, [(1, 4), (4, 1)], "float16"),
+    (2, 32, 64, 1, 7, 128, 33, [(1, 2)], "float16"),
+    (4, 128, 64, 2, 3, 288, 4, [(1, 4), (2, 3)], "float16"),
+    (2, 64, 128, 1, 5, 128, 100, [(1, 4)], "float16"),
+    (4, 32, 64, 1, 2, 64, 1, [(1, 1)], "float16"),
+    (4, 32, 128, 1, 6, 64, 32, [(2, 1)], "float16"),
+    (4, 32, 64, 1, 4, 20, 128, [(1, 1)], "float16"),  # nothing quantized: the residual alone
+    (2, 32, 64, 1, 4, 64, 40, [(1, 2), (2, 1)], "float32"),
 ]
 
 
-@pytest.mark.parametrize("case", V4_MODEL_CASES, ids=lambda c: "-".join(map(str, c[:6])))
+def v4_split(dtype):
+    """v4's split term: the query and p as hi + lo (2^-16 each); a float32 residual's keys and values
+    are split as well, another 2^-16 (float16 and bfloat16 split exactly)."""
+    return V4_SPLIT * (2.01 if dtype == "float32" else 1.0)
+
+
+@pytest.mark.parametrize("case", V4_MODEL_CASES, ids=lambda c: "-".join(map(str, c[:7] + (c[8],))))
 def test_v4_model_within_float32_bound_plus_split_term(case):
-    bits, g, d, hk, ratio, s, shapes = case
-    k, v = _kv(1, hk, s + 7, d, "float16", seed=s + d + bits)
-    c = _filled(bits, g, 4, k, v, [s + 7])
-    assert c.quantized >= s - g
-    q = (mx.random.normal((1, hk * ratio, 1, d), key=mx.random.key(s)) * 1.5).astype(mx.float16)
-    want, tol = reference(q, c, d**-0.5, split=V4_SPLIT, tokens=c.quantized)
-    _, tol0 = reference(q, c, d**-0.5, tokens=c.quantized)
+    bits, g, d, hk, ratio, s, res, shapes, dt = case
+    k, v = _kv(1, hk, s + 7, d, dt, seed=s + d + bits)
+    c = _filled(bits, g, res, k, v, [s + 7])
+    assert c.nres >= min(res, s + 7) and (c.quantized > 0) == (s + 7 >= res + g)
+    q = (mx.random.normal((1, hk * ratio, 1, d), key=mx.random.key(s)) * 1.5).astype(getattr(mx, dt))
+    want, tol = reference(q, c, d**-0.5, split=v4_split(dt))
+    _, tol0 = reference(q, c, d**-0.5)
     outs = []
     for ns, nw in shapes:
         got = _v4_model(c, q, d**-0.5, ns, nw)
@@ -569,7 +584,7 @@ def test_v4_model_within_float32_bound_plus_split_term(case):
     assert all(np.all(np.abs(o - outs[0]) <= 2 * tol) for o in outs)
     # the split term is what the bound needs: without it the model may exceed the float32 bound,
     # with it the error stays under (this records how close; no assertion on the first)
-    print(f"{case[:6]}: worst error / float32 bound {np.max(np.abs(outs[0] - want) / tol0):.3g}, / v4 bound {np.max(np.abs(outs[0] - want) / tol):.3g}")
+    print(f"{case[:7]}: worst error / float32 bound {np.max(np.abs(outs[0] - want) / tol0):.3g}, / v4 bound {np.max(np.abs(outs[0] - want) / tol):.3g}")
 
 
 def test_v4_covers_2_and_4_bits_and_falls_back_to_v3():
@@ -585,6 +600,18 @@ def test_v4_covers_2_and_4_bits_and_falls_back_to_v3():
     assert "shared memory" in decode_kernel.v4_unsupported(128, 128, 4, 32, 4, warps=8)
     assert pick("v4", 128, 128, 4, 32, 4, warps=8, dialect="cuda") == "v3"
     assert pick("v2", 128, 128, 4, 32, 4, dialect="cuda") == "v2"
+    # v4r, the seventh window's v4 (residual on CUDA cores, a second partial per warp), by name only
+    assert pick("v4r", 128, 128, 4, 32, 4, dialect="cuda") == "v4r" and pick("v4r", 128, 128, 8, 32, 4, dialect="cuda") == "v3"
+    assert decode_kernel.parse_shape("4xf:v4r").version == "v4r"
+    assert decode_kernel.resident_blocks(4, decode_kernel.default_shape(4, "v4r")) == 2
+    assert decode_kernel.shared_floats(128, 4, 4, 32, "v4r", 4) >= 2 * 4 * 4 * 130 > decode_kernel.shared_floats(128, 4, 1, 32, "v4", 4)
+    v4r = decode_kernel.render("cuda", "v4r", minify=False)[2]
+    v4 = decode_kernel.render("cuda", "v4", minify=False)[2]
+    v4m = decode_kernel.render("cuda", "v4m", minify=False)[2]
+    assert "qres" in v4r and "qres" not in v4 and "kv4_ld4(rv" in v4 and "w < 2u * NW;" in v4r and "w < 2u * NW;" not in v4
+    assert "qres" in v4m and "w < 2u * NW;" in v4m and "V4O" in v4m and "V4O" in v4 and "V4O" not in v4r
+    with pytest.raises(ValueError, match="CUDA only"):
+        decode_kernel.render("metal", "v4r")
     with pytest.raises(ValueError, match="CUDA only"):
         decode_kernel.render("metal", "v4")
     name, header, body = decode_kernel.render("cuda", "v4")
@@ -674,19 +701,26 @@ def test_v4_within_its_bound_for_every_split_count_and_block_size(case):
         assert mx.array_equal(attention.attend(q, c, d**-0.5, None), v3)
         warnings.warn(f"{case}: v4 does not serve it ({why}); v3 ran")
         return
-    want, tol = reference(q, c, d**-0.5, split=V4_SPLIT)
+    split = v4_split(dt)
+    want, tol = reference(q, c, d**-0.5, split=split)
     outs = []
     warp_counts = (4, 1, 2) if case in (GPU_CASES[0], GPU_CASES[8]) else (4,)
     for nw, ns in itertools.product(warp_counts, (None, 1, 3, 7, decode_kernel.NSMAX)):
         out = decode_kernel.decode_attention(q, c, d**-0.5, splits=ns, warps=nw, version="v4")
         again = decode_kernel.decode_attention(q, c, d**-0.5, splits=ns, warps=nw, version="v4")
-        assert_within(out, q, c, d**-0.5, None, f"v4 splits {ns} warps {nw}", split=V4_SPLIT)
+        assert_within(out, q, c, d**-0.5, None, f"v4 splits {ns} warps {nw}", split=split)
         assert mx.array_equal(out, again)
         outs.append(np.array(out.astype(mx.float32)))
     assert all(np.all(np.abs(o - outs[0]) <= 2 * tol + 2 * _ulp(want, dt)) for o in outs)
     v3 = np.array(decode_kernel.decode_attention(q, c, d**-0.5, version="v3").astype(mx.float32))
     assert np.all(np.abs(v3 - outs[0]) <= 2 * tol + 2 * _ulp(want, dt))
-    # "auto" on CUDA takes v4 here (the default stays v3: docs/kivi.md, "Seventh window")
+    # v4r (the seventh window's v4: the residual on CUDA cores, v3's merge), kept to be timed against
+    # and v4m (v4r with v4's final merge)
+    for ver, ns in itertools.product(("v4r", "v4m"), (None, 7)):
+        old = decode_kernel.decode_attention(q, c, d**-0.5, splits=ns, version=ver)
+        assert_within(old, q, c, d**-0.5, None, f"{ver} splits {ns}", split=V4_SPLIT)
+        assert np.all(np.abs(np.array(old.astype(mx.float32)) - outs[0]) <= 2 * tol + 2 * _ulp(want, dt))
+    # "auto" (the default) on CUDA takes v4 here
     if kernels.backend() == "cuda":
         assert decode_kernel.launch_args(q, c, d**-0.5, version="auto")[2].version == "v4"
         assert mx.array_equal(decode_kernel.decode_attention(q, c, d**-0.5, version="auto"),
@@ -835,12 +869,13 @@ def test_bench_kivi_latency_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(decode_kernel, "decode_attention", lambda q, c, scale, **kw: attention.attend_tiles(q, c, scale))
     for extra in ([], ["--sequential"]):
         assert kivi_latency.main(["--out", str(out), "--contexts", "256,300", "--layers", "2", "--inputs", "2", "--repeats", "2",
-                                  "--warmup", "1", "--shapes", "default,4/4xf,2/8x2:pf1"] + extra) == 0
+                                  "--warmup", "1", "--shapes", "default,4/4xf,2/8x2:pf1,4/v4,4/v4r"] + extra) == 0
         d = json.loads(out.read_text())
         assert [r["S"] for r in d["rows"]] == [256, 300] and not d["failed"]
         arms = set(d["rows"][0]["arms"])
         assert {"sdpa", "sdpa-chain", "sdpa-vchain", "sdpa-vchain (A/A)", "kivi4@8xf:pf0:mb0", "kivi4-chain@4xf:pf0:mb0",
-                "kivi2@4xf:pf1:mb0", "kivi2-chain@8x2:pf1:mb0"} <= arms and "kivi2@4xf:pf0:mb0" not in arms
+                "kivi2@4xf:pf1:mb0", "kivi2-chain@8x2:pf1:mb0", "kivi4-chain@4xf:pf0:mb0:v4",
+                "kivi4-chain@4xf:pf0:mb0:v4r"} <= arms and "kivi2@4xf:pf0:mb0" not in arms
         assert d["rows"][1]["splits"]["kivi4@4xf:pf0:mb0"]["blocks"] % 8 == 0
         assert all(a["total"]["n"] == 2 and a["total"]["median"] > 0 for a in d["rows"][0]["arms"].values())
 

@@ -16,7 +16,8 @@ step as a decode step runs them, interleaved in one process with an A/A copy of 
   ``kivi4-compiled``: the current launch inside ``mx.compile``; ``kivi4-v2``: the second window's
   kernel (decode_kernel version "v2") with the current launch, ``kivi4-v2-full`` the same with its
   source unminified (comments and indentation: MLX rebuilds the source string every call);
-  ``kivi4-v3`` / ``kivi4-v3-chain``, ``kivi4-v4`` / ``kivi4-v4-chain``: kernel v3 or v4 by name (``kivi4``: the default);
+  ``kivi4-v3`` / ``kivi4-v3-chain``, ``kivi4-v4`` / ``kivi4-v4-chain``: kernel v3 or v4 by name (``kivi4``: the default), ``kivi4-v4r-chain``
+  the seventh window's v4;
 - latency, as a model's layers see it: ``sdpa-chain`` / ``kivi4-chain``: each layer's query is the
   previous layer's output, so the 32 launches run one after another (in the arms above they are
   independent and the GPU overlaps them); ``sdpa-vchain`` the same over slices of buffers one
@@ -172,6 +173,7 @@ def _arms(fp, kv, qs, scale, names):
         "kivi4-v3-chain": lambda i: _chain(q(i, 0), kv, lambda x, c: decode_kernel.decode_attention(x, c, scale, version="v3")),
         "kivi4-v4": lambda i: [_kivi(q(i, j), c, scale, version="v4") for j, c in enumerate(kv)],
         "kivi4-v4-chain": lambda i: _chain(q(i, 0), kv, lambda x, c: decode_kernel.decode_attention(x, c, scale, version="v4")),
+        "kivi4-v4r-chain": lambda i: _chain(q(i, 0), kv, lambda x, c: decode_kernel.decode_attention(x, c, scale, version="v4r")),
         "sdpa-vchain": lambda i: _chain(q(i, 0), steps["sdpa-vchain"], lambda x, kv_: mx.fast.scaled_dot_product_attention(
             x, kv_[0][..., :s_len, :], kv_[1][..., :s_len, :], scale=scale)),
         "sdpa-step": lambda i: _chain(q(i, 0), steps["sdpa-step"], lambda x, c: mx.fast.scaled_dot_product_attention(
@@ -293,7 +295,7 @@ def _prefill_rows(s, args, hq, hk, d, label):
     return rows
 
 
-ARMS = ("sdpa", "add", "noop1", "noop1-compiled", "noop11-float3", "noop11", "noop11-fixed", "kivi4-float3", "kivi4", "kivi4-v2", "kivi4-v3", "kivi4-v3-chain", "kivi4-v4", "kivi4-v4-chain",
+ARMS = ("sdpa", "add", "noop1", "noop1-compiled", "noop11-float3", "noop11", "noop11-fixed", "kivi4-float3", "kivi4", "kivi4-v2", "kivi4-v3", "kivi4-v3-chain", "kivi4-v4", "kivi4-v4-chain", "kivi4-v4r-chain",
         "kivi4-v2-full", "kivi4-compiled", "kivi4-c1", "sdpa-chain", "sdpa-vchain", "kivi4-chain", "kivi4-chain-c1", "kivi4-chain-c2", "sdpa-step",
         "kivi4-step", "kivi4-step-c1")
 

@@ -76,13 +76,13 @@ def _splits(c, shape):
 def _shapes_for(shapes, bits):
     """The shapes of ``--shapes`` that apply at ``bits``: "SHAPE" at every width, "N/SHAPE" at N only,
     "default" the width's default v3 shape (decode_kernel.V3_SHAPES), "v4" kernel v4's (decode_kernel.V4_SHAPE;
-    a shape text ending ":v4" is v4 at that shape)."""
+    a shape text ending ":v4" is v4 at that shape), "v4r" the seventh window's v4 at that shape, "v4m" v4r with v4's final merge."""
     out = []
     for text in shapes:
         only, _, shape = text.rpartition("/")
         if only and int(only) != bits:
             continue
-        named = {"default": "v3", "v4": "v4"}
+        named = {"default": "v3", "v4": "v4", "v4r": "v4r", "v4m": "v4m"}
         out.append(decode_kernel.shape_text(decode_kernel.default_shape(bits, named[shape])) if shape in named else shape)
     return list(dict.fromkeys(out))
 

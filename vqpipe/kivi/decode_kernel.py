@@ -21,15 +21,19 @@ scratch buffer and counts itself done; the last block of a KV head merges all sp
 (log-sum-exp weights) and writes the output. The counter is reset by that block, so the scratch
 needs no clearing between launches. In float32 throughout; codes become floats exactly.
 
-Versions (:data:`VERSIONS`): "v3", the default, does the above with all of a chunk's global loads
+Versions (:data:`VERSIONS`; the default :data:`DEFAULT`, "auto", is v4 where it serves, v3 elsewhere): "v3" does the above with all of a chunk's global loads
 issued before its arithmetic (optionally a chunk ahead); "v2" (the same arithmetic, loads next to
 their use: one round trip per token-word in its values loop, docs/kivi.md) is kept to be timed
 side by side (the kernel of H200 run 2, equal to v2 at 4 bits, was removed when v3 beat both).
 "v4" (CUDA only, 2 and 4 bits, :func:`v4_unsupported`) does the dot products of the quantized
 chunks on tensor cores (``mma.sync.m16n8k16`` bf16 -> f32: the codes exact in bf16, the folded
 query and p times the value scale as bf16 hi + lo in the mma's rows 0-7 and 8-15), each warp's
-chunks staged in shared memory by cp.async, double buffered; the residual on CUDA cores. Its bound
-is the float32 one plus 2^-16 of the score and value magnitudes (docs/kivi.md, "Seventh window").
+chunks staged in shared memory by cp.async, double buffered; the residual chunks through the same
+mma path and running state (their keys and values as bf16 hi + lo: exact for float16 and bfloat16),
+then a final merge whose loads of all splits are in flight together. Its bound is the float32 one
+plus 2^-16 of the score and value magnitudes (twice that with a float32 residual; docs/kivi.md,
+"Seventh window", "Eighth window"). "v4r" (the seventh window's v4: the residual on CUDA cores with
+its own partial, v3's final merge) and "v4m" (v4r with v4's merge) are kept to be timed against it.
 """
 
 import functools
@@ -703,6 +707,19 @@ __device__ __forceinline__ void kv4_cp16(const void* dst, const void* src) {
     const unsigned int d = (unsigned int)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src));
 }
+// 4 consecutive values of the residual (T: float16/bfloat16 in 8 bytes, float32 in 16) in one load
+template <typename T>
+__device__ __forceinline__ void kv4_ld4(const T* p, float* x) {
+    const uint2 w = *reinterpret_cast<const uint2*>(p);
+    const T* h = reinterpret_cast<const T*>(&w);
+    x[0] = static_cast<float>(h[0]); x[1] = static_cast<float>(h[1]);
+    x[2] = static_cast<float>(h[2]); x[3] = static_cast<float>(h[3]);
+}
+template <>
+__device__ __forceinline__ void kv4_ld4<float>(const float* p, float* x) {
+    const float4 w = *reinterpret_cast<const float4*>(p);
+    x[0] = w.x; x[1] = w.y; x[2] = w.z; x[3] = w.w;
+}
 __device__ __forceinline__ void kv4_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void kv4_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 __device__ __forceinline__ void kv4_wait0() { asm volatile("cp.async.wait_all;" ::: "memory"); }
@@ -730,7 +747,7 @@ _BODY_V4 = """
     constexpr unsigned int SK = 0, SKP = W * 32, SV = SKP + D, SVP = SV + 32 * W, STG = SVP + 32 * NGV;
     constexpr unsigned int RES = (D + 32) * RP;  // the residual loop's query and p, over the stages
     constexpr unsigned int WA = 2 * STG > RES ? 2 * STG : RES;
-    constexpr unsigned int SHQ = NW * WA > 2 * NW * PS ? NW * WA : 2 * NW * PS;
+    constexpr unsigned int SHQ = NW * WA > V4P * NW * PS ? NW * WA : V4P * NW * PS;
 @SETUP@
     const unsigned int g = lane / 4u, t = lane % 4u;  // the mma's lane coordinates
     KA_TG unsigned int* wsh = (KA_TG unsigned int*)(sh + warp * WA);
@@ -879,6 +896,41 @@ _BODY_V4 = """
         KA_SYNCWARP;  // every lane is done with this stage before the next pass refills it
     }
     kv4_wait0();
+@V4TAIL@
+"""
+
+_V4_SOFTMAX = """
+        // online softmax: lane (g, t) holds 8 of head g's 32 scores; the max over t by two shuffles
+        float cm = ka_max(ka_max(ka_max(s[0][0], s[0][1]), ka_max(s[1][0], s[1][1])),
+                          ka_max(ka_max(s[2][0], s[2][1]), ka_max(s[3][0], s[3][1])));
+        cm = ka_max(cm, ka_shfl_xor(cm, 1u));
+        cm = ka_max(cm, ka_shfl_xor(cm, 2u));
+        if (ka_any(cm > m)) {
+            const float mn = ka_max(m, cm);
+            const float alpha = ka_exp(m - mn);  // 0 on the first chunk (m = -inf)
+            l *= alpha;
+            KA_UNROLL
+            for (unsigned int j = 0; j < NGV; ++j) {
+                zacc[j] *= alpha;
+            }
+            KA_UNROLL
+            for (unsigned int v = 0; v < NT; ++v) {
+                acc[v][0] *= alpha;
+                acc[v][1] *= alpha;
+                acc[v][2] *= alpha;
+                acc[v][3] *= alpha;
+            }
+            m = mn;
+        }
+        KA_UNROLL
+        for (unsigned int u = 0; u < 4; ++u) {
+            s[u][0] = ka_exp(s[u][0] - m);
+            s[u][1] = ka_exp(s[u][1] - m);
+            l += s[u][0] + s[u][1];
+        }
+"""
+
+_V4_RES_CUDA_CORES = """
     l += ka_shfl_xor(l, 1u);
     l += ka_shfl_xor(l, 2u);
     KA_UNROLL
@@ -988,41 +1040,197 @@ _BODY_V4 = """
         }
     }
     KA_BARRIER;
-"""
+"""[1:]
 
-_V4_SOFTMAX = """
-        // online softmax: lane (g, t) holds 8 of head g's 32 scores; the max over t by two shuffles
-        float cm = ka_max(ka_max(ka_max(s[0][0], s[0][1]), ka_max(s[1][0], s[1][1])),
-                          ka_max(ka_max(s[2][0], s[2][1]), ka_max(s[3][0], s[3][1])));
-        cm = ka_max(cm, ka_shfl_xor(cm, 1u));
-        cm = ka_max(cm, ka_shfl_xor(cm, 2u));
-        if (ka_any(cm > m)) {
-            const float mn = ka_max(m, cm);
-            const float alpha = ka_exp(m - mn);  // 0 on the first chunk (m = -inf)
-            l *= alpha;
+_V4_RES_MMA = """
+    // the residual chunks of this warp (after its quantized ones) through the same mma path and the
+    // same running state: B from the full-precision keys and values (float16/bfloat16 -> bf16 hi + lo
+    // is exact, float32 misses 2^-16), A the query times the softmax scale (no key scales, no zeros);
+    // lane (g, t) loads key channels CPW (t + 4i) .. + CPW - 1 of token 8u + g (the k order of qv) and
+    // value channels 32 kb + hw (16 / BITS) + fo .. + 3 of its four tokens (the n order of acc)
+    if (c < c1) {
+        unsigned int ar[KT][4];
+        KA_UNROLL
+        for (unsigned int k = 0; k < KT; ++k) {
+            kv4_split(qv[k][0], qv[k][1], ar[k][0], ar[k][1]);
+            kv4_split(qv[k][2], qv[k][3], ar[k][2], ar[k][3]);
+        }
+        const unsigned int vo = hw * (16u / BITS) + fo;
+        for (; c < c1; c += NW) {
+            const unsigned int r0 = c * 32u - nq;  // the chunk's first residual token
+            float s[4][2];
             KA_UNROLL
-            for (unsigned int j = 0; j < NGV; ++j) {
-                zacc[j] *= alpha;
+            for (unsigned int u = 0; u < 4; ++u) {
+                float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                const unsigned int rt = r0 + 8u * u + g;
+                const KA_DEV T* kr = rk + (bh * RC + (rt < nr ? rt : 0u)) * D;  // past the end: a real row, score dropped
+                KA_UNROLL
+                for (unsigned int i = 0; i < KI; ++i) {
+                    float x[CPW];
+                    KA_UNROLL
+                    for (unsigned int f = 0; f < CPW; f += 4) {
+                        kv4_ld4(kr + CPW * (t + 4u * i) + f, x + f);
+                    }
+                    KA_UNROLL
+                    for (unsigned int h = 0; h < KH; ++h) {
+                        unsigned int h0, l0, h1, l1;
+                        kv4_split(x[2u * h], x[2u * h + HC], h0, l0);
+                        kv4_split(x[2u * h + 1u], x[2u * h + 1u + HC], h1, l1);
+                        kv4_mma(cc, ar[i * KH + h], h0, h1);
+                        kv4_mma(cc, ar[i * KH + h], l0, l1);
+                    }
+                }
+                s[u][0] = r0 + 8u * u + 2u * t < nr ? cc[0] + cc[2] : ninf;
+                s[u][1] = r0 + 8u * u + 2u * t + 1u < nr ? cc[1] + cc[3] : ninf;
+            }
+@V4SOFTMAX@
+            KA_UNROLL
+            for (unsigned int kk = 0; kk < 2; ++kk) {
+                const unsigned int tk[4] = {16u * kk + 2u * t, 16u * kk + 2u * t + 1u, 16u * kk + 8u + 2u * t, 16u * kk + 9u + 2u * t};
+                unsigned int a[4];
+                kv4_split(s[2 * kk][0], s[2 * kk][1], a[0], a[1]);
+                kv4_split(s[2 * kk + 1][0], s[2 * kk + 1][1], a[2], a[3]);
+                KA_UNROLL
+                for (unsigned int kb = 0; kb < NB; ++kb) {
+                    float y[4][4];
+                    KA_UNROLL
+                    for (unsigned int e = 0; e < 4; ++e) {
+                        const unsigned int rt = r0 + tk[e];
+                        kv4_ld4(rv + (bh * RC + (rt < nr ? rt : 0u)) * D + 32u * kb + vo, y[e]);
+                        KA_UNROLL
+                        for (unsigned int u = 0; u < 4; ++u) {
+                            y[e][u] = rt < nr ? y[e][u] : 0.0f;  // p is 0 there; 0 * inf would not be
+                        }
+                    }
+                    KA_UNROLL
+                    for (unsigned int u = 0; u < 4; ++u) {
+                        unsigned int h0, l0, h1, l1;
+                        kv4_split(y[0][u], y[1][u], h0, l0);
+                        kv4_split(y[2][u], y[3][u], h1, l1);
+                        kv4_mma(acc[4 * kb + u], a, h0, h1);
+                        kv4_mma(acc[4 * kb + u], a, l0, l1);
+                    }
+                }
+            }
+        }
+    }
+    l += ka_shfl_xor(l, 1u);
+    l += ka_shfl_xor(l, 2u);
+    KA_UNROLL
+    for (unsigned int j = 0; j < NGV; ++j) {
+        zacc[j] += ka_shfl_xor(zacc[j], 1u);
+        zacc[j] += ka_shfl_xor(zacc[j], 2u);
+    }
+    KA_BARRIER;  // every warp is done with its stages: the partials take their place
+    KA_TG float* mine = sh + warp * PS;
+    if (g < R) {
+        KA_UNROLL
+        for (unsigned int v = 0; v < NT; ++v) {
+            const unsigned int kb = v / 4u, u = v % 4u;
+            KA_UNROLL
+            for (unsigned int e = 0; e < 2; ++e) {
+                const unsigned int n = 2u * t + e;
+                const unsigned int ch = 32u * kb + (n % (2u * BITS)) * (16u / BITS) + (n / (2u * BITS)) * 4u + u;
+                mine[g * (D + 2) + ch] = (acc[v][e] + acc[v][2 + e]) + zacc[ch / G];
+            }
+        }
+        if (t == 0u) {
+            mine[g * (D + 2) + D] = m;
+            mine[g * (D + 2) + D + 1] = l;
+        }
+    }
+    KA_BARRIER;
+"""[1:]
+
+_V4_MERGE = """
+    if (last != 0u) {
+        // the final merge, in two barriers: warp r' takes heads r', r' + NW, ... with its lanes over the
+        // splits (max and weighted sum by shuffles), leaving w_k = exp(m_k - M) / Σ_j exp(m_j - M) l_j
+        // in shared memory; then every thread sums V4O outputs (pairs of channels) over the splits,
+        // the loads of several splits and outputs in flight together (the seventh window's merge
+        // waited for one split's two loads per output at a time, 4 outputs per thread in series)
+        KA_FENCE;
+        const KA_DEV float* all = (const KA_DEV float*)scratch + bh * NSP * PS;
+        KA_TG float* wts = sh;  // [nsplit][R]
+        for (unsigned int r = warp; r < R; r += NW) {
+            float mk[NSMAX / 32], lk[NSMAX / 32], mx_ = ninf;
+            KA_UNROLL
+            for (unsigned int j = 0; j < NSMAX / 32; ++j) {
+                const unsigned int k = lane + 32u * j;
+                mk[j] = k < nsplit ? ka_load(all + k * PS + r * (D + 2) + D) : ninf;
+                lk[j] = k < nsplit ? ka_load(all + k * PS + r * (D + 2) + D + 1) : 0.0f;
+                mx_ = ka_max(mx_, mk[j]);
             }
             KA_UNROLL
-            for (unsigned int v = 0; v < NT; ++v) {
-                acc[v][0] *= alpha;
-                acc[v][1] *= alpha;
-                acc[v][2] *= alpha;
-                acc[v][3] *= alpha;
+            for (unsigned int o = 16; o > 0; o /= 2) {
+                mx_ = ka_max(mx_, ka_shfl_xor(mx_, o));
             }
-            m = mn;
+            float den = 0.0f;
+            KA_UNROLL
+            for (unsigned int j = 0; j < NSMAX / 32; ++j) {
+                mk[j] = mk[j] == ninf ? 0.0f : ka_exp(mk[j] - mx_);
+                den += mk[j] * lk[j];
+            }
+            KA_UNROLL
+            for (unsigned int o = 16; o > 0; o /= 2) {
+                den += ka_shfl_xor(den, o);
+            }
+            KA_UNROLL
+            for (unsigned int j = 0; j < NSMAX / 32; ++j) {
+                const unsigned int k = lane + 32u * j;
+                if (k < nsplit) {
+                    wts[k * R + r] = mk[j] / den;
+                }
+            }
+        }
+        KA_BARRIER;
+        constexpr unsigned int V4O = (R * D / 2 + NW * 32 - 1) / (NW * 32);
+        float2 num[V4O];
+        unsigned int at[V4O], rr[V4O];
+        KA_UNROLL
+        for (unsigned int o = 0; o < V4O; ++o) {
+            const unsigned int e = ka_umin(tid + o * NW * 32u, R * D / 2 - 1u);  // past the end: a repeat, not stored
+            rr[o] = e / (D / 2);
+            at[o] = rr[o] * (D + 2) + 2u * (e % (D / 2));
+            num[o] = make_float2(0.0f, 0.0f);
+        }
+        KA_UNROLL_4
+        for (unsigned int k = 0; k < nsplit; ++k) {
+            KA_UNROLL
+            for (unsigned int o = 0; o < V4O; ++o) {
+                const float2 x = __ldcg((const float2*)(all + k * PS + at[o]));
+                const float a = wts[k * R + rr[o]];
+                num[o].x += a * x.x;
+                num[o].y += a * x.y;
+            }
         }
         KA_UNROLL
-        for (unsigned int u = 0; u < 4; ++u) {
-            s[u][0] = ka_exp(s[u][0] - m);
-            s[u][1] = ka_exp(s[u][1] - m);
-            l += s[u][0] + s[u][1];
+        for (unsigned int o = 0; o < V4O; ++o) {
+            const unsigned int e = tid + o * NW * 32u;
+            if (e < R * D / 2) {
+                const unsigned int d = 2u * (e % (D / 2));
+                out[(bh * R + rr[o]) * D + d] = static_cast<T>(num[o].x);
+                out[(bh * R + rr[o]) * D + d + 1] = static_cast<T>(num[o].y);
+            }
         }
-"""
-
-_BODY_V4 = _BODY_V4.replace("@SETUP@\n", _SETUP).replace("@V4SOFTMAX@\n", _V4_SOFTMAX)
-_BODY_V4 += _BODY[_BODY.index("    // the block's partial: its warps merged"):].replace("w < NW;", "w < 2u * NW;")
+        if (tid == 0u) {
+            ka_atomic_reset(counters, bh);
+        }
+    }
+"""[1:]
+_BLOCK_MERGE = _BODY[_BODY.index("    // the block's partial: its warps merged"):_BODY.index("    if (last != 0u) {")]
+_V4_COMMON = _BODY_V4.replace("@SETUP@\n", _SETUP).replace("@V4SOFTMAX@\n", _V4_SOFTMAX)
+# v4r, the seventh window's v4 (kept to be timed against): the residual on CUDA cores with its own
+# partial (2 NW partials per block), v3's final merge
+_BODY_V4R = (_V4_COMMON.replace("@V4TAIL@\n", _V4_RES_CUDA_CORES).replace("V4P", "2u")
+             + _BODY[_BODY.index("    // the block's partial: its warps merged"):].replace("w < NW;", "w < 2u * NW;"))
+# v4m: v4r with v4's final merge (to time the eighth window's two changes apart)
+_BODY_V4M = (_V4_COMMON.replace("@V4TAIL@\n", _V4_RES_CUDA_CORES).replace("V4P", "2u")
+             + _BLOCK_MERGE.replace("w < NW;", "w < 2u * NW;") + _V4_MERGE)
+# v4 (eighth window): the residual through the mma path into the one running state (NW partials per
+# block), the final merge with its loads in flight together (_V4_MERGE)
+_BODY_V4 = (_V4_COMMON.replace("@V4TAIL@\n", _V4_RES_MMA.replace("@V4SOFTMAX@\n", re.sub("(?m)^(?=.)", "    ", _V4_SOFTMAX)))
+            .replace("V4P", "1u") + _BLOCK_MERGE + _V4_MERGE)
 
 # NVRTC may contract a*b+c into FMAs here: unlike the quantizer, attention is only held to the
 # float32 accumulation bound, which contraction keeps.
@@ -1146,16 +1354,19 @@ DIALECTS = {
 INPUTS = ["q", "kc", "kp", "vc", "vp", "rk", "rv", "meta", "scratch", "counters", "after"]
 
 
-VERSIONS = ("v3", "v2", "v4")
-# the kernel a launch uses unless told (VQPIPE_KIVI_DECODE): v3 (the default: in the model's order,
-# chained, v4 was 7-15 % slower at 4k-8k and tied at 32k on the H200, docs/kivi.md "Seventh window");
-# "auto" is v4 where it serves the geometry on CUDA (:func:`v4_unsupported`), v3 elsewhere; "v4" the
-# same with v3 as the fallback. VERSION is the CUDA-core kernel geometry-free callers (the host
-# rendering, the fallback) take
-DEFAULT = os.environ.get("VQPIPE_KIVI_DECODE", "v3")
+VERSIONS = ("v3", "v2", "v4", "v4r", "v4m")
+# the tensor-core kernels: v4r the seventh window's (its residual on CUDA cores, v3's final merge), v4m
+# v4r with v4's final merge; both kept to be timed against v4
+V4_FAMILY = ("v4", "v4r", "v4m")
+# the kernel a launch uses unless told (VQPIPE_KIVI_DECODE): "auto", the default, is v4 where it
+# serves the geometry on CUDA (:func:`v4_unsupported`), v3 elsewhere (Metal, 8 bits, more than 8 query
+# heads per KV head): in the model's order, chained, v4 was 15-35 % faster than v3 at 4k-64k at 2 and
+# 4 bits on the H200 (docs/kivi.md "Eighth window"); "v4" the same with v3 as the fallback. VERSION
+# is the CUDA-core kernel geometry-free callers (the host rendering, the fallback) take
+DEFAULT = os.environ.get("VQPIPE_KIVI_DECODE", "auto")
 if DEFAULT not in VERSIONS + ("auto",):
     raise ValueError(f"VQPIPE_KIVI_DECODE={DEFAULT!r}: expected auto or one of {', '.join(VERSIONS)}")
-VERSION = "v3" if DEFAULT in ("auto", "v4") else DEFAULT
+VERSION = "v3" if DEFAULT in ("auto",) + V4_FAMILY else DEFAULT
 
 # How the launch hands the kernel the softmax scale and the token counts (quantized, residual):
 # - "small" (the default): the scale as a template argument (its float32 bits, exact; one compile
@@ -1239,13 +1450,13 @@ def render(dialect, version=None, meta=None, warps=WARPS, minblocks=0, minify=Tr
     ``warps`` warps fit an SM; ``minify``: strip comments and indentation (:func:`_minified`)."""
     spec = DIALECTS[dialect]
     version = version or VERSION
-    if version == "v4" and dialect != "cuda":
+    if version in V4_FAMILY and dialect != "cuda":
         raise ValueError("kernel v4 is CUDA only (mma.sync); Metal takes v3")
-    body = {"v3": _BODY_V3, "v2": _BODY, "v4": _BODY_V4}[version].replace("NSMAX", str(NSMAX))
+    body = {"v3": _BODY_V3, "v2": _BODY, "v4": _BODY_V4, "v4r": _BODY_V4R, "v4m": _BODY_V4M}[version].replace("NSMAX", str(NSMAX))
     body = body.replace("@COUNTS@", _COUNTS[meta or META])
     for token in sorted(spec["tokens"], key=len, reverse=True):  # KA_TG before KA_T..., longest first
         body = body.replace(token, spec["tokens"][token])
-    header = spec["header"] + (_V4_HEADER if version == "v4" else "")
+    header = spec["header"] + (_V4_HEADER if version in V4_FAMILY else "")
     if minblocks and dialect == "cuda":
         header = _BOUNDS.format(threads=32 * warps, blocks=minblocks) + header
     if minify:
@@ -1257,11 +1468,12 @@ def render(dialect, version=None, meta=None, warps=WARPS, minblocks=0, minify=Tr
 def shared_floats(head_dim, ratio, warps=WARPS, group_size=32, version=None, bits=4):
     """Floats of shared memory a kernel version declares (its SH)."""
     rp = -(-ratio // 4) * 4
-    if version == "v4":  # per warp two stages (key words and parameters, value words and parameters)
+    if version in V4_FAMILY:  # per warp two stages (key words and parameters, value words and parameters)
         w, ngv = head_dim * bits // 32, -(-head_dim // group_size)
         stg = 64 * w + head_dim + 32 * ngv
         wa = max(2 * stg, (head_dim + 32) * rp)
-        return max(warps * wa, 2 * warps * ratio * (head_dim + 2), (NSMAX + 1) * ratio + 3)
+        parts = 1 if version == "v4" else 2  # v4r, v4m: a residual partial per warp beside the tensor-core one
+        return max(warps * wa, parts * warps * ratio * (head_dim + 2), (NSMAX + 1) * ratio + 3)
     if (version or VERSION) == "v3":
         shq = head_dim * rp + warps * max(head_dim * rp, 32 * (rp + -(-head_dim // group_size)))
     else:
@@ -1289,7 +1501,7 @@ def unsupported(head_dim, value_dim, bits, group_size, ratio, warps=None, versio
 
 
 @functools.lru_cache(maxsize=256)
-def v4_unsupported(head_dim, value_dim, bits, group_size, ratio, warps=None):
+def v4_unsupported(head_dim, value_dim, bits, group_size, ratio, warps=None, version="v4"):
     """Why kernel v4 cannot serve this geometry (a sentence; :func:`pick_version` then takes v3), or None."""
     w = head_dim * bits // 32
     if bits not in (2, 4):
@@ -1301,7 +1513,7 @@ def v4_unsupported(head_dim, value_dim, bits, group_size, ratio, warps=None):
     if not 1 <= ratio <= 8:
         return f"{ratio} query heads per KV head (v4's mma rows hold at most 8)"
     warps = warps or V4_SHAPE.warps
-    if 4 * (shared_floats(head_dim, ratio, warps, group_size, "v4", bits) + 1) > 48 * 1024:
+    if 4 * (shared_floats(head_dim, ratio, warps, group_size, version, bits) + 1) > 48 * 1024:
         return f"shared memory over 48 KiB ({warps} warps, D {head_dim}, {bits} bits)"
     return None
 
@@ -1310,11 +1522,12 @@ def pick_version(version, head_dim, value_dim, bits, group_size, ratio, warps=No
     """The kernel a launch runs: ``version`` (None: :data:`DEFAULT`); "auto" is v4 on CUDA where it
     serves the geometry, else v3; an explicit "v4" it cannot serve (or off CUDA) falls back to v3."""
     version = version or DEFAULT
-    if version in ("auto", "v4"):
+    if version in ("auto",) + V4_FAMILY:
         dialect = dialect or gpu.backend()
-        if (version == "v4" or dialect == "cuda") and dialect != "metal" and \
-                v4_unsupported(head_dim, value_dim, bits, group_size, ratio, warps) is None:
-            return "v4"
+        want = "v4" if version == "auto" else version
+        if (version != "auto" or dialect == "cuda") and dialect != "metal" and \
+                v4_unsupported(head_dim, value_dim, bits, group_size, ratio, warps, want) is None:
+            return want
         return "v3"
     return version
 
@@ -1370,8 +1583,8 @@ def default_shape(bits, version=None):
     4k-64k on the H200 (docs/results/2026-12-02-h200-kivi6): 8 warps with splits that fill the GPU
     (one wave of 2 blocks per SM) and the loads not ahead at 4 bits, 4 warps filling it (3 blocks
     per SM) with the loads one chunk ahead at 2 bits; 8 bits untimed, as 4 (the same registers)."""
-    if version == "v4":
-        return V4_SHAPE
+    if version in V4_FAMILY:
+        return V4_SHAPE._replace(version=version)
     if (version or VERSION) == "v3":
         return V3_SHAPES.get(bits, V3_SHAPES[4])
     return Shape(4, 2) if bits == 2 else Shape(8, 4)
@@ -1432,7 +1645,7 @@ def resident_blocks(bits, shape):
     warp at a time); launch bounds set it. Other geometries are assumed to fit as the 8B one."""
     if shape.minblocks:
         return shape.minblocks
-    if shape.version == "v4":
+    if shape.version in V4_FAMILY:
         return max(1, V4_BLOCKS * 4 // shape.warps)
     per_warp = -(-V3_REGISTERS.get((bits, shape.ahead), 128) * 32 // 256) * 256
     return max(1, 65536 // (per_warp * shape.warps))
@@ -1501,7 +1714,7 @@ def _launch_spec(queries, rk, bits, g, scale, chunks, splits, warps, meta, versi
     template = [("T", rk.dtype), ("BITS", bits), ("G", g), ("D", d), ("R", queries.shape[1] // h), ("NW", shape.warps)]
     if version == "v3":
         template.append(("PF", shape.ahead))
-    if version == "v4" and queries.shape[1] // h > 8:
+    if version in V4_FAMILY and queries.shape[1] // h > 8:
         raise ValueError("kernel v4 serves at most 8 query heads per KV head")
     if meta == "small":
         template.append(("SCALE_BITS", scale_bits(scale)))

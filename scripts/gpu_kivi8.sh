@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The eighth KIVI window's GPU job (v4's tail: the residual through the mma path, the final merge
+# with its loads in flight; the seventh window's v4 kept as v4r). PART=a: a v4 smoke test (stops
+# here if it fails), the KIVI GPU tests of v4 in 8 workers (GPUTEST_K; with VQPIPE_KIVI_DECODE as
+# exported, so the dispatch, generation and compiled-step tests run the kernel it names), then
+# bench-kivi-latency (LAT_ARGS: fp16 SDPA, v3, v4r and v4, chained and independent, every context in
+# one interleave). PART=b: Nsight Compute on the first NCU_COUNT matching kernels of the probe at
+# each of NCU_CONTEXTS (arms NCU_ARMS; the probe adds sdpa first). Every step has its own timeout.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results/gpu_kivi8}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+source scripts/gpu_env.sh
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/root/ptx}
+mkdir -p "$MLX_PTX_CACHE_DIR"
+gpu_record_env "$OUT/env.txt"
+t0=$(date +%s)
+since() { echo "($(( $(date +%s) - t0 )) s)"; }
+if [ "${PART:-a}" = a ]; then
+  echo "== v4 smoke $(since)"
+  timeout ${SMOKE_LIMIT:-90} $PY -m pytest -q -x -p no:cacheprovider -m gpu tests/test_kivi_attention.py \
+    -k "v4_within and float16-4-32-128-8-4-4133" 2>&1 | tail -n 40 | tee "$OUT/smoke.log"
+  grep -q " passed" "$OUT/smoke.log" || { echo "smoke failed $(since)"; exit 1; }
+  echo "== GPU tests, VQPIPE_KIVI_DECODE=${VQPIPE_KIVI_DECODE:-default} $(since)"
+  timeout ${GPUTEST_LIMIT:-150} $PY -m pytest -q -ra -p no:cacheprovider -m gpu -n 8 --dist load tests/test_kivi_attention.py \
+    tests/test_kivi_compiled.py ${GPUTEST_K:+-k "$GPUTEST_K"} 2>&1 | tee "$OUT/gputests.log" | tail -n 30
+  echo "== bench-kivi-latency $(since)"
+  timeout ${LAT_LIMIT:-120} $PY -m vqpipe.bench.kivi_latency --out "$OUT/kivi_latency.json" ${LAT_ARGS:-} 2>&1 | tee "$OUT/latency.log"
+else
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)
+  for s in ${NCU_CONTEXTS:-32768}; do
+    [ -n "$NCU" ] || { echo "== no ncu"; break; }
+    echo "== ncu at $s $(since)"
+    timeout ${NCU_LIMIT:-60} "$NCU" --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats -k regex:"kivi_decode_attn|sdpa" -c ${NCU_COUNT:-8} \
+      $PY -m vqpipe.bench.kivi_floor --out "$OUT/floor_ncu_$s.json" --contexts $s --layers 2 --repeats 1 --warmup 0 \
+      --arms ${NCU_ARMS:-kivi4-v4-chain,kivi4-v4r-chain} > "$OUT/ncu_$s.log" 2>&1
+    grep -E "kivi_decode_attn|sdpa|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|No Eligible|Issued Warp" "$OUT/ncu_$s.log" | head -n 80
+  done
+fi
+echo "== done $(since)"
