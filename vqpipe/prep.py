@@ -90,8 +90,8 @@ _SOURCE = """
         }
         QMV_BARRIER;
         ss = 0.0f;
-        for (unsigned int w = 0; w < NT / 32u; ++w) {
-            ss += red_s[w];
+        for (unsigned int wi = 0; wi < NT / 32u; ++wi) {
+            ss += red_s[wi];
         }
         const float r = 1.0f / prep_sqrt(ss / (float)D + eps[0]);
         QMV_UNROLL
