@@ -277,7 +277,11 @@ def test_gpu_split_step_four_primitives_fewer_per_layer_same_tokens(tiny_llama_v
             mx.eval(token, pos, state, logits)  # else the counted graph holds all seven steps
             runs[arm] = (graph_ops(dec.step(token, pos, state)[0]), ids, logits)
     (off, ids0, lg0), (on, ids1, lg1), (both, ids2, _) = runs[False, False], runs[True, False], runs[True, True]
+    assert ids1 == ids0 and ids2 == ids0
+    for a, b in zip(lg0, lg1):  # float32: the order of the sums only
+        assert mx.abs(a - b).max().item() <= 1e-4 * mx.abs(a).max().item()
     k = lambda ops, name: ops["by_primitive"].get(name, 0)  # noqa: E731
+    assert "Full" not in on["by_primitive"] and "Full" not in off["by_primitive"]  # no constant replayed per step
     # a Kronecker rotation's unfused form has one Matmul more (Q): tiny-llama's 1472 = 23 x 64 down_proj input
     blk = model.layers[0]
     rots = [blk.self_attn.q_proj.rotation, blk.self_attn.o_proj.rotation, blk.mlp.gate_proj.rotation, blk.mlp.down_proj.rotation]
@@ -289,6 +293,39 @@ def test_gpu_split_step_four_primitives_fewer_per_layer_same_tokens(tiny_llama_v
     assert k(on, "CustomKernel") - k(off, "CustomKernel") == 4 * layers
     assert k(off, "Hadamard") - k(on, "Hadamard") == 4 * layers
     assert k(off, "RMSNorm") - k(on, "RMSNorm") == 2 * layers
-    assert ids1 == ids0 and ids2 == ids0
-    for a, b in zip(lg0, lg1):  # float32: the order of the sums only
-        assert mx.abs(a - b).max().item() <= 1e-4 * mx.abs(a).max().item()
+
+
+def test_constants_first_made_inside_a_trace_are_not_replayed_per_call():
+    # The launches' once-made arrays (qmv's and prep's placeholders, a rotation's cast signs, revision
+    # 8's repacked words, the dense path's tables) made for the first time inside a compile trace (a
+    # fresh process whose first launch is the split step's) must be constants of the trace, not ops it
+    # replays on every call (the 8B split-only run of 2026-12-03: 129 Full primitives per step, one per
+    # launch; a lazy repack would copy the head's words on every step).
+    import types
+
+    from vqpipe import dequant, qmv_tc
+    from vqpipe.bench.decode_shapes import graph_ops
+
+    r = rot.make_rotation("auto", 256, 1)
+    packed = mx.random.randint(0, 2**30, (32, 32), key=mx.random.key(0)).astype(mx.uint32)
+    cb = mx.arange(16, dtype=mx.float32)
+    x = mx.ones((1, 256), mx.float16)
+
+    def body(x, owner):
+        return (r.apply(x).sum() + qmv._placeholder(mx.float16).sum() + prep._placeholder(mx.float16).sum()
+                + qmv_tc.packed_for(owner, packed)[:4].astype(mx.float16).sum()
+                + dequant.table(cb, 4, mx.float16).sum())
+
+    def fresh():
+        qmv._placeholders.clear(), prep._placeholders.clear(), r._cast.clear(), dequant._tables.clear()
+        return types.SimpleNamespace()
+
+    counts = []
+    for eager_first in (True, False):
+        owner = fresh()
+        if eager_first:
+            mx.eval(body(x, owner))
+        f = mx.compile(lambda x: body(x, owner))
+        mx.eval(f(x))
+        counts.append(graph_ops(f(x)))
+    assert counts[1] == counts[0] and "Full" not in counts[1]["by_primitive"], counts

@@ -249,6 +249,7 @@ def plan(rotation, x, dialect):
 def _placeholder(dtype):
     if dtype not in _placeholders:
         _placeholders[dtype] = mx.zeros((1,), dtype)
+        mx.eval(_placeholders[dtype])  # not a Full primitive in every compiled step (qmv._placeholder)
     return _placeholders[dtype]
 
 
