@@ -10,9 +10,10 @@ three primitives each (docs/decode.md, "The fusions, counted"):
 
 On the split step's host every primitive costs ~7-11 us to encode (docs/decode.md), so each of
 these becomes one launch here: 19 -> 15 primitives per layer (13 with the residual epilogue).
-The work is the same (one threadgroup per G-th of a row reads the row once), so none of it moves
-onto the GPU's critical path as revision 6's prologue rotation did (every mat-vec threadgroup
-redoing it).
+The work is the ops' own, done once per row (G threadgroups split only L's output rows), not redone
+by every mat-vec threadgroup as revision 6's prologue rotation was. Measured on the H200 (docs/decode.md,
+"Prep kernels"): no measurable difference in decode speed; a custom-kernel launch costs the host
+about as much as three or four built-in primitives at MLX 0.32.4, so the switch stays off.
 
 The rotation is the one vqpipe/qmv.py's prologue uses, R = (L (x) S_B / sqrt(B)) diag(sd) for a
 row viewed as A x B (``qmv.rotation_operands``: L is MLX's normalised Hadamard base matrix, the
