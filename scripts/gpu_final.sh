@@ -14,7 +14,7 @@ if [ "$PART" = tests ]; then
   # compiles are CPU-bound, which is what cut the serial runs of session 8 short)
   timeout ${TEST_LIMIT:-540} python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 --dist load --durations 15 -v -rfE \
     tests/test_kivi_attention.py tests/test_kivi_kernels.py tests/test_fused_fold.py tests/test_fused.py \
-    tests/test_decode_step.py tests/test_nvrtc.py tests/test_qmv.py tests/test_qmv_gpu_time.py tests/test_qmv_tc.py tests/test_qmv_epilogue.py tests/test_kivi_compiled.py tests/test_step_attribution.py 2>&1 | tee $OUT/gpu_tests.log | grep -E 'FAILED|ERROR|Error|passed|failed|slowest|s call' | tail -80
+    tests/test_decode_step.py tests/test_nvrtc.py tests/test_qmv.py tests/test_qmv_gpu_time.py tests/test_qmv_tc.py tests/test_qmv_epilogue.py tests/test_prep.py tests/test_kivi_compiled.py tests/test_step_attribution.py 2>&1 | tee $OUT/gpu_tests.log | grep -E 'FAILED|ERROR|Error|passed|failed|slowest|s call' | tail -80
   grep -q -E '[0-9]+ (passed|failed)' $OUT/gpu_tests.log || echo '== cut by TEST_LIMIT before the summary; failures so far:' && grep -E '(FAILED|ERROR) tests' $OUT/gpu_tests.log | sort -u
   exit 0
 fi

@@ -3,6 +3,7 @@
 import json
 
 import mlx.core as mx
+import pytest
 
 from vqpipe.bench import decode_shapes
 from vqpipe.fused import fused_groups
@@ -65,3 +66,29 @@ def test_compiled_arms_on_cpu(tmp_path):
     epi = [t for t in doc["texts"] if t.get("what", "").startswith("residual")]
     assert [(t["a"], t["b"]) for t in epi] == [("vqpipe-b2+s", "vqpipe-b2+e+s")] and epi[0]["identical_ids"] == epi[0]["pairs"] == 2
     assert prof["vqpipe-b2+e+s"]["ops"] == prof["vqpipe-b2+s"]["ops"]  # no kernel here, so no primitive saved
+
+
+def test_prep_arms_split_only_and_aa_arm_on_cpu(tmp_path):
+    out = tmp_path / "p.json"
+    with mx.stream(mx.cpu):
+        assert decode_shapes.main(["--preset", "tiny-llama", "--out", str(out), "--bits", "2", "--split-only", "--epilogue-bits", "2",
+                                   "--prep-bits", "2", "--aa-arm", "vqpipe-b2+s", "--prompt-lengths", "16", "--gen-tokens", "3",
+                                   "--repeats", "2", "--copy-mib", "16"]) == 0
+    doc = json.loads(out.read_text())
+    arms = {r["arm"] for r in doc["records"]}
+    assert arms == {"bf16+s", "affine4+s", "vqpipe-b2+s", "vqpipe-b2+e+s", "vqpipe-b2+p+s", "vqpipe-b2+pe+s"}
+    assert doc["settings"]["aa_arm"] == "vqpipe-b2+s"
+    aa = [t for t in doc["texts"] if t.get("what", "").startswith("A/A")]
+    assert [(t["a"], t["b"]) for t in aa] == [("vqpipe-b2+s", "vqpipe-b2+s" + decode_shapes.harness.AA_SUFFIX)]
+    pairs = {(c["baseline_arm"], c["other_arm"]) for c in doc["comparisons"]}
+    assert {("vqpipe-b2+s", "vqpipe-b2+p+s"), ("vqpipe-b2+s", "vqpipe-b2+pe+s"), ("vqpipe-b2+e+s", "vqpipe-b2+pe+s"),
+            ("bf16+s", "vqpipe-b2+pe+s")} <= pairs
+    # no kernel on the CPU: the prep arms run the block's own modules, the same primitives and tokens
+    prof = doc["step_profile"]
+    assert prof["vqpipe-b2+p+s"]["ops"] == prof["vqpipe-b2+pe+s"]["ops"] == prof["vqpipe-b2+s"]["ops"]
+    same = {t["b"]: t for t in doc["texts"] if t.get("what", "").startswith("prep")}
+    assert set(same) == {"vqpipe-b2+p+s", "vqpipe-b2+pe+s"}
+    assert all(t["a"] == "vqpipe-b2+s" and t["identical_ids"] == t["pairs"] == 2 for t in same.values())
+    with pytest.raises(ValueError, match="aa-arm"):
+        decode_shapes.run(decode_shapes.parse_args(["--preset", "tiny-llama", "--out", str(out), "--split-only",
+                                                    "--aa-arm", "bf16", "--copy-mib", "16"]), progress=lambda *_: None)

@@ -120,9 +120,14 @@ class Decoder:
     ``epilogue`` (split mode; default ``VQPIPE_QMV_EPILOGUE=1``, off): o_proj's and down_proj's
     residual adds go into their mat-vec kernels' epilogues (vqpipe/qmv.py ``epilogue_code``), two
     primitives fewer per layer where the kernels run; elsewhere the same adds as MLX ops.
+
+    ``prep`` (split mode; default ``VQPIPE_QMV_PREP=1``, off): each rotated mat-vec's input made by
+    one fused launch (vqpipe/prep.py: RMSNorm + rotation for q|k|v and gate|up, signs + rotation
+    for o_proj, SwiGLU + rotation for down_proj), four primitives fewer per layer where the kernels
+    run; elsewhere the block's own modules.
     """
 
-    def __init__(self, model, capacity, mode="whole", epilogue=None):
+    def __init__(self, model, capacity, mode="whole", epilogue=None, prep=None):
         check_model(model)
         if capacity < 2:
             raise ValueError(f"static KV cache capacity must be >= 2, got {capacity}")
@@ -137,10 +142,15 @@ class Decoder:
 
             epilogue = qmv.EPILOGUE
         self.epilogue = bool(epilogue) and mode == "split"
+        if prep is None:
+            from . import prep as prep_kernels
+
+            prep = prep_kernels.PREP
+        self.prep = bool(prep) and mode == "split"
         self._layout = None
         self.traces = 0  # Python runs of the step (whole) or of the blocks' first parts (split): traces when compiled
         if mode == "split":
-            self._parts = [_block_parts(layer, self._traced, self.epilogue) for layer in model.layers]
+            self._parts = [_block_parts(layer, self._traced, self.epilogue, self.prep) for layer in model.layers]
             self._embed = mx.compile(model.model.embed_tokens)
             self._head = mx.compile(self._logits)
             self._run = self._split_step
@@ -283,16 +293,22 @@ def _plus_mlp(mlp, x, h):
     return h + mlp(x)
 
 
-def _block_parts(layer, traced, epilogue=False):
+def _block_parts(layer, traced, epilogue=False, prep=False):
     """(before attention, after attention, scale) of one mlx-lm llama/qwen2 decoder block for one
     token, the first two compiled; the same operations as the block's ``__call__``. ``epilogue``:
-    the two residual adds through :func:`_plus_linear` / :func:`_plus_mlp` (the same function)."""
+    the two residual adds through :func:`_plus_linear` / :func:`_plus_mlp` (the same function);
+    ``prep``: the mat-vecs' inputs through vqpipe/prep.py's fused kernels (the same function)."""
+    from . import prep as prep_kernels
+
     attn = layer.self_attn
 
     def before(h, pos, kb, vb):
         traced()
-        x = layer.input_layernorm(h)
-        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        if prep:
+            q, k, v = prep_kernels.qkv(layer, h)
+        else:
+            x = layer.input_layernorm(h)
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         q = q.reshape(1, 1, attn.n_heads, -1).transpose(0, 2, 1, 3)
         k = k.reshape(1, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = v.reshape(1, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -302,6 +318,8 @@ def _block_parts(layer, traced, epilogue=False):
 
     def after(h, o):
         o = o.transpose(0, 2, 1, 3).reshape(1, 1, -1)
+        if prep:
+            return prep_kernels.after_attention(layer, h, o, epilogue)
         if epilogue:
             h = _plus_linear(attn.o_proj, o, h)
             return _plus_mlp(layer.mlp, layer.post_attention_layernorm(h), h)

@@ -41,6 +41,7 @@ def table(codebook, bits, dtype):
     entry = _tables.get(key)
     if entry is None or entry[0]() is not codebook:
         t = codebook.reshape(-1).astype(dtype)[mx.array(_field_values(bits))]
+        mx.eval(t)  # made once: not a gather replayed by a compiled function that first made it
         ref = weakref.ref(codebook, lambda _, key=key: _tables.pop(key, None))
         _tables[key] = entry = (ref, t)
     return entry[1]

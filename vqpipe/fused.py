@@ -101,6 +101,13 @@ class FusedGroup:
         y = dense_forward(rotation.apply(x), self.packed, scales, self.codebook, self.bits, bias, self.group_size)
         return mx.split(y, self.splits, axis=-1)
 
+    def matvec(self, xr, flip=False):
+        """Every sibling's output for an input rotated already (vqpipe/prep.py made it), by the
+        mat-vec kernel (the caller checked ``qmv.dispatch``); ``flip`` as in :meth:`compute`."""
+        scales, bias = self.flipped if flip else (self.scales, self.bias)
+        return qmv.launch(qmv.dispatch(xr), xr, self.packed, scales, self.codebook, self.bits, bias,
+                          self.group_size, None, self.splits, owner=self)
+
     def __call__(self, layer, x):
         if self._x is not x:
             self._outs, self._x, self._left = self.compute(x), x, self.size

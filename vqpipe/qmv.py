@@ -997,7 +997,10 @@ def launch_spec(x_shape, packed_shape, scales_shape, codebook_size, bias_shape, 
 
 def _placeholder(dtype):
     if dtype not in _placeholders:
+        # evaluated now: made lazily inside a compile trace (the split step's first launch), it would
+        # be a Full primitive the compiled step replays on every call (docs/decode.md, "Prep kernels")
         _placeholders[dtype] = mx.zeros((1, 1), dtype)
+        mx.eval(_placeholders[dtype])
     return _placeholders[dtype]
 
 

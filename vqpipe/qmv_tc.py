@@ -395,6 +395,7 @@ def packed_for(owner, packed):
     cached = owner.__dict__.get("_qmv_tc_packed")
     if cached is None or cached[0] is not packed:
         cached = (packed, repack(packed))
+        mx.eval(cached[1])  # made inside a compile trace and left lazy, the step would repack on every call
         owner.__dict__["_qmv_tc_packed"] = cached
     return cached[1]
 

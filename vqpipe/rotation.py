@@ -86,6 +86,7 @@ class Rotation:
         key = (name, dtype)
         if key not in self._cast:
             self._cast[key] = a.astype(dtype)
+            mx.eval(self._cast[key])  # else, cast first inside a compile trace, an AsType replayed per call
         return self._cast[key]
 
     def apply(self, x):

@@ -23,7 +23,13 @@ memory from the preset's config:
   functions around MLX's fused attention);
 - ``vqpipe-bN+e+s`` (``--epilogue-bits N``): the same model as ``vqpipe-bN``, split mode with
   o_proj's and down_proj's residual adds in their kernels' epilogues (``Decoder(epilogue=True)``,
-  two primitives fewer per layer); this arm runs in split mode only.
+  two primitives fewer per layer); this arm runs in split mode only;
+- ``vqpipe-bN+p+s`` and ``vqpipe-bN+pe+s`` (``--prep-bits N``): the same model, split mode with the
+  mat-vecs' inputs made by vqpipe/prep.py's fused kernels (``Decoder(prep=True)``, four primitives
+  fewer per layer), without and with the epilogue adds; split mode only.
+
+``--aa-arm`` picks the arm run twice for the A/A floor (default the eager bf16 arm; a split arm's
+spread is several times smaller); ``--split-only`` leaves the eager arms out.
 
 The vqpipe arms carry random codes, not a quantization of the bf16 weights (quantizing 8 B weights
 through quantize.py takes longer than a GPU session here): the kernels' speed does not depend on
@@ -70,6 +76,9 @@ NOFOLD = "-nofold"  # arm suffix: rotation signs not folded (vqpipe/fold.py)
 COMPILED = "+c"  # arm suffix: decode through vqpipe.decode_step, the whole step compiled
 SPLIT = "+s"  # arm suffix: decode_step's split mode (compiled blocks around MLX's fused SDPA)
 EPI = "+e"  # arm suffix: residual adds in the mat-vec epilogues (split mode only)
+PREP = "+p"  # arm suffix: the fused prep kernels (vqpipe/prep.py; split mode only)
+PREP_EPI = "+pe"  # arm suffix: prep kernels and epilogue adds (split mode only)
+STEP_SUFFIXES = (EPI, PREP, PREP_EPI)  # arms that exist in split mode only
 MODES = {COMPILED: "whole", SPLIT: "split"}
 
 
@@ -83,6 +92,17 @@ def model_arm(name):
     """The model an arm decodes with: its name without the A/A and decode-mode suffixes."""
     name = name.removesuffix(harness.AA_SUFFIX)
     return next((name.removesuffix(sfx) for sfx in MODES if name.endswith(sfx)), name)
+
+
+def step_flags(name):
+    """(epilogue, prep) of decode_step's split step for an arm."""
+    arm = model_arm(name)
+    return arm.endswith((EPI, PREP_EPI)), arm.endswith((PREP, PREP_EPI))
+
+
+def split_base(arm):
+    """The plain model arm of a split-only arm (``vqpipe-b4+pe`` -> ``vqpipe-b4``), else None."""
+    return next((arm.removesuffix(sfx) for sfx in STEP_SUFFIXES if arm.endswith(sfx)), None)
 
 
 def is_compiled(name):
@@ -194,8 +214,8 @@ def _eager_step(model, prompt):
     return lambda: model(tok, cache=cache)
 
 
-def _compiled_step(model, prompt, steps, mode, epilogue=False):
-    dec = Decoder(model, prompt.size + steps + 2, mode, epilogue=epilogue)
+def _compiled_step(model, prompt, steps, mode, epilogue=False, prep=False):
+    dec = Decoder(model, prompt.size + steps + 2, mode, epilogue=epilogue, prep=prep)
     tok, pos, state = dec.start(prompt)
     st = {"state": state, "pos": pos}
     del state
@@ -208,7 +228,7 @@ def _compiled_step(model, prompt, steps, mode, epilogue=False):
     return step
 
 
-def step_profile(model, vocab, rot=False, context=64, steps=8, mode=None, tables=True, epilogue=False):
+def step_profile(model, vocab, rot=False, context=64, steps=8, mode=None, tables=True, epilogue=False, prep=False):
     """One decode step, unpipelined: host time to build its graph (Python; for a compiled step, the
     C++ replay of its trace), to encode it (``mx.async_eval`` returns once the kernels are queued)
     and the whole step to ``mx.synchronize``, median over ``steps``; plus the graph's primitives
@@ -216,7 +236,7 @@ def step_profile(model, vocab, rot=False, context=64, steps=8, mode=None, tables
     host (docs/decode.md)."""
     with qmv.rotating_in_kernel(rot), dequant.using_tables(tables):
         prompt = mx.random.randint(0, vocab - 16, (context,), key=mx.random.key(7))
-        step = _compiled_step(model, prompt, steps, mode, epilogue) if mode else _eager_step(model, prompt)
+        step = _compiled_step(model, prompt, steps, mode, epilogue, prep) if mode else _eager_step(model, prompt)
         build, encode, total = [], [], []
         for _ in range(steps):
             mx.synchronize()
@@ -250,20 +270,26 @@ def run(args, progress=print):
         models[f"vqpipe-b{b}{NOFOLD}"] = random_vqpipe(args.preset, b, fold=False)
     for b in args.epilogue_bits:  # the same model object: only the split step's residual adds differ
         models[f"vqpipe-b{b}{EPI}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
+    for b in args.prep_bits:  # the same model object: only the split step's inputs of the mat-vecs differ
+        for sfx in (PREP, PREP_EPI):
+            models[f"vqpipe-b{b}{sfx}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
     kvpp = roofline.kv_bytes_per_position(config, 2)
     info = {name: {"weight_bytes": weight_bytes(m, config)} for name, m in models.items()}
     for name, i in info.items():
         progress(f"built {name}: {i['weight_bytes'] / 2**30:.2f} GiB read per token (weights)")
-    plain = [n for n in models if not n.endswith(EPI)]  # +e arms exist in split mode only
-    arm_names = plain + ([n + COMPILED for n in plain] if args.compiled else []) + \
-        [n + SPLIT for n in models if args.split or n.endswith(EPI)]
+    plain = [n for n in models if not n.endswith(STEP_SUFFIXES)]  # +e, +p, +pe arms exist in split mode only
+    arm_names = ([] if args.split_only else plain) + ([n + COMPILED for n in plain] if args.compiled else []) + \
+        [n + SPLIT for n in models if args.split or args.split_only or n.endswith(STEP_SUFFIXES)]
+    if args.aa_arm not in arm_names:
+        raise ValueError(f"--aa-arm {args.aa_arm!r} is not one of the arms: {arm_names}")
     info.update({n: info[model_arm(n)] for n in arm_names})
     profiles, skipped = {}, {}
     for name in list(arm_names):
         m = models[model_arm(name)]
         try:
+            epi, pre = step_flags(name)
             profiles[name] = p = step_profile(m, config["vocab_size"], model_arm(name).endswith(ROT), mode=decode_mode(name),
-                                              tables=not model_arm(name).endswith(UNPACK), epilogue=model_arm(name).endswith(EPI))
+                                              tables=not model_arm(name).endswith(UNPACK), epilogue=epi, prep=pre)
         except Exception as e:  # a compiled arm that cannot trace is reported, not fatal to the eager arms
             if not is_compiled(name):
                 raise
@@ -277,9 +303,9 @@ def run(args, progress=print):
             from .step_attribution import line, timing
 
             p.update(timing(m, config["vocab_size"], decode_mode(name), model_arm(name).endswith(ROT),
-                            context=args.prompt_lengths[0], epilogue=model_arm(name).endswith(EPI)))
+                            context=args.prompt_lengths[0], epilogue=step_flags(name)[0], prep=step_flags(name)[1]))
             progress("  attribution " + line(name, {**p, "profile": p}))
-    baseline = "bf16"
+    baseline = args.aa_arm
     aa = baseline + harness.AA_SUFFIX
     records, comparisons, texts = [], [], []
 
@@ -294,8 +320,8 @@ def run(args, progress=print):
         prompts = [mx.random.randint(0, config["vocab_size"] - 16, (P,), key=mx.random.key(1000 * P + k))
                    for k in range(args.prompts)]
         log = {name: [] for name in [*arm_names, aa]}
-        decoders = {n: Decoder(models[model_arm(n)], P + max(args.gen_tokens, 8), decode_mode(n), epilogue=model_arm(n).endswith(EPI))
-                    for n in arm_names if is_compiled(n)}
+        decoders = {n: Decoder(models[model_arm(n)], P + max(args.gen_tokens, 8), decode_mode(n), epilogue=step_flags(n)[0],
+                               prep=step_flags(n)[1]) for n in arm_names if is_compiled(n)}
 
         def call(name, k, n_tokens):
             model = models[model_arm(name)]
@@ -335,11 +361,13 @@ def run(args, progress=print):
                 bases = [baseline, "affine4"] + [arm.removesuffix(sfx) for sfx in (ROT, UNPACK, NOFOLD) if arm.endswith(sfx)]
                 if is_compiled(name):  # against its eager self, and the baselines in the same mode
                     sfx = name[len(model_arm(name)):]
-                    bases += [model_arm(name), baseline + sfx, "affine4" + sfx]
+                    bases += [model_arm(name), baseline + sfx, "bf16" + sfx, "affine4" + sfx]
                     if sfx == SPLIT:
                         bases.append(model_arm(name) + COMPILED)
-                    if arm.endswith(EPI):  # the same step without the epilogue adds
-                        bases.append(arm.removesuffix(EPI) + sfx)
+                    if split_base(arm):  # the same step without the epilogue adds / prep kernels
+                        bases.append(split_base(arm) + sfx)
+                    if arm.endswith(PREP_EPI):  # and prep's own effect with the epilogue on
+                        bases.append(split_base(arm) + EPI + sfx)
                 for base in dict.fromkeys(bases):
                     if name != base and base in log:
                         cmp = harness.compare(samples[base][phase], samples[name][phase], floor[phase])
@@ -353,12 +381,14 @@ def run(args, progress=print):
                 same = [a["ids"] == b["ids"] for a, b in zip(log[base], log[name])]
                 texts.append({"context": P, "a": base, "b": name, "identical_ids": sum(same), "pairs": len(same),
                               "what": "exact rewrite (fold / weight rebuild), same weights"})
-            if arm_of := (model_arm(name).removesuffix(EPI) + SPLIT if model_arm(name).endswith(EPI) else None):
-                if arm_of in log:  # the epilogue adds vs the plain split step: same weights, one rounding fewer
+            if arm_of := (split_base(model_arm(name)) + SPLIT if split_base(model_arm(name)) else None):
+                if arm_of in log:  # the epilogue adds / prep kernels vs the plain split step: same weights
                     same = [a["ids"] == b["ids"] for a, b in zip(log[arm_of], log[name])]
+                    what = ("residual adds in the epilogue vs after it" if model_arm(name).endswith(EPI) else
+                            "prep kernels (float32 throughout) vs MLX ops" + (" and epilogue adds" if step_flags(name)[0] else ""))
                     texts.append({"context": P, "a": arm_of, "b": name, "identical_ids": sum(same), "pairs": len(same),
-                                  "what": "residual adds in the epilogue vs after it, same weights"})
-            elif is_compiled(name) and model_arm(name) != baseline:  # compiled vs eager, same weights
+                                  "what": what + ", same weights"})
+            elif is_compiled(name) and model_arm(name) != baseline and model_arm(name) in log:  # compiled vs eager, same weights
                 same = [a["ids"] == b["ids"] for a, b in zip(log[model_arm(name)], log[name])]
                 texts.append({"context": P, "a": model_arm(name), "b": name, "identical_ids": sum(same), "pairs": len(same),
                               "what": "compiled step vs eager mlx-lm, same weights"})
@@ -382,6 +412,11 @@ def parse_args(argv):
                    help=f"add a vqpipe-bN{NOFOLD} arm per N: rotation signs not folded (decode A/B)")
     p.add_argument("--epilogue-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
                    help=f"add a vqpipe-bN{EPI}{SPLIT} arm per N: split mode, residual adds in the mat-vec epilogues")
+    p.add_argument("--prep-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
+                   help=f"add vqpipe-bN{PREP}{SPLIT} and vqpipe-bN{PREP_EPI}{SPLIT} arms per N: split mode, fused prep kernels "
+                        "(without / with the epilogue adds)")
+    p.add_argument("--aa-arm", default="bf16", help="the arm run twice for the A/A noise floor (default bf16, eager)")
+    p.add_argument("--split-only", action="store_true", help="split-mode arms only (no eager arms)")
     p.add_argument("--compiled", action="store_true",
                    help=f"add an ARM{COMPILED} arm per arm: decode through vqpipe.decode_step's compiled step")
     p.add_argument("--split", action="store_true",
