@@ -6,10 +6,10 @@ Runs ``python -m vqpipe ARGS`` in this process exactly as the module does (vqpip
 the BLAS check, hold_freed_heap, the stage's main), with timers wrapped around the quantize
 stage's steps, and prints one line per step to stderr: start and end (s since the process started,
 read from /proc), wall, CPU-s of the whole process meanwhile (user + sys, every thread, so work the
-pool or a helper thread does beside a step is counted in it), and at the end the interpreter's
-start-up (process start to this script's first line) and the imports. Steps that nest (the layer
-loop inside quantize_model) are printed as they end. The stage's output is what it would be
-without the timers. Use the pipeline's environment (``env $(python -m vqpipe.blas --env)``).
+pool or a helper thread does beside a step is counted in it; its system time and minor page faults
+apart), and at the end the interpreter's start-up (process start to this script's first line) and
+the imports. Steps that nest (the layer loop inside quantize_model) are printed as they end. The
+stage's output is what it would be without the timers. Use the pipeline's environment (``env $(python -m vqpipe.blas --env)``).
 """
 
 import os
@@ -40,32 +40,37 @@ def sys_cpu():
     return resource.getrusage(resource.RUSAGE_SELF).ru_stime
 
 
-def mark(name, t_start, c_start, s_start=None):
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def mark(name, t_start, c_start, s_start=None, f_start=None):
     t = time.perf_counter()
     LINES.append((t_start - T0, t - T0, name, t - t_start, cpu() - c_start,
-                  None if s_start is None else sys_cpu() - s_start))
+                  None if s_start is None else sys_cpu() - s_start,
+                  None if f_start is None else faults() - f_start))
 
 
 def timed(owner, attr, name=None):
     fn = getattr(owner, attr)
 
     def wrapper(*a, **k):
-        t, c, s = time.perf_counter(), cpu(), sys_cpu()
+        t, c, s, f = time.perf_counter(), cpu(), sys_cpu(), faults()
         try:
             return fn(*a, **k)
         finally:
-            mark(name or attr, t, c, s)
+            mark(name or attr, t, c, s, f)
 
     setattr(owner, attr, wrapper)
 
 
 def report():
-    for start, end, name, wall, cpus, syss in sorted(LINES):
+    for start, end, name, wall, cpus, syss, flts in sorted(LINES):
         print(f"[timeline] {start:7.2f} {end:7.2f}  {name:<34} wall {wall:7.2f}  cpu {cpus:7.2f}"
-              + ("" if syss is None else f" (sys {syss:6.2f})"), file=sys.stderr)
+              + ("" if syss is None else f" (sys {syss:6.2f}, minor faults {flts:8d})"), file=sys.stderr)
     r = resource.getrusage(resource.RUSAGE_SELF)
     print(f"[timeline] end {time.perf_counter() - T0:.2f} s after start; cpu {r.ru_utime:.2f} user + "
-          f"{r.ru_stime:.2f} sys; interpreter start-up cpu {C_START.ru_utime + C_START.ru_stime:.2f}; "
+          f"{r.ru_stime:.2f} sys, {r.ru_minflt} minor faults; interpreter start-up cpu {C_START.ru_utime + C_START.ru_stime:.2f}; "
           f"peak RSS {r.ru_maxrss} KiB", file=sys.stderr)
 
 

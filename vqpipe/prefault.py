@@ -12,6 +12,7 @@ _GLIBC_AFTER. See docs/reservoir-format.md ("The load path") for measurements, t
 and why transparent huge pages are not used. VQPIPE_PREFAULT=0 turns it off.
 """
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -52,6 +53,7 @@ def _glibc():
                 libc.free.argtypes, libc.free.restype = [ctypes.c_void_p], None
                 libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
                 libc.madvise.restype = ctypes.c_int
+                libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
         except (OSError, ValueError, AttributeError):
             libc = None
         _libc_cache.append(libc)
@@ -68,6 +70,9 @@ def _glibc():
 _HOLD_HEAP = ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 256 << 20))
 
 
+_held = []  # [True] once hold_freed_heap applied its settings in this process
+
+
 def hold_freed_heap():
     """Keep freed malloc memory in this process (glibc; see _HOLD_HEAP). Only where the memory of
     the process is not what is measured, and not where the environment sets malloc tunables (they
@@ -78,7 +83,31 @@ def hold_freed_heap():
         return False
     for param, value in _HOLD_HEAP:
         libc.mallopt(param, value)
+    _held[:] = [True]
     return True
+
+
+@contextlib.contextmanager
+def large_blocks_on_heap():
+    """While it runs, blocks above glibc's mmap threshold (32 MiB) come from the heap as well, and
+    freed ones are reused from it (hold_freed_heap keeps them): above the threshold each block
+    was a fresh mmap, faulted in page by page and unmapped when freed. Calibrated quantization
+    makes and frees several d x d float32 matrices per block (qwen2.5-0.5b's 4864-wide down_proj
+    input: 95 MB each, the one MLX copies for its Cholesky in 23k page faults every time; 0.56 M of
+    the stage's 0.95 M faults; docs/quantize.md, "Sixth pass"). Only where hold_freed_heap was
+    applied (a stage process, whose memory is not what it measures); otherwise nothing changes."""
+    libc = _glibc() if _held else None
+    if libc is None:
+        yield
+        return
+    libc.mallopt(_M_MMAP_MAX, 0)
+    try:
+        yield
+    finally:
+        libc.mallopt(_M_MMAP_MAX, dict(_GLIBC_AFTER)[_M_MMAP_MAX])
+        # The free blocks held back go to the kernel now: what comes next (the reference logits'
+        # prefaulted heap top) would otherwise be added on top of them (peak RSS 2.0 -> 2.5 GB)
+        libc.malloc_trim(0)
 
 
 def prefault_policy():

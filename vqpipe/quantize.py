@@ -6,6 +6,7 @@ The quantize stage (vqpipe/stages/quantize.py) wraps this in an artifact; bench-
 reservoir loader and the fuzzers call it directly.
 """
 
+import contextlib
 import hashlib
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from .codebook import check_bits
 from .fused import fuse_model, rotation_owner
 from .parallel import Pool, check_threads
 from .plain_model import plain_model
+from .prefault import large_blocks_on_heap
 from .qlinear import QuantizedEmbedding, QuantizedLinear
 from .rotation import KINDS, resolve_kind
 
@@ -158,7 +160,10 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
 
         return complete if defer else complete()
 
-    with pool:
+    # With moments, each block makes and frees d x d matrices of 95 MB (a 4864-wide input): kept
+    # on the heap and reused instead of mapped afresh (vqpipe/prefault.py; the same bytes)
+    heap = large_blocks_on_heap() if calibration is not None or moments is not None else contextlib.nullcontext()
+    with pool, heap:
         records = _quantize_all(model, targets, quantize_one, moments, calibration, progress, sequential,
                                 lambda name, dim: layer_rotation(rotation, seed, name, dim))
     records = [r for r in records if r is not None]
