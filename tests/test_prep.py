@@ -278,8 +278,6 @@ def test_gpu_split_step_four_primitives_fewer_per_layer_same_tokens(tiny_llama_v
             runs[arm] = (graph_ops(dec.step(token, pos, state)[0]), ids, logits)
     (off, ids0, lg0), (on, ids1, lg1), (both, ids2, _) = runs[False, False], runs[True, False], runs[True, True]
     assert ids1 == ids0 and ids2 == ids0
-    for a, b in zip(lg0, lg1):  # float32: the order of the sums only
-        assert mx.abs(a - b).max().item() <= 1e-4 * mx.abs(a).max().item()
     k = lambda ops, name: ops["by_primitive"].get(name, 0)  # noqa: E731
     assert "Full" not in on["by_primitive"] and "Full" not in off["by_primitive"]  # no constant replayed per step
     # a Kronecker rotation's unfused form has one Matmul more (Q): tiny-llama's 1472 = 23 x 64 down_proj input
@@ -293,6 +291,22 @@ def test_gpu_split_step_four_primitives_fewer_per_layer_same_tokens(tiny_llama_v
     assert k(on, "CustomKernel") - k(off, "CustomKernel") == 4 * layers
     assert k(off, "Hadamard") - k(on, "Hadamard") == 4 * layers
     assert k(off, "RMSNorm") - k(on, "RMSNorm") == 2 * layers
+    # Logits against the same steps in float32 on the CPU (dense path, full-precision BLAS): the prep
+    # arm no less accurate than the unfused GPU arm. Not a 1e-4 match between the two GPU arms: in
+    # session 11 they differed by 1.2e-4 of the largest logit where the CPU emulation of the kernel's
+    # formula differs by 5e-7 (docs/decode.md, "Prep kernels": the unfused GPU ops are the suspect).
+    with qmv.enabled(False), mx.stream(mx.cpu):
+        dec = Decoder(model, 64, "split")
+        token, pos, state = dec.start(_prompts()[2], 8)
+        ref = []
+        for _ in range(6):
+            token, pos, state, lg = dec.step(token, pos, state)
+            ref.append(lg)
+        mx.eval(ref)
+    for r, a, b in zip(ref, lg0, lg1):
+        scale = mx.abs(r).max().item()
+        e_off, e_on = (mx.abs(g - r).max().item() / scale for g in (a, b))
+        assert e_on <= 2 * e_off + 1e-5, (e_on, e_off)
 
 
 def test_constants_first_made_inside_a_trace_are_not_replayed_per_call():
