@@ -18,16 +18,15 @@ import subprocess
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm import load
 
 from vqpipe import fold, prep, qmv
 from vqpipe import rotation as rot
 from vqpipe.decode_step import Decoder
 from vqpipe.qlinear import dense_forward
-from vqpipe.quantize import quantize_model
 from vqpipe.stages.bench_decode import generate_once, make_cache
 
 from test_qmv import _EPS
+from test_qmv_epilogue import _prompts, tiny_llama_vq4  # noqa: F401  (the fixture: float32 tiny-llama, 4 bits)
 
 # the presets' rotated widths: 8B hidden and 14336 = 28 x 512; qwen 896 = 28 x 32, 4864 = 19 x 256 (kron);
 # tiny-llama 512 and 1472 = 23 x 64 (kron)
@@ -134,17 +133,6 @@ def test_kernels_compile_for_sm90_without_spills(dt):
 
 
 # --- the split step's wiring on the CPU ------------------------------------------------------------
-
-def _prompts():
-    return [mx.random.randint(0, 8192 - 16, (n,), key=mx.random.key(40 + n)) for n in (1, 5, 23)]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_vq4(tiny_llama_source):
-    model, _ = load(str(tiny_llama_source))
-    quantize_model(model, 4, embeddings=True, dtype=mx.float32)
-    return model
-
 
 def _dense_launch(calls):
     """qmv.launch by the dense path (runs on the CPU), recording whether each call had its input rotated already."""
