@@ -16,3 +16,16 @@ fi
 if [ "${PART}" = b ]; then
   OUT=$OUT/ops250 PART=b L8=${L8:-230} bash scripts/gpu_prep.sh 2>&1 | tail -40
 fi
+# PART=c: the GPU tests of what session 12 touched (host_cost, the split step), then the 8B split bench.
+if [ "${PART}" = c ]; then
+  timeout ${TEST_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 --dist load -v -rfE \
+    tests/test_host_cost.py tests/test_decode_step.py tests/test_prep.py tests/test_qmv_epilogue.py 2>&1 | tee $OUT/gpu_tests.log | grep -E 'FAILED|ERROR|passed|failed' | tail -20
+  OUT=$OUT/lean PART=bench L8=${L8:-230} bash scripts/gpu_prep.sh 2>&1 | grep -E "^step|attribution|decode " | tail -40
+fi
+# PART=d: qwen2.5-0.5b split step at P=512 (the host-bound preset), then the 8B bench under 250 ops per graph.
+if [ "${PART}" = d ]; then
+  timeout ${LQ:-90} python3 -m vqpipe.bench.decode_shapes --preset qwen2.5-0.5b --out $OUT/qwen-split.json \
+    --prompt-lengths 512 --gen-tokens 32 --repeats 6 --bits 4 --epilogue-bits 4 --prep-bits 4 --split-only \
+    --aa-arm vqpipe-b4+s --attribution --copy-mib 256 2>&1 | tee $OUT/qwen.log | grep -E "^step|attribution|decode " | tail -40
+  OUT=$OUT/ops250 PART=b L8=${L8:-230} bash scripts/gpu_prep.sh 2>&1 | grep -E "^step|attribution|decode " | tail -40
+fi
