@@ -29,3 +29,11 @@ if [ "${PART}" = d ]; then
     --aa-arm vqpipe-b4+s --attribution --copy-mib 256 2>&1 | tee $OUT/qwen.log | grep -E "^step|attribution|decode " | tail -40
   OUT=$OUT/ops250 PART=b L8=${L8:-230} bash scripts/gpu_prep.sh 2>&1 | grep -E "^step|attribution|decode " | tail -40
 fi
+# PART=e: the view layouts side by side (vqpipe-b4+s lean vs vqpipe-b4+v+s mlx-lm's), qwen then 8B.
+if [ "${PART}" = e ]; then
+  for p in qwen2.5-0.5b llama3-8b; do
+    timeout ${LE:-170} python3 -m vqpipe.bench.decode_shapes --preset $p --out $OUT/views-$p.json \
+      --prompt-lengths 512 --gen-tokens 32 --repeats ${REPEATS:-8} --bits 4 --mlx-views-bits 4 --split-only \
+      --aa-arm vqpipe-b4+s --attribution --copy-mib 256 2>&1 | tee $OUT/views-$p.log | grep -E "^step|attribution|decode" | tail -30
+  done
+fi

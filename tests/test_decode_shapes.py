@@ -72,11 +72,11 @@ def test_prep_arms_split_only_and_aa_arm_on_cpu(tmp_path):
     out = tmp_path / "p.json"
     with mx.stream(mx.cpu):
         assert decode_shapes.main(["--preset", "tiny-llama", "--out", str(out), "--bits", "2", "--split-only", "--epilogue-bits", "2",
-                                   "--prep-bits", "2", "--aa-arm", "vqpipe-b2+s", "--prompt-lengths", "16", "--gen-tokens", "3",
+                                   "--prep-bits", "2", "--mlx-views-bits", "2", "--aa-arm", "vqpipe-b2+s", "--prompt-lengths", "16", "--gen-tokens", "3",
                                    "--repeats", "2", "--copy-mib", "16"]) == 0
     doc = json.loads(out.read_text())
     arms = {r["arm"] for r in doc["records"]}
-    assert arms == {"bf16+s", "affine4+s", "vqpipe-b2+s", "vqpipe-b2+e+s", "vqpipe-b2+p+s", "vqpipe-b2+pe+s"}
+    assert arms == {"bf16+s", "affine4+s", "vqpipe-b2+s", "vqpipe-b2+e+s", "vqpipe-b2+p+s", "vqpipe-b2+pe+s", "vqpipe-b2+v+s"}
     assert doc["settings"]["aa_arm"] == "vqpipe-b2+s"
     aa = [t for t in doc["texts"] if t.get("what", "").startswith("A/A")]
     assert [(t["a"], t["b"]) for t in aa] == [("vqpipe-b2+s", "vqpipe-b2+s" + decode_shapes.harness.AA_SUFFIX)]
@@ -89,6 +89,12 @@ def test_prep_arms_split_only_and_aa_arm_on_cpu(tmp_path):
     same = {t["b"]: t for t in doc["texts"] if t.get("what", "").startswith("prep")}
     assert set(same) == {"vqpipe-b2+p+s", "vqpipe-b2+pe+s"}
     assert all(t["a"] == "vqpipe-b2+s" and t["identical_ids"] == t["pairs"] == 2 for t in same.values())
+    # mlx-lm's views: the same tokens, the same primitives, five views more per layer (2 layers)
+    views = [t for t in doc["texts"] if t.get("what", "").startswith("mlx-lm's reshape")]
+    assert [(t["a"], t["b"]) for t in views] == [("vqpipe-b2+s", "vqpipe-b2+v+s")] and views[0]["identical_ids"] == views[0]["pairs"] == 2
+    assert prof["vqpipe-b2+v+s"]["ops"] == prof["vqpipe-b2+s"]["ops"]
+    assert prof["vqpipe-b2+v+s"]["views"] - prof["vqpipe-b2+s"]["views"] >= 8
+    assert ("vqpipe-b2+s", "vqpipe-b2+v+s") in pairs
     with pytest.raises(ValueError, match="aa-arm"):
         decode_shapes.run(decode_shapes.parse_args(["--preset", "tiny-llama", "--out", str(out), "--split-only",
                                                     "--aa-arm", "bf16", "--copy-mib", "16"]), progress=lambda *_: None)

@@ -188,3 +188,22 @@ def test_generate_cli_compiled_refuses_sampling(reservoir, capsys):
         with pytest.raises(SystemExit):
             generate.main(["--model", str(reservoir), "--prompt", "x", "--compiled", "whole", *extra])
         assert "--compiled decodes greedily" in capsys.readouterr().err
+
+
+def test_split_views_layouts_give_the_same_logits(tiny_llama_source):
+    """The split step's one-reshape layout and mlx-lm's reshape + transpose are the same arrays for one
+    token: bit-identical logits in float32; an unknown layout is refused."""
+    model, _ = load(str(tiny_llama_source))
+    model = cast_floating(model, mx.float32)
+    prompt = _prompts(8192)[1]
+    runs = {}
+    for views in ("lean", "mlx"):
+        dec = Decoder(model, 24, "split", views=views)
+        token, pos, state = dec.start(prompt, 8)
+        runs[views] = []
+        for _ in range(4):
+            token, pos, state, logits = dec.step(token, pos, state)
+            runs[views].append(logits)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(runs["lean"], runs["mlx"]))
+    with pytest.raises(ValueError, match="views"):
+        Decoder(model, 24, "split", views="transposed")

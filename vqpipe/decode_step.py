@@ -94,6 +94,7 @@ class _Probe:
 
 MODES = ("whole", "split", "eager")
 SPLIT_TYPES = ("llama", "qwen2")  # decoder blocks of mlx-lm's llama.py / qwen2.py layout
+VIEWS = ("lean", "mlx")  # split step: one reshape per head tensor for one token, or mlx-lm's reshape + transpose
 
 
 def _greedy(logits, like):
@@ -127,7 +128,7 @@ class Decoder:
     run; elsewhere the block's own modules.
     """
 
-    def __init__(self, model, capacity, mode="whole", epilogue=None, prep=None):
+    def __init__(self, model, capacity, mode="whole", epilogue=None, prep=None, views="lean"):
         check_model(model)
         if capacity < 2:
             raise ValueError(f"static KV cache capacity must be >= 2, got {capacity}")
@@ -147,10 +148,13 @@ class Decoder:
 
             prep = prep_kernels.PREP
         self.prep = bool(prep) and mode == "split"
+        if views not in VIEWS:
+            raise ValueError(f"decode views must be one of {VIEWS}, got {views!r}")
+        self.views = views
         self._layout = None
         self.traces = 0  # Python runs of the step (whole) or of the blocks' first parts (split): traces when compiled
         if mode == "split":
-            self._parts = [_block_parts(layer, self._traced, self.epilogue, self.prep) for layer in model.layers]
+            self._parts = [_block_parts(layer, self._traced, self.epilogue, self.prep, self.views) for layer in model.layers]
             self._embed = mx.compile(model.model.embed_tokens)
             self._head = mx.compile(self._logits)
             self._run = self._split_step
@@ -294,11 +298,12 @@ def _plus_mlp(mlp, x, h):
     return h + mlp(x)
 
 
-def _block_parts(layer, traced, epilogue=False, prep=False):
+def _block_parts(layer, traced, epilogue=False, prep=False, views="lean"):
     """(before attention, after attention, scale) of one mlx-lm llama/qwen2 decoder block for one
     token, the first two compiled; the same operations as the block's ``__call__``. ``epilogue``:
     the two residual adds through :func:`_plus_linear` / :func:`_plus_mlp` (the same function);
-    ``prep``: the mat-vecs' inputs through vqpipe/prep.py's fused kernels (the same function)."""
+    ``prep``: the mat-vecs' inputs through vqpipe/prep.py's fused kernels (the same function);
+    ``views="mlx"``: mlx-lm's reshape + transpose per head tensor (the A/B arm of the lean layout)."""
     from . import prep as prep_kernels
 
     attn = layer.self_attn
@@ -312,14 +317,20 @@ def _block_parts(layer, traced, epilogue=False, prep=False):
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         # One token: [1, 1, heads·D] is already [1, heads, 1, D] in memory, so one reshape replaces
         # mlx-lm's reshape + transpose (each view is a node MLX evaluates on the host, ~4 µs on the H200)
-        q = q.reshape(1, attn.n_heads, 1, -1)
-        k = k.reshape(1, attn.n_kv_heads, 1, -1)
-        v = v.reshape(1, attn.n_kv_heads, 1, -1)
+        if views == "mlx":
+            q, k, v = (t.reshape(1, 1, n, -1).transpose(0, 2, 1, 3)
+                       for t, n in ((q, attn.n_heads), (k, attn.n_kv_heads), (v, attn.n_kv_heads)))
+            start = pos.reshape(1)
+        else:
+            q = q.reshape(1, attn.n_heads, 1, -1)
+            k = k.reshape(1, attn.n_kv_heads, 1, -1)
+            v = v.reshape(1, attn.n_kv_heads, 1, -1)
         q, k = attn.rope(q, offset=pos), attn.rope(k, offset=pos)
         return q, mx.slice_update(kb, k, start, axes=(2,)), mx.slice_update(vb, v, start, axes=(2,))
 
     def after(h, o):
-        o = o.reshape(1, 1, -1)  # [1, heads, 1, D] -> [1, 1, heads·D]: the same memory for one token
+        # [1, heads, 1, D] -> [1, 1, heads·D]: the same memory for one token
+        o = o.transpose(0, 2, 1, 3).reshape(1, 1, -1) if views == "mlx" else o.reshape(1, 1, -1)
         if prep:
             return prep_kernels.after_attention(layer, h, o, epilogue)
         if epilogue:

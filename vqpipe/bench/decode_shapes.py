@@ -26,7 +26,10 @@ memory from the preset's config:
   two primitives fewer per layer); this arm runs in split mode only;
 - ``vqpipe-bN+p+s`` and ``vqpipe-bN+pe+s`` (``--prep-bits N``): the same model, split mode with the
   mat-vecs' inputs made by vqpipe/prep.py's fused kernels (``Decoder(prep=True)``, four primitives
-  fewer per layer), without and with the epilogue adds; split mode only.
+  fewer per layer), without and with the epilogue adds; split mode only;
+- ``vqpipe-bN+v+s`` (``--mlx-views-bits N``): the same model, split mode with mlx-lm's reshape +
+  transpose per head tensor (``Decoder(views="mlx")``; the default layout takes one reshape, five
+  host-evaluated views fewer per layer): the A/B of that change; split mode only.
 
 ``--aa-arm`` picks the arm run twice for the A/A floor (default the eager bf16 arm; a split arm's
 spread is several times smaller); ``--split-only`` leaves the eager arms out.
@@ -78,7 +81,8 @@ SPLIT = "+s"  # arm suffix: decode_step's split mode (compiled blocks around MLX
 EPI = "+e"  # arm suffix: residual adds in the mat-vec epilogues (split mode only)
 PREP = "+p"  # arm suffix: the fused prep kernels (vqpipe/prep.py; split mode only)
 PREP_EPI = "+pe"  # arm suffix: prep kernels and epilogue adds (split mode only)
-STEP_SUFFIXES = (EPI, PREP, PREP_EPI)  # arms that exist in split mode only
+MLX_VIEWS = "+v"  # arm suffix: the split step with mlx-lm's reshape + transpose per head tensor (split mode only)
+STEP_SUFFIXES = (EPI, PREP, PREP_EPI, MLX_VIEWS)  # arms that exist in split mode only
 MODES = {COMPILED: "whole", SPLIT: "split"}
 
 
@@ -98,6 +102,11 @@ def step_flags(name):
     """(epilogue, prep) of decode_step's split step for an arm."""
     arm = model_arm(name)
     return arm.endswith((EPI, PREP_EPI)), arm.endswith((PREP, PREP_EPI))
+
+
+def step_views(name):
+    """decode_step's ``views`` for an arm."""
+    return "mlx" if model_arm(name).endswith(MLX_VIEWS) else "lean"
 
 
 def split_base(arm):
@@ -214,8 +223,8 @@ def _eager_step(model, prompt):
     return lambda: model(tok, cache=cache)
 
 
-def _compiled_step(model, prompt, steps, mode, epilogue=False, prep=False):
-    dec = Decoder(model, prompt.size + steps + 2, mode, epilogue=epilogue, prep=prep)
+def _compiled_step(model, prompt, steps, mode, epilogue=False, prep=False, views="lean"):
+    dec = Decoder(model, prompt.size + steps + 2, mode, epilogue=epilogue, prep=prep, views=views)
     tok, pos, state = dec.start(prompt)
     st = {"state": state, "pos": pos}
     del state
@@ -228,7 +237,8 @@ def _compiled_step(model, prompt, steps, mode, epilogue=False, prep=False):
     return step
 
 
-def step_profile(model, vocab, rot=False, context=64, steps=8, mode=None, tables=True, epilogue=False, prep=False):
+def step_profile(model, vocab, rot=False, context=64, steps=8, mode=None, tables=True, epilogue=False, prep=False,
+                 views="lean"):
     """One decode step, unpipelined: host time to build its graph (Python; for a compiled step, the
     C++ replay of its trace), to encode it (``mx.async_eval`` returns once the kernels are queued)
     and the whole step to ``mx.synchronize``, median over ``steps``; plus the graph's primitives
@@ -236,7 +246,7 @@ def step_profile(model, vocab, rot=False, context=64, steps=8, mode=None, tables
     host (docs/decode.md)."""
     with qmv.rotating_in_kernel(rot), dequant.using_tables(tables):
         prompt = mx.random.randint(0, vocab - 16, (context,), key=mx.random.key(7))
-        step = _compiled_step(model, prompt, steps, mode, epilogue, prep) if mode else _eager_step(model, prompt)
+        step = _compiled_step(model, prompt, steps, mode, epilogue, prep, views) if mode else _eager_step(model, prompt)
         build, encode, total = [], [], []
         for _ in range(steps):
             mx.synchronize()
@@ -270,6 +280,8 @@ def run(args, progress=print):
         models[f"vqpipe-b{b}{NOFOLD}"] = random_vqpipe(args.preset, b, fold=False)
     for b in args.epilogue_bits:  # the same model object: only the split step's residual adds differ
         models[f"vqpipe-b{b}{EPI}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
+    for b in args.mlx_views_bits:  # the same model object: only the split step's head-tensor views differ
+        models[f"vqpipe-b{b}{MLX_VIEWS}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
     for b in args.prep_bits:  # the same model object: only the split step's inputs of the mat-vecs differ
         for sfx in (PREP, PREP_EPI):
             models[f"vqpipe-b{b}{sfx}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
@@ -289,7 +301,8 @@ def run(args, progress=print):
         try:
             epi, pre = step_flags(name)
             profiles[name] = p = step_profile(m, config["vocab_size"], model_arm(name).endswith(ROT), mode=decode_mode(name),
-                                              tables=not model_arm(name).endswith(UNPACK), epilogue=epi, prep=pre)
+                                              tables=not model_arm(name).endswith(UNPACK), epilogue=epi, prep=pre,
+                                              views=step_views(name))
         except Exception as e:  # a compiled arm that cannot trace is reported, not fatal to the eager arms
             if not is_compiled(name):
                 raise
@@ -303,7 +316,8 @@ def run(args, progress=print):
             from .step_attribution import line, timing
 
             p.update(timing(m, config["vocab_size"], decode_mode(name), model_arm(name).endswith(ROT),
-                            context=args.prompt_lengths[0], epilogue=step_flags(name)[0], prep=step_flags(name)[1]))
+                            context=args.prompt_lengths[0], epilogue=step_flags(name)[0], prep=step_flags(name)[1],
+                            views=step_views(name)))
             progress("  attribution " + line(name, {**p, "profile": p}))
     baseline = args.aa_arm
     aa = baseline + harness.AA_SUFFIX
@@ -321,7 +335,7 @@ def run(args, progress=print):
                    for k in range(args.prompts)]
         log = {name: [] for name in [*arm_names, aa]}
         decoders = {n: Decoder(models[model_arm(n)], P + max(args.gen_tokens, 8), decode_mode(n), epilogue=step_flags(n)[0],
-                               prep=step_flags(n)[1]) for n in arm_names if is_compiled(n)}
+                               prep=step_flags(n)[1], views=step_views(n)) for n in arm_names if is_compiled(n)}
 
         def call(name, k, n_tokens):
             model = models[model_arm(name)]
@@ -385,6 +399,7 @@ def run(args, progress=print):
                 if arm_of in log:  # the epilogue adds / prep kernels vs the plain split step: same weights
                     same = [a["ids"] == b["ids"] for a, b in zip(log[arm_of], log[name])]
                     what = ("residual adds in the epilogue vs after it" if model_arm(name).endswith(EPI) else
+                            "mlx-lm's reshape + transpose views vs one reshape" if model_arm(name).endswith(MLX_VIEWS) else
                             "prep kernels (float32 throughout) vs MLX ops" + (" and epilogue adds" if step_flags(name)[0] else ""))
                     texts.append({"context": P, "a": arm_of, "b": name, "identical_ids": sum(same), "pairs": len(same),
                                   "what": what + ", same weights"})
@@ -410,6 +425,8 @@ def parse_args(argv):
                    help=f"add a vqpipe-bN{UNPACK} arm per N: the old dense-path weight rebuild (prefill A/B)")
     p.add_argument("--unfolded-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
                    help=f"add a vqpipe-bN{NOFOLD} arm per N: rotation signs not folded (decode A/B)")
+    p.add_argument("--mlx-views-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
+                   help=f"add a vqpipe-bN{MLX_VIEWS}{SPLIT} arm per N: split mode with mlx-lm's reshape + transpose views")
     p.add_argument("--epilogue-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
                    help=f"add a vqpipe-bN{EPI}{SPLIT} arm per N: split mode, residual adds in the mat-vec epilogues")
     p.add_argument("--prep-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
