@@ -316,7 +316,8 @@ def _block_parts(layer, traced, epilogue=False, prep=False, views="lean"):
             x = layer.input_layernorm(h)
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         # One token: [1, 1, heads·D] is already [1, heads, 1, D] in memory, so one reshape replaces
-        # mlx-lm's reshape + transpose (each view is a node MLX evaluates on the host, ~4 µs on the H200)
+        # mlx-lm's reshape + transpose: fewer graph nodes, the same logits; no measurable decode
+        # speed-up on the H200 (docs/decode.md, "Session 12")
         if views == "mlx":
             q, k, v = (t.reshape(1, 1, n, -1).transpose(0, 2, 1, 3)
                        for t, n in ((q, attn.n_heads), (k, attn.n_kv_heads), (v, attn.n_kv_heads)))
