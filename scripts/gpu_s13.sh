@@ -12,12 +12,12 @@ mkdir -p $MLX_PTX_CACHE_DIR
 t0=$(date +%s)
 since() { echo "($(( $(date +%s) - t0 )) s)"; }
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-kernels() {  # PRESET ARM LIMIT
-  local tag=$1-${2//+/_}
-  echo "== step kernels $1 $2 $(since)"
+kernels() {  # PRESET ARM LIMIT [step_kernels options]
+  local tag=$1-${2//+/_}${4:+${4//[- ]/_}}
+  echo "== step kernels $1 $2 ${4:-} $(since)"
   timeout $3 "$NCU" --profile-from-start off --clock-control none --cache-control none \
     --metrics gpu__time_duration.sum --print-kernel-base function --csv --log-file "$OUT/k-$tag.csv" \
-    python3 -m vqpipe.bench.step_kernels --preset $1 --arm $2 --steps ${STEPS:-3} > "$OUT/k-$tag.log" 2>&1
+    python3 -m vqpipe.bench.step_kernels --preset $1 --arm $2 --steps ${STEPS:-3} ${4:-} > "$OUT/k-$tag.log" 2>&1
   tail -n 3 "$OUT/k-$tag.log"
   python3 -m vqpipe.bench.step_kernels --summarize "$OUT/k-$tag.csv" --steps ${STEPS:-3} --out "$OUT/k-$tag.json" 2>&1 | head -n ${TOP:-25}
 }
@@ -34,4 +34,29 @@ if [ "${PART:-a}" = a ]; then
     --arms kivi4-v4-chain > "$OUT/ncu_kivi_mb3.log" 2>&1
   grep -E "kivi_decode_attn|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|No Eligible|Block Limit" "$OUT/ncu_kivi_mb3.log" | head -n 30
 fi
+# PART=b: the KV write (bench/kv_write.py: slice_update vs put_along_axis at 512 / 4k / 32k), the step
+# kernels again with the new default write (qwen fused and unfused, 8B), Nsight's sections on qwen's
+# mat-vec kernels (why the fused q|k|v and gate|up launches take 2-3x what bench-qmv timed)
+if [ "${PART}" = b ]; then
+  echo "== kv write $(since)"
+  timeout ${LKV:-120} python3 -m vqpipe.bench.kv_write --out "$OUT/kv_write.json" --capacities 512,4096,32768 2>&1 | tee "$OUT/kv_write.log"
+  kernels qwen2.5-0.5b vqpipe-b4+s ${LK:-90}
+  kernels qwen2.5-0.5b vqpipe-b4+s ${LK:-90} --nofuse
+  kernels llama3-8b vqpipe-b4+s ${LK8:-150}
+  echo "== ncu sections, qwen mat-vecs $(since)"
+  timeout ${LKD:-90} "$NCU" --profile-from-start off --clock-control none --cache-control none -k regex:vqpipe_qmv -c 8 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
+    python3 -m vqpipe.bench.step_kernels --preset qwen2.5-0.5b --arm vqpipe-b4+s --steps 1 > "$OUT/ncu_qmv_qwen.log" 2>&1
+  grep -E "custom_kernel_vqpipe|Duration|DRAM Throughput|L2 Hit Rate|L1/TEX Hit|Registers Per|Achieved Occupancy|Memory Throughput|Mem Busy|Max Bandwidth|Waves Per SM" "$OUT/ncu_qmv_qwen.log" | sed 's/(const.*)//' | head -n 120
+fi
+# PART=c: decode side by side, split step, P = 512: the new KV write (vqpipe-b4+s) against the old
+# (vqpipe-b4+w+s), with bf16+s and affine4+s, qwen then 8B
+if [ "${PART}" = c ]; then
+  for p in qwen2.5-0.5b llama3-8b; do
+    timeout ${LE:-200} python3 -m vqpipe.bench.decode_shapes --preset $p --out $OUT/write-$p.json \
+      --prompt-lengths ${PL:-512} --gen-tokens 32 --repeats ${REPEATS:-6} --bits 4 --slice-writes-bits 4 --split-only \
+      --aa-arm vqpipe-b4+s --copy-mib 256 2>&1 | tee $OUT/write-$p.log | grep -E "^step|decode|floor|vs" | tail -30
+  done
+fi
+(cd "$OUT" && tar czf ../s13-${PART:-a}.tgz . && rm -rf ./* && mv ../s13-${PART:-a}.tgz .)
 echo "== done $(since)"

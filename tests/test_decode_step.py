@@ -6,7 +6,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import RotatingKVCache
 
-from vqpipe.decode_step import Decoder, StaticCache, check_model
+from vqpipe.decode_step import Decoder, StaticCache, check_model, write_kv
 from vqpipe.quantize import quantize_model
 from vqpipe.stages.bench_decode import cast_floating, generate_once, make_cache
 
@@ -207,3 +207,39 @@ def test_split_views_layouts_give_the_same_logits(tiny_llama_source):
     assert all(mx.array_equal(a, b).item() for a, b in zip(runs["lean"], runs["mlx"]))
     with pytest.raises(ValueError, match="views"):
         Decoder(model, 24, "split", views="transposed")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_kv_writes_scatter_and_slice_give_the_same_caches(tiny_llama_source, mode):
+    """put_along_axis (the default write) and slice_update at an array start write the same values:
+    bit-identical logits and cache buffers in float32 over several positions; an unknown write is
+    refused. (Which is faster is a GPU question: bench/kv_write.py.)"""
+    model, _ = load(str(tiny_llama_source))
+    model = cast_floating(model, mx.float32)
+    prompt = _prompts(8192)[1]
+    runs = {}
+    for how in ("scatter", "slice"):
+        dec = Decoder(model, 24, mode, kv_write=how)
+        token, pos, state = dec.start(prompt, 8)
+        runs[how] = []
+        for _ in range(4):
+            token, pos, state, logits = dec.step(token, pos, state)
+            runs[how].append(logits)
+        runs[how].append(state)
+    for a, b in zip(runs["scatter"][:4], runs["slice"][:4]):
+        assert mx.array_equal(a, b).item()
+    for (ka, va), (kb, vb) in zip(runs["scatter"][4], runs["slice"][4]):
+        assert mx.array_equal(ka, kb).item() and mx.array_equal(va, vb).item()
+        assert mx.abs(ka[..., prompt.size: prompt.size + 4, :]).sum().item() > 0  # the steps did write
+    with pytest.raises(ValueError, match="kv_write"):
+        Decoder(model, 24, mode, kv_write="concat")
+
+
+def test_write_kv_writes_one_position_only():
+    buf = mx.random.normal((1, 3, 9, 4))
+    new = mx.random.normal((1, 3, 1, 4))
+    for how in ("scatter", "slice"):
+        out = write_kv(buf, new, mx.array(6, mx.int32), how)
+        assert mx.array_equal(out[:, :, 6:7], new).item()
+        keep = mx.concatenate([out[:, :, :6], out[:, :, 7:]], axis=2)
+        assert mx.array_equal(keep, mx.concatenate([buf[:, :, :6], buf[:, :, 7:]], axis=2)).item()

@@ -26,6 +26,7 @@ Positions past ``capacity`` raise ValueError before anything is queued: the devi
 would otherwise clamp silently.
 """
 
+import os
 import time
 
 import mlx.core as mx
@@ -36,8 +37,8 @@ POSITION_DTYPE = mx.int32
 class StaticCache:
     """mlx-lm's KV-cache interface over buffers [B, kv_heads, capacity, head_dim]."""
 
-    def __init__(self, keys, values, offset):
-        self.keys, self.values, self.offset = keys, values, offset
+    def __init__(self, keys, values, offset, kv_write="scatter"):
+        self.keys, self.values, self.offset, self.kv_write = keys, values, offset, kv_write
 
     @property
     def capacity(self):
@@ -52,9 +53,8 @@ class StaticCache:
             self.values[..., self.offset:end, :] = values
             self.offset = end
             return self.keys[..., :end, :], self.values[..., :end, :]
-        start = self.offset.reshape(1)
-        self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
-        self.values = mx.slice_update(self.values, values, start, axes=(2,))
+        self.keys = write_kv(self.keys, keys, self.offset, self.kv_write)
+        self.values = write_kv(self.values, values, self.offset, self.kv_write)
         return self.keys, self.values
 
     def make_mask(self, n, return_array=False, window_size=None):
@@ -95,6 +95,19 @@ class _Probe:
 MODES = ("whole", "split", "eager")
 SPLIT_TYPES = ("llama", "qwen2")  # decoder blocks of mlx-lm's llama.py / qwen2.py layout
 VIEWS = ("lean", "mlx")  # split step: one reshape per head tensor for one token, or mlx-lm's reshape + transpose
+KV_WRITES = ("scatter", "slice")  # how the compiled steps write a token into the static cache (write_kv)
+KV_WRITE = os.environ.get("VQPIPE_KV_WRITE", "scatter")
+
+
+def write_kv(buf, new, pos, how="scatter"):
+    """``buf`` [B, heads, capacity, D] with ``new`` [B, heads, 1, D] written at position ``pos`` (a 0-d
+    device array). "slice" is ``mx.slice_update`` at an array start (a DynamicSliceUpdate); on MLX
+    0.32.4's CUDA backend that launches a separate offset kernel and a copy kernel over the whole
+    buffer, so its cost grows with the capacity (bench/step_kernels.py, bench/kv_write.py). "scatter"
+    is ``mx.put_along_axis`` (a ScatterAxis over the one token's elements). The same values either way."""
+    if how == "slice":
+        return mx.slice_update(buf, new, pos.reshape(1), axes=(2,))
+    return mx.put_along_axis(buf, mx.broadcast_to(pos.reshape(1, 1, 1, 1), new.shape), new, axis=2)
 
 
 def _greedy(logits, like):
@@ -122,13 +135,16 @@ class Decoder:
     residual adds go into their mat-vec kernels' epilogues (vqpipe/qmv.py ``epilogue_code``), two
     primitives fewer per layer where the kernels run; elsewhere the same adds as MLX ops.
 
+    ``kv_write`` (default ``VQPIPE_KV_WRITE``, "scatter"): how the compiled steps write the new
+    key and value, :func:`write_kv`; "slice" is the write before session 13 (the A/B arm).
+
     ``prep`` (split mode; default ``VQPIPE_QMV_PREP=1``, off): each rotated mat-vec's input made by
     one fused launch (vqpipe/prep.py: RMSNorm + rotation for q|k|v and gate|up, signs + rotation
     for o_proj, SwiGLU + rotation for down_proj), four primitives fewer per layer where the kernels
     run; elsewhere the block's own modules.
     """
 
-    def __init__(self, model, capacity, mode="whole", epilogue=None, prep=None, views="lean"):
+    def __init__(self, model, capacity, mode="whole", epilogue=None, prep=None, views="lean", kv_write=None):
         check_model(model)
         if capacity < 2:
             raise ValueError(f"static KV cache capacity must be >= 2, got {capacity}")
@@ -151,10 +167,15 @@ class Decoder:
         if views not in VIEWS:
             raise ValueError(f"decode views must be one of {VIEWS}, got {views!r}")
         self.views = views
+        kv_write = KV_WRITE if kv_write is None else kv_write
+        if kv_write not in KV_WRITES:
+            raise ValueError(f"decode kv_write must be one of {KV_WRITES}, got {kv_write!r}")
+        self.kv_write = kv_write
         self._layout = None
         self.traces = 0  # Python runs of the step (whole) or of the blocks' first parts (split): traces when compiled
         if mode == "split":
-            self._parts = [_block_parts(layer, self._traced, self.epilogue, self.prep, self.views) for layer in model.layers]
+            self._parts = [_block_parts(layer, self._traced, self.epilogue, self.prep, self.views, self.kv_write)
+                           for layer in model.layers]
             self._embed = mx.compile(model.model.embed_tokens)
             self._head = mx.compile(self._logits)
             self._run = self._split_step
@@ -182,7 +203,7 @@ class Decoder:
 
     def _step(self, token, pos, state):
         self.traces += 1
-        caches = [StaticCache(k, v, pos) for k, v in state]
+        caches = [StaticCache(k, v, pos, self.kv_write) for k, v in state]
         logits = self.model(token, cache=caches)[:, -1, :]
         return _greedy(logits, token), pos + 1, [(c.keys, c.values) for c in caches], logits
 
@@ -298,7 +319,7 @@ def _plus_mlp(mlp, x, h):
     return h + mlp(x)
 
 
-def _block_parts(layer, traced, epilogue=False, prep=False, views="lean"):
+def _block_parts(layer, traced, epilogue=False, prep=False, views="lean", kv_write="scatter"):
     """(before attention, after attention, scale) of one mlx-lm llama/qwen2 decoder block for one
     token, the first two compiled; the same operations as the block's ``__call__``. ``epilogue``:
     the two residual adds through :func:`_plus_linear` / :func:`_plus_mlp` (the same function);
@@ -327,7 +348,9 @@ def _block_parts(layer, traced, epilogue=False, prep=False, views="lean"):
             k = k.reshape(1, attn.n_kv_heads, 1, -1)
             v = v.reshape(1, attn.n_kv_heads, 1, -1)
         q, k = attn.rope(q, offset=pos), attn.rope(k, offset=pos)
-        return q, mx.slice_update(kb, k, start, axes=(2,)), mx.slice_update(vb, v, start, axes=(2,))
+        if kv_write == "slice":
+            return q, mx.slice_update(kb, k, start, axes=(2,)), mx.slice_update(vb, v, start, axes=(2,))
+        return q, write_kv(kb, k, pos), write_kv(vb, v, pos)
 
     def after(h, o):
         # [1, heads, 1, D] -> [1, 1, heads·D]: the same memory for one token

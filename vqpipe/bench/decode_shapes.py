@@ -82,7 +82,8 @@ EPI = "+e"  # arm suffix: residual adds in the mat-vec epilogues (split mode onl
 PREP = "+p"  # arm suffix: the fused prep kernels (vqpipe/prep.py; split mode only)
 PREP_EPI = "+pe"  # arm suffix: prep kernels and epilogue adds (split mode only)
 MLX_VIEWS = "+v"  # arm suffix: the split step with mlx-lm's reshape + transpose per head tensor (split mode only)
-STEP_SUFFIXES = (EPI, PREP, PREP_EPI, MLX_VIEWS)  # arms that exist in split mode only
+SLICE_WRITES = "+w"  # arm suffix: the KV cache written by mx.slice_update at an array start (the old write)
+STEP_SUFFIXES = (EPI, PREP, PREP_EPI, MLX_VIEWS, SLICE_WRITES)  # arms that exist in split mode only
 MODES = {COMPILED: "whole", SPLIT: "split"}
 
 
@@ -107,6 +108,13 @@ def step_flags(name):
 def step_views(name):
     """decode_step's ``views`` for an arm."""
     return "mlx" if model_arm(name).endswith(MLX_VIEWS) else "lean"
+
+
+def step_options(name):
+    """decode_step.Decoder's keyword options for an arm (epilogue, prep, views, kv_write)."""
+    epilogue, prep = step_flags(name)
+    return {"epilogue": epilogue, "prep": prep, "views": step_views(name),
+            "kv_write": "slice" if model_arm(name).endswith(SLICE_WRITES) else None}
 
 
 def split_base(arm):
@@ -223,8 +231,8 @@ def _eager_step(model, prompt):
     return lambda: model(tok, cache=cache)
 
 
-def _compiled_step(model, prompt, steps, mode, epilogue=False, prep=False, views="lean"):
-    dec = Decoder(model, prompt.size + steps + 2, mode, epilogue=epilogue, prep=prep, views=views)
+def _compiled_step(model, prompt, steps, mode, **options):
+    dec = Decoder(model, prompt.size + steps + 2, mode, **options)
     tok, pos, state = dec.start(prompt)
     st = {"state": state, "pos": pos}
     del state
@@ -237,8 +245,7 @@ def _compiled_step(model, prompt, steps, mode, epilogue=False, prep=False, views
     return step
 
 
-def step_profile(model, vocab, rot=False, context=64, steps=8, mode=None, tables=True, epilogue=False, prep=False,
-                 views="lean"):
+def step_profile(model, vocab, rot=False, context=64, steps=8, mode=None, tables=True, **options):
     """One decode step, unpipelined: host time to build its graph (Python; for a compiled step, the
     C++ replay of its trace), to encode it (``mx.async_eval`` returns once the kernels are queued)
     and the whole step to ``mx.synchronize``, median over ``steps``; plus the graph's primitives
@@ -246,7 +253,7 @@ def step_profile(model, vocab, rot=False, context=64, steps=8, mode=None, tables
     host (docs/decode.md)."""
     with qmv.rotating_in_kernel(rot), dequant.using_tables(tables):
         prompt = mx.random.randint(0, vocab - 16, (context,), key=mx.random.key(7))
-        step = _compiled_step(model, prompt, steps, mode, epilogue, prep, views) if mode else _eager_step(model, prompt)
+        step = _compiled_step(model, prompt, steps, mode, **options) if mode else _eager_step(model, prompt)
         build, encode, total = [], [], []
         for _ in range(steps):
             mx.synchronize()
@@ -282,6 +289,8 @@ def run(args, progress=print):
         models[f"vqpipe-b{b}{EPI}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
     for b in args.mlx_views_bits:  # the same model object: only the split step's head-tensor views differ
         models[f"vqpipe-b{b}{MLX_VIEWS}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
+    for b in args.slice_writes_bits:  # the same model object: only the split step's KV cache writes differ
+        models[f"vqpipe-b{b}{SLICE_WRITES}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
     for b in args.prep_bits:  # the same model object: only the split step's inputs of the mat-vecs differ
         for sfx in (PREP, PREP_EPI):
             models[f"vqpipe-b{b}{sfx}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
@@ -299,10 +308,8 @@ def run(args, progress=print):
     for name in list(arm_names):
         m = models[model_arm(name)]
         try:
-            epi, pre = step_flags(name)
             profiles[name] = p = step_profile(m, config["vocab_size"], model_arm(name).endswith(ROT), mode=decode_mode(name),
-                                              tables=not model_arm(name).endswith(UNPACK), epilogue=epi, prep=pre,
-                                              views=step_views(name))
+                                              tables=not model_arm(name).endswith(UNPACK), **step_options(name))
         except Exception as e:  # a compiled arm that cannot trace is reported, not fatal to the eager arms
             if not is_compiled(name):
                 raise
@@ -316,8 +323,7 @@ def run(args, progress=print):
             from .step_attribution import line, timing
 
             p.update(timing(m, config["vocab_size"], decode_mode(name), model_arm(name).endswith(ROT),
-                            context=args.prompt_lengths[0], epilogue=step_flags(name)[0], prep=step_flags(name)[1],
-                            views=step_views(name)))
+                            context=args.prompt_lengths[0], **step_options(name)))
             progress("  attribution " + line(name, {**p, "profile": p}))
     baseline = args.aa_arm
     aa = baseline + harness.AA_SUFFIX
@@ -334,8 +340,8 @@ def run(args, progress=print):
         prompts = [mx.random.randint(0, config["vocab_size"] - 16, (P,), key=mx.random.key(1000 * P + k))
                    for k in range(args.prompts)]
         log = {name: [] for name in [*arm_names, aa]}
-        decoders = {n: Decoder(models[model_arm(n)], P + max(args.gen_tokens, 8), decode_mode(n), epilogue=step_flags(n)[0],
-                               prep=step_flags(n)[1], views=step_views(n)) for n in arm_names if is_compiled(n)}
+        decoders = {n: Decoder(models[model_arm(n)], P + max(args.gen_tokens, 8), decode_mode(n), **step_options(n))
+                    for n in arm_names if is_compiled(n)}
 
         def call(name, k, n_tokens):
             model = models[model_arm(name)]
@@ -400,6 +406,7 @@ def run(args, progress=print):
                     same = [a["ids"] == b["ids"] for a, b in zip(log[arm_of], log[name])]
                     what = ("residual adds in the epilogue vs after it" if model_arm(name).endswith(EPI) else
                             "mlx-lm's reshape + transpose views vs one reshape" if model_arm(name).endswith(MLX_VIEWS) else
+                            "KV writes by slice_update vs put_along_axis" if model_arm(name).endswith(SLICE_WRITES) else
                             "prep kernels (float32 throughout) vs MLX ops" + (" and epilogue adds" if step_flags(name)[0] else ""))
                     texts.append({"context": P, "a": arm_of, "b": name, "identical_ids": sum(same), "pairs": len(same),
                                   "what": what + ", same weights"})
@@ -427,6 +434,9 @@ def parse_args(argv):
                    help=f"add a vqpipe-bN{NOFOLD} arm per N: rotation signs not folded (decode A/B)")
     p.add_argument("--mlx-views-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
                    help=f"add a vqpipe-bN{MLX_VIEWS}{SPLIT} arm per N: split mode with mlx-lm's reshape + transpose views")
+    p.add_argument("--slice-writes-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
+                   help=f"add a vqpipe-bN{SLICE_WRITES}{SPLIT} arm per N: split mode with the KV cache written by "
+                        "mx.slice_update (the write before put_along_axis)")
     p.add_argument("--epilogue-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
                    help=f"add a vqpipe-bN{EPI}{SPLIT} arm per N: split mode, residual adds in the mat-vec epilogues")
     p.add_argument("--prep-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),

@@ -100,12 +100,11 @@ def pipelined(step, n):
     return {"host_s": harness.summarize(host), "wall_per_token_s": wall, "steps": n}
 
 
-def timing(model, vocab, mode, rot, context=512, pipelined_steps=48, gpu_steps=8, spin_ms=250.0, repeats=5, epilogue=False,
-           prep=False, views="lean"):
+def timing(model, vocab, mode, rot, context=512, pipelined_steps=48, gpu_steps=8, spin_ms=250.0, repeats=5, **options):
     """``pipelined`` and ``gpu`` (module docstring) of one arm's compiled step at ``context``."""
     with qmv.rotating_in_kernel(rot):
         prompt = mx.random.randint(0, vocab - 16, (context,), key=mx.random.key(7))
-        step = ds._compiled_step(model, prompt, pipelined_steps + (repeats + 3) * gpu_steps + 8, mode, epilogue, prep, views)
+        step = ds._compiled_step(model, prompt, pipelined_steps + (repeats + 3) * gpu_steps + 8, mode, **options)
         return {"pipelined": pipelined(step, pipelined_steps), "gpu": gpu_time(step, gpu_steps, spin_ms, repeats)}
 
 
