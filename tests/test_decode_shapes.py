@@ -72,12 +72,12 @@ def test_prep_arms_split_only_and_aa_arm_on_cpu(tmp_path):
     out = tmp_path / "p.json"
     with mx.stream(mx.cpu):
         assert decode_shapes.main(["--preset", "tiny-llama", "--out", str(out), "--bits", "2", "--split-only", "--epilogue-bits", "2",
-                                   "--prep-bits", "2", "--mlx-views-bits", "2", "--slice-writes-bits", "2", "--aa-arm", "vqpipe-b2+s", "--prompt-lengths", "16", "--gen-tokens", "3",
+                                   "--prep-bits", "2", "--mlx-views-bits", "2", "--slice-writes-bits", "2", "--pooled-bits", "2", "--aa-arm", "vqpipe-b2+s", "--prompt-lengths", "16", "--gen-tokens", "3",
                                    "--repeats", "2", "--copy-mib", "16"]) == 0
     doc = json.loads(out.read_text())
     arms = {r["arm"] for r in doc["records"]}
     assert arms == {"bf16+s", "affine4+s", "vqpipe-b2+s", "vqpipe-b2+e+s", "vqpipe-b2+p+s", "vqpipe-b2+pe+s", "vqpipe-b2+v+s",
-                    "vqpipe-b2+w+s"}
+                    "vqpipe-b2+w+s", "vqpipe-b2+g+s"}
     assert doc["settings"]["aa_arm"] == "vqpipe-b2+s"
     aa = [t for t in doc["texts"] if t.get("what", "").startswith("A/A")]
     assert [(t["a"], t["b"]) for t in aa] == [("vqpipe-b2+s", "vqpipe-b2+s" + decode_shapes.harness.AA_SUFFIX)]
@@ -102,6 +102,8 @@ def test_prep_arms_split_only_and_aa_arm_on_cpu(tmp_path):
     assert prof["vqpipe-b2+w+s"]["by_primitive"].get("DynamicSliceUpdate") == 4
     assert "DynamicSliceUpdate" not in prof["vqpipe-b2+s"]["by_primitive"] and prof["vqpipe-b2+s"]["by_primitive"]["ScatterAxis"] == 4
     assert ("vqpipe-b2+s", "vqpipe-b2+w+s") in pairs
+    pooled = [t for t in doc["texts"] if t.get("what", "").startswith("small arrays")]
+    assert [(t["a"], t["b"]) for t in pooled] == [("vqpipe-b2+s", "vqpipe-b2+g+s")] and pooled[0]["identical_ids"] == 2
     with pytest.raises(ValueError, match="aa-arm"):
         decode_shapes.run(decode_shapes.parse_args(["--preset", "tiny-llama", "--out", str(out), "--split-only",
                                                     "--aa-arm", "bf16", "--copy-mib", "16"]), progress=lambda *_: None)

@@ -243,3 +243,25 @@ def test_write_kv_writes_one_position_only():
         assert mx.array_equal(out[:, :, 6:7], new).item()
         keep = mx.concatenate([out[:, :, :6], out[:, :, 7:]], axis=2)
         assert mx.array_equal(keep, mx.concatenate([buf[:, :, :6], buf[:, :, 7:]], axis=2)).item()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_padded_position_gives_the_same_tokens(tiny_llama_source, mode):
+    """The position kept as a padded vector (out of MLX's small pool) or as a 0-d array: the same
+    logits bit for bit, and the padded one really is longer than the pool's 8 bytes."""
+    from vqpipe import small_arrays
+
+    model, _ = load(str(tiny_llama_source))
+    model = cast_floating(model, mx.float32)
+    prompt = _prompts(8192)[2]
+    runs = {}
+    for pad in (True, False):
+        dec = Decoder(model, 32, mode, pad_small=pad)
+        token, pos, state = dec.start(prompt, 8)
+        assert (pos.nbytes > small_arrays.POOL_BYTES) == pad
+        runs[pad] = []
+        for _ in range(4):
+            token, pos, state, logits = dec.step(token, pos, state)
+            runs[pad].append(logits)
+        assert (pos.tolist() if pad else [pos.item()])[0] == prompt.size - 1 + 4
+    assert all(mx.array_equal(a, b).item() for a, b in zip(runs[True], runs[False]))

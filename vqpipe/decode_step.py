@@ -31,6 +31,8 @@ import time
 
 import mlx.core as mx
 
+from . import small_arrays
+
 POSITION_DTYPE = mx.int32
 
 
@@ -110,6 +112,11 @@ def write_kv(buf, new, pos, how="scatter"):
     return mx.put_along_axis(buf, mx.broadcast_to(pos.reshape(1, 1, 1, 1), new.shape), new, axis=2)
 
 
+def _scalar(pos):
+    """The position as a 0-d array: entry 0 of the padded position vector (a view), or itself."""
+    return pos[0] if pos.ndim else pos
+
+
 def _greedy(logits, like):
     return mx.argmax(logits, axis=-1).astype(like.dtype).reshape(1, 1)
 
@@ -144,7 +151,8 @@ class Decoder:
     run; elsewhere the block's own modules.
     """
 
-    def __init__(self, model, capacity, mode="whole", epilogue=None, prep=None, views="lean", kv_write=None):
+    def __init__(self, model, capacity, mode="whole", epilogue=None, prep=None, views="lean", kv_write=None,
+                 pad_small=None):
         check_model(model)
         if capacity < 2:
             raise ValueError(f"static KV cache capacity must be >= 2, got {capacity}")
@@ -171,6 +179,7 @@ class Decoder:
         if kv_write not in KV_WRITES:
             raise ValueError(f"decode kv_write must be one of {KV_WRITES}, got {kv_write!r}")
         self.kv_write = kv_write
+        self.pad_small = small_arrays.enabled() if pad_small is None else bool(pad_small)
         self._layout = None
         self.traces = 0  # Python runs of the step (whole) or of the blocks' first parts (split): traces when compiled
         if mode == "split":
@@ -189,7 +198,8 @@ class Decoder:
             raise ValueError("compiled decode: call start() before step()")
         if self.position >= self.capacity:
             raise ValueError(f"static KV cache full: position {self.position}, capacity {self.capacity}")
-        out = self._run(token, pos, state)
+        with small_arrays.padded(self.pad_small):  # what the kernels traced now read (qmv's split points)
+            out = self._run(token, pos, state)
         self.position += 1
         return out
 
@@ -203,17 +213,18 @@ class Decoder:
 
     def _step(self, token, pos, state):
         self.traces += 1
-        caches = [StaticCache(k, v, pos, self.kv_write) for k, v in state]
+        caches = [StaticCache(k, v, _scalar(pos), self.kv_write) for k, v in state]
         logits = self.model(token, cache=caches)[:, -1, :]
         return _greedy(logits, token), pos + 1, [(c.keys, c.values) for c in caches], logits
 
     def _split_step(self, token, pos, state):
         n = self.position + 1  # valid positions once this token is written
         h = self._embed(token)
-        start = pos.reshape(1)  # the cache writes' start index, once per step (not once per layer)
+        p = _scalar(pos)
+        start = pos[:1] if pos.ndim else pos.reshape(1)  # the cache writes' start index, once per step (not once per layer)
         new = []
         for (pre, post, scale), (kb, vb) in zip(self._parts, state):
-            q, kb, vb = pre(h, pos, start, kb, vb)
+            q, kb, vb = pre(h, p, start, kb, vb)
             o = mx.fast.scaled_dot_product_attention(q, kb[..., :n, :], vb[..., :n, :], scale=scale)
             h = post(h, o)
             new.append((kb, vb))
@@ -256,7 +267,11 @@ class Decoder:
         caches = self.new_cache()
         token, done = self.prefill(prompt, caches, prefill_step)
         self.position = done
-        return token, mx.array(done, POSITION_DTYPE), [(c.keys, c.values) for c in caches]
+        # the position as a few equal entries, so that its buffer is not in MLX's small pool (small_arrays.py);
+        # the step reads entry 0 (a view) and adds 1 to all
+        pos = (small_arrays.array([done] * small_arrays.length(1, POSITION_DTYPE, True), POSITION_DTYPE)
+               if self.pad_small else mx.array(done, POSITION_DTYPE))
+        return token, pos, [(c.keys, c.values) for c in caches]
 
     def tokens(self, prompt, max_tokens, prefill_step=2048):
         """Greedy ids one by one (for streaming), step i + 1 queued before token i is read."""

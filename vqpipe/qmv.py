@@ -1150,7 +1150,7 @@ _prepared = {}  # argument signature -> (spec, cast scales, cast codebook, rotat
 
 def _prepare(key, dialect, bits, rotation):
     (x_shape, x_dtype, p_shape, p_dtype, s_shape, s_dtype, c_shape, c_dtype, b_sig, _, _, group_size, _, splits,
-     max_blocks, max_blocks_rot, stages, _, residual) = key
+     max_blocks, max_blocks_rot, stages, _, residual, _) = key
     cast_scales = s_dtype not in SCALE_DTYPES  # e.g. bfloat16 scales: one cast to float32 per call
     m = math.prod(x_shape[:-1])
     ops = rotation_operands(rotation) if rotation is not None and _rotate_in_kernel and prologue_allowed(bits, m) else None
@@ -1163,7 +1163,8 @@ def _prepare(key, dialect, bits, rotation):
                        mx.float32 if cast_scales else s_dtype, xcap, splits, max_blocks_rot if xcap else max_blocks,
                        stages, dialect, LUT)
     _instances.add((dialect, len(spec["output_shapes"]), residual, *(str(v) for _, v in spec["template"])))
-    seg = mx.array(list(splits) if splits else [0], mx.int32)
+    # the split points, read by every thread's store: never from MLX's small-array pool (vqpipe/small_arrays.py)
+    seg = small_arrays.array(splits or [0], mx.int32, key[-1])
     _prepared[key] = entry = (spec, cast_scales, c_dtype != mx.float32, xcap > 0, seg)
     return entry
 
@@ -1195,7 +1196,8 @@ def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=Non
     rkey = None if rotation is None else (rotation.kind, rotation.dim, rotation.seed, _rotate_in_kernel)
     key = (x.shape, x.dtype, packed.shape, packed.dtype, scales.shape, scales.dtype, codebook.shape,
            codebook.dtype, None if bias is None else (bias.shape, bias.dtype), bits, dialect, group_size, rkey,
-           None if splits is None else tuple(splits), MAX_BLOCKS, MAX_BLOCKS_ROT, STAGES, LUT, residual is not None)
+           None if splits is None else tuple(splits), MAX_BLOCKS, MAX_BLOCKS_ROT, STAGES, LUT, residual is not None,
+           small_arrays.enabled())
     entry = _prepared.get(key) or _prepare(key, dialect, int(bits), rotation)
     spec, cast_scales, cast_codebook, in_kernel, seg = entry
     if in_kernel:
@@ -1226,4 +1228,5 @@ def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=Non
     return outs if splits is not None else outs[0]
 
 
+from . import small_arrays  # noqa: E402
 from . import qmv_tc  # noqa: E402  (revision 8 uses this module's epilogue; imported last: no cycle at import)

@@ -83,7 +83,8 @@ PREP = "+p"  # arm suffix: the fused prep kernels (vqpipe/prep.py; split mode on
 PREP_EPI = "+pe"  # arm suffix: prep kernels and epilogue adds (split mode only)
 MLX_VIEWS = "+v"  # arm suffix: the split step with mlx-lm's reshape + transpose per head tensor (split mode only)
 SLICE_WRITES = "+w"  # arm suffix: the KV cache written by mx.slice_update at an array start (the old write)
-STEP_SUFFIXES = (EPI, PREP, PREP_EPI, MLX_VIEWS, SLICE_WRITES)  # arms that exist in split mode only
+POOLED = "+g"  # arm suffix: small arrays the kernels read left in MLX's small pool (vqpipe/small_arrays.py)
+STEP_SUFFIXES = (EPI, PREP, PREP_EPI, MLX_VIEWS, SLICE_WRITES, POOLED)  # arms that exist in split mode only
 MODES = {COMPILED: "whole", SPLIT: "split"}
 
 
@@ -114,7 +115,8 @@ def step_options(name):
     """decode_step.Decoder's keyword options for an arm (epilogue, prep, views, kv_write)."""
     epilogue, prep = step_flags(name)
     return {"epilogue": epilogue, "prep": prep, "views": step_views(name),
-            "kv_write": "slice" if model_arm(name).endswith(SLICE_WRITES) else None}
+            "kv_write": "slice" if model_arm(name).endswith(SLICE_WRITES) else None,
+            "pad_small": False if model_arm(name).endswith(POOLED) else None}
 
 
 def split_base(arm):
@@ -289,6 +291,8 @@ def run(args, progress=print):
         models[f"vqpipe-b{b}{EPI}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
     for b in args.mlx_views_bits:  # the same model object: only the split step's head-tensor views differ
         models[f"vqpipe-b{b}{MLX_VIEWS}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
+    for b in args.pooled_bits:  # the same model object: only where the split points and position live differs
+        models[f"vqpipe-b{b}{POOLED}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
     for b in args.slice_writes_bits:  # the same model object: only the split step's KV cache writes differ
         models[f"vqpipe-b{b}{SLICE_WRITES}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
     for b in args.prep_bits:  # the same model object: only the split step's inputs of the mat-vecs differ
@@ -407,6 +411,7 @@ def run(args, progress=print):
                     what = ("residual adds in the epilogue vs after it" if model_arm(name).endswith(EPI) else
                             "mlx-lm's reshape + transpose views vs one reshape" if model_arm(name).endswith(MLX_VIEWS) else
                             "KV writes by slice_update vs put_along_axis" if model_arm(name).endswith(SLICE_WRITES) else
+                            "small arrays pooled vs padded" if model_arm(name).endswith(POOLED) else
                             "prep kernels (float32 throughout) vs MLX ops" + (" and epilogue adds" if step_flags(name)[0] else ""))
                     texts.append({"context": P, "a": arm_of, "b": name, "identical_ids": sum(same), "pairs": len(same),
                                   "what": what + ", same weights"})
@@ -434,6 +439,9 @@ def parse_args(argv):
                    help=f"add a vqpipe-bN{NOFOLD} arm per N: rotation signs not folded (decode A/B)")
     p.add_argument("--mlx-views-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
                    help=f"add a vqpipe-bN{MLX_VIEWS}{SPLIT} arm per N: split mode with mlx-lm's reshape + transpose views")
+    p.add_argument("--pooled-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
+                   help=f"add a vqpipe-bN{POOLED}{SPLIT} arm per N: split mode with the small arrays the kernels read "
+                        "(split points, position) in MLX's small pool, as before vqpipe/small_arrays.py")
     p.add_argument("--slice-writes-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
                    help=f"add a vqpipe-bN{SLICE_WRITES}{SPLIT} arm per N: split mode with the KV cache written by "
                         "mx.slice_update (the write before put_along_axis)")

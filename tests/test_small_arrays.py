@@ -1,0 +1,51 @@
+"""vqpipe/small_arrays.py: small arrays kernels read are padded past MLX's small pool."""
+
+import mlx.core as mx
+
+from vqpipe import bitpack, qmv, qmv_tc, small_arrays
+
+
+def test_padding_lengths_and_values():
+    a = small_arrays.array([3, 7], mx.int32)
+    assert a.nbytes >= small_arrays.PADDED_BYTES > small_arrays.POOL_BYTES
+    assert a.tolist()[:2] == [3, 7] and not any(a.tolist()[2:])
+    assert small_arrays.array([1.5], mx.float32, pad=False).tolist() == [1.5]
+    with small_arrays.padded(False):
+        assert not small_arrays.enabled()
+        assert small_arrays.array([1, 2], mx.int32).nbytes == 8
+        assert small_arrays.length(2, mx.int32) == 2
+    assert small_arrays.enabled() and small_arrays.length(2, mx.int32) == 4
+    assert small_arrays.length(9, mx.int32) == 9  # long enough already: unchanged
+
+
+def test_split_points_are_padded_and_cached_per_setting():
+    assert qmv_tc._seg([896, 1024]).nbytes == 16 and qmv_tc._seg([896, 1024]) is qmv_tc._seg((896, 1024))
+    with small_arrays.padded(False):
+        assert qmv_tc._seg([896, 1024]).nbytes == 8
+    assert qmv_tc._seg(None).tolist()[0] == 0 and qmv_tc._seg(None).nbytes == 16
+
+
+def test_qmv_launch_feeds_padded_split_points(monkeypatch):
+    """Revision 6's launch hands the kernel split points out of the pool when padding is on, pooled ones
+    when off, and keeps the two apart (prepared per setting): captured at the kernel call, nothing run."""
+    seen = []
+
+    def fake_kernel(dialect, outputs=1, residual=False):
+        def call(inputs, output_shapes, output_dtypes, **_):
+            seen.append(inputs[7])  # seg (qmv.INPUT_NAMES)
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+        return call
+
+    monkeypatch.setattr(qmv, "_kernel", fake_kernel)
+    n_in, n_out, bits = 256, 48, 4
+    x = mx.zeros((1, n_in), mx.bfloat16)
+    packed = mx.zeros((n_out, bitpack.words_per_row(n_in, bits)), mx.uint32)
+    args = ("cuda", x, packed, mx.ones((n_out,), mx.float32), mx.zeros((16,), mx.float32), bits)
+    outs = qmv.launch(*args, splits=[16, 32])
+    with small_arrays.padded(False):
+        qmv.launch(*args, splits=[16, 32])
+    qmv.launch(*args, splits=[16, 32])
+    assert [o.shape for o in outs] == [(1, 16), (1, 16), (1, 16)]
+    assert [s.nbytes for s in seen] == [16, 8, 16]
+    assert seen[0] is seen[2] and seen[0] is not seen[1]  # made once per (signature, setting)
+    assert [s.tolist()[:2] for s in seen] == [[16, 32]] * 3
