@@ -50,12 +50,12 @@ if [ "${PART}" = b ]; then
   grep -E "custom_kernel_vqpipe|Duration|DRAM Throughput|L2 Hit Rate|L1/TEX Hit|Registers Per|Achieved Occupancy|Memory Throughput|Mem Busy|Max Bandwidth|Waves Per SM" "$OUT/ncu_qmv_qwen.log" | sed 's/(const.*)//' | head -n 120
 fi
 # PART=c: decode side by side, split step, P = 512: the new KV write (vqpipe-b4+s) against the old
-# (vqpipe-b4+w+s), padded small arrays (vqpipe-b4+s) against pooled ones (vqpipe-b4+g+s), with bf16+s
-# and affine4+s, qwen then 8B
+# (vqpipe-b4+w+s), padded small arrays (vqpipe-b4+s) against pooled ones (vqpipe-b4+g+s), the
+# residual-rotated layout (vqpipe-b4-res+s, session 14), with bf16+s and affine4+s, qwen then 8B
 if [ "${PART}" = c ]; then
   for p in qwen2.5-0.5b llama3-8b; do
     timeout ${LE:-200} python3 -m vqpipe.bench.decode_shapes --preset $p --out $OUT/write-$p.json \
-      --prompt-lengths ${PL:-512} --gen-tokens 32 --repeats ${REPEATS:-6} --bits 4 --slice-writes-bits 4 --pooled-bits 4 --split-only \
+      --prompt-lengths ${PL:-512} --gen-tokens 32 --repeats ${REPEATS:-6} --bits 4 --slice-writes-bits 4 --pooled-bits 4 --residual-bits 4 --split-only \
       --aa-arm vqpipe-b4+s --copy-mib 256 2>&1 | tee $OUT/write-$p.log | grep -E "^step|decode|floor|vs" | tail -30
   done
 fi

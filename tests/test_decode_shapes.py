@@ -20,15 +20,38 @@ def test_random_vqpipe_model_is_complete():
     assert out.shape == (1, 3, 8192) and mx.isfinite(out).all().item()
 
 
+def test_residual_arm_is_the_rotated_layout():
+    """The same codes as vqpipe-bN, laid out as a residual-rotated model: the stream's readers and the
+    embedding unrotated, a tied head reading its map; fewer primitives per eager decode step."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from vqpipe import residual_rotation as rr
+
+    for preset in ("tiny-llama", "tiny"):
+        plain, res = decode_shapes.random_vqpipe(preset, 3), decode_shapes.random_vqpipe(preset, 3, residual=True)
+        layers = {n: m for n, m in res.named_modules() if isinstance(m, QuantizedLinear)}
+        assert all((m.rotation.kind == "none") == rr.unrotated(n) for n, m in layers.items())
+        emb = res.model.embed_tokens
+        assert (emb.head is not None) == rr.tied(res) == (rr.of(res) is not None)
+        assert mx.array_equal(emb.packed, plain.model.embed_tokens.packed).item()
+        ops = []
+        for model in (plain, res):
+            cache = make_prompt_cache(model)
+            mx.eval(model(mx.array([[1, 2, 3]]), cache=cache))
+            ops.append(decode_shapes.graph_ops(model(mx.array([[4]]), cache=cache))["ops"])
+        assert ops[0] - ops[1] >= 2 * len(res.model.layers) - 1, (preset, ops)
+
+
 def test_runs_on_cpu(tmp_path):
     out = tmp_path / "s.json"
     with mx.stream(mx.cpu):
         assert decode_shapes.main(["--preset", "tiny-llama", "--out", str(out), "--bits", "4", "2",
-                                   "--prologue-bits", "4", "--prompt-lengths", "16", "--gen-tokens", "3",
-                                   "--repeats", "2", "--copy-mib", "16"]) == 0
+                                   "--prologue-bits", "4", "--residual-bits", "2", "--prompt-lengths", "16",
+                                   "--gen-tokens", "3", "--repeats", "2", "--copy-mib", "16"]) == 0
     doc = json.loads(out.read_text())
     arms = {r["arm"] for r in doc["records"]}
-    assert arms == {"bf16", "affine4", "vqpipe-b4", "vqpipe-b2", "vqpipe-b4+rot"}
+    assert arms == {"bf16", "affine4", "vqpipe-b4", "vqpipe-b2", "vqpipe-b4+rot", "vqpipe-b2-res"}
+    assert any(c["other_arm"] == "vqpipe-b2-res" and c["baseline_arm"] == "vqpipe-b2" for c in doc["comparisons"])
     prof = doc["step_profile"]
     assert set(prof) == arms and all(p["ops"] > 0 and p["step_s"]["median"] > 0 for p in prof.values())
     # the quantized arms run other primitives than the bf16 matmuls

@@ -473,6 +473,29 @@ def test_full_precision_calibration_runs_once_per_model(bare):
     assert prio[("report", None, None, None)] == 0
 
 
+def test_residual_rotation_reaches_calibrate_and_quantize(bare):
+    """residual_rotation: the calibrate job collects the rotated model's moments and, for bench-quality's
+    unrotated arm, the plain model's; the auto quantize jobs fold the rotation in, the none job does not."""
+    (bare / "config" / "res.yaml").write_text(
+        "models:\n  tiny: {source: 'synth:tiny', quantize: {residual_rotation: true,"
+        " calibration: {text: text, windows: 2, sequential: false}}}\n"
+        "  tiny-llama: {source: 'synth:tiny-llama'}\n"
+        "bits: [4]\npersist_rotation: [true]\nbenchmarks: {quality: {models: [tiny], affine_groups: [64]}}\n")
+    out = smk(bare, "-n", "-p", "--configfile", "config/res.yaml").stdout
+    lines = out.splitlines()
+    cal = [line for line in lines if " -m vqpipe calibrate " in line]
+    assert len(cal) == 1 and "--calib-seed 0 --residual-rotation auto --seed 0 --plain >" in cal[0]
+    quant = {m.group(1): line for line in lines if (m := re.search(r" -m vqpipe quantize .*/(tiny(?:-llama)?/b4-\w+) ", line))}
+    assert set(quant) == {"tiny/b4-auto", "tiny/b4-none", "tiny-llama/b4-auto"}
+    assert "--residual-rotation" in quant["tiny/b4-auto"] and "--moments results/calibration/tiny" in quant["tiny/b4-auto"]
+    assert "--residual-rotation" not in quant["tiny/b4-none"] and "--moments" in quant["tiny/b4-none"]
+    assert "--residual-rotation" not in quant["tiny-llama/b4-auto"]
+    (bare / "config" / "res2.yaml").write_text(
+        "models: {tiny: {source: 'synth:tiny', quantize: {residual_rotation: true}}}\nbits: [4]\nrotations: [auto, qr]\n")
+    proc = smk(bare, "-n", "--configfile", "config/res2.yaml", check=False)
+    assert proc.returncode != 0 and "residual_rotation, which needs rotations" in proc.stdout
+
+
 def test_slurm_profile_dry_run(bare):
     proc = smk(bare, "-n", "--profile", "workflow/profiles/slurm", *CI,
                env={**os.environ, "SLURM_ACCOUNT": "acct", "SLURM_PARTITION": "cpu"})

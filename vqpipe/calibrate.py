@@ -188,7 +188,7 @@ def quantize_calibrated(model, tokens, quantize_one, targets, progress=None, seq
         if progress:
             progress(f"[block {i + 1}/{len(inner.layers)}] {len(names)} layers {time.perf_counter() - t0:.2f}s")
     rest = [n for n in kinds if n not in records and n not in {name for name, _, _ in pending}]
-    normed = [inner.norm(x) for x in h] if rest else []
+    normed = head_inputs(model, [inner.norm(x) for x in h]) if rest else []
     for name in rest:
         # An lm_head, untied or tied (the embedding table itself), reads the final norm's output;
         # anything else goes data-free. The tied table is quantized last: until then every block's
@@ -208,6 +208,13 @@ def tied_head(model):
     if any(n.split(".")[-1] == "lm_head" for n, _ in model.named_modules()):
         return False
     return getattr(getattr(model, "args", None), "tie_word_embeddings", True) is not False
+
+
+def head_inputs(model, ys):
+    """What the head reads of the final norm's outputs ``ys``: themselves, or a residual-rotated
+    tied head's map of them (vqpipe/residual_rotation.py ``Head``; only a tied table carries one)."""
+    head = getattr(decoder(model).embed_tokens, "head", None)
+    return ys if head is None else [head(y) for y in ys]
 
 
 def moments(xs):

@@ -356,6 +356,9 @@ class QuantizedEmbedding(QuantizedLinear):
     """
 
     out_dtype = mx.float32  # artifacts from before the dtype was recorded: the codebook's dtype
+    # A tied head of a residual-rotated model reads head(x) (vqpipe/residual_rotation.py ``Head``): a
+    # plain attribute, stored in the layer's state as ``head.*``
+    head = None
 
     @classmethod
     def from_embedding(cls, embedding, bits, rotation="auto", seed=0, weight=None):
@@ -378,14 +381,23 @@ class QuantizedEmbedding(QuantizedLinear):
     def to_state(self):
         meta, arrays = super().to_state()
         meta["dtype"] = str(self.out_dtype).rsplit(".", 1)[-1]
+        if self.head is not None:
+            hmeta, harrays = self.head.to_state()
+            meta["head"] = hmeta
+            arrays.update({f"head.{k}": v for k, v in harrays.items()})
         return meta, arrays
 
     @classmethod
     def from_state(cls, meta, arrays):
-        layer = super().from_state(meta, arrays)
+        layer = super().from_state(meta, {k: v for k, v in arrays.items() if not k.startswith("head.")})
         if "dtype" in meta:
             layer.out_dtype = getattr(mx, meta["dtype"])
+        if "head" in meta:
+            from .residual_rotation import Head
+
+            layer.head = Head.from_state(meta["head"], {k[len("head."):]: v for k, v in arrays.items()
+                                                        if k.startswith("head.")})
         return layer
 
     def as_linear(self, x):
-        return QuantizedLinear.__call__(self, x)
+        return QuantizedLinear.__call__(self, x if self.head is None else self.head(x))

@@ -22,6 +22,7 @@ from .parallel import Pool, check_threads
 from .plain_model import plain_model
 from .prefault import large_blocks_on_heap
 from .qlinear import QuantizedEmbedding, QuantizedLinear
+from .residual_rotation import rotate_residual, tied, unrotated
 from .rotation import KINDS, resolve_kind
 
 
@@ -79,7 +80,7 @@ def _targets(model, embeddings, lm_head):
 
 def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_head=True,
                    dtype=mx.float32, progress=None, group_size=None, calibration=None, damp=None,
-                   fuse=True, sequential=True, moments=None, layer_bits=None, threads=1):
+                   fuse=True, sequential=True, moments=None, layer_bits=None, threads=1, residual=False):
     """Quantize ``model`` in place, one layer at a time; returns per-layer records.
 
     Every nn.Linear (and affine nn.QuantizedLinear, dequantized first) becomes a QuantizedLinear.
@@ -95,10 +96,17 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     the same activation (q/k/v, gate/up) share one rotation (the seed of the first:
     vqpipe/fused.py), and with ``fuse`` they are computed as one (rows concatenated), as the
     loaders do, so the reference logits come from the same code path.
+
+    ``residual``: first fold one rotation of the residual stream into the model
+    (vqpipe/residual_rotation.py; its seed from ``seed``, kind from ``rotation``); the layers that
+    read the stream and the embedding are then quantized without a rotation of their own. Needs
+    ``rotation`` auto, hadamard or kron, and, for a tied head, ``embeddings``.
     """
     check_bits(bits)
     if rotation not in KINDS:
         raise ValueError(f"unknown rotation {rotation!r}; choose one of {', '.join(KINDS)}")
+    if residual:
+        rotate_for_quantize(model, rotation, seed, embeddings)
     targets = _targets(model, embeddings, lm_head)
     if not any(kind == "linear" for _, _, kind in targets):
         raise ValueError(f"model {type(model).__name__} has no nn.Linear layers to quantize")
@@ -108,6 +116,9 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     modules = dict(model.named_modules())
     done = [0]
     pool = Pool(check_threads(threads))
+
+    def kind_of(name):  # the rotation kind layer ``name`` is quantized with
+        return "none" if residual and unrotated(name) else rotation
 
     def quantize_one(name, kind, hessian, defer=False):
         """The layer's record; with ``defer``, a function that completes the layer and returns its
@@ -126,7 +137,7 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
         else:
             in_dim = weight.shape[1]
             # one seed for the linears reading one activation: they can share its rotation
-            r, r_seed = resolve_kind(rotation, in_dim), layer_seed(seed, rotation_owner(name))
+            r, r_seed = resolve_kind(kind_of(name), in_dim), layer_seed(seed, rotation_owner(name))
             given = getattr(hessian, "rotation", None)  # moments rotated already (calibrate.collect)
             if given is not None and (given.kind, given.dim, given.seed) == (r, in_dim, r_seed):
                 r = given  # the same rotation, not built twice (a mismatch is gptq.rotate_hessian's error)
@@ -142,6 +153,7 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
             if kind != "dense-embedding":
                 if kind == "embedding":
                     new.out_dtype = keep
+                    new.head = getattr(module, "head", None)  # a residual-rotated tied head's input map
                 if "bias" in module:
                     new.bias = module.bias.astype(dtype or module.bias.dtype)
                 mx.eval(new.parameters())
@@ -165,7 +177,7 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     heap = large_blocks_on_heap() if calibration is not None or moments is not None else contextlib.nullcontext()
     with pool, heap:
         records = _quantize_all(model, targets, quantize_one, moments, calibration, progress, sequential,
-                                lambda name, dim: layer_rotation(rotation, seed, name, dim))
+                                lambda name, dim: layer_rotation(kind_of(name), seed, name, dim))
     records = [r for r in records if r is not None]
     # Remaining tensors (norms, biases of other layers) in the compute dtype.
     quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
@@ -178,6 +190,21 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     if fuse:
         fuse_model(model)
     return records
+
+
+def residual_seed(seed):
+    """The residual rotation's seed for quantize seed ``seed`` (the calibrate stage derives it too)."""
+    return layer_seed(seed, "residual stream")
+
+
+def rotate_for_quantize(model, rotation, seed, embeddings=True):
+    """Fold the residual rotation quantize_model(..., residual=True) uses into ``model``; returns it."""
+    if rotation not in ("auto", "hadamard", "kron"):
+        raise ValueError(f"a residual rotation is folded with rotation auto, hadamard or kron, not {rotation!r}")
+    if tied(model) and not embeddings:
+        raise ValueError("a residual rotation of a model with a tied head needs its embedding quantized "
+                         "(the table's rows are rotated and the head reads them through the stored Head)")
+    return rotate_residual(model, residual_seed(seed), rotation)
 
 
 LOOKAHEAD = 3  # layers prepared (rotated, factorised) while earlier ones' numpy work runs

@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from . import __version__, zerocopy
+from . import __version__, residual_rotation, zerocopy
 from .codebook import BITS, LAYER_BITS
 from .fsutil import atomic_path
 from .bitpack import words_per_row
@@ -35,12 +35,14 @@ from .rotation import hadamard_supported
 
 FILE_NAME = "model.vqres"
 MAGIC = b"\x89VQRES\r\n"
-VERSION = 3
+VERSION = 4
 # Version 2 adds per-group scales (a layer's "group_size"); a file is written as version 1 when no
 # layer has them, so per-row reservoirs are byte-identical to what earlier vqpipe wrote.
 # Version 3 adds layer widths beyond the model widths 2/3/4 (codebook.LAYER_BITS: a mixed
 # allocation, vqpipe/allocate.py); written only when a layer has one, so nothing else changes.
-READS = (1, 2, 3)
+# Version 4 adds a QuantizedEmbedding's "head" (a residual-rotated tied head's input map,
+# vqpipe/residual_rotation.py: its gain and rotation); written only when a layer has one.
+READS = (1, 2, 3, 4)
 # magic, version, flags, header length, header xxh3, data offset, file size, prefix xxh3 (of bytes 0-47).
 _PREFIX = struct.Struct("<8sIIQQQQQ")
 PREFIX_SIZE = 64
@@ -100,7 +102,9 @@ def _raw(a):
 
 
 def _blob_kind(key):
-    return "rotation" if key.startswith("rotation.") else key
+    if key.startswith(("rotation.", "head.rotation.")):
+        return "rotation"
+    return "param" if key == "head.gain" else key  # a tied head's gain: a norm's weight, moved
 
 
 # --- writing ---------------------------------------------------------------------------------
@@ -121,7 +125,7 @@ def _model_config(model):
     return out
 
 
-def build_header(metas, arrays, params, persist_rotation, config=None):
+def build_header(metas, arrays, params, persist_rotation, config=None, residual=None):
     """(header dict, [(offset, flat uint8 numpy array)]) for a reservoir of these tensors.
 
     Identical bytes are stored once (every layer of one width and bit count shares a codebook).
@@ -175,22 +179,28 @@ def build_header(metas, arrays, params, persist_rotation, config=None):
         "params": {name: spec("param", a) for name, a in params.items()},
         "blobs": blobs,
     }
+    if residual is not None:  # the residual rotation folded into the weights (vqpipe/residual_rotation.py)
+        header["residual_rotation"] = dict(residual)
     return header, data
 
 
 def _version_for(metas):
+    if any("head" in m for m in metas.values()):
+        return 4
     if any(m.get("bits") not in BITS for m in metas.values()):
         return 3
     return 2 if any(m.get("group_size") is not None for m in metas.values()) else 1
 
 
-def write_reservoir(path, metas, arrays, params, persist_rotation=False, config=None):
-    """Write a reservoir atomically; returns its header.
+def write_reservoir(path, metas, arrays, params, persist_rotation=False, config=None, residual=None):
+    """Write a reservoir atomically; returns its header. ``residual``: the residual rotation folded
+    into the model (vqpipe/residual_rotation.py ``identity``), recorded so a graft can refuse a
+    model made without it.
 
     The data is written and fsynced before the prefix (with the magic) goes in, and the file is
     renamed into place only after that: a writer killed at any point leaves no file that loads.
     """
-    header, data = build_header(metas, arrays, params, persist_rotation, config)
+    header, data = build_header(metas, arrays, params, persist_rotation, config, residual)
     text = json.dumps(header, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
     data_offset = -(-(PREFIX_SIZE + len(text)) // ALIGN) * ALIGN
     end = data_offset + (data[-1][0] + data[-1][1].size if data else 0)
@@ -224,7 +234,7 @@ def save_reservoir(model, path, persist_rotation=False, config=None):
     if not metas:
         raise ValueError("model has no QuantizedLinear layers: quantize it first")
     return write_reservoir(_file(path), metas, arrays, params, persist_rotation,
-                           config if config is not None else _model_config(model))
+                           config if config is not None else _model_config(model), residual_rotation.of(model))
 
 
 # --- reading ---------------------------------------------------------------------------------
@@ -293,15 +303,22 @@ def _expected_layer_tensors(meta):
     }
     if meta["has_bias"]:
         out["bias"] = ([n_out], None)
+    out.update(_rotation_tensors(rot, "rotation."))
+    if "head" in meta:
+        out["head.gain"] = ([n_in], None)
+        out.update(_rotation_tensors(meta["head"]["rotation"], "head.rotation."))
+    return out
+
+
+def _rotation_tensors(rot, prefix):
     kind, dim = rot["kind"], rot["dim"]
     if kind == "hadamard":
-        out["rotation.signs"] = ([dim], None)
-    elif kind == "kron":
-        out["rotation.signs"] = ([rot["p"]], None)
-        out["rotation.q"] = ([rot["m"], rot["m"]], None)
-    elif kind == "qr" and not rot.get("regenerate"):
-        out["rotation.matrix"] = ([dim, dim], None)
-    return out
+        return {prefix + "signs": ([dim], None)}
+    if kind == "kron":
+        return {prefix + "signs": ([rot["p"]], None), prefix + "q": ([rot["m"], rot["m"]], None)}
+    if kind == "qr" and not rot.get("regenerate"):
+        return {prefix + "matrix": ([dim, dim], None)}
+    return {}
 
 
 def _check_layer(path, name, meta, blobs):
@@ -319,16 +336,15 @@ def _check_layer(path, name, meta, blobs):
     if "dtype" in meta and meta["dtype"] not in _FLOATS:  # a QuantizedEmbedding's lookup dtype
         _fail(path, f"malformed header: {where} has dtype {meta['dtype']!r}, expected one of {', '.join(_FLOATS)}")
     rot = meta.get("rotation")
-    if not isinstance(rot, dict) or rot.get("kind") not in ROTATION_KINDS:
-        _fail(path, f"malformed header: {where} has an unknown rotation kind")
-    if rot.get("dim") != meta["in_features"] or not _is_int(rot.get("seed")) or rot["seed"] >= MAX_SEED:
-        _fail(path, f"malformed header: {where} rotation dim/seed invalid")
-    factors_ok = _is_int(rot.get("m"), 1) and _is_int(rot.get("p"), 1) and rot["m"] * rot["p"] == rot["dim"]
-    if rot["kind"] == "kron" and not (factors_ok and hadamard_supported(rot["p"])):
-        _fail(path, f"malformed header: {where} kron factors do not multiply to {rot['dim']} "
-                    "with a Hadamard size p")
-    if rot["kind"] == "hadamard" and not hadamard_supported(rot["dim"]):
-        _fail(path, f"malformed header: {where} has a hadamard rotation of unsupported size {rot['dim']}")
+    _check_rotation(path, where, rot, meta["in_features"])
+    if "head" in meta:
+        head = meta["head"]
+        if meta["class"] != "QuantizedEmbedding" or not isinstance(head, dict) or set(head) != {"rotation"}:
+            _fail(path, f"malformed header: {where} has a 'head' that is not a QuantizedEmbedding's {{rotation}}")
+        _check_rotation(path, f"{where} head", head["rotation"], meta["in_features"])
+        if head["rotation"]["kind"] not in ("hadamard", "kron") or "regenerate" in head["rotation"]:
+            _fail(path, f"malformed header: {where} head rotation is {head['rotation']['kind']!r}, "
+                        "expected a stored hadamard or kron rotation")
     if not isinstance(rot.get("regenerate", False), bool):
         _fail(path, f"malformed header: {where} rotation 'regenerate' is not a boolean")
     if rot.get("regenerate"):
@@ -351,6 +367,19 @@ def _check_layer(path, name, meta, blobs):
                         f"expected {dtype or 'a float'}{shape}")
 
 
+def _check_rotation(path, where, rot, dim):
+    if not isinstance(rot, dict) or rot.get("kind") not in ROTATION_KINDS:
+        _fail(path, f"malformed header: {where} has an unknown rotation kind")
+    if rot.get("dim") != dim or not _is_int(rot.get("seed")) or rot["seed"] >= MAX_SEED:
+        _fail(path, f"malformed header: {where} rotation dim/seed invalid")
+    factors_ok = _is_int(rot.get("m"), 1) and _is_int(rot.get("p"), 1) and rot["m"] * rot["p"] == rot["dim"]
+    if rot["kind"] == "kron" and not (factors_ok and hadamard_supported(rot["p"])):
+        _fail(path, f"malformed header: {where} kron factors do not multiply to {rot['dim']} "
+                    "with a Hadamard size p")
+    if rot["kind"] == "hadamard" and not hadamard_supported(rot["dim"]):
+        _fail(path, f"malformed header: {where} has a hadamard rotation of unsupported size {rot['dim']}")
+
+
 def _check_header(path, h, size, data_offset):
     if not isinstance(h, dict) or h.get("format") != "vqpipe-reservoir":
         _fail(path, "malformed header: not a vqpipe-reservoir header")
@@ -371,10 +400,18 @@ def _check_header(path, h, size, data_offset):
         _fail(path, "malformed header: no layers/params tables")
     if not isinstance(h.get("persist_rotation"), bool):
         _fail(path, "malformed header: persist_rotation is not a boolean")
+    res = h.get("residual_rotation")
+    if res is not None and not (isinstance(res, dict) and set(res) == {"kind", "dim", "seed"}
+                                and res["kind"] in ("hadamard", "kron") and _is_int(res["dim"], 1)
+                                and res["dim"] <= MAX_DIM and _is_int(res["seed"]) and res["seed"] < MAX_SEED):
+        _fail(path, "malformed header: residual_rotation is not {kind: hadamard|kron, dim, seed}")
     for name, meta in h["layers"].items():
         _check_layer(path, name, meta, blobs)
         if meta.get("group_size") is not None and h["format_version"] < 2:
             _fail(path, f"malformed header: layer {name!r} has group scales in a version 1 file")
+        if "head" in meta and h["format_version"] < 4:
+            _fail(path, f"malformed header: layer {name!r} has a head in a version {h['format_version']} file "
+                        "(version 4 and later)")
         if meta["bits"] not in BITS and h["format_version"] < 3:
             _fail(path, f"malformed header: layer {name!r} has {meta['bits']} bits in a version "
                         f"{h['format_version']} file (version 3 and later)")
@@ -703,6 +740,7 @@ def _load_once(path, model_dir):
     model.update_modules(tree_unflatten(list(layers.items())))
     model.load_weights(list(params.items()), strict=False)
     mx.eval(model.parameters())
+    residual_rotation.mark(model, header.get("residual_rotation"))
     from .fused import fuse_model
 
     fuse_model(model)  # q/k/v and gate/up as one computation where they share a rotation
@@ -727,6 +765,10 @@ def graft_reservoir(model, path):
 def _graft_layers(model, path):
     header = read_header(path)
     _check_targets(path, model, header["layers"])
+    want, have = header.get("residual_rotation"), residual_rotation.of(model)
+    if want != have:  # the layers read and write the stream in their basis: the rest must match
+        _fail(path, f"its layers were quantized with residual rotation {want}, the model has {have}: "
+                    "load the reservoir whole (load_reservoir) instead of grafting it")
     with _prefault_for(header, params=False) as prefault:
         read, close = _reader(path, header, prefault)
         try:

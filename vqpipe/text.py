@@ -12,7 +12,7 @@ Its 999 entries are split by a fixed rule into two disjoint sets, in book order:
 Hard-wrapped prose paragraphs are joined into single lines; indented verse and attributions keep
 their lines.
 
-    eval_windows(tokenizer, n, length)              n non-overlapping windows, evenly spaced
+    eval_windows(tokenizer, n, length[, split])     n non-overlapping windows, evenly spaced
     calibration_tokens(tokenizer, n, length, seed)  [n, length] int32, seeded random windows
     provenance()                                    package, version, file sha256, license, split
 """
@@ -32,6 +32,7 @@ DICTD = Path("usr/share/dictd")
 EVAL_MODULUS = 5
 B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 SPLITS = ("eval", "calibration")
+WHOLE = "all"  # the whole book: for measurements nothing was fitted on (a KV cache on the source model)
 
 
 def _b64(s):
@@ -89,10 +90,10 @@ def split_of(headword):
 
 @functools.cache
 def text(split):
-    """The ``split`` ('eval' or 'calibration') text: its entries in book order, blank-line separated."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown text split {split!r}; choose one of {', '.join(SPLITS)}")
-    return "\n\n".join(t for h, t in entries() if split_of(h) == split)
+    """The ``split`` ('eval', 'calibration' or 'all') text: its entries in book order, blank-line separated."""
+    if split not in SPLITS + (WHOLE,):
+        raise ValueError(f"unknown text split {split!r}; choose one of {', '.join(SPLITS + (WHOLE,))}")
+    return "\n\n".join(t for h, t in entries() if split in (WHOLE, split_of(h)))
 
 
 def tokens(tokenizer, split):
@@ -108,13 +109,14 @@ def tokens(tokenizer, split):
     return tokenizer.encode(text(split), add_special_tokens=False)
 
 
-def eval_windows(tokenizer, n_windows, length):
-    """``n_windows`` non-overlapping windows of ``length`` tokens, evenly spaced over the eval text."""
+def eval_windows(tokenizer, n_windows, length, split="eval"):
+    """``n_windows`` non-overlapping windows of ``length`` tokens, evenly spaced over the ``split`` text
+    (the eval text unless told otherwise)."""
     import mlx.core as mx
 
-    ids = tokens(tokenizer, "eval")
+    ids = tokens(tokenizer, split)
     if n_windows < 1 or length < 2 or n_windows * length > len(ids):
-        raise ValueError(f"the eval text has {len(ids)} tokens for this tokenizer, too few for "
+        raise ValueError(f"the {split} text has {len(ids)} tokens for this tokenizer, too few for "
                          f"{n_windows} windows of {length} (at most {len(ids) // max(length, 1)})")
     step = (len(ids) - length) // max(n_windows - 1, 1)
     return [mx.array(ids[i * step: i * step + length], dtype=mx.int32) for i in range(n_windows)]

@@ -15,6 +15,10 @@ memory from the preset's config:
   its weights the old way, unpacking to uint32 before the codebook gather (vqpipe/dequant.py);
 - ``vqpipe-bN-nofold`` (``--unfolded-bits N``): the same codes with the rotation signs not folded
   into the norms and up_proj's scales (vqpipe/fold.py): three more primitives per layer;
+- ``vqpipe-bN-res`` (``--residual-bits N``): the same codes laid out as a residual-rotated model
+  (vqpipe/residual_rotation.py): q/k/v, gate/up, the embedding and an untied head without rotations
+  of their own, a tied head reading its input map: the decode cost of that structure (its text
+  differs: the codes mean another function);
 - ``ARM+c`` (``--compiled``): every arm above once more, decoding through vqpipe.decode_step (one
   compiled step over a static KV cache) instead of mlx-lm's eager ``generate_step``: the same
   weights, so ``X+c`` vs ``X`` is what compilation buys and ``vqpipe-bN+c`` vs ``bf16+c`` what the
@@ -66,7 +70,9 @@ from ..fsutil import write_json
 from ..fused import fuse_model, rotation_owner
 from ..bitpack import words_per_row
 from ..qlinear import QuantizedEmbedding, QuantizedLinear
-from ..quantize import layer_seed
+from .. import residual_rotation
+from ..quantize import layer_seed, residual_seed
+from ..residual_rotation import Head, tied, unrotated
 from ..rotation import make_rotation
 from . import harness, roofline
 from ..stages.bench_decode import generate_once, make_cache
@@ -76,6 +82,7 @@ STD = 0.02
 ROT = "+rot"  # arm suffix: the rotation in the kernel's prologue
 UNPACK = "+u"  # arm suffix: the old dense-path weight rebuild (uint32 unpack, then gather)
 NOFOLD = "-nofold"  # arm suffix: rotation signs not folded (vqpipe/fold.py)
+RES = "-res"  # arm suffix: laid out as a residual-rotated model (vqpipe/residual_rotation.py)
 COMPILED = "+c"  # arm suffix: decode through vqpipe.decode_step, the whole step compiled
 SPLIT = "+s"  # arm suffix: decode_step's split mode (compiled blocks around MLX's fused SDPA)
 EPI = "+e"  # arm suffix: residual adds in the mat-vec epilogues (split mode only)
@@ -159,8 +166,8 @@ def affine(full, preset):
     return model
 
 
-def _random_layer(cls, n_in, n_out, bits, name, key, bias=None):
-    r = make_rotation("auto", n_in, layer_seed(0, rotation_owner(name)))
+def _random_layer(cls, n_in, n_out, bits, name, key, bias=None, residual=False):
+    r = make_rotation("none" if residual and unrotated(name) else "auto", n_in, layer_seed(0, rotation_owner(name)))
     shape = (n_out, words_per_row(n_in, bits))
     packed = mx.random.randint(-(2**31), 2**31 - 1, shape, mx.int32, key=key).view(mx.uint32)
     scales = mx.full((n_out,), STD * math.sqrt(n_in), mx.float32)  # rows of the bf16 arm's norm
@@ -170,19 +177,27 @@ def _random_layer(cls, n_in, n_out, bits, name, key, bias=None):
     return layer
 
 
-def random_vqpipe(preset, bits, dtype=mx.bfloat16, fold=None):
+def random_vqpipe(preset, bits, dtype=mx.bfloat16, fold=None, residual=False):
     """vqpipe layers with random codes in place of every Linear and the embedding; norms 1. The
-    codes depend on ``bits`` only, so ``fold=False`` gives the same model unfolded."""
+    codes depend on ``bits`` only, so ``fold=False`` gives the same model unfolded, and
+    ``residual`` the same codes as a residual-rotated model (the stream's readers unrotated, a tied
+    head reading Head(y) with gain 1)."""
     model = skeleton(preset)
     layers = []
     for i, (name, m) in enumerate(model.named_modules()):
         k = mx.random.key(1000 * bits + i)
         if isinstance(m, nn.Linear):
             bias = mx.zeros((m.weight.shape[0],), dtype) if "bias" in m else None
-            layers.append((name, _random_layer(QuantizedLinear, m.weight.shape[1], m.weight.shape[0], bits, name, k, bias)))
+            layers.append((name, _random_layer(QuantizedLinear, m.weight.shape[1], m.weight.shape[0], bits, name, k,
+                                               bias, residual)))
         elif isinstance(m, nn.Embedding):
-            emb = _random_layer(QuantizedEmbedding, m.weight.shape[1], m.weight.shape[0], bits, name, k)
+            emb = _random_layer(QuantizedEmbedding, m.weight.shape[1], m.weight.shape[0], bits, name, k,
+                                residual=residual)
             emb.out_dtype = dtype
+            if residual and tied(model):
+                q = make_rotation("auto", emb.in_features, residual_seed(0))
+                emb.head = Head(mx.ones((emb.in_features,), dtype), q)
+                residual_rotation.mark(model, residual_rotation.identity(q))
             layers.append((name, emb))
     from mlx.utils import tree_unflatten
 
@@ -287,6 +302,8 @@ def run(args, progress=print):
         models[f"vqpipe-b{b}{UNPACK}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
     for b in args.unfolded_bits:
         models[f"vqpipe-b{b}{NOFOLD}"] = random_vqpipe(args.preset, b, fold=False)
+    for b in args.residual_bits:
+        models[f"vqpipe-b{b}{RES}"] = random_vqpipe(args.preset, b, residual=True)
     for b in args.epilogue_bits:  # the same model object: only the split step's residual adds differ
         models[f"vqpipe-b{b}{EPI}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
     for b in args.mlx_views_bits:  # the same model object: only the split step's head-tensor views differ
@@ -382,10 +399,11 @@ def run(args, progress=print):
                             f"{rec['achieved']['median']['percent_of_peak']:.1f}% of copy" if phase == "decode" else ""))
             for phase in ("prefill", "decode"):
                 arm = model_arm(name)
-                bases = [baseline, "affine4"] + [arm.removesuffix(sfx) for sfx in (ROT, UNPACK, NOFOLD) if arm.endswith(sfx)]
+                bases = [baseline, "affine4"] + [arm.removesuffix(sfx) for sfx in (ROT, UNPACK, NOFOLD, RES) if arm.endswith(sfx)]
                 if is_compiled(name):  # against its eager self, and the baselines in the same mode
                     sfx = name[len(model_arm(name)):]
                     bases += [model_arm(name), baseline + sfx, "bf16" + sfx, "affine4" + sfx]
+                    bases += [arm.removesuffix(x) + sfx for x in (NOFOLD, RES) if arm.endswith(x)]  # same mode
                     if sfx == SPLIT:
                         bases.append(model_arm(name) + COMPILED)
                     if split_base(arm):  # the same step without the epilogue adds / prep kernels
@@ -437,6 +455,8 @@ def parse_args(argv):
                    help=f"add a vqpipe-bN{UNPACK} arm per N: the old dense-path weight rebuild (prefill A/B)")
     p.add_argument("--unfolded-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
                    help=f"add a vqpipe-bN{NOFOLD} arm per N: rotation signs not folded (decode A/B)")
+    p.add_argument("--residual-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
+                   help=f"add a vqpipe-bN{RES} arm per N: the same codes laid out as a residual-rotated model")
     p.add_argument("--mlx-views-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
                    help=f"add a vqpipe-bN{MLX_VIEWS}{SPLIT} arm per N: split mode with mlx-lm's reshape + transpose views")
     p.add_argument("--pooled-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),

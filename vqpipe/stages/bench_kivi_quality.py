@@ -1,14 +1,17 @@
 """bench-kivi-quality: long-context quality of KIVI caches against the full-precision cache.
 
-Windows of the shipped English corpus (vqpipe/data/corpus.txt, spread over it). Each window of
-``--length`` tokens runs through the model in ``--chunk``-token pieces, once per
-cache kind, all kinds chunk by chunk side by side; per kind: perplexity of the window's next
+Windows of real English text (``--text``: the eval split of The Devil's Dictionary by default, or
+``all`` of it: nothing here is fitted on text, so the calibration split is fair game for a cache on
+the source model; ``corpus`` is the repository's template text, for the synthetic tokenizers), evenly
+spread over it. Each window of ``--length`` tokens runs through the model in ``--chunk``-token pieces,
+once per cache kind, all kinds chunk by chunk side by side; per kind: perplexity of the window's next
 tokens, mean KL(full-precision cache || kind) over positions, and top-1 agreement with the
 full-precision cache. Kinds: ``fp`` (mlx-lm's KVCache at the model dtype), ``kivi<b>`` (the packed
 KIVI cache, G = 32, R = 128; keys per channel, values per token) and ``mlx-q<b>`` (mlx-lm's
 QuantizedKVCache: keys and values per token, affine, group 64, no full-precision residual).
 Chunked processing means a chunk attends to what each cache holds after storing it, as in
-generation with that prefill step.
+generation with that prefill step. Where both ``kivi<b>`` and ``mlx-q<b>`` ran, the result says
+which has the lower KL in how many windows and the median of their per-window KL ratio.
 
     python -m vqpipe bench-kivi-quality --model DIR --text eval --out results/bench/kivi_quality.json
 """
@@ -63,21 +66,54 @@ def window(model, ids, kinds, chunk):
     return acc
 
 
+def _stats(v):
+    return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
+
+
+def per_window_metrics(acc):
+    """{kind: {ppl, kl, top1}} of one window's sums."""
+    return {k: {"ppl": math.exp(a[0] / a[3]), "kl": a[1] / a[3], "top1": a[2] / a[3]} for k, a in acc.items()}
+
+
 def summarize(per_window):
+    """Median [min-max] per kind and metric over windows (``per_window``: :func:`per_window_metrics` each)."""
+    return {k: {m: _stats([w[k][m] for w in per_window]) for m in ("ppl", "kl", "top1")} for k in per_window[0]}
+
+
+def paired(per_window):
+    """KIVI against mlx-lm's quantized cache at each width both ran: windows where each has the lower
+    KL, and the per-window ratio KL(mlx-q) / KL(kivi) (above 1: KIVI is closer to the fp cache)."""
     out = {}
     for k in per_window[0]:
-        ppl = [math.exp(w[k][0] / w[k][3]) for w in per_window]
-        kl = [w[k][1] / w[k][3] for w in per_window]
-        top = [w[k][2] / w[k][3] for w in per_window]
-        out[k] = {name: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
-                  for name, v in (("ppl", ppl), ("kl", kl), ("top1", top))}
+        other = "mlx-q" + k.removeprefix("kivi")
+        if not k.startswith("kivi") or other not in per_window[0]:
+            continue
+        ratio = [w[other]["kl"] / w[k]["kl"] for w in per_window if w[k]["kl"] > 0]
+        out[f"{k} vs {other}"] = {"kivi_lower_kl": sum(w[k]["kl"] < w[other]["kl"] for w in per_window),
+                                  "windows": len(per_window), "kl_ratio": _stats(ratio) if ratio else None}
     return out
+
+
+def text_windows(tokenizer, which, n, length):
+    """Token windows of ``which`` text and what the result records about it."""
+    if which == "corpus":
+        from .bench_quality import CORPUS, eval_windows
+
+        return eval_windows(tokenizer, n, length), {"text": "corpus", "file": CORPUS.name, "real": False}
+    from .. import text
+
+    return text.eval_windows(tokenizer, n, length, which), {"text": which, "real": True, **text.provenance()}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m vqpipe bench-kivi-quality", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a Hugging Face layout model directory")
     p.add_argument("--out", required=True)
+    p.add_argument("--text", default="eval", choices=("eval", "calibration", "all", "corpus"),
+                   help="the text the windows come from (default: eval, real English)")
+    p.add_argument("--dtype", default="model", choices=("model", "float32", "bfloat16", "float16"),
+                   help="cast the model's floating weights, so its activations and the fp cache take this "
+                        "dtype (default: as stored; on the CPU float32 is the fast one)")
     p.add_argument("--windows", type=int, default=2)
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--chunk", type=int, default=256)
@@ -85,19 +121,30 @@ def main(argv=None):
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if args.kinds[0] != "fp":
         args.kinds = ["fp"] + [k for k in args.kinds if k != "fp"]
+    from mlx.utils import tree_flatten
     from mlx_lm import load
 
-    from .bench_quality import CORPUS, eval_windows
-
     model, tokenizer = load(args.model)
-    windows = [w.tolist() for w in eval_windows(tokenizer, args.windows, args.length)]
+    if args.dtype != "model":
+        from .bench_decode import cast_floating
+
+        cast_floating(model, getattr(mx, args.dtype))
+    windows, source = text_windows(tokenizer, args.text, args.windows, args.length)
     per_window = []
+    dtype = str(next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)))
     for i, ids in enumerate(windows):
-        per_window.append(window(model, ids, args.kinds, args.chunk))
-        print(f"window {i}: " + "; ".join(f"{k} ppl {math.exp(a[0] / a[3]):.3f} KL {a[1] / a[3]:.4f} top1 {a[2] / a[3]:.3f}"
-                                       for k, a in per_window[-1].items()), flush=True)
-    result = {"kind": "bench-kivi-quality", "config": vars(args), "text": str(CORPUS.name), "results": summarize(per_window)}
-    write_json(args.out, result)
+        per_window.append(per_window_metrics(window(model, ids.tolist(), args.kinds, args.chunk)))
+        print(f"window {i}: " + "; ".join(f"{k} ppl {m['ppl']:.3f} KL {m['kl']:.4f} top1 {m['top1']:.3f}"
+                                       for k, m in per_window[-1].items()), flush=True)
+        # after every window (a window of five caches takes minutes on the CPU): a run cut short keeps them
+        result = {"kind": "bench-kivi-quality", "config": vars(args), "source_text": source, "weights_dtype": dtype,
+                  "windows_done": len(per_window), "results": summarize(per_window), "paired": paired(per_window),
+                  "windows": per_window}
+        write_json(args.out, result)
+    for name, c in result["paired"].items():
+        r = c["kl_ratio"]
+        print(f"{name}: KIVI has the lower KL in {c['kivi_lower_kl']}/{c['windows']} windows"
+              + (f", KL ratio median {r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]" if r else ""))
     print(f"bench-kivi-quality: wrote {args.out}")
     return 0
 

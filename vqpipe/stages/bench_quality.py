@@ -34,6 +34,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from .. import cpu_eval, text
 from ..fold import unfold_model
+from ..residual_rotation import TiedEmbedding
 from .. import record
 from ..fsutil import atomic_dir, write_json
 from .quantize import load_quantized, quantize_model
@@ -160,7 +161,7 @@ def bits_per_weight(model):
             weights += meta["in_features"] * meta["out_features"]
             for k, v in arrays.items():
                 if k != "bias":
-                    parts["rotation" if k.startswith("rotation.") else k] += v.nbytes * 8
+                    parts["rotation" if k.startswith(("rotation.", "head.rotation.")) else k] += v.nbytes * 8
         elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             weights += m.weight.size * 32 // m.bits
             parts["codes"] += m.weight.nbytes * 8
@@ -277,6 +278,9 @@ def dense_copy(model, weights=None):
         else:
             continue
         if hasattr(m, "as_linear"):  # an embedding table (a tied head calls its as_linear)
+            if getattr(m, "head", None) is not None:  # a residual-rotated tied head keeps its input map
+                swaps.append((name, TiedEmbedding(w, m.head)))
+                continue
             emb = nn.Embedding(*w.shape)
             emb.weight = w
             swaps.append((name, emb))

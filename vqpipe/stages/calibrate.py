@@ -21,8 +21,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import __version__, manifest, record
-from ..calibrate import _batches, block_forward, collect, decoder, moments, tied_head
+from .. import __version__, manifest, record, residual_rotation
+from ..calibrate import _batches, block_forward, collect, decoder, head_inputs, moments, tied_head
 from ..fsutil import atomic_dir, save_safetensors
 
 HEAD = "final norm"
@@ -52,26 +52,44 @@ def full_precision_moments(model, tokens, progress=None):
     if tied_head(model):
         heads.append(prefix[id(inner.embed_tokens)])
     if heads:
-        sums[HEAD] = moments([inner.norm(x) for x in h])
+        sums[HEAD] = moments(head_inputs(model, [inner.norm(x) for x in h]))
         mx.eval(sums[HEAD])
         names.update({n: HEAD for n in heads})
     return names, sums
 
 
-def load(path):
-    """({name: (key, H)}, info) from a calibrate artifact; layers sharing a key get the same array
-    object (the quantizer factorises a shared H once)."""
+RESIDUAL_PREFIX = "residual/"  # the residual-rotated model's moments in the same file
+
+
+def sets(info):
+    """[{residual_rotation, prefix, layers}] of a moments.json (an artifact from before residual
+    rotations holds one set, the plain model's)."""
+    return info.get("sets") or [{"residual_rotation": None, "prefix": "", "layers": info["layers"]}]
+
+
+def load(path, residual=None):
+    """({name: (key, H)}, info) from a calibrate artifact: the set collected under residual rotation
+    ``residual`` (an identity, vqpipe/residual_rotation.py; None: the plain model). Layers sharing a
+    key get the same array object (the quantizer factorises a shared H once)."""
     path = Path(path)
     manifest.verify(path)
     info = json.loads((path / "moments.json").read_text())
+    found = [m for m in sets(info) if m["residual_rotation"] == residual]
+    if not found:
+        raise ValueError(f"{path}: no moments collected with residual rotation {residual} (it holds "
+                         f"{[m['residual_rotation'] for m in sets(info)]}; calibrate --residual-rotation KIND --seed SEED)")
+    layers, prefix = found[0]["layers"], found[0]["prefix"]
     arrays = mx.load(str(path / "moments.safetensors"))
-    missing = sorted(set(info["layers"].values()) - set(arrays))
+    missing = sorted({prefix + k for k in layers.values()} - set(arrays))
     if missing:
         raise ValueError(f"{path}: moments.json names moments that moments.safetensors lacks: {missing[:3]}")
-    return {name: (key, arrays[key]) for name, key in info["layers"].items()}, info
+    return {name: (key, arrays[prefix + key]) for name, key in layers.items()}, info
 
 
-def run(source, out, windows=16, length=512, seed=0, progress=print):
+def run(source, out, windows=16, length=512, seed=0, progress=print, residual=None, rotation_seed=0, plain=None):
+    """Moments of the plain model and/or (``residual``: a rotation kind) of the model with the residual
+    rotation quantize --residual-rotation --rotation KIND --seed ``rotation_seed`` folds in. ``plain``
+    defaults to on without ``residual``, off with it."""
     from mlx_lm.utils import load as load_model
 
     from .quantize import calibration_tokens
@@ -79,17 +97,31 @@ def run(source, out, windows=16, length=512, seed=0, progress=print):
     source = Path(source)
     if not (source / "config.json").is_file():
         raise ValueError(f"source model directory {source} has no config.json")
+    plain = residual is None if plain is None else plain
+    if not plain and residual is None:
+        raise ValueError("calibrate: nothing to collect (no plain moments and no --residual-rotation)")
     manifest.verify(source)
-    model, tokenizer = load_model(str(source), lazy=True)
-    tokens, calib = calibration_tokens(tokenizer, "text", windows, length, seed)
     t0 = time.perf_counter()
-    names, sums = full_precision_moments(model, tokens, progress)
+    found, tensors, tokens = [], {}, None
+    for rotated in [False] * plain + [True] * (residual is not None):
+        model, tokenizer = load_model(str(source), lazy=True)
+        if tokens is None:
+            tokens, calib = calibration_tokens(tokenizer, "text", windows, length, seed)
+        if rotated:  # the model quantize will see: moments in the rotated stream's basis
+            from ..quantize import rotate_for_quantize
+
+            rotate_for_quantize(model, residual, rotation_seed)
+        names, sums = full_precision_moments(model, tokens, progress)
+        prefix = RESIDUAL_PREFIX if rotated else ""
+        found.append({"residual_rotation": residual_rotation.of(model), "prefix": prefix, "layers": names})
+        tensors.update({prefix + k: v for k, v in sums.items()})
+        del model
     info = {"vqpipe_version": __version__, "source": str(source), "calibration": {**calib, "sequential": False},
-            "layers": names, "seconds": time.perf_counter() - t0}
+            "layers": found[0]["layers"], "sets": found, "seconds": time.perf_counter() - t0}
     with atomic_dir(out, manifest=True) as tmp:
-        save_safetensors(tmp / "moments.safetensors", sums)
+        save_safetensors(tmp / "moments.safetensors", tensors)
         record.write(tmp / "moments.json", "calibrate", info, inputs={"source": source})
-    progress(f"moments of {len(names)} layers ({len(sums)} distinct) in {info['seconds']:.1f}s -> {out}")
+    progress(f"moments of {len(found)} model(s), {len(tensors)} distinct, in {info['seconds']:.1f}s -> {out}")
     return info
 
 
@@ -100,9 +132,17 @@ def main(argv=None):
     p.add_argument("--calib-windows", type=int, default=16, help="calibration windows")
     p.add_argument("--calib-length", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration window offsets")
+    p.add_argument("--residual-rotation", default=None, choices=("auto", "hadamard", "kron"), metavar="KIND",
+                   help="collect the moments of the model with a residual rotation of this kind folded in, as "
+                        "quantize --residual-rotation --rotation KIND --seed SEED makes it (vqpipe/residual_rotation.py)")
+    p.add_argument("--seed", type=int, default=0, help="with --residual-rotation: quantize's rotation seed")
+    p.add_argument("--plain", action=argparse.BooleanOptionalAction, default=None,
+                   help="also (or only) the plain model's moments (default: only without --residual-rotation); "
+                        "quantize jobs without the residual rotation read those")
     args = p.parse_args(argv)
     try:
-        run(args.source, args.out, args.calib_windows, args.calib_length, args.calib_seed)
+        run(args.source, args.out, args.calib_windows, args.calib_length, args.calib_seed,
+            residual=args.residual_rotation, rotation_seed=args.seed, plain=args.plain)
     except (ValueError, OSError) as e:
         print(f"vqpipe calibrate: error: {e}", file=sys.stderr)
         return 2

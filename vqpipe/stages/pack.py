@@ -30,7 +30,7 @@ def parse_persist(value):
 
 
 def read_artifact(quantized):
-    """(layer metas, layer arrays, params, config) of a quantize-stage artifact."""
+    """(layer metas, layer arrays, params, config, residual rotation or None) of a quantize-stage artifact."""
     quantized = Path(quantized)
     for name in ("quantized.json", "quantized.safetensors", "config.json"):
         if not (quantized / name).is_file():
@@ -41,7 +41,7 @@ def read_artifact(quantized):
     arrays = {k[len("layers."):]: v for k, v in tensors.items() if k.startswith("layers.")}
     params = {k[len("params."):]: v for k, v in tensors.items() if k.startswith("params.")}
     config = json.loads((quantized / "config.json").read_text())
-    return meta["layers"], arrays, params, config
+    return meta["layers"], arrays, params, config, meta.get("residual_rotation")
 
 
 def _reference_setup(quantized):
@@ -55,9 +55,9 @@ def _reference_setup(quantized):
 def run(quantized, out, persist_rotation, progress=print):
     t0 = time.perf_counter()
     quantized, out = Path(quantized), Path(out)
-    metas, arrays, params, config = read_artifact(quantized)
+    metas, arrays, params, config, residual = read_artifact(quantized)
     with atomic_dir(out, manifest=True) as tmp:
-        header = write_reservoir(tmp / FILE_NAME, metas, arrays, params, persist_rotation, config)
+        header = write_reservoir(tmp / FILE_NAME, metas, arrays, params, persist_rotation, config, residual)
         for f in quantized.iterdir():
             if f.is_file() and f.suffix != ".safetensors" and f.name not in _NOT_COPIED + (manifest.NAME,):
                 shutil.copy2(f, tmp / f.name)

@@ -22,11 +22,13 @@ import mlx.core as mx
 
 from .. import __version__
 from ..codebook import BITS
-from .. import manifest, parallel, record
+from .. import manifest, parallel, record, residual_rotation
 from ..fsutil import atomic_dir, save_safetensors
 from ..fused import fuse_model
 from ..prefault import Prefault
-from ..quantize import assemble, build_layers, quantize_model, quantized_layers, skeleton, split_state
+from ..quantize import (assemble, build_layers, quantize_model, quantized_layers, residual_seed, skeleton,
+                        split_state)
+from ..rotation import resolve_kind
 from ..rotation import KINDS
 
 REFERENCE_PROMPTS = (
@@ -150,9 +152,16 @@ def load_quantized(path):
     arrays = {k[len("layers."):]: v for k, v in tensors.items() if k.startswith("layers.")}
     params = {k[len("params."):]: v for k, v in tensors.items() if k.startswith("params.")}
     model = assemble(skeleton(path), build_layers(meta["layers"], arrays), params, str(path))
+    residual_rotation.mark(model, meta.get("residual_rotation"))
     mx.eval(model.parameters())
     fuse_model(model)
     return model, load_tokenizer(path)
+
+
+def expected_residual(model, rotation, seed):
+    """The residual rotation quantize_model(..., residual=True) will fold into ``model`` (its identity)."""
+    hidden = int(model.args.hidden_size)
+    return {"kind": resolve_kind(rotation, hidden), "dim": hidden, "seed": residual_seed(seed)}
 
 
 def peak_rss_bytes():
@@ -183,7 +192,7 @@ def calibration_tokens(tokenizer, text="none", windows=16, length=512, seed=0):
 
 def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=True, dtype="source",
         progress=print, group_size=None, calibration="none", calib_windows=16, calib_length=512,
-        calib_seed=0, damp=None, moments=None, sequential=True, layer_bits=None, threads=1):
+        calib_seed=0, damp=None, moments=None, sequential=True, layer_bits=None, threads=1, residual=False):
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if group_size is not None and group_size < 1:
@@ -200,7 +209,7 @@ def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=Tru
     try:
         info = _quantize(source, bits, rotation, seed, embeddings, lm_head, dtype, progress, group_size,
                          calibration, calib_windows, calib_length, calib_seed, damp, moments, sequential,
-                         layer_bits, threads)
+                         layer_bits, threads, residual)
     except BaseException:
         check.result()
         raise
@@ -213,7 +222,7 @@ def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=Tru
 
 def _quantize(source, bits, rotation, seed, embeddings, lm_head, dtype, progress, group_size,
               calibration, calib_windows, calib_length, calib_seed, damp, moments, sequential, layer_bits,
-              threads):
+              threads, residual=False):
     """The quantized model, its tokenizer and the record's fields (run's work before saving)."""
     from mlx_lm.utils import load
 
@@ -225,19 +234,20 @@ def _quantize(source, bits, rotation, seed, embeddings, lm_head, dtype, progress
             raise ValueError("--moments and --calibration text both give calibration; choose one")
         from . import calibrate as mom
 
-        stored, minfo = mom.load(moments)
+        stored, minfo = mom.load(moments, expected_residual(model, rotation, seed) if residual else None)
         calib = {**minfo["calibration"], "moments": str(moments)}
     elif calib is not None:
         calib["sequential"] = sequential
     t0 = time.perf_counter()
     records = quantize_model(model, bits, rotation, seed, embeddings, lm_head, DTYPES[dtype], progress,
                              group_size, tokens, damp, moments=stored, sequential=sequential,
-                             layer_bits=layer_bits, threads=threads)
+                             layer_bits=layer_bits, threads=threads, residual=residual)
     seconds = time.perf_counter() - t0
     info = {
         "vqpipe_version": __version__, "source": str(source), "bits": bits, "rotation": rotation,
         "seed": seed, "embeddings": embeddings, "lm_head": lm_head, "dtype": dtype,
         "group_size": group_size, "calibration": calib, "damp": damp, "layer_bits": layer_bits or [],
+        "residual_rotation": residual_rotation.of(model),
         "quantize_seconds": seconds, "peak_rss_bytes": peak_rss_bytes(), "records": records,
         "model": model, "tokenizer": tokenizer,
     }
@@ -274,6 +284,9 @@ def main(argv=None):
                    '(N bits over --bits) or {"match": REGEX, "bits": N} for the layers whose names match')
     p.add_argument("--moments", default=None, metavar="DIR",
                    help="GPTQ with the full-precision moments of a calibrate-stage artifact (no forward pass)")
+    p.add_argument("--residual-rotation", action=argparse.BooleanOptionalAction, default=False,
+                   help="fold one rotation of the residual stream into the model first (vqpipe/residual_rotation.py): "
+                   "q/k/v, gate/up and the head then need no rotation per token; needs --rotation auto, hadamard or kron")
     p.add_argument("--threads", type=int, default=None,
                    help="threads for the numpy work of GPTQ and group scales (vqpipe/parallel.py; the result "
                    "does not depend on it); default: the cores this process may run on")
@@ -287,7 +300,7 @@ def main(argv=None):
         run(args.source, args.out, args.bits, args.rotation, args.seed, args.embeddings, args.lm_head, args.dtype,
             group_size=args.group_size, calibration=args.calibration, calib_windows=args.calib_windows,
             calib_length=args.calib_length, calib_seed=args.calib_seed, damp=args.damp, moments=args.moments,
-            sequential=args.sequential, layer_bits=layer_bits,
+            sequential=args.sequential, layer_bits=layer_bits, residual=args.residual_rotation,
             threads=parallel.default_threads() if args.threads is None else args.threads)
     except (ValueError, OSError) as e:  # OSError: e.g. disk full, named with its path
         where = "" if isinstance(e, ValueError) or e.filename else f"writing {args.out}: "

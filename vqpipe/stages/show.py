@@ -49,6 +49,7 @@ def summary(path, verify=True):
         "classes": dict(Counter(m["class"] for m in layers.values())),
         "bits": {str(k): v for k, v in Counter(m["bits"] for m in layers.values()).items()},
         "rotations": dict(Counter(_rotation_mode(m["rotation"]) for m in layers.values())),
+        "residual_rotation": header.get("residual_rotation"),
         "n_params": len(header["params"]),
         **sizes(header),
     }
@@ -81,6 +82,8 @@ def render(header, s, show_layers=False):
         f"{s['n_params']} unquantized tensors",
         f"bits        {_counts(Counter({int(k): v for k, v in s['bits'].items()}))}",
         f"rotations   {_counts(Counter(s['rotations']))}",
+        "residual    " + ("none" if not s["residual_rotation"] else
+                          "{kind} rotation of the {dim}-wide stream, seed {seed}, folded into the weights".format(**s["residual_rotation"])),
         "bytes       " + ", ".join(f"{k} {_mib(v)}" for k, v in s["blob_bytes"].items() if v),
         f"ideal       {_mib(s['ideal_payload_bytes'])} (bits x weights / 8 + norms + unquantized tensors); "
         f"file / ideal = {s['file_over_ideal']:.3f}",

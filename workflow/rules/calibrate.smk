@@ -16,6 +16,8 @@ rule calibrate:
         windows=lambda w: quantize_option(w.model, "calibration")["windows"],
         length=lambda w: quantize_option(w.model, "calibration")["length"],
         seed=lambda w: quantize_option(w.model, "calibration")["seed"],
+        # the residual rotation quantize folds in (its kind and seed): moments in its stream basis
+        residual=lambda w: calibrate_flags(w.model),
     log:
         "logs/calibrate/{model}.log",
     priority: priority(0)
@@ -25,5 +27,5 @@ rule calibrate:
     shell:
         vqpipe_cmd(
             "calibrate --source {input.source:q} --out {output:q} --calib-windows {params.windows}"
-            " --calib-length {params.length} --calib-seed {params.seed}"
+            " --calib-length {params.length} --calib-seed {params.seed}{params.residual}"
         )

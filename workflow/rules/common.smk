@@ -234,7 +234,7 @@ def quantize_option(model, key):
     return config["models"][model].get("quantize", {}).get(key, config["quantize"][key])
 
 
-def quantize_flags(model):
+def quantize_flags(model, rotation):
     """Command-line flags of the options that change the codes (all of them are rule params)."""
     q = config["quantize"]
     emb = quantize_option(model, "embeddings")
@@ -245,6 +245,8 @@ def quantize_flags(model):
     rules = quantize_option(model, "layer_bits")
     if rules:
         flags += " --layer-bits " + shlex.quote(json.dumps(rules, separators=(",", ":")))
+    if rotation != "none":  # bench-quality's unrotated arm: no rotation at all, none of the stream either
+        flags += residual_flags(model)
     cal = quantize_option(model, "calibration")
     if stored_moments(model):
         flags += f" --moments {MOMENTS.format(model=model)} --damp {cal['damp']}"
@@ -252,6 +254,26 @@ def quantize_flags(model):
         flags += (f" --calibration {cal['text']} --calib-windows {cal['windows']} --calib-length {cal['length']}"
                   f" --calib-seed {cal['seed']} --damp {cal['damp']}")
     return flags
+
+
+def residual_flags(model):
+    """The residual rotation's flag for ``model``'s quantize jobs of the pipeline's rotation ('' when off)."""
+    if not quantize_option(model, "residual_rotation"):
+        return ""
+    if len(ROTATIONS) != 1 or ROTATIONS[0] not in ("auto", "hadamard", "kron"):
+        raise WorkflowError(f"config: models.{model} quantizes with residual_rotation, which needs rotations to "
+                            f"be one of [auto], [hadamard], [kron] (its moments and codes are made in that "
+                            f"rotation's stream basis), not {ROTATIONS}")
+    return " --residual-rotation"
+
+
+def calibrate_flags(model):
+    """The calibrate job's residual flags: the rotated model's moments, and the plain model's too
+    where bench-quality's unrotated arm quantizes this model without any rotation."""
+    if not residual_flags(model):
+        return ""
+    plain = config["benchmarks"]["quality"]["enabled"] and model in bench_models("quality")
+    return f" --residual-rotation {ROTATIONS[0]} --seed {config['quantize']['seed']}" + (" --plain" if plain else "")
 
 
 def stored_moments(model):

@@ -24,7 +24,7 @@ rule quantize:
         group_size=lambda w: quantize_option(w.model, "group_size"),
         layer_bits=lambda w: quantize_option(w.model, "layer_bits"),
         calibration=lambda w: quantize_option(w.model, "calibration"),
-        flags=lambda w: quantize_flags(w.model),
+        flags=lambda w: quantize_flags(w.model, w.rotation),
     log:
         "logs/quantize/{model}/b{bits}-{rotation}.log",
     priority: priority(1)
