@@ -59,5 +59,14 @@ if [ "${PART}" = c ]; then
       --aa-arm vqpipe-b4+s --copy-mib 256 2>&1 | tee $OUT/write-$p.log | grep -E "^step|decode|floor|vs" | tail -30
   done
 fi
+# PART=t (session 14): the GPU side of the code sessions 13 and 14 added: the residual rotation's tests
+# on the default (CUDA) device (the mat-vec kernels take its unrotated q|k|v and gate|up, the tied
+# head's map), the padded small arrays, and the decode-step and qmv GPU tests
+if [ "${PART}" = t ]; then
+  timeout ${TEST_LIMIT:-400} python3 -m pytest -q -p no:cacheprovider -n 8 --dist load -rfE \
+    tests/test_residual_rotation.py tests/test_small_arrays.py tests/test_step_kernels.py 2>&1 | tee $OUT/tests_res.log | tail -n 15
+  timeout ${TEST_LIMIT:-400} python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 --dist load -rfE \
+    tests/test_decode_step.py tests/test_qmv.py tests/test_qmv_tc.py tests/test_fused_fold.py 2>&1 | tee $OUT/tests_gpu.log | tail -n 15
+fi
 (cd "$OUT" && tar czf ../s13-${PART:-a}.tgz . && rm -rf ./* && mv ../s13-${PART:-a}.tgz .)
 echo "== done $(since)"

@@ -160,7 +160,7 @@ def _writer(module, q):
     """A linear adding to the stream, remade to add Q times its output."""
     w, b = _dense(module)
     wt = _rows(w.T, q.apply)  # [in, hidden]: each input's column of W rotated
-    return _linear(wt.T, None if b is None else q.apply(b.astype(mx.float32)).astype(b.dtype))
+    return _linear(mx.contiguous(wt.T), None if b is None else q.apply(b.astype(mx.float32)).astype(b.dtype))
 
 
 def _ones(norm):
@@ -194,9 +194,8 @@ def rotate_residual(model, seed, kind="auto"):
     place; returns it (a Rotation of the hidden size). Affine-quantized layers come out dense."""
     check(model)
     inner = _decoder(model)
-    hidden = inner.embed_tokens.weight.shape[-1] if not isinstance(inner.embed_tokens, nn.QuantizedEmbedding) \
-        else _dense(inner.embed_tokens)[0].shape[-1]
-    q = rot.make_rotation(kind, hidden, seed)
+    emb, _ = _dense(inner.embed_tokens)
+    q = rot.make_rotation(kind, emb.shape[-1], seed)
     if q.kind in ("none", "qr"):
         raise ValueError(f"residual rotation: kind {q.kind!r}; a hadamard or kron rotation is folded (auto picks one)")
     for layer in inner.layers:
@@ -207,7 +206,6 @@ def rotate_residual(model, seed, kind="auto"):
         for path in WRITERS:
             a, b = path.split(".")
             layer[a].update_modules({b: _writer(layer[a][b], q)})
-    emb, _ = _dense(inner.embed_tokens)
     rows = _rows(emb, q.apply)
     if tied(model):
         gain = inner.norm.weight
