@@ -53,10 +53,11 @@ def block_forward(layer, mask):
     return run
 
 
-def decoder(model):
+def decoder(model, purpose="calibration"):
+    """``model.model`` of an mlx-lm decoder; ValueError naming ``purpose`` for anything else."""
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
-        raise ValueError(f"calibration needs an mlx-lm decoder (model.model with embed_tokens, layers, norm); "
+        raise ValueError(f"{purpose} needs an mlx-lm decoder (model.model with embed_tokens, layers, norm); "
                          f"{type(model).__name__} has none")
     return inner
 

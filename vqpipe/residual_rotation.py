@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import rotation as rot
+from .calibrate import decoder
 from .fold import BLOCK_MODULES
 
 READERS = {"input_layernorm": ("q_proj", "k_proj", "v_proj"), "post_attention_layernorm": ("gate_proj", "up_proj")}
@@ -77,14 +78,6 @@ class TiedEmbedding(nn.Embedding):
         return super().as_linear(self.head(x))
 
 
-def _decoder(model):
-    inner = getattr(model, "model", None)
-    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
-        raise ValueError(f"residual rotation needs an mlx-lm decoder (model.model with embed_tokens, layers, norm); "
-                         f"{type(model).__name__} has none")
-    return inner
-
-
 def tied(model):
     """Whether the output head is the embedding table (mlx-lm calls ``embed_tokens.as_linear``)."""
     if "lm_head" in model:
@@ -94,7 +87,7 @@ def tied(model):
 
 def check(model):
     """Raise ValueError naming what keeps ``model`` from a residual rotation (nothing changed)."""
-    inner = _decoder(model)
+    inner = decoder(model, "residual rotation")
     for i, layer in enumerate(inner.layers):
         if type(layer).__module__ not in BLOCK_MODULES:
             raise ValueError(f"residual rotation: block {i} is {type(layer).__module__}.{type(layer).__name__}; "
@@ -193,7 +186,7 @@ def rotate_residual(model, seed, kind="auto"):
     """Fold one rotation of the residual stream into ``model`` (dense or affine-quantized weights), in
     place; returns it (a Rotation of the hidden size). Affine-quantized layers come out dense."""
     check(model)
-    inner = _decoder(model)
+    inner = decoder(model, "residual rotation")
     emb, _ = _dense(inner.embed_tokens)
     q = rot.make_rotation(kind, emb.shape[-1], seed)
     if q.kind in ("none", "qr"):
