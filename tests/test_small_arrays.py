@@ -2,7 +2,7 @@
 
 import mlx.core as mx
 
-from vqpipe import bitpack, qmv, qmv_tc, small_arrays
+from vqpipe import bitpack, qmv, small_arrays
 
 
 def test_padding_lengths_and_values():
@@ -19,10 +19,10 @@ def test_padding_lengths_and_values():
 
 
 def test_split_points_are_padded_and_cached_per_setting():
-    assert qmv_tc._seg([896, 1024]).nbytes == 16 and qmv_tc._seg([896, 1024]) is qmv_tc._seg((896, 1024))
+    assert small_arrays.constant([896, 1024], mx.int32).nbytes == 16 and small_arrays.constant([896, 1024], mx.int32) is small_arrays.constant((896, 1024), mx.int32)
     with small_arrays.padded(False):
-        assert qmv_tc._seg([896, 1024]).nbytes == 8
-    assert qmv_tc._seg(None).tolist()[0] == 0 and qmv_tc._seg(None).nbytes == 16
+        assert small_arrays.constant([896, 1024], mx.int32).nbytes == 8
+    assert small_arrays.constant([0], mx.int32).tolist()[0] == 0 and small_arrays.constant([0], mx.int32).nbytes == 16
 
 
 def test_qmv_launch_feeds_padded_split_points(monkeypatch):

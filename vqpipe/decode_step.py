@@ -267,10 +267,8 @@ class Decoder:
         caches = self.new_cache()
         token, done = self.prefill(prompt, caches, prefill_step)
         self.position = done
-        # the position as a few equal entries, so that its buffer is not in MLX's small pool (small_arrays.py);
-        # the step reads entry 0 (a view) and adds 1 to all
-        pos = (small_arrays.array([done] * small_arrays.length(1, POSITION_DTYPE, True), POSITION_DTYPE)
-               if self.pad_small else mx.array(done, POSITION_DTYPE))
+        # padded, the position's buffer is not in MLX's small pool (small_arrays.py); the step reads entry 0
+        pos = small_arrays.array([done], POSITION_DTYPE, True) if self.pad_small else mx.array(done, POSITION_DTYPE)
         return token, pos, [(c.keys, c.values) for c in caches]
 
     def tokens(self, prompt, max_tokens, prefill_step=2048):

@@ -1164,7 +1164,7 @@ def _prepare(key, dialect, bits, rotation):
                        stages, dialect, LUT)
     _instances.add((dialect, len(spec["output_shapes"]), residual, *(str(v) for _, v in spec["template"])))
     # the split points, read by every thread's store: never from MLX's small-array pool (vqpipe/small_arrays.py)
-    seg = small_arrays.array(splits or [0], mx.int32, key[-1])
+    seg = small_arrays.constant(splits or [0], mx.int32)
     _prepared[key] = entry = (spec, cast_scales, c_dtype != mx.float32, xcap > 0, seg)
     return entry
 

@@ -400,18 +400,6 @@ def packed_for(owner, packed):
     return cached[1]
 
 
-_segs = {}
-
-
-def _seg(splits):
-    """The split points as a device array, made once per (splits, padding): a per-call ``mx.array`` would
-    be a host write on every eager call, and 4-8 bytes would land in MLX's small pool (small_arrays.py)."""
-    key = (tuple(splits or ()), small_arrays.enabled())
-    if key not in _segs:
-        _segs[key] = small_arrays.array(splits or [0], mx.int32)  # made from a list: data already, no graph
-    return _segs[key]
-
-
 def launch(x, repacked, out_features, scales, codebook, bias=None, group_size=None, splits=None, residual=None):
     """One tensor-core launch on the rotated activation ``x`` (bf16) with words from :func:`repack`;
     ``residual`` (the output's shape and dtype, :func:`qmv.residual_fits`): added in the epilogue."""
@@ -421,7 +409,7 @@ def launch(x, repacked, out_features, scales, codebook, bias=None, group_size=No
     spec = launch_spec(x.shape, out_features, scales.shape, None if bias is None else bias.shape, x.dtype,
                        None if bias is None else bias.dtype, group_size,
                        mx.float32 if cast else scales.dtype, None if splits is None else tuple(splits))
-    seg = _seg(splits)
+    seg = small_arrays.constant(splits or [0], mx.int32)
     outs = _kernel(len(spec["output_shapes"]), residual is not None)(
         inputs=[x, repacked, scales.astype(mx.float32) if cast else scales,
                 codebook if codebook.dtype == mx.float32 else codebook.astype(mx.float32),

@@ -197,6 +197,13 @@ def residual_seed(seed):
     return layer_seed(seed, "residual stream")
 
 
+def residual_identity(model, rotation, seed):
+    """The identity (vqpipe/residual_rotation.py) of the residual rotation :func:`rotate_for_quantize`
+    folds into ``model``, known before it does."""
+    hidden = int(model.args.hidden_size)
+    return {"kind": resolve_kind(rotation, hidden), "dim": hidden, "seed": residual_seed(seed)}
+
+
 def rotate_for_quantize(model, rotation, seed, embeddings=True):
     """Fold the residual rotation quantize_model(..., residual=True) uses into ``model``; returns it."""
     if rotation not in ("auto", "hadamard", "kron"):

@@ -54,3 +54,15 @@ def array(values, dtype, pad=None):
     """``values`` as a 1-d array of ``dtype``, zeros after them up to :func:`length` elements."""
     values = list(values)
     return mx.array(values + [0] * (length(len(values), dtype, pad) - len(values)), dtype)
+
+
+_made = {}
+
+
+def constant(values, dtype):
+    """:func:`array` of ``values``, made once per (values, dtype, padding) and reused: a launch's
+    split points, which a per-call ``mx.array`` would write from the host on every eager call."""
+    key = (tuple(values), dtype, _padded)
+    if key not in _made:
+        _made[key] = array(values, dtype)
+    return _made[key]

@@ -26,9 +26,8 @@ from .. import manifest, parallel, record, residual_rotation
 from ..fsutil import atomic_dir, save_safetensors
 from ..fused import fuse_model
 from ..prefault import Prefault
-from ..quantize import (assemble, build_layers, quantize_model, quantized_layers, residual_seed, skeleton,
+from ..quantize import (assemble, build_layers, quantize_model, quantized_layers, residual_identity, skeleton,
                         split_state)
-from ..rotation import resolve_kind
 from ..rotation import KINDS
 
 REFERENCE_PROMPTS = (
@@ -158,12 +157,6 @@ def load_quantized(path):
     return model, load_tokenizer(path)
 
 
-def expected_residual(model, rotation, seed):
-    """The residual rotation quantize_model(..., residual=True) will fold into ``model`` (its identity)."""
-    hidden = int(model.args.hidden_size)
-    return {"kind": resolve_kind(rotation, hidden), "dim": hidden, "seed": residual_seed(seed)}
-
-
 def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -234,7 +227,7 @@ def _quantize(source, bits, rotation, seed, embeddings, lm_head, dtype, progress
             raise ValueError("--moments and --calibration text both give calibration; choose one")
         from . import calibrate as mom
 
-        stored, minfo = mom.load(moments, expected_residual(model, rotation, seed) if residual else None)
+        stored, minfo = mom.load(moments, residual_identity(model, rotation, seed) if residual else None)
         calib = {**minfo["calibration"], "moments": str(moments)}
     elif calib is not None:
         calib["sequential"] = sequential
