@@ -23,7 +23,7 @@ down_proj's into up's rows) where that is exact: vqpipe/fold.py.
 import mlx.core as mx
 
 from . import fold as fold_signs
-from . import qmv
+from . import ext, qmv
 from .qlinear import QuantizedEmbedding, QuantizedLinear, dense_forward
 
 # Sibling names that read the same input in mlx-lm's decoder layers (Llama, Qwen2/3, Mistral, Gemma,
@@ -98,7 +98,11 @@ class FusedGroup:
         if dialect is not None:  # one launch: rotation in its prologue, one output per sibling
             return qmv.launch(dialect, x, self.packed, scales, self.codebook, self.bits, bias,
                               self.group_size, rotation, self.splits, owner=self)
-        y = dense_forward(rotation.apply(x), self.packed, scales, self.codebook, self.bits, bias, self.group_size)
+        xr = rotation.apply(x)
+        if ext.dispatch(x):  # CPU decode: one compiled mat-vec over the group's rows
+            y = ext.matvec(xr, self.packed, scales, self.codebook, self.bits, bias, self.group_size)
+        else:
+            y = dense_forward(xr, self.packed, scales, self.codebook, self.bits, bias, self.group_size)
         return mx.split(y, self.splits, axis=-1)
 
     def matvec(self, xr, flip=False):

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import dequant, qmv
+from . import dequant, ext, qmv
 from . import rotation as rot
 from .codebook import LAYER_BITS, boundaries, check_bits, codebook
 from .bitpack import pack, unpack
@@ -277,8 +277,8 @@ class QuantizedLinear(nn.Module):
         """y for ``x`` rotated by ``rotation`` (the layer's own, or vqpipe/fold.py's copy of it
         without the signs, for an ``x`` that carries them already)."""
         # Decode (a few rows of x) on a GPU: the fused mat-vec reads the packed weights once
-        # (vqpipe/qmv.py). Deterministic, but not bit-identical to the dense path below, which is
-        # what runs everywhere else (the CPU, prefill, the switch off) exactly as before.
+        # (vqpipe/qmv.py); on the CPU the compiled one (vqpipe/ext.py). Deterministic, but not
+        # bit-identical to the dense path below, which runs for prefill and where neither does.
         # (the kernel covers qmv.BITS; a layer of a mixed allocation at 5 or 6 bits runs dense)
         dialect = qmv.dispatch(x) if self.bits in qmv.BITS else None
         if dialect is not None:
@@ -288,6 +288,9 @@ class QuantizedLinear(nn.Module):
                 dialect, x, self["packed"], self["scales"], self["codebook"], self.bits, self.get("bias"),
                 self.group_size, rotation, owner=self,
             )
+        if ext.dispatch(x):  # decode on the CPU: the compiled mat-vec, no dense weight (vqpipe/ext.py)
+            return ext.matvec(rotation.apply(x), self["packed"], self["scales"], self["codebook"], self.bits,
+                              self.get("bias"), self.group_size)
         return dense_forward(rotation.apply(x), self.packed, self.scales, self.codebook, self.bits,
                              self.get("bias"), self.group_size)
 

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Builds vqpipe._ext (csrc/) against the installed MLX and puts the module in vqpipe/.
+# Usage: scripts/build_ext.sh [PYTHON]   (default .venv/bin/python; needs cmake, a C++20 compiler,
+# nanobind; the CUDA kernel also needs nvcc and a CUDA build of MLX)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${1:-.venv/bin/python}
+build=${VQPIPE_EXT_BUILD:-build/ext}
+cmake -S csrc -B "$build" -DPython_EXECUTABLE="$("$PY" -c 'import sys; print(sys.executable)')" \
+  -DCMAKE_BUILD_TYPE=Release >"$build.log" 2>&1 || { mkdir -p "$(dirname "$build")"; cat "$build.log" >&2; exit 1; }
+cmake --build "$build" -j "$(nproc 2>/dev/null || echo 2)" >>"$build.log" 2>&1 || { tail -40 "$build.log" >&2; exit 1; }
+cp "$build"/_ext*.so vqpipe/
+echo "build_ext: $(ls vqpipe/_ext*.so)"
