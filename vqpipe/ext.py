@@ -11,6 +11,7 @@ When the module is missing (not built, or the build failed) everything runs on M
 with one warning per process naming what is missing.
 """
 
+import contextlib
 import math
 import warnings
 
@@ -28,6 +29,7 @@ else:
 MAX_M = 32
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _warned = False
+_enabled = True  # off only inside ``using(False)`` (benchmarks, tests: the dense arm)
 
 
 def available():
@@ -55,7 +57,7 @@ def dispatch(x):
     """Whether a layer's call on ``x`` runs here: the CPU is the default device, 1 <= M <= MAX_M
     and x is float32/float16/bfloat16. Runs per layer per token, so it is kept cheap."""
     shape = x.shape
-    if not 0 < math.prod(shape[:-1]) <= MAX_M or x.dtype not in DTYPES:
+    if not _enabled or not 0 < math.prod(shape[:-1]) <= MAX_M or x.dtype not in DTYPES:
         return False
     if mx.default_device() != mx.cpu:
         return False
@@ -63,6 +65,17 @@ def dispatch(x):
         _warn_missing()
         return False
     return True
+
+
+@contextlib.contextmanager
+def using(flag):
+    """``with ext.using(False): ...`` runs the block on the dense path (an A/B arm)."""
+    global _enabled
+    previous, _enabled = _enabled, bool(flag)
+    try:
+        yield
+    finally:
+        _enabled = previous
 
 
 def matvec(xr, packed, scales, codebook, bits, bias=None, group_size=None):
