@@ -126,12 +126,16 @@ array codebook_matvec(
     }
     inputs.push_back(*bias);
   }
+  auto stream = to_stream(s);
+  if (stream.device == Device::gpu) {  // the CUDA kernel reads plain row-major operands
+    for (auto& a : inputs) a = contiguous(a, false, stream);
+  }
   Shape shape = x.shape();
   shape.back() = out;
   return array(
       std::move(shape),
       x.dtype(),
-      std::make_shared<CodebookMatvec>(to_stream(s), bits, group_size, bias.has_value()),
+      std::make_shared<CodebookMatvec>(stream, bits, group_size, bias.has_value()),
       std::move(inputs));
 }
 

