@@ -212,7 +212,8 @@ void CodebookMatvec::eval_cpu(const std::vector<array>& inputs, array& out) {
 
     auto& pool = vqpipe::Pool::get();
     const size_t work = static_cast<size_t>(rows) * packed.shape(1) * ((m + 7) / 8);
-    const int tasks = work < kSerialWords ? 1 : std::min(pool.size(), rows);
+    // a few tasks per thread: a thread that starts late (a busy machine) leaves its share to the others
+    const int tasks = work < kSerialWords ? 1 : std::min(4 * pool.size(), std::max(1, rows / 16));
     pool.run(tasks, [&](int t) {
       const int r0 = static_cast<int>(static_cast<long long>(rows) * t / tasks);
       const int r1 = static_cast<int>(static_cast<long long>(rows) * (t + 1) / tasks);

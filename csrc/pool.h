@@ -1,11 +1,11 @@
-// A small persistent thread pool: run(n, f) calls f(0..n-1), task i on thread i (the caller is 0;
-// n <= size()). Every worker acknowledges every job, so none can lag into the next one.
-// Workers spin briefly before sleeping: a decode step makes ~100 calls of a few hundred
-// microseconds each, and a condition-variable wake-up per call would cost a noticeable share.
+// A small persistent thread pool: run(n, f) calls f(0..n-1) once each, on the caller and the
+// workers. Tasks are claimed from a shared counter, so a worker the OS has not scheduled yet
+// (a busy machine) delays nothing: the caller takes the tasks it has not claimed.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -22,13 +22,16 @@ class Pool {
 
  private:
   explicit Pool(int threads);
-  void work(int index);
+  void work();
+  void claim(uint64_t job);
 
   std::vector<std::thread> workers_;
   std::mutex run_mutex_, wake_mutex_;
   std::condition_variable wake_;
-  std::atomic<unsigned> generation_{0};
-  std::atomic<int> done_{0};
+  // ticket: job number (high 32 bits) and the next task index (low 32): a worker claims a task
+  // only of the job it saw, by compare-and-swap, so none runs a task of a later job by mistake
+  std::atomic<uint64_t> ticket_{0};
+  std::atomic<int> finished_{0};
   std::atomic<bool> stop_{false};
   int tasks_ = 0;
   const std::function<void(int)>* job_ = nullptr;
