@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <vector>
 
 #include "mlx/types/half_types.h"
 
@@ -203,6 +204,53 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const MatvecArgs& a, int r0, 
   }
 }
 
+// Larger M (prefill-sized): each row decoded once into a buffer, then one dot product per row of x.
+template <int B>
+__attribute__((target("avx2,fma"))) void rows_avx2_wide(const MatvecArgs& a, int r0, int r1) {
+  const int blocks = a.padded / 32, words = B * blocks;
+  const bool whole = a.group_size % 32 == 0;
+  __m256 cb[4];
+  alignas(32) float table[256] = {};
+  std::memcpy(table, a.codebook, sizeof(float) << B);
+  for (int t = 0; t < 4; ++t) cb[t] = _mm256_load_ps(table + 8 * t);
+  const __m256i load_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(B), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  std::vector<float> row(a.padded);
+  alignas(32) float s[32];
+  for (int r = r0; r < r1; ++r) {
+    const uint32_t* w = a.packed + static_cast<size_t>(r) * words;
+    for (int k = 0; k < blocks; ++k, w += B) {
+      __m256i block = _mm256_setzero_si256();
+      if constexpr (B != 2 && B != 4 && B != 8) {
+        block = _mm256_maskload_epi32(reinterpret_cast<const int*>(w), load_mask);
+      }
+      __m256 v[4];
+      for (int g = 0; g < 4; ++g) v[g] = lookup8<B>(codes8<B>(w, block, g), cb, table);
+      if (a.group_scales) {
+        if (whole) {
+          const __m256 sg = _mm256_set1_ps(scale_at(a, r, k * 32 / a.group_size));
+          for (int g = 0; g < 4; ++g) v[g] = _mm256_mul_ps(v[g], sg);
+        } else {
+          block_scales(a, r, k, s);
+          for (int g = 0; g < 4; ++g) v[g] = _mm256_mul_ps(v[g], _mm256_load_ps(s + 8 * g));
+        }
+      }
+      for (int g = 0; g < 4; ++g) _mm256_storeu_ps(row.data() + k * 32 + 8 * g, v[g]);
+    }
+    for (int mm = 0; mm < a.m; ++mm) {
+      const float* xm = a.x + static_cast<size_t>(mm) * a.padded;
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+      for (int i = 0; i < a.padded; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(row.data() + i), _mm256_loadu_ps(xm + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(row.data() + i + 8), _mm256_loadu_ps(xm + i + 8), acc1);
+      }
+      float y = hsum(_mm256_add_ps(acc0, acc1));
+      if (a.row_scales) y *= a.row_scales[r];
+      if (a.bias) y += a.bias[r];
+      a.y[static_cast<size_t>(mm) * a.rows + r] = y;
+    }
+  }
+}
+
 template <int B>
 void rows_avx2_m(const MatvecArgs& a, int r0, int r1, int m0, int mc) {
   switch (mc) {
@@ -214,6 +262,17 @@ void rows_avx2_m(const MatvecArgs& a, int r0, int r1, int m0, int mc) {
     case 6: return rows_avx2<B, 6>(a, r0, r1, m0);
     case 7: return rows_avx2<B, 7>(a, r0, r1, m0);
     default: return rows_avx2<B, 8>(a, r0, r1, m0);
+  }
+}
+
+void rows_avx2_wide_any(const MatvecArgs& a, int r0, int r1) {
+  switch (a.bits) {
+    case 2: return rows_avx2_wide<2>(a, r0, r1);
+    case 3: return rows_avx2_wide<3>(a, r0, r1);
+    case 4: return rows_avx2_wide<4>(a, r0, r1);
+    case 5: return rows_avx2_wide<5>(a, r0, r1);
+    case 6: return rows_avx2_wide<6>(a, r0, r1);
+    default: return rows_avx2_wide<8>(a, r0, r1);
   }
 }
 
@@ -242,8 +301,13 @@ bool has_avx2() {
 }
 
 void matvec_rows(const MatvecArgs& a, int r0, int r1) {
-  // Rows of x in passes of kMaxM: each pass decodes the weights again (the dense path takes
-  // prefill-sized M; these are for decode).
+#ifdef VQ_X86
+  if (has_avx2() && a.m > kMaxM) {
+    rows_avx2_wide_any(a, r0, r1);
+    return;
+  }
+#endif
+  // Rows of x in passes of kMaxM (the portable path decodes the weights again per pass).
   for (int m0 = 0; m0 < a.m; m0 += kMaxM) {
     const int mc = std::min(kMaxM, a.m - m0);
 #ifdef VQ_X86

@@ -127,8 +127,9 @@ array codebook_matvec(
     inputs.push_back(*bias);
   }
   auto stream = to_stream(s);
-  if (stream.device == Device::gpu) {  // the CUDA kernel reads plain row-major operands
+  if (stream.device == Device::gpu) {  // the CUDA kernel reads row-major operands, a float32 bias
     for (auto& a : inputs) a = contiguous(a, false, stream);
+    if (bias) inputs[4] = astype(inputs[4], float32, stream);
   }
   Shape shape = x.shape();
   shape.back() = out;
@@ -211,7 +212,7 @@ void CodebookMatvec::eval_cpu(const std::vector<array>& inputs, array& out) {
     a.group_size = group_size;
 
     auto& pool = vqpipe::Pool::get();
-    const size_t work = static_cast<size_t>(rows) * packed.shape(1) * ((m + 7) / 8);
+    const size_t work = static_cast<size_t>(rows) * packed.shape(1) * (m > 8 ? 2 : 1);
     // a few tasks per thread: a thread that starts late (a busy machine) leaves its share to the others
     const int tasks = work < kSerialWords ? 1 : std::min(4 * pool.size(), std::max(1, rows / 16));
     pool.run(tasks, [&](int t) {

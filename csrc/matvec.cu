@@ -46,11 +46,12 @@ __device__ inline void load_block(const uint32_t* p, uint32_t* w) {
   }
 }
 
-// x, bias: T; scales: ST (float per row, or half/float per group); y: T.
-template <typename T, typename ST, typename BT, int B, int M>
+// x, y: T; scales: ST (float per row, or half/float per group); bias float32 (the op casts it);
+// rows m0 .. m0 + mc - 1 of x (mc <= kMaxM).
+template <typename T, typename ST, int B>
 __global__ void codebook_matvec_kernel(
-    const T* x, const uint32_t* packed, const ST* scales, const float* codebook, const BT* bias, T* y,
-    int rows, int in, int ldx, int group_size, int m0) {
+    const T* x, const uint32_t* packed, const ST* scales, const float* codebook, const float* bias, T* y,
+    int rows, int in, int ldx, int group_size, int m0, int mc) {
   __shared__ float cb[1 << B];
   for (int i = threadIdx.x + threadIdx.y * 32; i < (1 << B); i += 32 * kWarps) cb[i] = codebook[i];
   __syncthreads();
@@ -59,9 +60,9 @@ __global__ void codebook_matvec_kernel(
   const int blocks = (in + 31) / 32;
   const int groups = group_size ? in / group_size : 0;
   const uint32_t* p = packed + static_cast<size_t>(row) * B * blocks;
-  float acc[M];
+  float acc[kMaxM];
 #pragma unroll
-  for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+  for (int m = 0; m < kMaxM; ++m) acc[m] = 0.0f;
   for (int k = lane; k < blocks; k += 32) {
     uint32_t w[B];
     load_block<B>(p + static_cast<size_t>(k) * B, w);
@@ -75,17 +76,20 @@ __global__ void codebook_matvec_kernel(
       float v = cb[q & ((1u << B) - 1)];
       if (group_size) v *= to_float(scales[static_cast<size_t>(row) * groups + i / group_size]);
 #pragma unroll
-      for (int m = 0; m < M; ++m) acc[m] += v * to_float(x[static_cast<size_t>(m0 + m) * ldx + i]);
+      for (int m = 0; m < kMaxM; ++m) {
+        if (m < mc) acc[m] += v * to_float(x[static_cast<size_t>(m0 + m) * ldx + i]);
+      }
     }
   }
 #pragma unroll
-  for (int m = 0; m < M; ++m) {
+  for (int m = 0; m < kMaxM; ++m) {
+    if (m >= mc) break;
     float s = acc[m];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
     if (lane == 0) {
       if (!group_size) s *= to_float(scales[row]);
-      if (bias) s += to_float(bias[row]);
+      if (bias) s += bias[row];
       y[static_cast<size_t>(m0 + m) * rows + row] = from_float<T>(s);
     }
   }
@@ -112,20 +116,6 @@ void dispatch_bits(int bits, F&& f) {
   }
 }
 
-template <typename F>
-void dispatch_m(int m, F&& f) {
-  switch (m) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    case 6: return f(std::integral_constant<int, 6>{});
-    case 7: return f(std::integral_constant<int, 7>{});
-    default: return f(std::integral_constant<int, 8>{});
-  }
-}
-
 } // namespace
 
 bool codebook_matvec_has_gpu() {
@@ -148,31 +138,25 @@ void CodebookMatvec::eval_gpu(const std::vector<array>& inputs, array& out) {
   const dim3 grid((rows + kWarps - 1) / kWarps), block(32, kWarps);
   dispatch_dtype(x.dtype(), [&](auto t) {
     using T = decltype(t);
-    dispatch_dtype(has_bias_ ? inputs[4].dtype() : x.dtype(), [&](auto bt) {
-      using BT = decltype(bt);
-      dispatch_bits(bits_, [&](auto b) {
-        constexpr int B = decltype(b)::value;
-        auto launch = [&](auto st) {
-          using ST = decltype(st);
-          for (int m0 = 0; m0 < m; m0 += kMaxM) {
-            dispatch_m(std::min(kMaxM, m - m0), [&](auto mc) {
-              constexpr int MC = decltype(mc)::value;
-              // add_kernel_node takes the addresses of its arguments: plain mutable locals
-              int n_rows = rows, n_in = in, ldx = in, gs = group_size, first = m0;
-              encoder.add_kernel_node(
-                  codebook_matvec_kernel<T, ST, BT, B, MC>, grid, block,
-                  gpu_ptr<T>(x), gpu_ptr<uint32_t>(packed), gpu_ptr<ST>(scales), gpu_ptr<float>(codebook),
-                  has_bias_ ? gpu_ptr<BT>(inputs[4]) : static_cast<const BT*>(nullptr), gpu_ptr<T>(out),
-                  n_rows, n_in, ldx, gs, first);
-            });
-          }
-        };
-        if (scales.dtype() == float16) {
-          launch(__half{});
-        } else {
-          launch(float{});
+    dispatch_bits(bits_, [&](auto b) {
+      constexpr int B = decltype(b)::value;
+      auto launch = [&](auto st) {
+        using ST = decltype(st);
+        for (int m0 = 0; m0 < m; m0 += kMaxM) {
+          // add_kernel_node takes the addresses of its arguments: plain mutable locals
+          int n_rows = rows, n_in = in, ldx = in, gs = group_size, first = m0, mc = std::min(kMaxM, m - m0);
+          encoder.add_kernel_node(
+              codebook_matvec_kernel<T, ST, B>, grid, block,
+              gpu_ptr<T>(x), gpu_ptr<uint32_t>(packed), gpu_ptr<ST>(scales), gpu_ptr<float>(codebook),
+              has_bias_ ? gpu_ptr<float>(inputs[4]) : static_cast<const float*>(nullptr), gpu_ptr<T>(out),
+              n_rows, n_in, ldx, gs, first, mc);
         }
-      });
+      };
+      if (scales.dtype() == float16) {
+        launch(__half{});
+      } else {
+        launch(float{});
+      }
     });
   });
 }

@@ -9,5 +9,6 @@ build=${VQPIPE_EXT_BUILD:-build/ext}
 cmake -S csrc -B "$build" -DPython_EXECUTABLE="$("$PY" -c 'import sys; print(sys.executable)')" \
   -DCMAKE_BUILD_TYPE=Release >"$build.log" 2>&1 || { mkdir -p "$(dirname "$build")"; cat "$build.log" >&2; exit 1; }
 cmake --build "$build" -j "$(nproc 2>/dev/null || echo 2)" >>"$build.log" 2>&1 || { tail -40 "$build.log" >&2; exit 1; }
-cp "$build"/_ext*.so vqpipe/
+# a new file, renamed into place: a running process keeps the module it mapped
+for so in "$build"/_ext*.so; do cp "$so" "vqpipe/.$(basename "$so").new" && mv -f "vqpipe/.$(basename "$so").new" "vqpipe/$(basename "$so")"; done
 echo "build_ext: $(ls vqpipe/_ext*.so)"

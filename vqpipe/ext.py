@@ -24,9 +24,10 @@ except ImportError as error:  # not built: vqpipe runs on MLX ops
 else:
     _missing = None
 
-# Rows of x (product of the leading dims) up to which the CPU takes the extension: measured against
-# the dense path on SmolLM2's shapes (docs/ext.md); above it, prefill, the dense matmul.
-MAX_M = 32
+# Rows of x (product of the leading dims) up to which the CPU takes the extension; above it the
+# dense path. Measured on SmolLM2's gate|up and down (docs/ext.md): the extension was faster at
+# every M up to 128 (1.6-2.5x there; it decodes the codes again per 8 rows, the dense path once).
+MAX_M = 128
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _warned = False
 _enabled = True  # off only inside ``using(False)`` (benchmarks, tests: the dense arm)
