@@ -25,9 +25,9 @@ else:
     _missing = None
 
 # Rows of x (product of the leading dims) up to which the CPU takes the extension; above it the
-# dense path. Measured on SmolLM2's gate|up and down (docs/ext.md): the extension was faster at
-# every M up to 128 (1.6-2.5x there; it decodes the codes again per 8 rows, the dense path once).
-MAX_M = 128
+# dense path. Measured on SmolLM2's gate|up and down (docs/ext.md, vqpipe/bench/ext_decode.py
+# --threshold): the extension 2.6-3.1x faster at M = 64, even with the dense path at M = 128.
+MAX_M = 64
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 _warned = False
 _enabled = True  # off only inside ``using(False)`` (benchmarks, tests: the dense arm)
