@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -17,6 +18,7 @@ namespace vqpipe {
 namespace {
 
 constexpr int kMaxM = 8; // rows of x per pass; more are done in passes of 8
+std::atomic<bool> portable{false};
 
 inline float scale_at(const MatvecArgs& a, int row, int group) {
   const int groups = a.in_features / a.group_size;
@@ -294,10 +296,14 @@ void rows_avx2_any(const MatvecArgs& a, int r0, int r1, int m0, int mc) {
 bool has_avx2() {
 #ifdef VQ_X86
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
+  return yes && !portable.load(std::memory_order_relaxed);
 #else
   return false;
 #endif
+}
+
+bool set_portable(bool flag) {
+  return portable.exchange(flag);
 }
 
 void matvec_rows(const MatvecArgs& a, int r0, int r1) {

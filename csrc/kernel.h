@@ -24,4 +24,7 @@ void matvec_rows(const MatvecArgs& a, int r0, int r1);
 // Whether the AVX2/FMA kernel runs on this machine (else the portable one).
 bool has_avx2();
 
+// Take the portable kernel even where AVX2 is there (tests); returns the previous setting.
+bool set_portable(bool flag);
+
 } // namespace vqpipe

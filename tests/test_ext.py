@@ -215,3 +215,20 @@ def test_greedy_tokens_equal_the_dense_path(tiny_llama_source, bits, group_size)
         with ext.using(False):
             want = _greedy(model, prompt, 10)
         assert _greedy(model, prompt, 10) == want
+
+
+@pytest.mark.parametrize("bits", LAYER_BITS)
+def test_portable_kernel(bits):
+    """The scalar kernel (machines without AVX2/FMA) under the same bound, per-row and group scales."""
+    rng = np.random.default_rng(100 + bits)
+    n = 1536
+    previous = ext.module().set_portable(True)
+    try:
+        assert not ext.module().has_avx2()
+        for group_size, m in ((None, 1), (64, 5), (48, 12)):
+            idx, packed, cb, scales, b = _layer(rng, bits, 45, n, group_size)
+            x = rng.standard_normal((m, n)).astype(np.float32)
+            ref, bound = _reference(x, idx, cb, scales, b, group_size)
+            assert np.all(np.abs(np.array(_run(x, packed, cb, scales, b, bits, group_size)) - ref) <= bound)
+    finally:
+        ext.module().set_portable(previous)
