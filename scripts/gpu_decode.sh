@@ -56,13 +56,13 @@ if want tests_rev4; then
     $GPU_TESTS -k "not matches_float64_reference"
 fi
 if want big; then
-  TAIL=60 run bench_decode_8b "${BIG_LIMIT:-300}" $PY -m vqpipe.bench.decode_shapes --preset llama3-8b \
+  TAIL=60 run bench_decode_8b "${BIG_LIMIT:-300}" $PY -m experiments.decode_shapes --preset llama3-8b \
     --prompt-lengths 512 4096 --gen-tokens 128 --repeats ${BIG_REPEATS:-5} --bits ${BIG_BITS:-4 3 2} \
     --prologue-bits ${BIG_ROT_BITS:-4} --out "$OUT/bench-decode-llama3-8b.json"
 fi
 if want shapes; then
   P=${SHAPES_PRESET:-qwen2.5-0.5b}
-  TAIL=60 run bench_decode_shapes_$P "${SHAPES_LIMIT:-120}" $PY -m vqpipe.bench.decode_shapes --preset $P \
+  TAIL=60 run bench_decode_shapes_$P "${SHAPES_LIMIT:-120}" $PY -m experiments.decode_shapes --preset $P \
     --prompt-lengths ${SHAPES_LENGTHS:-512 4096} --gen-tokens ${SHAPES_GEN:-128} --repeats ${SHAPES_REPEATS:-5} \
     --bits ${SHAPES_BITS:-4 2} --prologue-bits 4 --copy-mib ${SHAPES_COPY_MIB:-1024} --out "$OUT/bench-decode-$P.json"
 fi
@@ -74,34 +74,34 @@ if want tests_c; then
     tests/test_decode_step.py
 fi
 if want big_c; then
-  TAIL=80 run bench_decode_8b_compiled "${BIG_LIMIT:-200}" $PY -m vqpipe.bench.decode_shapes --preset llama3-8b \
+  TAIL=80 run bench_decode_8b_compiled "${BIG_LIMIT:-200}" $PY -m experiments.decode_shapes --preset llama3-8b \
     --prompt-lengths 512 --gen-tokens 128 --repeats ${BIG_REPEATS:-5} --bits ${BIG_BITS:-4 3 2} --compiled \
     --prologue-bits ${BIG_ROT_BITS:-} --out "$OUT/bench-decode-llama3-8b-compiled.json"
 fi
 if want shapes_c; then
-  TAIL=80 run bench_decode_qwen_compiled "${SHAPES_LIMIT:-150}" $PY -m vqpipe.bench.decode_shapes --preset qwen2.5-0.5b \
+  TAIL=80 run bench_decode_qwen_compiled "${SHAPES_LIMIT:-150}" $PY -m experiments.decode_shapes --preset qwen2.5-0.5b \
     --prompt-lengths 512 4096 --gen-tokens 128 --repeats ${SHAPES_REPEATS:-5} --bits ${SHAPES_BITS:-4 2} --compiled \
     --prologue-bits 4 --out "$OUT/bench-decode-qwen2.5-0.5b-compiled.json"
 fi
 if want opsbuf; then
   for n in ${OPSBUF:-100 500}; do
-    TAIL=14 MLX_MAX_OPS_PER_BUFFER=$n run profile_qwen_opsbuf$n 60 $PY -m vqpipe.bench.decode_shapes --preset qwen2.5-0.5b \
+    TAIL=14 MLX_MAX_OPS_PER_BUFFER=$n run profile_qwen_opsbuf$n 60 $PY -m experiments.decode_shapes --preset qwen2.5-0.5b \
       --profile-only --bits 4 --compiled --prologue-bits 4 --copy-mib 64 --out "$OUT/profile-qwen-opsbuf$n.json"
   done
 fi
 if want split; then  # decode_step's split mode: qwen timed at P = 512, the 8B step profiles
-  TAIL=40 run bench_decode_qwen_split "${SPLIT_LIMIT:-75}" $PY -m vqpipe.bench.decode_shapes --preset qwen2.5-0.5b \
+  TAIL=40 run bench_decode_qwen_split "${SPLIT_LIMIT:-75}" $PY -m experiments.decode_shapes --preset qwen2.5-0.5b \
     --prompt-lengths 512 --gen-tokens 128 --repeats 5 --bits 4 --prologue-bits 4 --split --copy-mib 256 \
     --out "$OUT/bench-decode-qwen2.5-0.5b-split.json"
-  TAIL=20 run profile_8b_split "${SPLIT8B_LIMIT:-50}" $PY -m vqpipe.bench.decode_shapes --preset llama3-8b \
+  TAIL=20 run profile_8b_split "${SPLIT8B_LIMIT:-50}" $PY -m experiments.decode_shapes --preset llama3-8b \
     --profile-only --bits 4 --split --compiled --copy-mib 256 --out "$OUT/profile-llama3-8b-split.json"
 fi
 if want big_c4096; then
-  TAIL=40 run bench_decode_8b_compiled_4096 "${BIG4096_LIMIT:-150}" $PY -m vqpipe.bench.decode_shapes --preset llama3-8b \
+  TAIL=40 run bench_decode_8b_compiled_4096 "${BIG4096_LIMIT:-150}" $PY -m experiments.decode_shapes --preset llama3-8b \
     --prompt-lengths 4096 --gen-tokens 128 --repeats 5 --bits 4 --compiled --out "$OUT/bench-decode-llama3-8b-compiled-4096.json"
 fi
 if want qmv; then
-  run bench_qmv "${QMV_LIMIT:-150}" $PY -m vqpipe bench-qmv --modes ${QMV_MODES:-independent chained} \
+  run bench_qmv "${QMV_LIMIT:-150}" $PY -m experiments.bench_qmv --modes ${QMV_MODES:-independent chained} \
     --repeats ${QMV_REPEATS:-20} --shapes ${QMV_SHAPES:-qwen-qkv qwen-q/o qwen-gateup qwen-down qwen-lm_head l3-qkv l3-o l3-gateup l3-down l3-lm_head} \
     ${QMV_EXTRA:-} --out "$OUT/bench-qmv.json"
 fi
@@ -111,10 +111,10 @@ if want tests_sweep; then
 fi
 if want qmv_bits; then
   for b in 2 3; do
-    run bench_qmv_b$b 60 $PY -m vqpipe bench-qmv --bits $b --modes independent --repeats 20 \
+    run bench_qmv_b$b 60 $PY -m experiments.bench_qmv --bits $b --modes independent --repeats 20 \
       --shapes l3-gateup l3-down l3-lm_head qwen-lm_head --out "$OUT/bench-qmv-b$b.json"
   done
-  run bench_qmv_m4 60 $PY -m vqpipe bench-qmv --m 4 --modes independent --repeats 20 \
+  run bench_qmv_m4 60 $PY -m experiments.bench_qmv --m 4 --modes independent --repeats 20 \
     --shapes l3-gateup l3-down l3-lm_head --out "$OUT/bench-qmv-m4.json"
 fi
 if want pipeline; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 12 coordinator's H200 job. PART=a: host time per primitive by kind (vqpipe/bench/host_cost.py)
+# Session 12 coordinator's H200 job. PART=a: host time per primitive by kind (experiments/host_cost.py)
 # under MLX_MAX_OPS_PER_BUFFER 20 and 250, then KIVI end to end with the v4 default (gpu_kivi7.sh PART=b,
 # no Nsight). PART=b: the 8B split bench under MLX_MAX_OPS_PER_BUFFER=250 (gpu_prep.sh PART=b).
 set -o pipefail
@@ -9,7 +9,7 @@ mkdir -p "$OUT"
 export MLX_PTX_CACHE_DIR=/root/ptx
 if [ "${PART:-a}" = a ]; then
   for n in 20 250 20 250; do
-    MLX_MAX_OPS_PER_BUFFER=$n timeout 60 python3 -m vqpipe.bench.host_cost --out $OUT/host-ops$n.json 2>&1 | sed "s/^/ops$n /" | tee -a $OUT/host.log
+    MLX_MAX_OPS_PER_BUFFER=$n timeout 60 python3 -m experiments.host_cost --out $OUT/host-ops$n.json 2>&1 | sed "s/^/ops$n /" | tee -a $OUT/host.log
   done
   OUT=$OUT/kivi NCU_CONTEXTS=" " DEC_LIMIT=${DEC_LIMIT:-200} PART=b bash scripts/gpu_kivi7.sh 2>&1 | tail -40
 fi
@@ -24,7 +24,7 @@ if [ "${PART}" = c ]; then
 fi
 # PART=d: qwen2.5-0.5b split step at P=512 (the host-bound preset), then the 8B bench under 250 ops per graph.
 if [ "${PART}" = d ]; then
-  timeout ${LQ:-90} python3 -m vqpipe.bench.decode_shapes --preset qwen2.5-0.5b --out $OUT/qwen-split.json \
+  timeout ${LQ:-90} python3 -m experiments.decode_shapes --preset qwen2.5-0.5b --out $OUT/qwen-split.json \
     --prompt-lengths 512 --gen-tokens 32 --repeats 6 --bits 4 --epilogue-bits 4 --prep-bits 4 --split-only \
     --aa-arm vqpipe-b4+s --attribution --copy-mib 256 2>&1 | tee $OUT/qwen.log | grep -E "^step|attribution|decode " | tail -40
   OUT=$OUT/ops250 PART=b L8=${L8:-230} bash scripts/gpu_prep.sh 2>&1 | grep -E "^step|attribution|decode " | tail -40
@@ -32,7 +32,7 @@ fi
 # PART=e: the view layouts side by side (vqpipe-b4+s lean vs vqpipe-b4+v+s mlx-lm's), qwen then 8B.
 if [ "${PART}" = e ]; then
   for p in qwen2.5-0.5b llama3-8b; do
-    timeout ${LE:-170} python3 -m vqpipe.bench.decode_shapes --preset $p --out $OUT/views-$p.json \
+    timeout ${LE:-170} python3 -m experiments.decode_shapes --preset $p --out $OUT/views-$p.json \
       --prompt-lengths 512 --gen-tokens 32 --repeats ${REPEATS:-8} --bits 4 --mlx-views-bits 4 --split-only \
       --aa-arm vqpipe-b4+s --attribution --copy-mib 256 2>&1 | tee $OUT/views-$p.log | grep -E "^step|attribution|decode" | tail -30
   done

@@ -5,7 +5,7 @@
 # On the team's NVIDIA host (MLX CUDA backend, offline), after staging the runtime bundle
 # (docs/kivi.md, "Running on a GPU"):   bash scripts/gpu_kivi.sh
 # Elsewhere (e.g. a Mac with Metal):      PYTHON=.venv/bin/python bash scripts/gpu_kivi.sh
-# STEPS picks steps (default "kernels bench generation cpu_suite"; "nvrtc": vqpipe/nvrtc.py and its
+# STEPS picks steps (default "kernels bench generation cpu_suite"; "nvrtc": experiments/nvrtc.py and its
 # callers; the packed cache's steps are
 # "attn", its kernel tests, and "bench_attn", bench-kivi-attn with ATTN_ARGS, or its parts one
 # process each: "attn_op", "attn_memory", "attn_decode"; "pick_shape" exports the fastest v3 launch
@@ -54,13 +54,13 @@ fi
 want generation && echo "== generation, kernels on vs off, synthetic presets $(since)" &&
 pt generation 240 --maxfail=3 tests/test_kivi_kernels.py -m gpu -k generation
 
-# vqpipe/nvrtc.py and both of its callers: its tests (the GPU one launches a cubin through
+# experiments/nvrtc.py and both of its callers: its tests (the GPU one launches a cubin through
 # cuda_time's driver calls and PTX through mx.fast.precompiled_cuda_kernel), the qmv harness's
 # tests, and a short run of the qmv GPU-time harness itself (QMV_ARGS).
 if want nvrtc; then
   echo "== nvrtc: tests, qmv GPU-time harness $(since)"
   pt nvrtc 120 tests/test_nvrtc.py tests/test_qmv_gpu_time.py
-  timeout ${QMV_LIMIT:-90} $PY -m vqpipe.bench.qmv_gpu_time --out "$OUT/qmv_gpu_time.json" \
+  timeout ${QMV_LIMIT:-90} $PY -m experiments.qmv_gpu_time --out "$OUT/qmv_gpu_time.json" \
     ${QMV_ARGS:---cases qwen-gateup:4:1 --variants qmv:auto:0 --repeats 5 --warmup 1} 2>&1 | tail -n 8
 fi
 
@@ -69,7 +69,7 @@ pt attn ${ATTN_TEST_LIMIT:-300} --maxfail=5 tests/test_kivi_attention.py -m gpu 
 
 if want bench_attn; then
   echo "== bench-kivi-attn $(since)"
-  timeout ${ATTN_LIMIT:-420} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_attn.json" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attn.log"
+  timeout ${ATTN_LIMIT:-420} $PY -m experiments.bench_kivi_attn --out "$OUT/kivi_attn.json" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attn.log"
 fi
 
 # The packed cache's benchmark in three processes, each under its own limit, so one part that runs
@@ -77,7 +77,7 @@ fi
 # Amdahl prediction reads the op part's rows).
 if want attn_op; then
   echo "== bench-kivi-attn op $(since)"
-  timeout ${OP_LIMIT:-170} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_attn_op.json" --parts op ${OP_ARGS:-} 2>&1
+  timeout ${OP_LIMIT:-170} $PY -m experiments.bench_kivi_attn --out "$OUT/kivi_attn_op.json" --parts op ${OP_ARGS:-} 2>&1
 fi
 # The fastest v3 launch shape per bit width in the op part's JSON (its largest context), exported as
 # VQPIPE_KIVI_V3_SHAPE<bits> for the steps after it (decode_kernel.V3_SHAPES).
@@ -99,30 +99,30 @@ fi
 # A second op run (OP2_ARGS) after the pick, so its default arms use the picked shapes.
 if want attn_op2; then
   echo "== bench-kivi-attn op, picked shapes $(since)"
-  timeout ${OP2_LIMIT:-120} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_attn_op2.json" --parts op ${OP2_ARGS:-} 2>&1
+  timeout ${OP2_LIMIT:-120} $PY -m experiments.bench_kivi_attn --out "$OUT/kivi_attn_op2.json" --parts op ${OP2_ARGS:-} 2>&1
 fi
 if want attn_memory; then
   echo "== bench-kivi-attn memory $(since)"
-  timeout ${MEM_LIMIT:-110} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_attn_memory.json" --parts memory ${MEM_ARGS:-} 2>&1
+  timeout ${MEM_LIMIT:-110} $PY -m experiments.bench_kivi_attn --out "$OUT/kivi_attn_memory.json" --parts memory ${MEM_ARGS:-} 2>&1
 fi
 if want attn_decode; then
   echo "== bench-kivi-attn decode $(since)"
-  timeout ${DEC_LIMIT:-150} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_attn_decode.json" --parts decode \
+  timeout ${DEC_LIMIT:-150} $PY -m experiments.bench_kivi_attn --out "$OUT/kivi_attn_decode.json" --parts decode \
     $(for f in kivi_attn_op2.json kivi_attn_op.json; do [ -f "$OUT/$f" ] && echo --op-from "$OUT/$f" && break; done) ${DEC_ARGS:-} 2>&1
 fi
 
-# The launch-cost probe (vqpipe/bench/kivi_floor.py; FLOOR_ARGS), then, where the host has
+# The launch-cost probe (experiments/kivi_floor.py; FLOOR_ARGS), then, where the host has
 # them, the same probe under Nsight Systems (CUDA API and NVTX ranges, kernel durations; NSYS_ARGS)
 # and one decode-kernel launch under Nsight Compute (NCU_ARGS).
 if want floor; then
   echo "== bench-kivi-floor $(since)"
-  timeout ${FLOOR_LIMIT:-90} $PY -m vqpipe.bench.kivi_floor --out "$OUT/kivi_floor.json" ${FLOOR_ARGS:-} 2>&1
+  timeout ${FLOOR_LIMIT:-90} $PY -m experiments.kivi_floor --out "$OUT/kivi_floor.json" ${FLOOR_ARGS:-} 2>&1
 fi
 if want nsys; then
   echo "== nsys $(since)"
   if command -v nsys >/dev/null; then
     timeout ${NSYS_LIMIT:-60} nsys profile -t cuda,nvtx -s none --cpuctxsw=none -f true -o "$OUT/floor_nsys" \
-      $PY -m vqpipe.bench.kivi_floor --out "$OUT/kivi_floor_nsys.json" ${NSYS_ARGS:---contexts 32768 --repeats 5 --warmup 2 --arms sdpa,noop1,noop11-float3,noop11,kivi4-float3,kivi4} >"$OUT/nsys_run.log" 2>&1
+      $PY -m experiments.kivi_floor --out "$OUT/kivi_floor_nsys.json" ${NSYS_ARGS:---contexts 32768 --repeats 5 --warmup 2 --arms sdpa,noop1,noop11-float3,noop11,kivi4-float3,kivi4} >"$OUT/nsys_run.log" 2>&1
     timeout ${NSYS_STATS_LIMIT:-60} nsys stats -q --report cuda_api_sum,cuda_gpu_kern_sum,nvtx_sum --format csv -o "$OUT/nsys" "$OUT/floor_nsys.nsys-rep" >/dev/null 2>&1
     ls "$OUT" | grep nsys
   else
@@ -134,7 +134,7 @@ if want ncu; then
   if command -v ncu >/dev/null; then
     timeout ${NCU_LIMIT:-60} ncu --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section MemoryWorkloadAnalysis --section SchedulerStats -k regex:kivi_decode_attn -c 1 \
-      $PY -m vqpipe.bench.kivi_floor --out "$OUT/kivi_floor_ncu.json" ${NCU_ARGS:---contexts 32768 --layers 2 --repeats 1 --warmup 0 --arms sdpa,kivi4} \
+      $PY -m experiments.kivi_floor --out "$OUT/kivi_floor_ncu.json" ${NCU_ARGS:---contexts 32768 --layers 2 --repeats 1 --warmup 0 --arms sdpa,kivi4} \
       >"$OUT/ncu.log" 2>&1
     tail -n 80 "$OUT/ncu.log"
   else
@@ -142,16 +142,16 @@ if want ncu; then
   fi
 fi
 
-# The sixth window's steps. "latency": bench-kivi-latency (vqpipe/bench/kivi_latency.py; LAT_ARGS),
+# The sixth window's steps. "latency": bench-kivi-latency (experiments/kivi_latency.py; LAT_ARGS),
 # every context's arms in one interleave, then the same contexts one after another (LATSEQ_ARGS, the
 # old probe's order, to tell which fp16 32k baseline is right); "pick_latency" exports the v3 shape
 # per bit width whose chained arm is fastest summed over the contexts; "compiled_decode": end to end
 # with the compiled step (DEC_ARGS2); "gputests": the KIVI GPU tests in 8 xdist workers (GPUTEST_LIMIT).
 if want latency; then
   echo "== bench-kivi-latency, contexts interleaved $(since)"
-  timeout ${LAT_LIMIT:-150} $PY -m vqpipe.bench.kivi_latency --out "$OUT/kivi_latency.json" ${LAT_ARGS:-} 2>&1 | tee "$OUT/latency.log"
+  timeout ${LAT_LIMIT:-150} $PY -m experiments.kivi_latency --out "$OUT/kivi_latency.json" ${LAT_ARGS:-} 2>&1 | tee "$OUT/latency.log"
   [ -n "${LATSEQ_ARGS:-}" ] && echo "== bench-kivi-latency, contexts in sequence $(since)" &&
-    timeout ${LATSEQ_LIMIT:-60} $PY -m vqpipe.bench.kivi_latency --out "$OUT/kivi_latency_seq.json" --sequential $LATSEQ_ARGS 2>&1 | tee "$OUT/latency_seq.log"
+    timeout ${LATSEQ_LIMIT:-60} $PY -m experiments.kivi_latency --out "$OUT/kivi_latency_seq.json" --sequential $LATSEQ_ARGS 2>&1 | tee "$OUT/latency_seq.log"
 fi
 if want pick_latency && [ -f "$OUT/kivi_latency.json" ]; then
   echo "== pick the v3 launch shape from the chained arms $(since)"
@@ -174,7 +174,7 @@ EOF2
 fi
 if want compiled_decode; then
   echo "== end to end, eager and compiled $(since)"
-  timeout ${DEC2_LIMIT:-200} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_decode.json" --parts decode --compiled ${DEC_ARGS2:-} 2>&1 | tee "$OUT/decode.log"
+  timeout ${DEC2_LIMIT:-200} $PY -m experiments.bench_kivi_attn --out "$OUT/kivi_decode.json" --parts decode --compiled ${DEC_ARGS2:-} 2>&1 | tee "$OUT/decode.log"
 fi
 if want gputests; then
   echo "== KIVI GPU tests, 8 workers $(since)"

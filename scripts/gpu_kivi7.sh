@@ -25,7 +25,7 @@ if [ "${PART:-a}" = a ]; then
   timeout ${GPUTEST_LIMIT:-200} $PY -m pytest -q -ra -p no:cacheprovider -m gpu -n 8 --dist load tests/test_kivi_attention.py \
     tests/test_kivi_compiled.py ${GPUTEST_K:+-k "$GPUTEST_K"} 2>&1 | tee "$OUT/gputests.log" | tail -n 30
   echo "== bench-kivi-latency $(since)"
-  timeout ${LAT_LIMIT:-200} $PY -m vqpipe.bench.kivi_latency --out "$OUT/kivi_latency.json" ${LAT_ARGS:-} 2>&1 | tee "$OUT/latency.log"
+  timeout ${LAT_LIMIT:-200} $PY -m experiments.kivi_latency --out "$OUT/kivi_latency.json" ${LAT_ARGS:-} 2>&1 | tee "$OUT/latency.log"
 else
   # Nsight Compute, one launch per kernel at each context (real clocks): device time of fp16 SDPA,
   # v4 and v3 chained, and what limits v4
@@ -35,15 +35,15 @@ else
     echo "== ncu at $s $(since)"
     timeout ${NCU_LIMIT:-60} "$NCU" --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
       --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats -k regex:"kivi_decode_attn|sdpa" -c ${NCU_COUNT:-8} \
-      $PY -m vqpipe.bench.kivi_floor --out "$OUT/floor_ncu_$s.json" --contexts $s --layers 2 --repeats 1 --warmup 0 \
+      $PY -m experiments.kivi_floor --out "$OUT/floor_ncu_$s.json" --contexts $s --layers 2 --repeats 1 --warmup 0 \
       --arms ${NCU_ARMS:-kivi4-v4-chain,kivi4-v3-chain} > "$OUT/ncu_$s.log" 2>&1
     grep -E "kivi_decode_attn|sdpa|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|No Eligible|Issued Warp" "$OUT/ncu_$s.log" | head -n 80
   done
   echo "== end to end, VQPIPE_KIVI_DECODE=${VQPIPE_KIVI_DECODE:-default} $(since)"
-  timeout ${DEC_LIMIT:-200} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_decode_v4.json" --parts decode --compiled ${DEC_ARGS:-} 2>&1 | tee "$OUT/decode_v4.log"
+  timeout ${DEC_LIMIT:-200} $PY -m experiments.bench_kivi_attn --out "$OUT/kivi_decode_v4.json" --parts decode --compiled ${DEC_ARGS:-} 2>&1 | tee "$OUT/decode_v4.log"
   if [ -n "${V3_TOO:-}" ]; then
     echo "== end to end, v3 $(since)"
-    VQPIPE_KIVI_DECODE=v3 timeout ${DEC3_LIMIT:-150} $PY -m vqpipe bench-kivi-attn --out "$OUT/kivi_decode_v3.json" --parts decode --compiled ${DEC_ARGS:-} 2>&1 | tee "$OUT/decode_v3.log"
+    VQPIPE_KIVI_DECODE=v3 timeout ${DEC3_LIMIT:-150} $PY -m experiments.bench_kivi_attn --out "$OUT/kivi_decode_v3.json" --parts decode --compiled ${DEC_ARGS:-} 2>&1 | tee "$OUT/decode_v3.log"
   fi
 fi
 echo "== done $(since)"

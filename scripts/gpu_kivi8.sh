@@ -26,7 +26,7 @@ if [ "${PART:-a}" = a ]; then
   timeout ${GPUTEST_LIMIT:-150} $PY -m pytest -q -ra -p no:cacheprovider -m gpu -n 8 --dist load tests/test_kivi_attention.py \
     tests/test_kivi_compiled.py ${GPUTEST_K:+-k "$GPUTEST_K"} 2>&1 | tee "$OUT/gputests.log" | tail -n 30
   echo "== bench-kivi-latency $(since)"
-  timeout ${LAT_LIMIT:-120} $PY -m vqpipe.bench.kivi_latency --out "$OUT/kivi_latency.json" ${LAT_ARGS:-} 2>&1 | tee "$OUT/latency.log"
+  timeout ${LAT_LIMIT:-120} $PY -m experiments.kivi_latency --out "$OUT/kivi_latency.json" ${LAT_ARGS:-} 2>&1 | tee "$OUT/latency.log"
 else
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)
   for s in ${NCU_CONTEXTS:-32768}; do
@@ -34,7 +34,7 @@ else
     echo "== ncu at $s $(since)"
     timeout ${NCU_LIMIT:-60} "$NCU" --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
       --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats -k regex:"kivi_decode_attn|sdpa" -c ${NCU_COUNT:-8} \
-      $PY -m vqpipe.bench.kivi_floor --out "$OUT/floor_ncu_$s.json" --contexts $s --layers 2 --repeats 1 --warmup 0 \
+      $PY -m experiments.kivi_floor --out "$OUT/floor_ncu_$s.json" --contexts $s --layers 2 --repeats 1 --warmup 0 \
       --arms ${NCU_ARMS:-kivi4-v4-chain,kivi4-v4r-chain} > "$OUT/ncu_$s.log" 2>&1
     grep -E "kivi_decode_attn|sdpa|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|No Eligible|Issued Warp" "$OUT/ncu_$s.log" | head -n 80
   done

@@ -14,7 +14,7 @@ gpu_record_env "$OUT/env.txt" > /dev/null
 export MLX_PTX_CACHE_DIR=/root/ptx
 PART=${PART:-a}
 bench() {  # $1: output prefix
-  timeout ${L8:-230} python3 -m vqpipe.bench.decode_shapes --preset llama3-8b --out $OUT/$1.json \
+  timeout ${L8:-230} python3 -m experiments.decode_shapes --preset llama3-8b --out $OUT/$1.json \
     --prompt-lengths 512 --gen-tokens 32 --repeats ${REPEATS:-8} --bits 4 --epilogue-bits 4 --prep-bits 4 \
     --split-only --aa-arm vqpipe-b4+s --attribution --copy-mib 1024 2>&1 | tee $OUT/$1.log | grep -vE "^  P=.*prefill" | tail -60
 }

@@ -7,7 +7,7 @@
 # Elsewhere (e.g. a Mac with Metal):      PYTHON=.venv/bin/python bash scripts/gpu_qmv.sh
 # STEPS picks steps (default "gpu_time tests bench bench_bits cpu_tests"); BENCH_ARGS goes to bench-qmv;
 # bench_bits times 2 and 3 bits on three large shapes. gpu_time: the kernel's GPU time per launch
-# outside MLX (vqpipe/bench/qmv_gpu_time.py: CUDA events, copy and plain-read arms in the same
+# outside MLX (experiments/qmv_gpu_time.py: CUDA events, copy and plain-read arms in the same
 # process) at the Llama-3-8B shapes, 4 bits, M = 1, against revision 6 if vqpipe/qmv_v6.py is there
 # (`git show 049c2de:vqpipe/qmv.py > vqpipe/qmv_v6.py`, not committed) and the ablations (TIME_VARIANTS
 # overrides the arms); gpu_time_bits: 2/3 bits at M = 1 and 2/3/4 bits at M = 4 at the four shapes
@@ -40,20 +40,20 @@ BASE=""
 if want profile; then
   echo "== profile $(since)"
   gpu_ncu_profile "$OUT/profile" "${PROFILE_LIMIT:-150}" --section MemoryWorkloadAnalysis_Tables \
-    $PY -m vqpipe.bench.qmv_gpu_time --check-only --inputs 1 --max-pool 2 --out "$OUT/profile-check.json" \
+    $PY -m experiments.qmv_gpu_time --check-only --inputs 1 --max-pool 2 --out "$OUT/profile-check.json" \
     --variants ${PROFILE_VARIANTS:-$BASE qmv:auto:0} --cases ${PROFILE_CASES:-l3-gateup:4:1 l3-lm_head:4:1}
 fi
 
 if want gpu_time; then
   echo "== qmv GPU time outside MLX $(since)"
-  timeout "${TIME_LIMIT:-120}" $PY -m vqpipe.bench.qmv_gpu_time --out "$OUT/gpu-time.json" \
+  timeout "${TIME_LIMIT:-120}" $PY -m experiments.qmv_gpu_time --out "$OUT/gpu-time.json" \
     --variants ${TIME_VARIANTS:-qmv:auto:0 $BASE qmv:auto:0:1 qmv:auto:0:1::2 qmv:auto:0:1:nolut qmv:auto:0:0:nolut qmv:auto:0:0:noload} \
     --cases l3-qkv:4:1 l3-gateup:4:1 l3-down:4:1 l3-lm_head:4:1 ${TIME_ARGS:-} 2>&1 | tee "$OUT/gpu-time.log"
 fi
 
 if want gpu_time_bits; then
   echo "== qmv GPU time, 2/3 bits and M > 1 $(since)"
-  timeout "${TIME_BITS_LIMIT:-120}" $PY -m vqpipe.bench.qmv_gpu_time --out "$OUT/gpu-time-bits.json" \
+  timeout "${TIME_BITS_LIMIT:-120}" $PY -m experiments.qmv_gpu_time --out "$OUT/gpu-time-bits.json" \
     --variants ${BITS_VARIANTS:-qmv:auto:0 $BASE qmv:0:0:1} --cases ${BITS_CASES:-l3-qkv:3:1 l3-gateup:3:1 \
     l3-down:3:1 l3-lm_head:3:1 l3-qkv:2:1 l3-gateup:2:1 l3-down:2:1 l3-lm_head:2:1 l3-qkv:4:4 l3-gateup:4:4 l3-down:4:4 \
     l3-lm_head:4:4 l3-qkv:3:4 l3-gateup:3:4 l3-down:3:4 l3-lm_head:3:4 l3-qkv:2:4 l3-gateup:2:4 l3-down:2:4 l3-lm_head:2:4} ${TIME_BITS_ARGS:-} 2>&1 | tee "$OUT/gpu-time-bits.log"
@@ -61,7 +61,7 @@ fi
 
 if want gpu_time_m8; then
   echo "== qmv GPU time, M = 8 $(since)"
-  timeout "${TIME_M8_LIMIT:-120}" $PY -m vqpipe.bench.qmv_gpu_time --out "$OUT/gpu-time-m8.json" \
+  timeout "${TIME_M8_LIMIT:-120}" $PY -m experiments.qmv_gpu_time --out "$OUT/gpu-time-m8.json" \
     --variants ${M8_VARIANTS:-qmv:auto:0 $BASE qmv:0:0:1 qmv:0:0:0} --cases ${M8_CASES:-l3-qkv:4:8 l3-gateup:4:8 \
     l3-down:4:8 l3-lm_head:4:8 l3-qkv:3:8 l3-gateup:3:8 l3-down:3:8 l3-lm_head:3:8 l3-qkv:2:8 l3-gateup:2:8 l3-down:2:8 \
     l3-lm_head:2:8} 2>&1 | tee "$OUT/gpu-time-m8.log"
@@ -75,13 +75,13 @@ fi
 
 if want bench; then
   echo "== bench-qmv $(since)"
-  timeout "${BENCH_LIMIT:-120}" $PY -m vqpipe bench-qmv --out "$OUT/bench-qmv.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+  timeout "${BENCH_LIMIT:-120}" $PY -m experiments.bench_qmv --out "$OUT/bench-qmv.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 fi
 
 if want bench_bits; then
   for b in 2 3; do
     echo "== bench-qmv --bits $b $(since)"
-    timeout "${BITS_LIMIT:-40}" $PY -m vqpipe bench-qmv --bits $b --shapes qwen-lm_head qwen-down llama4k-up \
+    timeout "${BITS_LIMIT:-40}" $PY -m experiments.bench_qmv --bits $b --shapes qwen-lm_head qwen-down llama4k-up \
       --modes independent chained --repeats 20 --copy-mib 256 ${BITS_ARGS:-} --out "$OUT/bench-qmv-b$b.json" 2>&1 | tee "$OUT/bench-b$b.log"
   done
 fi

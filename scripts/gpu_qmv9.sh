@@ -11,11 +11,11 @@ gpu_record_env "$OUT/env.txt" > /dev/null
 PART=${PART:-a}
 B8=${B8:---bits 4 --prologue-bits 4}
 if [ "$PART" = a ]; then
-  timeout ${L8:-190} python3 -m vqpipe.bench.decode_shapes --preset llama3-8b --out $OUT/8b-p512-split.json \
+  timeout ${L8:-190} python3 -m experiments.decode_shapes --preset llama3-8b --out $OUT/8b-p512-split.json \
     --prompt-lengths 512 --gen-tokens 32 --repeats 5 $B8 --split --attribution --copy-mib 1024 2>&1 | tee $OUT/8b.log | grep -vE "^  P=" | tail -40
-  timeout ${LQ:-80} python3 -m vqpipe.bench.decode_shapes --preset qwen2.5-0.5b --out $OUT/qwen-split.json \
+  timeout ${LQ:-80} python3 -m experiments.decode_shapes --preset qwen2.5-0.5b --out $OUT/qwen-split.json \
     --prompt-lengths 4096 512 --gen-tokens 32 --repeats 5 --bits 4 --prologue-bits 4 --split --attribution --copy-mib 1024 2>&1 | tee $OUT/qwen.log | grep -vE "^  P=" | tail -40
-  MLX_USE_CUDA_GRAPHS=0 timeout ${LG:-40} python3 -m vqpipe.bench.decode_shapes --preset qwen2.5-0.5b --out $OUT/qwen-nographs.json \
+  MLX_USE_CUDA_GRAPHS=0 timeout ${LG:-40} python3 -m experiments.decode_shapes --preset qwen2.5-0.5b --out $OUT/qwen-nographs.json \
     --prompt-lengths 512 --bits 4 --split --attribution --profile-only --copy-mib 64 2>&1 | tee $OUT/qwen-nographs.log | grep attribution
 fi
 # PART=b: the split step's host/GPU attribution and interleaved decode under MLX_MAX_OPS_PER_BUFFER
@@ -27,7 +27,7 @@ if [ "$PART" = b ]; then
   timeout 30 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_step_attribution.py 2>&1 | tail -2 | tee $OUT/gpu_tests.log
   for p in ${PRESETS:-llama3-8b qwen2.5-0.5b}; do
     for n in ${OPS:-250 20}; do
-      MLX_MAX_OPS_PER_BUFFER=$n timeout ${LB:-90} python3 -m vqpipe.bench.step_attribution --preset $p \
+      MLX_MAX_OPS_PER_BUFFER=$n timeout ${LB:-90} python3 -m experiments.step_attribution --preset $p \
         --arms bf16 affine4 vqpipe-b4 --gpu-steps 2 --spin-ms 150 --rounds 5 --tokens 32 --out $OUT/attr-$p-ops$n.json 2>&1 | tee $OUT/attr-$p-ops$n.log | grep -E "tok/s| vs "
     done
   done

@@ -1,11 +1,11 @@
-"""bench.decode_shapes on a small preset (the 8B preset it exists for is never built here)."""
+"""experiments.decode_shapes on a small preset (the 8B preset it exists for is never built here)."""
 
 import json
 
 import mlx.core as mx
 import pytest
 
-from vqpipe.bench import decode_shapes
+from experiments import decode_shapes
 from vqpipe.fused import fused_groups
 from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
 

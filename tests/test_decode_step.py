@@ -151,7 +151,7 @@ def test_step_logits_match_eager_within_float32(tiny_llama_source, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_kernel_inside_compiled_step_same_tokens(tiny_llama_source, rot, mode):
     from vqpipe import qmv
-    from vqpipe.bench.decode_shapes import graph_ops
+    from experiments.decode_shapes import graph_ops
 
     model, _ = load(str(tiny_llama_source))
     quantize_model(model, 4, embeddings=True, dtype=mx.float32)

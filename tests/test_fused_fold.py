@@ -9,7 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from vqpipe import fold, fused
 from vqpipe import reservoir as R
-from vqpipe.bench.decode_shapes import graph_ops
+from experiments.decode_shapes import graph_ops
 from vqpipe.decode_step import Decoder
 from vqpipe.quantize import quantize_model, split_state
 from vqpipe.rotation import make_rotation

@@ -99,7 +99,7 @@ def test_decode_shapes_ab_arms_on_cpu(tmp_path):
     give the same ids as vqpipe-b4; the unfolded step has 3 primitives more per layer."""
     import json
 
-    from vqpipe.bench import decode_shapes
+    from experiments import decode_shapes
 
     out = tmp_path / "ab.json"
     with mx.stream(mx.cpu):

@@ -749,7 +749,7 @@ def test_bench_kivi_attn_quick_runs_every_part(tmp_path, monkeypatch):
     part's arms, floors and fields are exercised without a GPU."""
     import json
 
-    from vqpipe.stages import bench_kivi_attn
+    from experiments import bench_kivi_attn
 
     monkeypatch.setattr(decode_kernel, "active", lambda use_kernels=None: use_kernels is not False)
     def stand_in(q, c, scale, **kw):  # the tile path; a launch-bounds variant "fails to compile"
@@ -787,7 +787,7 @@ def test_bench_kivi_attn_quick_runs_every_part(tmp_path, monkeypatch):
 
 def test_bench_kivi_floor_prefill_part_runs_on_cpu(tmp_path):
     """The launch probe's arms need CUDA (skipped here, said so); its prefill part runs anywhere."""
-    from vqpipe.bench import kivi_floor as bench_kivi_floor
+    from experiments import kivi_floor as bench_kivi_floor
 
     out = tmp_path / "floor.json"
     assert bench_kivi_floor.main(["--out", str(out), "--prefill", "300", "--chunk", "32", "--scores", "16",
@@ -808,7 +808,7 @@ def test_bench_kivi_quality_quick(tiny_source, tmp_path):
     and every kind gets perplexity, KL and top-1 agreement."""
     import json
 
-    from vqpipe.stages import bench_kivi_quality
+    from experiments import bench_kivi_quality
 
     out = tmp_path / "q.json"
     assert bench_kivi_quality.main(["--model", str(tiny_source), "--out", str(out), "--windows", "2", "--length", "300",
@@ -878,7 +878,7 @@ def test_bench_kivi_latency_on_cpu(tmp_path, monkeypatch):
     in one interleave, a floor per context, the split table; skipped cleanly without a kernel."""
     import json
 
-    from vqpipe.bench import kivi_latency
+    from experiments import kivi_latency
 
     out = tmp_path / "lat.json"
     assert kivi_latency.main(["--out", str(out), "--contexts", "256", "--layers", "1"]) == 0
@@ -903,7 +903,7 @@ def test_bench_kivi_attn_compiled_decode_arms(tmp_path):
     KIVI width through the compiled step, beside the eager arms (CPU: the tile path)."""
     import json
 
-    from vqpipe.stages import bench_kivi_attn
+    from experiments import bench_kivi_attn
 
     out = tmp_path / "d.json"
     assert bench_kivi_attn.main(["--out", str(out), "--quick", "--parts", "decode", "--compiled", "--work", str(tmp_path / "m")]) == 0

@@ -119,7 +119,7 @@ def _nvcc(src):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("dt", ["bfloat16", "float32"])
 def test_kernels_compile_for_sm90_without_spills(dt):
-    from vqpipe.bench import cuda_time as ct
+    from experiments import cuda_time as ct
 
     name, header, body = prep.render("cuda")
     ins = [("x", dt, 3), ("x2", dt, 3), ("w", dt, 1), ("eps", "float32", 1), ("sd", "float32", 1), ("L", "float32", 2)]
@@ -248,7 +248,7 @@ def test_gpu_prep_against_float64(case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu(), reason="needs MLX's CUDA backend")
 def test_gpu_split_step_four_primitives_fewer_per_layer_same_tokens(tiny_llama_vq4):
-    from vqpipe.bench.decode_shapes import graph_ops
+    from experiments.decode_shapes import graph_ops
 
     model = tiny_llama_vq4  # float32
     layers = len(model.layers)
@@ -306,7 +306,7 @@ def test_constants_first_made_inside_a_trace_are_not_replayed_per_call():
     import types
 
     from vqpipe import dequant, qmv_tc
-    from vqpipe.bench.decode_shapes import graph_ops
+    from experiments.decode_shapes import graph_ops
 
     r = rot.make_rotation("auto", 256, 1)
     packed = mx.random.randint(0, 2**30, (32, 32), key=mx.random.key(0)).astype(mx.uint32)

@@ -292,7 +292,7 @@ def test_reference64_matches_dense_formula_on_cpu():
 
 
 def test_bench_quick_runs_on_cpu(tmp_path):
-    from vqpipe.stages import bench_qmv as bench
+    from experiments import bench_qmv as bench
 
     out = tmp_path / "q.json"
     with mx.stream(mx.cpu):

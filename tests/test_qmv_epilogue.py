@@ -83,9 +83,9 @@ def _template(spec):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
 def test_residual_kernels_compile_for_sm90(dt):
-    # MLX's generated translation unit (vqpipe/bench/cuda_time.py) through nvcc's ptxas: the residual
+    # MLX's generated translation unit (experiments/cuda_time.py) through nvcc's ptxas: the residual
     # kernels compile, with no more registers than the plain ones (the addend is one load per output)
-    from vqpipe.bench import cuda_time as ct
+    from experiments import cuda_time as ct
 
     regs = {}
     for res in (False, True):
@@ -249,7 +249,7 @@ def test_gpu_rev8_residual_against_float64(n_in, n_out, m):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu(), reason="needs MLX's CUDA backend")
 def test_gpu_split_step_two_adds_fewer_per_layer_same_logits(tiny_llama_vq4):
-    from vqpipe.bench.decode_shapes import graph_ops
+    from experiments.decode_shapes import graph_ops
 
     model = tiny_llama_vq4  # float32: the fused form is bit-identical to the kernel + add
     prompt = _prompts()[2]

@@ -1,4 +1,4 @@
-"""CPU checks of the qmv GPU-time harness (vqpipe/bench/qmv_gpu_time.py, vqpipe/bench/cuda_time.py).
+"""CPU checks of the qmv GPU-time harness (experiments/qmv_gpu_time.py, experiments/cuda_time.py).
 
 The harness launches the kernel through the CUDA driver with MLX's parameter list rebuilt by hand;
 nothing here needs a GPU: the wrapper it generates must have the parameters, in the order, that
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from vqpipe import qmv
-from vqpipe.bench import cuda_time as ct
-from vqpipe.bench import qmv_gpu_time as gt
+from experiments import cuda_time as ct
+from experiments import qmv_gpu_time as gt
 from vqpipe.bitpack import pack, words_per_row
 
 INPUTS = [("x", "bfloat16", 3), ("packed", "uint32", 2), ("scales", "float32", 1), ("codebook", "float32", 1),

@@ -6,7 +6,7 @@ import json
 import mlx.core as mx
 import pytest
 
-from vqpipe.bench import kv_write, step_kernels
+from experiments import kv_write, step_kernels
 
 NCU_CSV = """==PROF== Connected to process 123
 ==PROF== Profiling "custom_kernel_vqpipe_qmv3_0a1b2c3d" - 0: 0%....50%....100% - 1 pass

@@ -8,8 +8,8 @@ Compute started with ``--profile-from-start off`` records exactly those steps' k
 
     ncu --profile-from-start off --clock-control none --cache-control none \\
         --metrics gpu__time_duration.sum --print-kernel-base function --csv --log-file K.csv \\
-        python -m vqpipe.bench.step_kernels --preset qwen2.5-0.5b --arm vqpipe-b4+s
-    python -m vqpipe.bench.step_kernels --summarize K.csv --steps 3 --out K.json
+        python -m experiments.step_kernels --preset qwen2.5-0.5b --arm vqpipe-b4+s
+    python -m experiments.step_kernels --summarize K.csv --steps 3 --out K.json
 
 Nsight Compute runs kernels one at a time (no overlap, no launch gaps), with the real clocks and
 warm caches as asked above: the sum per step is the device time of the step's kernels, and the
@@ -23,7 +23,7 @@ import ctypes
 import re
 import sys
 
-from ..fsutil import write_json
+from vqpipe.fsutil import write_json
 
 
 def family(name):
@@ -80,7 +80,7 @@ def table(summary):
 def profile(preset, arm, context, steps, warmup, nofuse=False, kv_write=None):
     import mlx.core as mx
 
-    from . import decode_shapes as ds
+    from experiments import decode_shapes as ds
 
     base = ds.model_arm(arm)
     if base == "bf16":
@@ -90,7 +90,7 @@ def profile(preset, arm, context, steps, warmup, nofuse=False, kv_write=None):
     elif base.startswith("vqpipe-b"):
         model = ds.random_vqpipe(preset, int(base.removeprefix("vqpipe-b")))
         if nofuse:  # q/k/v and gate/up as separate launches: the fused kernels' cost apart
-            from ..fused import unfuse_model
+            from vqpipe.fused import unfuse_model
 
             unfuse_model(model)
     else:

@@ -1,4 +1,4 @@
-"""Fuzz target for the reservoir reader (``vqpipe.fuzz``; campaign: scripts/fuzz.py reservoir).
+"""Fuzz target for the reservoir reader (``experiments.fuzz``; campaign: scripts/fuzz.py reservoir).
 
 Two tiny base reservoirs (every layer class, rotation kind and blob kind between them, one with
 dense QR rotations stored as seeds) are mutated, one seeded mutation per case, and loaded with
@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from . import reservoir as R
+from vqpipe import reservoir as R
 
 PREFIX = struct.Struct("<8sIIQQQQQ")
 TOKENS = [[1, 5, 9, 2, 33, 31, 4, 60]]
@@ -97,7 +97,7 @@ def _build(name, directory):
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
-    from .quantize import quantize_model
+    from vqpipe.quantize import quantize_model
 
     arch, bits, rotation, embeddings, persist = BASES[name]
     config = {**ARCH, **arch}

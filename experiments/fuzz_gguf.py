@@ -1,4 +1,4 @@
-"""Fuzz target for the ``gguf:`` source (``vqpipe.fuzz``; campaign: scripts/fuzz.py gguf).
+"""Fuzz target for the ``gguf:`` source (``experiments.fuzz``; campaign: scripts/fuzz.py gguf).
 
 A tiny llama GGUF (F32, F16, Q8_0, Q4_0 and Q4_1 tensors, so MLX's native reader is the one that
 loads it, plus a byte-level BPE tokenizer in the metadata) is mutated, one seeded mutation per
@@ -255,14 +255,14 @@ def prepare(workdir):
     raw = path.read_bytes()
     parts = parse(raw)
     header_end = len(raw) - len(parts[3])
-    from .stages.download import fetch
+    from vqpipe.stages.download import fetch
 
     fetch(f"gguf:{path}", workdir / "base-out")  # the unmutated file converts
     return {"bytes": raw, "parts": parts, "header_end": header_end, "work": workdir}
 
 
 def run_case(ctx, seed, index):
-    from .stages.download import fetch
+    from vqpipe.stages.download import fetch
 
     rng = random.Random(f"gguf:{seed}:{index}")
     data, what = rng.choice(MUTATORS)(rng, ctx)

@@ -31,12 +31,12 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..kivi import decode_kernel
-from ..kivi.attention import attend_tiles
-from ..kivi.cache import make_kivi_cache
-from ..kivi.store import PackedKIVICache
-from ..bench import env, harness, roofline
-from ..fsutil import write_json
+from vqpipe.kivi import decode_kernel
+from vqpipe.kivi.attention import attend_tiles
+from vqpipe.kivi.cache import make_kivi_cache
+from vqpipe.kivi.store import PackedKIVICache
+from vqpipe.bench import env, harness, roofline
+from vqpipe.fsutil import write_json
 
 HQ, HK, D = 32, 8, 128
 AFFINE_GROUP = 64
@@ -176,7 +176,7 @@ def measure_op(s, args):
 def _load_synth(name, root):
     from mlx_lm import load
 
-    from .download import fetch
+    from vqpipe.stages.download import fetch
 
     return load(str(fetch(f"synth:{name}", Path(root) / name, seed=0)))
 
@@ -234,7 +234,7 @@ def measure_kv_memory(args, kinds):
     write them), then ``--kv-steps`` decode steps (one token appended, attention over the cache,
     layer by layer). Peak = ``mx.get_peak_memory()`` minus what was allocated before. What it leaves
     out: weights and activations (the same for every kind) and prefill attention's transients."""
-    from ..kivi.attention import attend
+    from vqpipe.kivi.attention import attend
 
     s, chunk, scale = args.memory_context, args.prefill_step, D**-0.5
     rows = {}
@@ -319,7 +319,7 @@ def _filled(model, kind, s, dtype):
 def _split_decoder(model, s, dtype, capacity):
     """decode_step's split-mode compiled step (compiled blocks around MLX's fused SDPA) over a static
     fp16 cache filled like :func:`_filled`: (decoder, [position, buffers])."""
-    from ..decode_step import Decoder
+    from vqpipe.decode_step import Decoder
 
     dec = Decoder(model, capacity, "split")
     caches = dec.new_cache()
@@ -331,7 +331,7 @@ def _split_decoder(model, s, dtype, capacity):
 def _decode_arms(model, s, kinds, args, dtype):
     """Per arm a function doing one greedy step: eager mlx-lm over each cache kind and, with
     ``--compiled``, ``fp16+s`` (decode_step's split mode) and ``kivi<bits>+c`` (vqpipe.kivi.compiled)."""
-    from ..kivi.compiled import KIVIDecoder
+    from vqpipe.kivi.compiled import KIVIDecoder
 
     caches = {k: _filled(model, k, s, dtype) for k in kinds}
     tok = {k: mx.array([[1]]) for k in kinds}

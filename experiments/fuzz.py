@@ -5,7 +5,7 @@ and ``run_case(ctx, seed, index)`` -> ``(outcome, detail)``. Case ``index`` of s
 the same mutation on every machine, so any case can be replayed alone (``--case``).
 
 The parent process never imports the target: it starts one worker at a time
-(``python -m vqpipe.fuzz worker ...``), reads one JSON line per finished case, and counts a case
+(``python -m experiments.fuzz worker ...``), reads one JSON line per finished case, and counts a case
 as ``crash`` when the worker dies in it (a signal, a non-zero exit) and as ``hang`` when it
 finishes nothing for ``timeout`` seconds (the worker is then killed). Either way the next worker
 resumes after the bad case, so one crash does not end a campaign.
@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 from collections import Counter
+
+from experiments import child_env
 
 FAILURES = ("other", "wrong-model", "unusable", "crash", "hang")
 
@@ -48,12 +50,13 @@ def _worker(target, seed, start, end, workdir, mem_limit):
 
 
 def _spawn(target, seed, start, end, workdir, mem_limit):
-    cmd = [sys.executable, "-m", "vqpipe.fuzz", "worker", "--target", target, "--seed", str(seed),
+    cmd = [sys.executable, "-m", "experiments.fuzz", "worker", "--target", target, "--seed", str(seed),
            "--start", str(start), "--end", str(end), "--workdir", str(workdir),
            "--mem-limit", str(mem_limit)]
     err = open(os.path.join(workdir, "worker.stderr"), "w+")  # a file: a pipe could fill and block
     # Unbuffered: select() must see every byte not yet parsed (a buffered reader could hold lines).
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, bufsize=0, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, bufsize=0, start_new_session=True,
+                            env=child_env())
 
 
 def _tail(workdir, n=600):
@@ -135,7 +138,7 @@ def run_one(target, seed, index, workdir):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vqpipe.fuzz")
+    p = argparse.ArgumentParser(prog="python -m experiments.fuzz")
     sub = p.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("worker")
     w.add_argument("--target", required=True)

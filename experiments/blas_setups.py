@@ -1,6 +1,6 @@
 """The BLAS benchmark: matmul FLOP/s and a small model's prefill/decode under each CPU BLAS setup.
 
-``python -m vqpipe.bench.blas --runs 3 --repeats 5`` measures every setup (vqpipe/blas.py) in fresh
+``python -m experiments.blas_setups --runs 3 --repeats 5`` measures every setup (vqpipe/blas.py) in fresh
 processes, interleaved (reference, OpenBLAS, reference, ...), and checks each is deterministic.
 Figures: docs/benchmarking.md.
 """
@@ -12,8 +12,9 @@ import os
 import subprocess
 import sys
 
-from ..blas import choice, env_for, in_use, openblas_available
-from ..fsutil import write_json
+from experiments import child_env
+from vqpipe.blas import choice, env_for, in_use, openblas_available
+from vqpipe.fsutil import write_json
 
 # (label, M, K, N, dtype): prefill-like GEMMs in the three dtypes and a decode-like GEMV.
 CASES = (
@@ -29,7 +30,7 @@ def measure(repeats=5, warmup=1, cases=CASES):
     import mlx.core as mx
     import numpy as np
 
-    from .roofline import matmul_flops
+    from vqpipe.bench.roofline import matmul_flops
 
     out = {"blas": in_use(), "loadavg_start": list(os.getloadavg()), "cases": []}
     for label, m, k, n, dtype in cases:
@@ -57,7 +58,7 @@ def measure_model(dtypes=("float32", "bfloat16"), prompt=128, repeats=5, warmup=
     from mlx_lm.models import llama
     from mlx_lm.models.cache import make_prompt_cache
 
-    from .harness import run_interleaved, summarize
+    from vqpipe.bench.harness import run_interleaved, summarize
 
     out = []
     for dtype in dtypes:
@@ -93,8 +94,8 @@ def compare_setups(runs=2, repeats=5, warmup=1):
     results = {s: [] for s in setups}
     for _ in range(runs):
         for s in setups:
-            cmd = [sys.executable, "-m", "vqpipe.bench.blas", "--child", "--repeats", str(repeats), "--warmup", str(warmup)]
-            proc = subprocess.run(cmd, env=env_for(s), capture_output=True, text=True, check=True)
+            cmd = [sys.executable, "-m", "experiments.blas_setups", "--child", "--repeats", str(repeats), "--warmup", str(warmup)]
+            proc = subprocess.run(cmd, env=env_for(s, child_env()), capture_output=True, text=True, check=True)
             results[s].append(json.loads(proc.stdout))
     return results
 
@@ -127,7 +128,7 @@ def _report(results):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vqpipe.bench.blas", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.blas_setups", description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--runs", type=int, default=2, help="fresh processes per setup (determinism check)")

@@ -30,7 +30,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from . import manifest
+from experiments import child_env
+from vqpipe import manifest
 
 # Files whose bytes legitimately differ between runs (timings, peak RSS, environment); the rest
 # of an artifact must be byte-identical to the golden one.
@@ -56,7 +57,7 @@ def commands(work, stage):
 def _install(kill_at, counter):
     import mlx.core as mx
 
-    from . import fsutil
+    from vqpipe import fsutil
 
     def event():
         counter[0] += 1
@@ -95,7 +96,7 @@ def child(kill_at, count_file, argv):
     # The BLAS comes from the environment this process started in, as for `python -m vqpipe`.
     counter = [0]
     _install(kill_at, counter)
-    from .__main__ import main
+    from vqpipe.__main__ import main
 
     rc = main(argv)
     if count_file:
@@ -105,10 +106,11 @@ def child(kill_at, count_file, argv):
 
 def _run_child(argv, kill_at=0, delay=None, count_file=None, timeout=600):
     """Run the stage in a child; returns (exit status, killed by us?, seconds)."""
-    cmd = [sys.executable, "-m", "vqpipe.crashtest", "child", "--kill-at", str(kill_at)]
+    cmd = [sys.executable, "-m", "experiments.crashtest", "child", "--kill-at", str(kill_at)]
     cmd += ["--count-file", str(count_file)] if count_file else []
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd + ["--", *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd + ["--", *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=child_env())
     try:
         proc.wait(timeout=delay if delay is not None else timeout)
     except subprocess.TimeoutExpired:
@@ -242,7 +244,7 @@ def main(argv=None):
         sep = argv.index("--")
         opts = dict(zip(argv[1:sep:2], argv[2:sep:2]))
         return child(int(opts.get("--kill-at", 0)), opts.get("--count-file"), argv[sep + 1:])
-    raise SystemExit("usage: python -m vqpipe.crashtest child --kill-at N [--count-file F] -- STAGE ARGS")
+    raise SystemExit("usage: python -m experiments.crashtest child --kill-at N [--count-file F] -- STAGE ARGS")
 
 
 if __name__ == "__main__":

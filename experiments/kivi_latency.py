@@ -21,7 +21,7 @@ Per arm and sample, per layer: ``build`` (Python builds the graph), ``dispatch``
 ``mx.async_eval``) and ``total`` (through ``mx.synchronize``); ``total - dispatch`` is what the
 device still had to do after the host let go (a lower bound on device time).
 
-    python -m vqpipe.bench.kivi_latency --out lat.json --contexts 4096,8192,32768,65536 --shapes default,8xf,4/4xf,2/4xf:pf1
+    python -m experiments.kivi_latency --out lat.json --contexts 4096,8192,32768,65536 --shapes default,8xf,4/4xf,2/4xf:pf1
 """
 
 import argparse
@@ -29,11 +29,11 @@ import sys
 
 import mlx.core as mx
 
-from . import env, harness
-from .kivi_floor import run_parts
-from ..fsutil import write_json
-from ..kivi import decode_kernel
-from ..kivi.store import PackedKIVICache
+from vqpipe.bench import env, harness
+from experiments.kivi_floor import run_parts
+from vqpipe.fsutil import write_json
+from vqpipe.kivi import decode_kernel
+from vqpipe.kivi.store import PackedKIVICache
 
 HQ, HK, D = 32, 8, 128
 
@@ -123,7 +123,7 @@ def splits_table(packed, shapes):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vqpipe.bench.kivi_latency", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.kivi_latency", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--contexts", type=lambda t: [int(x) for x in t.split(",") if x], default=[4096, 8192, 32768, 65536])
     p.add_argument("--shapes", type=lambda t: [x for x in t.split(",") if x], default=["default", "8xf", "4xf"],

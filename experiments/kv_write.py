@@ -12,7 +12,7 @@ compiled function per layer (as the split step does), then ``mx.synchronize``; `
 distinct tokens rotated, positions advancing; median [min-max] µs per step; at the end every arm's
 buffers must be equal bit for bit (the same writes), else the run fails.
 
-    python -m vqpipe.bench.kv_write --out kv.json --capacities 512,4096,32768
+    python -m experiments.kv_write --out kv.json --capacities 512,4096,32768
 """
 
 import argparse
@@ -21,8 +21,8 @@ import time
 
 import mlx.core as mx
 
-from . import harness
-from ..fsutil import write_json
+from vqpipe.bench import harness
+from vqpipe.fsutil import write_json
 
 
 def write_slice(kb, vb, k, v, pos):

@@ -13,7 +13,7 @@ Used by vqpipe/bench/qmv_gpu_time.py; NVRTC and the CUDA headers are found by vq
 
 import ctypes
 
-from .. import nvrtc
+from experiments import nvrtc
 
 MAX_NDIM = 10  # mlx/backend/cuda/device/config.h: Shape is an array of MAX_NDIM int32
 CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "uint32": "uint32_t",

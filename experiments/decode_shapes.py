@@ -46,7 +46,7 @@ are >= 20 distinct random token sequences. Arms run interleaved through ``harnes
 with an A/A copy of the baseline; bytes per token and the roofline use the copy bandwidth measured
 in the same process.
 
-    python -m vqpipe.bench.decode_shapes --preset llama3-8b --out FILE.json
+    python -m experiments.decode_shapes --preset llama3-8b --out FILE.json
 """
 
 import argparse
@@ -63,20 +63,20 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .. import dequant, qmv, synth
-from ..decode_step import Decoder
-from ..codebook import codebook
-from ..fsutil import write_json
-from ..fused import fuse_model, rotation_owner
-from ..bitpack import words_per_row
-from ..qlinear import QuantizedEmbedding, QuantizedLinear
-from .. import residual_rotation
-from ..quantize import layer_seed, residual_seed
-from ..residual_rotation import Head, tied, unrotated
-from ..rotation import make_rotation
-from . import harness, roofline
-from ..stages.bench_decode import generate_once, make_cache
-from .env import environment
+from vqpipe import dequant, qmv, synth
+from vqpipe.decode_step import Decoder
+from vqpipe.codebook import codebook
+from vqpipe.fsutil import write_json
+from vqpipe.fused import fuse_model, rotation_owner
+from vqpipe.bitpack import words_per_row
+from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
+from vqpipe import residual_rotation
+from vqpipe.quantize import layer_seed, residual_seed
+from vqpipe.residual_rotation import Head, tied, unrotated
+from vqpipe.rotation import make_rotation
+from vqpipe.bench import harness, roofline
+from vqpipe.stages.bench_decode import generate_once, make_cache
+from vqpipe.bench.env import environment
 
 STD = 0.02
 ROT = "+rot"  # arm suffix: the rotation in the kernel's prologue
@@ -136,7 +136,7 @@ def is_compiled(name):
 
 
 def skeleton(preset):
-    from ..quantize import skeleton as load_skeleton
+    from vqpipe.quantize import skeleton as load_skeleton
 
     with tempfile.TemporaryDirectory(prefix="vq-shapes-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(synth.make_config(preset)))
@@ -341,7 +341,7 @@ def run(args, progress=print):
         progress(f"step {name}: {p['ops']} ops ({p['views']} views), build {p['build_s']['median'] * 1e3:.2f} ms, "
                  f"encode {p['encode_s']['median'] * 1e3:.2f} ms, step {p['step_s']['median'] * 1e3:.2f} ms (unpipelined)")
         if args.attribution and is_compiled(name):  # host vs GPU time of the compiled step (bench/step_attribution.py)
-            from .step_attribution import line, timing
+            from experiments.step_attribution import line, timing
 
             p.update(timing(m, config["vocab_size"], decode_mode(name), model_arm(name).endswith(ROT),
                             context=args.prompt_lengths[0], **step_options(name)))
@@ -445,7 +445,7 @@ def run(args, progress=print):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m vqpipe.bench.decode_shapes", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.decode_shapes", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="llama3-8b", choices=list(synth.PRESETS))
     p.add_argument("--out", required=True)
     p.add_argument("--bits", type=int, nargs="+", default=[4], choices=(2, 3, 4))

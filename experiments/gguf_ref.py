@@ -5,7 +5,7 @@ package (not MLX), Q/K stay in llama.cpp's permuted row order and RoPE rotates a
 (llama.cpp's "normal" mode) for llama, halves ("neox" mode) for qwen2. If the converted model's
 logits match these, the permutation was undone correctly.
 
-    python -m vqpipe.gguf_ref FILE CONVERTED_DIR   # compares the two on a chat prompt
+    python -m experiments.gguf_ref FILE CONVERTED_DIR   # compares the two on a chat prompt
 """
 
 import sys

@@ -23,8 +23,8 @@ import sys
 
 import mlx.core as mx
 
-from ..fsutil import write_json
-from ..kivi.cache import make_kivi_cache
+from vqpipe.fsutil import write_json
+from vqpipe.kivi.cache import make_kivi_cache
 
 
 def _cache(model, kind):
@@ -97,10 +97,10 @@ def paired(per_window):
 def text_windows(tokenizer, which, n, length):
     """Token windows of ``which`` text and what the result records about it."""
     if which == "corpus":
-        from .bench_quality import CORPUS, eval_windows
+        from vqpipe.stages.bench_quality import CORPUS, eval_windows
 
         return eval_windows(tokenizer, n, length), {"text": "corpus", "file": CORPUS.name, "real": False}
-    from .. import text
+    from vqpipe import text
 
     return text.eval_windows(tokenizer, n, length, which), {"text": which, "real": True, **text.provenance()}
 
@@ -126,7 +126,7 @@ def main(argv=None):
 
     model, tokenizer = load(args.model)
     if args.dtype != "model":
-        from .bench_decode import cast_floating
+        from vqpipe.stages.bench_decode import cast_floating
 
         cast_floating(model, getattr(mx, args.dtype))
     windows, source = text_windows(tokenizer, args.text, args.windows, args.length)

@@ -19,7 +19,7 @@ For each arm (the models of ``bench.decode_shapes``) through ``decode_step``'s s
   the steps took after the spin with the host still encoding (an upper bound on the GPU's part).
 - ``profile``: ``decode_shapes.step_profile`` (primitives per step by type, unpipelined build/encode).
 
-    python -m vqpipe.bench.step_attribution --preset llama3-8b --arms bf16 affine4 vqpipe-b4 --out FILE.json
+    python -m experiments.step_attribution --preset llama3-8b --arms bf16 affine4 vqpipe-b4 --out FILE.json
 """
 
 import argparse
@@ -29,11 +29,11 @@ import time
 
 import mlx.core as mx
 
-from . import decode_shapes as ds
-from . import harness
-from .. import qmv, synth
-from ..fsutil import write_json
-from .env import environment
+from experiments import decode_shapes as ds
+from vqpipe.bench import harness
+from vqpipe import qmv, synth
+from vqpipe.fsutil import write_json
+from vqpipe.bench.env import environment
 
 _SPIN = """
     unsigned long long t0, t;
@@ -179,7 +179,7 @@ def run(args, progress=print):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m vqpipe.bench.step_attribution", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.step_attribution", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="llama3-8b", choices=list(synth.PRESETS))
     p.add_argument("--out", required=True)
     p.add_argument("--arms", nargs="+", default=["bf16", "affine4", "vqpipe-b4"])

@@ -23,10 +23,10 @@ Arms per shape, interleaved (A B C ... A B C ...), with an A/A copy of the first
   ``tcnolut``/``tcnoload``); its check runs on copy 0 repacked, its timed launches read the pool's random words
   as they are (any permutation of random words is as random).
 
-    python -m vqpipe.bench.qmv_gpu_time --out FILE.json [--variants qmv:0:0 qmv:4:0 qmv_v6 qmv:auto:0:1:nolut]
+    python -m experiments.qmv_gpu_time --out FILE.json [--variants qmv:0:0 qmv:4:0 qmv_v6 qmv:auto:0:1:nolut]
 
 ``--check-only`` compiles and checks (one launch per variant and case) without timing: the run to
-put under a profiler (``ncu --kernel-name regex:vqpipe_qmv ... python -m vqpipe.bench.qmv_gpu_time
+put under a profiler (``ncu --kernel-name regex:vqpipe_qmv ... python -m experiments.qmv_gpu_time
 --check-only``).
 """
 
@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-from . import cuda_time as ct
+from experiments import cuda_time as ct
 
 SHAPES = {"l3-qkv": (4096, 6144), "l3-gateup": (4096, 28672), "l3-down": (14336, 4096), "l3-lm_head": (4096, 128256),
           "qwen-gateup": (896, 9728), "qwen-lm_head": (896, 151936), "l3-o": (4096, 4096), "qwen-qkv": (896, 1152),
@@ -342,7 +342,7 @@ def copy_bandwidth(drv, buf, nbytes, repeats):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m vqpipe.bench.qmv_gpu_time", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.qmv_gpu_time", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--variants", nargs="+", default=["qmv:auto:0", "qmv:0:0", "qmv:4:0"])
     p.add_argument("--cases", nargs="+", default=["l3-qkv:4:1", "l3-gateup:4:1", "l3-down:4:1", "l3-lm_head:4:1"],

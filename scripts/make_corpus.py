@@ -1,14 +1,14 @@
 """Regenerate ``corpus.txt``: our own prose (``prose.txt``) plus text generated from templates.
 
 The synthetic tokenizers (``vqpipe.synth``) are trained on ``corpus.txt``; everything in it is
-written for this repository. Run ``python vqpipe/data/make_corpus.py`` after editing the
+written for this repository. Run ``python scripts/make_corpus.py`` after editing the
 templates or the prose; the output is deterministic (``random.Random`` with a fixed seed).
 """
 
 import random
 from pathlib import Path
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1] / "vqpipe" / "data"
 SEED = 20261130
 TARGET_BYTES = 420_000
 

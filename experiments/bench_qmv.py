@@ -36,13 +36,13 @@ import sys
 
 import mlx.core as mx
 
-from .. import qmv
-from ..codebook import codebook
-from ..fsutil import write_json
-from ..bitpack import words_per_row
-from ..qlinear import QuantizedLinear
-from ..rotation import make_rotation
-from ..bench import env, harness, roofline
+from vqpipe import qmv
+from vqpipe.codebook import codebook
+from vqpipe.fsutil import write_json
+from vqpipe.bitpack import words_per_row
+from vqpipe.qlinear import QuantizedLinear
+from vqpipe.rotation import make_rotation
+from vqpipe.bench import env, harness, roofline
 
 # name -> (in_features, out_features)
 SHAPES = {

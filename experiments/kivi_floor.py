@@ -33,7 +33,7 @@ plus ``mx.async_eval``: everything the host does before waiting) and ``total`` (
 ``mx.synchronize``), per layer. ``--prefill``: one prefill chunk's attention over the packed cache
 (``attend_tiles``, query length ``--chunk``) at context S, per layer, for each SCORES setting.
 
-    python -m vqpipe.bench.kivi_floor --out floor.json --contexts 32768,4096
+    python -m experiments.kivi_floor --out floor.json --contexts 32768,4096
 """
 
 import argparse
@@ -44,10 +44,10 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from . import env, harness
-from ..fsutil import write_json
-from ..kivi import attention, decode_kernel
-from ..kivi.store import PackedKIVICache
+from vqpipe.bench import env, harness
+from vqpipe.fsutil import write_json
+from vqpipe.kivi import attention, decode_kernel
+from vqpipe.kivi.store import PackedKIVICache
 
 HQ, HK, D = 32, 8, 128
 
@@ -301,7 +301,7 @@ ARMS = ("sdpa", "add", "noop1", "noop1-compiled", "noop11-float3", "noop11", "no
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m vqpipe.bench.kivi_floor", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.kivi_floor", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--contexts", type=lambda t: [int(x) for x in t.split(",") if x], default=[32768, 4096])
     p.add_argument("--arms", type=lambda t: [x for x in t.split(",") if x], default=list(ARMS))
