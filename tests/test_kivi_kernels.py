@@ -1,7 +1,7 @@
 """Fused KIVI kernels: dialect layer and dispatch (CPU), bit-exactness and compile counts (GPU).
 
 The ``gpu`` tests need MLX's Metal or CUDA backend and are skipped cleanly on CPU. On a GPU host:
-``python -m pytest -m gpu tests/test_kivi_kernels.py`` (scripts/gpu_kivi.sh runs them on CUDA).
+``python -m pytest -m gpu tests/test_kivi_kernels.py`` (`scripts/gpu.sh tests` or `kivi` runs them on CUDA).
 """
 
 import itertools

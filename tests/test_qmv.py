@@ -2,7 +2,7 @@
 against a float64 reference, determinism, layers, generation and compile counts (GPU).
 
 The ``gpu`` tests need MLX's Metal or CUDA backend and are skipped cleanly on CPU. On a GPU host:
-``python -m pytest -m gpu tests/test_qmv.py`` (scripts/gpu_qmv.sh runs them on CUDA).
+``python -m pytest -m gpu tests/test_qmv.py`` (`scripts/gpu.sh tests` runs them on CUDA).
 """
 
 import functools
