@@ -24,16 +24,10 @@ memory from the preset's config:
   weights, so ``X+c`` vs ``X`` is what compilation buys and ``vqpipe-bN+c`` vs ``bf16+c`` what the
   kernel contributes once both are compiled;
 - ``ARM+s`` (``--split``): the same through decode_step's split mode (per block two compiled
-  functions around MLX's fused attention);
-- ``vqpipe-bN+e+s`` (``--epilogue-bits N``): the same model as ``vqpipe-bN``, split mode with
-  o_proj's and down_proj's residual adds in their kernels' epilogues (``Decoder(epilogue=True)``,
-  two primitives fewer per layer); this arm runs in split mode only;
-- ``vqpipe-bN+p+s`` and ``vqpipe-bN+pe+s`` (``--prep-bits N``): the same model, split mode with the
-  mat-vecs' inputs made by vqpipe/prep.py's fused kernels (``Decoder(prep=True)``, four primitives
-  fewer per layer), without and with the epilogue adds; split mode only;
-- ``vqpipe-bN+v+s`` (``--mlx-views-bits N``): the same model, split mode with mlx-lm's reshape +
-  transpose per head tensor (``Decoder(views="mlx")``; the default layout takes one reshape, five
-  host-evaluated views fewer per layer): the A/B of that change; split mode only.
+  functions around MLX's fused attention).
+
+The split step's variants measured here and not adopted (epilogue adds, fused prep kernels,
+mlx-lm's views, KV writes by slice_update, pooled small arrays) are listed in docs/tried.md.
 
 ``--aa-arm`` picks the arm run twice for the A/A floor (default the eager bf16 arm; a split arm's
 spread is several times smaller); ``--split-only`` leaves the eager arms out.
@@ -85,13 +79,6 @@ NOFOLD = "-nofold"  # arm suffix: rotation signs not folded (vqpipe/fold.py)
 RES = "-res"  # arm suffix: laid out as a residual-rotated model (vqpipe/residual_rotation.py)
 COMPILED = "+c"  # arm suffix: decode through vqpipe.decode_step, the whole step compiled
 SPLIT = "+s"  # arm suffix: decode_step's split mode (compiled blocks around MLX's fused SDPA)
-EPI = "+e"  # arm suffix: residual adds in the mat-vec epilogues (split mode only)
-PREP = "+p"  # arm suffix: the fused prep kernels (vqpipe/prep.py; split mode only)
-PREP_EPI = "+pe"  # arm suffix: prep kernels and epilogue adds (split mode only)
-MLX_VIEWS = "+v"  # arm suffix: the split step with mlx-lm's reshape + transpose per head tensor (split mode only)
-SLICE_WRITES = "+w"  # arm suffix: the KV cache written by mx.slice_update at an array start (the old write)
-POOLED = "+g"  # arm suffix: small arrays the kernels read left in MLX's small pool (vqpipe/small_arrays.py)
-STEP_SUFFIXES = (EPI, PREP, PREP_EPI, MLX_VIEWS, SLICE_WRITES, POOLED)  # arms that exist in split mode only
 MODES = {COMPILED: "whole", SPLIT: "split"}
 
 
@@ -105,30 +92,6 @@ def model_arm(name):
     """The model an arm decodes with: its name without the A/A and decode-mode suffixes."""
     name = name.removesuffix(harness.AA_SUFFIX)
     return next((name.removesuffix(sfx) for sfx in MODES if name.endswith(sfx)), name)
-
-
-def step_flags(name):
-    """(epilogue, prep) of decode_step's split step for an arm."""
-    arm = model_arm(name)
-    return arm.endswith((EPI, PREP_EPI)), arm.endswith((PREP, PREP_EPI))
-
-
-def step_views(name):
-    """decode_step's ``views`` for an arm."""
-    return "mlx" if model_arm(name).endswith(MLX_VIEWS) else "lean"
-
-
-def step_options(name):
-    """decode_step.Decoder's keyword options for an arm (epilogue, prep, views, kv_write)."""
-    epilogue, prep = step_flags(name)
-    return {"epilogue": epilogue, "prep": prep, "views": step_views(name),
-            "kv_write": "slice" if model_arm(name).endswith(SLICE_WRITES) else None,
-            "pad_small": False if model_arm(name).endswith(POOLED) else None}
-
-
-def split_base(arm):
-    """The plain model arm of a split-only arm (``vqpipe-b4+pe`` -> ``vqpipe-b4``), else None."""
-    return next((arm.removesuffix(sfx) for sfx in STEP_SUFFIXES if arm.endswith(sfx)), None)
 
 
 def is_compiled(name):
@@ -304,24 +267,13 @@ def run(args, progress=print):
         models[f"vqpipe-b{b}{NOFOLD}"] = random_vqpipe(args.preset, b, fold=False)
     for b in args.residual_bits:
         models[f"vqpipe-b{b}{RES}"] = random_vqpipe(args.preset, b, residual=True)
-    for b in args.epilogue_bits:  # the same model object: only the split step's residual adds differ
-        models[f"vqpipe-b{b}{EPI}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
-    for b in args.mlx_views_bits:  # the same model object: only the split step's head-tensor views differ
-        models[f"vqpipe-b{b}{MLX_VIEWS}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
-    for b in args.pooled_bits:  # the same model object: only where the split points and position live differs
-        models[f"vqpipe-b{b}{POOLED}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
-    for b in args.slice_writes_bits:  # the same model object: only the split step's KV cache writes differ
-        models[f"vqpipe-b{b}{SLICE_WRITES}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
-    for b in args.prep_bits:  # the same model object: only the split step's inputs of the mat-vecs differ
-        for sfx in (PREP, PREP_EPI):
-            models[f"vqpipe-b{b}{sfx}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
     kvpp = roofline.kv_bytes_per_position(config, 2)
     info = {name: {"weight_bytes": weight_bytes(m, config)} for name, m in models.items()}
     for name, i in info.items():
         progress(f"built {name}: {i['weight_bytes'] / 2**30:.2f} GiB read per token (weights)")
-    plain = [n for n in models if not n.endswith(STEP_SUFFIXES)]  # +e, +p, +pe arms exist in split mode only
+    plain = list(models)
     arm_names = ([] if args.split_only else plain) + ([n + COMPILED for n in plain] if args.compiled else []) + \
-        [n + SPLIT for n in models if args.split or args.split_only or n.endswith(STEP_SUFFIXES)]
+        ([n + SPLIT for n in models] if args.split or args.split_only else [])
     if args.aa_arm not in arm_names:
         raise ValueError(f"--aa-arm {args.aa_arm!r} is not one of the arms: {arm_names}")
     info.update({n: info[model_arm(n)] for n in arm_names})
@@ -330,7 +282,7 @@ def run(args, progress=print):
         m = models[model_arm(name)]
         try:
             profiles[name] = p = step_profile(m, config["vocab_size"], model_arm(name).endswith(ROT), mode=decode_mode(name),
-                                              tables=not model_arm(name).endswith(UNPACK), **step_options(name))
+                                              tables=not model_arm(name).endswith(UNPACK))
         except Exception as e:  # a compiled arm that cannot trace is reported, not fatal to the eager arms
             if not is_compiled(name):
                 raise
@@ -344,7 +296,7 @@ def run(args, progress=print):
             from experiments.step_attribution import line, timing
 
             p.update(timing(m, config["vocab_size"], decode_mode(name), model_arm(name).endswith(ROT),
-                            context=args.prompt_lengths[0], **step_options(name)))
+                            context=args.prompt_lengths[0]))
             progress("  attribution " + line(name, {**p, "profile": p}))
     baseline = args.aa_arm
     aa = baseline + harness.AA_SUFFIX
@@ -361,7 +313,7 @@ def run(args, progress=print):
         prompts = [mx.random.randint(0, config["vocab_size"] - 16, (P,), key=mx.random.key(1000 * P + k))
                    for k in range(args.prompts)]
         log = {name: [] for name in [*arm_names, aa]}
-        decoders = {n: Decoder(models[model_arm(n)], P + max(args.gen_tokens, 8), decode_mode(n), **step_options(n))
+        decoders = {n: Decoder(models[model_arm(n)], P + max(args.gen_tokens, 8), decode_mode(n))
                     for n in arm_names if is_compiled(n)}
 
         def call(name, k, n_tokens):
@@ -406,10 +358,6 @@ def run(args, progress=print):
                     bases += [arm.removesuffix(x) + sfx for x in (NOFOLD, RES) if arm.endswith(x)]  # same mode
                     if sfx == SPLIT:
                         bases.append(model_arm(name) + COMPILED)
-                    if split_base(arm):  # the same step without the epilogue adds / prep kernels
-                        bases.append(split_base(arm) + sfx)
-                    if arm.endswith(PREP_EPI):  # and prep's own effect with the epilogue on
-                        bases.append(split_base(arm) + EPI + sfx)
                 for base in dict.fromkeys(bases):
                     if name != base and base in log:
                         cmp = harness.compare(samples[base][phase], samples[name][phase], floor[phase])
@@ -423,17 +371,7 @@ def run(args, progress=print):
                 same = [a["ids"] == b["ids"] for a, b in zip(log[base], log[name])]
                 texts.append({"context": P, "a": base, "b": name, "identical_ids": sum(same), "pairs": len(same),
                               "what": "exact rewrite (fold / weight rebuild), same weights"})
-            if arm_of := (split_base(model_arm(name)) + SPLIT if split_base(model_arm(name)) else None):
-                if arm_of in log:  # the epilogue adds / prep kernels vs the plain split step: same weights
-                    same = [a["ids"] == b["ids"] for a, b in zip(log[arm_of], log[name])]
-                    what = ("residual adds in the epilogue vs after it" if model_arm(name).endswith(EPI) else
-                            "mlx-lm's reshape + transpose views vs one reshape" if model_arm(name).endswith(MLX_VIEWS) else
-                            "KV writes by slice_update vs put_along_axis" if model_arm(name).endswith(SLICE_WRITES) else
-                            "small arrays pooled vs padded" if model_arm(name).endswith(POOLED) else
-                            "prep kernels (float32 throughout) vs MLX ops" + (" and epilogue adds" if step_flags(name)[0] else ""))
-                    texts.append({"context": P, "a": arm_of, "b": name, "identical_ids": sum(same), "pairs": len(same),
-                                  "what": what + ", same weights"})
-            elif is_compiled(name) and model_arm(name) != baseline and model_arm(name) in log:  # compiled vs eager, same weights
+            if is_compiled(name) and model_arm(name) != baseline and model_arm(name) in log:  # compiled vs eager, same weights
                 same = [a["ids"] == b["ids"] for a, b in zip(log[model_arm(name)], log[name])]
                 texts.append({"context": P, "a": model_arm(name), "b": name, "identical_ids": sum(same), "pairs": len(same),
                               "what": "compiled step vs eager mlx-lm, same weights"})
@@ -457,19 +395,6 @@ def parse_args(argv):
                    help=f"add a vqpipe-bN{NOFOLD} arm per N: rotation signs not folded (decode A/B)")
     p.add_argument("--residual-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
                    help=f"add a vqpipe-bN{RES} arm per N: the same codes laid out as a residual-rotated model")
-    p.add_argument("--mlx-views-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
-                   help=f"add a vqpipe-bN{MLX_VIEWS}{SPLIT} arm per N: split mode with mlx-lm's reshape + transpose views")
-    p.add_argument("--pooled-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
-                   help=f"add a vqpipe-bN{POOLED}{SPLIT} arm per N: split mode with the small arrays the kernels read "
-                        "(split points, position) in MLX's small pool, as before vqpipe/small_arrays.py")
-    p.add_argument("--slice-writes-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
-                   help=f"add a vqpipe-bN{SLICE_WRITES}{SPLIT} arm per N: split mode with the KV cache written by "
-                        "mx.slice_update (the write before put_along_axis)")
-    p.add_argument("--epilogue-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
-                   help=f"add a vqpipe-bN{EPI}{SPLIT} arm per N: split mode, residual adds in the mat-vec epilogues")
-    p.add_argument("--prep-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
-                   help=f"add vqpipe-bN{PREP}{SPLIT} and vqpipe-bN{PREP_EPI}{SPLIT} arms per N: split mode, fused prep kernels "
-                        "(without / with the epilogue adds)")
     p.add_argument("--aa-arm", default="bf16", help="the arm run twice for the A/A noise floor (default bf16, eager)")
     p.add_argument("--split-only", action="store_true", help="split-mode arms only (no eager arms)")
     p.add_argument("--compiled", action="store_true",

@@ -77,7 +77,7 @@ def table(summary):
     return "\n".join(lines)
 
 
-def profile(preset, arm, context, steps, warmup, nofuse=False, kv_write=None):
+def profile(preset, arm, context, steps, warmup, nofuse=False):
     import mlx.core as mx
 
     from experiments import decode_shapes as ds
@@ -100,7 +100,7 @@ def profile(preset, arm, context, steps, warmup, nofuse=False, kv_write=None):
         raise ValueError(f"arm {arm!r}: only compiled steps (+s, +c) are profiled")
     vocab = ds.synth.make_config(preset)["vocab_size"]
     prompt = mx.random.randint(0, vocab - 16, (context,), key=mx.random.key(7))
-    step = ds._compiled_step(model, prompt, warmup + steps + 2, mode, kv_write=kv_write)
+    step = ds._compiled_step(model, prompt, warmup + steps + 2, mode)
     for _ in range(warmup):
         mx.eval(step())
     mx.synchronize()
@@ -110,7 +110,7 @@ def profile(preset, arm, context, steps, warmup, nofuse=False, kv_write=None):
         mx.eval(step())
         mx.synchronize()
     cuda.cuProfilerStop()
-    print(f"profiled {steps} steps of {arm} ({preset}, context {context}, fused {not nofuse}, kv_write {kv_write or 'default'})")
+    print(f"profiled {steps} steps of {arm} ({preset}, context {context}, fused {not nofuse})")
 
 
 def main(argv=None):
@@ -121,7 +121,6 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--nofuse", action="store_true", help="vqpipe arms: undo the q|k|v and gate|up fusion")
-    p.add_argument("--kv-write", choices=("scatter", "slice"), help="decode_step's KV cache write (default: its default)")
     p.add_argument("--summarize", metavar="CSV", help="summarize an Nsight Compute CSV instead of profiling")
     p.add_argument("--out", help="with --summarize: write the summary as JSON")
     args = p.parse_args(argv)
@@ -131,7 +130,7 @@ def main(argv=None):
         if args.out:
             write_json(args.out, {"kind": "step-kernels", "csv": args.summarize, **s})
         return 0
-    profile(args.preset, args.arm, args.context, args.steps, args.warmup, args.nofuse, args.kv_write)
+    profile(args.preset, args.arm, args.context, args.steps, args.warmup, args.nofuse)
     return 0
 
 

@@ -150,13 +150,6 @@ def test_layers_called_alone_keep_their_meaning(tiny_llama_source):
     assert np.array_equal(y, np.array(a.post_attention_layernorm(x)) * s) and (s < 0).any()
 
 
-def test_switch_off(tiny_llama_source, monkeypatch):
-    monkeypatch.setenv("VQPIPE_FOLD_SIGNS", "0")
-    model, _ = load(str(tiny_llama_source))
-    quantize_model(model, 4, embeddings=True, dtype=mx.float32)
-    assert len(fused.fused_groups(model)) == 2 * len(model.model.layers) and fold.folded_count(model) == 0
-
-
 def test_unsigned_rotation():
     for dim in (512, 4864):  # hadamard; kron 19 x 256
         r = make_rotation("auto", dim, seed=4)

@@ -63,7 +63,7 @@ def test_one_description_two_dialects(kind, layout):
 
 
 def test_layouts():
-    assert kernels.layout() == os.environ.get("VQPIPE_KIVI_LAYOUT", "vec")
+    assert kernels.layout() == "vec"
     names = {kernels.render(kind, "cuda", lay)[0] for lay in kernels.LAYOUTS for kind in ("kv", "kv_hat")}
     assert len(names) == 2 * len(kernels.LAYOUTS)  # distinct kernel names: no PTX cache collision
     assert kernels.render("kv", "cuda") == kernels.render("kv", "cuda", "vec")

@@ -69,7 +69,7 @@ def test_ring_choice():
         pass
     with qmv.ring_stages(3):
         assert qmv.STAGES == 3
-    assert qmv.STAGES is None or qmv.STAGES == int(__import__("os").environ["VQPIPE_QMV_STAGES"])
+    assert qmv.STAGES is None
 
 
 def test_ablations_change_the_kernel_they_name():
@@ -125,4 +125,4 @@ def test_pair_tables_only_where_asked_and_where_they_apply():
     assert spec(1, lut=1)["LUT"] == 1 and spec(8, lut=1)["LUT"] == 0 and spec(8, lut=1, stages=0)["LUT"] == 1
     with qmv.lut_tables(1):
         assert qmv.LUT == 1
-    assert qmv.LUT is None or qmv.LUT == int(__import__("os").environ["VQPIPE_QMV_LUT"])
+    assert qmv.LUT is None
