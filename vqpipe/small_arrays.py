@@ -8,7 +8,7 @@ position, per-call counts made on the host) and the host reads the token back, s
 touched by both sides, and a kernel whose every thread reads a pooled array may wait on that.
 Under Nsight Compute on the H200 the fused q|k|v and gate|up mat-vecs of qwen2.5-0.5b, which read
 their 4-8-byte split points, took 13.8 and 21.9 µs against 4.7-5.8 µs for the single-output
-launches that read none (experiments/step_kernels.py; the notes of 2026-12-05, CHANGELOG.md).
+launches that read none (experiments/step_kernels.py, 2026-12-04; CHANGELOG.md).
 
 So the small arrays that kernels read in the decode path are made at least ``PADDED_BYTES`` long:
 they get an allocation of their own. End to end at Llama-3-8B shapes the padded and the pooled
