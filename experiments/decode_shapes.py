@@ -1,6 +1,6 @@
 """Decode speed at a synthetic preset's shapes, with weights made on the device (no files, no download).
 
-For presets too large to build and quantize within a GPU session (``llama3-8b``: 8 B parameters),
+For presets too large to build and quantize within one GPU run (``llama3-8b``: 8 B parameters),
 this measures what bench-decode measures, prefill and decode tok/s per arm, on models built in
 memory from the preset's config:
 
@@ -33,7 +33,7 @@ mlx-lm's views, KV writes by slice_update, pooled small arrays) are listed in do
 spread is several times smaller); ``--split-only`` leaves the eager arms out.
 
 The vqpipe arms carry random codes, not a quantization of the bf16 weights (quantizing 8 B weights
-through quantize.py takes longer than a GPU session here): the kernels' speed does not depend on
+through quantize.py takes longer than one GPU run here): the kernels' speed does not depend on
 the code values, but the generated text does, so the text is compared between arms only as a
 record, never as a check (quality is measured on models quantized for real: bench-quality). Prompts
 are >= 20 distinct random token sequences. Arms run interleaved through ``harness.run_interleaved``
