@@ -19,7 +19,7 @@ rounds untimed, the fp16 arm run twice for the A/A noise floor:
   weights fp16 or mlx affine 4-bit. Before measuring, the Amdahl prediction from the op part's
   per-layer attention times is printed and stored.
 
-    python -m vqpipe bench-kivi-attn --out results/bench/kivi_attn.json
+    python -m experiments.bench_kivi_attn --out results/bench/kivi_attn.json
 """
 
 import argparse
@@ -457,7 +457,7 @@ def _variants(text):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m vqpipe bench-kivi-attn", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.bench_kivi_attn", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--parts", nargs="+", default=["op", "decode", "memory"], choices=("op", "memory", "kvmemory", "decode"))
     p.add_argument("--op-contexts", type=_ints, default=[4096, 8192, 16384, 32768, 65536])

@@ -13,7 +13,7 @@ Chunked processing means a chunk attends to what each cache holds after storing 
 generation with that prefill step. Where both ``kivi<b>`` and ``mlx-q<b>`` ran, the result says
 which has the lower KL in how many windows and the median of their per-window KL ratio.
 
-    python -m vqpipe bench-kivi-quality --model DIR --text eval --out results/bench/kivi_quality.json
+    python -m experiments.bench_kivi_quality --model DIR --text eval --out results/bench/kivi_quality.json
 """
 
 import argparse
@@ -106,7 +106,7 @@ def text_windows(tokenizer, which, n, length):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vqpipe bench-kivi-quality", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.bench_kivi_quality", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a Hugging Face layout model directory")
     p.add_argument("--out", required=True)
     p.add_argument("--text", default="eval", choices=("eval", "calibration", "all", "corpus"),

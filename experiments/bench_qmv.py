@@ -27,7 +27,7 @@ the A/A noise floor. Bytes per call are the fewest any implementation must read 
 weights as stored, activation, output), so GB/s compares arms on the same footing; the copy
 bandwidth is measured in the same process.
 
-    python -m vqpipe bench-qmv --out results/bench/qmv.json
+    python -m experiments.bench_qmv --out results/bench/qmv.json
 """
 
 import argparse
@@ -273,7 +273,7 @@ def _line(row):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m vqpipe bench-qmv", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.bench_qmv", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=list(SHAPES), metavar="SHAPE",
                    help=f"layer shapes, of {', '.join(SHAPES)} (default: all but llama*)")

@@ -292,7 +292,7 @@ def run(args, progress=print):
             continue
         progress(f"step {name}: {p['ops']} ops ({p['views']} views), build {p['build_s']['median'] * 1e3:.2f} ms, "
                  f"encode {p['encode_s']['median'] * 1e3:.2f} ms, step {p['step_s']['median'] * 1e3:.2f} ms (unpipelined)")
-        if args.attribution and is_compiled(name):  # host vs GPU time of the compiled step (bench/step_attribution.py)
+        if args.attribution and is_compiled(name):  # host vs GPU time of the compiled step (experiments/step_attribution.py)
             from experiments.step_attribution import line, timing
 
             p.update(timing(m, config["vocab_size"], decode_mode(name), model_arm(name).endswith(ROT),
@@ -403,7 +403,7 @@ def parse_args(argv):
                    help=f"add an ARM{SPLIT} arm per arm: decode_step's split mode (compiled blocks, fused SDPA between)")
     p.add_argument("--profile-only", action="store_true", help="the step profiles only, no timed generations")
     p.add_argument("--attribution", action="store_true",
-                   help="per compiled arm, host vs GPU time per step at the first prompt length (bench/step_attribution.py)")
+                   help="per compiled arm, host vs GPU time per step at the first prompt length (experiments/step_attribution.py)")
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[512, 4096])
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)

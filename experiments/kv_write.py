@@ -4,7 +4,7 @@ decode_step's compiled step writes each layer's new key and value into buffers [
 capacity, D] at a position held in a device array. ``mx.slice_update`` with an array start is a
 DynamicSliceUpdate; on MLX 0.32.4's CUDA backend its copy kernel is launched over the whole
 output (a grid of capacity x kv_heads x D threads) after a separate kernel computes the offset
-(seen kernel by kernel in bench/step_kernels.py), so its cost grows with the capacity, not with
+(seen kernel by kernel in experiments/step_kernels.py), so its cost grows with the capacity, not with
 the one token written. ``mx.put_along_axis`` (a ScatterAxis) launches over the update only.
 
 Arms, interleaved per capacity, each step = ``--layers`` layers' key and value writes through one

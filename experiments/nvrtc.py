@@ -1,7 +1,7 @@
 """CUDA C++ to PTX or cubin with NVRTC, through ctypes: one library lookup, one include rule.
 
 Used where vqpipe compiles CUDA itself instead of through MLX's ``cuda_kernel``: the qmv GPU-time
-harness (vqpipe/bench/cuda_time.py, cubins it launches through the driver). PTX loads through
+harness (experiments/cuda_time.py, cubins it launches through the driver). PTX loads through
 ``mx.fast.precompiled_cuda_kernel`` too (tests/test_nvrtc.py); the KIVI decode kernel's launch that
 way was removed: it cost more host time per call than ``cuda_kernel``'s (docs/kivi.md). Nothing
 here needs MLX or a GPU, only the NVRTC library.

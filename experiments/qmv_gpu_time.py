@@ -4,7 +4,7 @@ bench-qmv times layer calls through MLX, where a custom-kernel call costs ~25 us
 for arms whose 16 calls fit one CUDA graph (MLX commits a graph every 100 ops or 1000 MB on an H100
 or H200), that host time is not overlapped with the GPU's work. This measures the kernel itself:
 the source ``qmv.render("cuda")`` gives MLX, compiled by NVRTC with MLX's options and wrapper
-(vqpipe/bench/cuda_time.py), launched back to back on a rotating pool of weight copies (> 512 MiB
+(experiments/cuda_time.py), launched back to back on a rotating pool of weight copies (> 512 MiB
 per pass, so they stream from HBM, not the 50 MB L2) and >= 20 activations, timed between CUDA
 events; GB/s counts the bytes a launch must move (packed words, scales, x, y).
 

@@ -1,8 +1,8 @@
 """Where a decode step's GPU time goes, kernel by kernel (run under Nsight Compute).
 
-The step attribution (bench/step_attribution.py) gives one GPU time per step; this says which
+The step attribution (experiments/step_attribution.py) gives one GPU time per step; this says which
 kernels make it up. One process per arm builds a preset's model in device memory as
-bench/decode_shapes.py does, warms a compiled decode step, then runs ``--steps`` steps between
+experiments/decode_shapes.py does, warms a compiled decode step, then runs ``--steps`` steps between
 ``cuProfilerStart`` and ``cuProfilerStop`` (the driver API), each step synchronized, so Nsight
 Compute started with ``--profile-from-start off`` records exactly those steps' kernels:
 

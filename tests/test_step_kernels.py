@@ -1,5 +1,5 @@
-"""bench/step_kernels.py (an Nsight Compute CSV read and summed per kernel family) and
-bench/kv_write.py (the KV-write A/B), on the CPU: the profiling itself needs the H200."""
+"""experiments/step_kernels.py (an Nsight Compute CSV read and summed per kernel family) and
+experiments/kv_write.py (the KV-write A/B), on the CPU: the profiling itself needs the H200."""
 
 import json
 
