@@ -140,7 +140,7 @@ def _random_layer(cls, n_in, n_out, bits, name, key, bias=None, residual=False):
     return layer
 
 
-def random_vqpipe(preset, bits, dtype=mx.bfloat16, fold=None, residual=False):
+def random_vqpipe(preset, bits, dtype=mx.bfloat16, fold=True, residual=False):
     """vqpipe layers with random codes in place of every Linear and the embedding; norms 1. The
     codes depend on ``bits`` only, so ``fold=False`` gives the same model unfolded, and
     ``residual`` the same codes as a residual-rotated model (the stream's readers unrotated, a tied
