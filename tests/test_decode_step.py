@@ -184,7 +184,7 @@ def test_generate_cli_compiled_matches_mlx_lm(reservoir, capsys, mode):
 def test_generate_cli_compiled_refuses_sampling(reservoir, capsys):
     from vqpipe import generate
 
-    for extra in (["--temp", "0.7"], ["--kv-bits", "4"]):
+    for extra in (["--temp", "0.7"], ["--kv-bits", "4", "--kv-cache", "reference"]):
         with pytest.raises(SystemExit):
             generate.main(["--model", str(reservoir), "--prompt", "x", "--compiled", "whole", *extra])
         assert "--compiled decodes greedily" in capsys.readouterr().err
@@ -214,3 +214,21 @@ def test_position_is_padded_out_of_the_small_pool(tiny_llama_source, mode):
     for _ in range(4):
         token, pos, state, logits = dec.step(token, pos, state)
     assert pos.tolist()[0] == prompt.size - 1 + 4
+
+
+def test_generate_takes_the_compiled_split_step_on_cuda_only(monkeypatch):
+    """``--compiled auto``: split on CUDA for greedy decoding with the full-precision cache; the eager
+    loop on the CPU, for sampling and for the KIVI caches."""
+    import argparse
+
+    import mlx.core as mx
+
+    from vqpipe.generate import auto_compiled
+
+    greedy = argparse.Namespace(temp=0.0, kv_bits=None)
+    assert auto_compiled(greedy, mx.cpu) is None
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert auto_compiled(greedy, mx.gpu) == "split"
+    assert auto_compiled(argparse.Namespace(temp=0.7, kv_bits=None), mx.gpu) is None
+    assert auto_compiled(argparse.Namespace(temp=0.0, kv_bits=4), mx.gpu) is None
+    assert auto_compiled(greedy, mx.cpu) is None
