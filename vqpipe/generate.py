@@ -1,4 +1,4 @@
-"""Generate text from a reservoir: ``python -m vqpipe generate --model DIR --prompt TEXT``.
+"""Generate text from a reservoir: ``vqpipe generate --model DIR --prompt TEXT``.
 
 The generation loop is mlx-lm's (``mlx_lm.generate``: ``stream_generate`` with its streaming print
 and its prompt/generation tokens-per-second and peak-memory lines); vqpipe adds the reservoir loader
@@ -163,7 +163,7 @@ def auto_compiled(args, device):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vqpipe generate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="vqpipe generate", description=__doc__.split("\n")[0])
     add_model_args(p)
     p.add_argument("--prompt", "-p", required=True, help="the prompt ('-' reads it from stdin)")
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,

@@ -1,4 +1,4 @@
-"""Serve a reservoir over an OpenAI-compatible HTTP API: ``python -m vqpipe serve --model DIR``.
+"""Serve a reservoir over an OpenAI-compatible HTTP API: ``vqpipe serve --model DIR``.
 
 This is mlx_lm.server (its HTTP handler, its generation thread with batching, its prompt cache)
 with two pieces plugged in: a ModelProvider that loads with ``vqpipe.load`` and serves that one
@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 from mlx_lm.server import APIHandler, ModelProvider
@@ -299,7 +300,7 @@ def context_length(directory, override=None):
 def parse_args(argv):
     from .generate import packed_args_problem
 
-    p = argparse.ArgumentParser(prog="python -m vqpipe serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="vqpipe serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="reservoir directory (pack stage output)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
@@ -382,6 +383,9 @@ def serve(args):
               "there is no authentication", file=sys.stderr)
     print(f"vqpipe serve: {args.served_names[0]!r} (context {context} tokens) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    # mlx-lm warns on every start that its server has only basic security checks. vqpipe serve binds
+    # to 127.0.0.1 and warns (above) when it listens elsewhere, the case where that matters.
+    warnings.filterwarnings("ignore", message="mlx_lm.server is not recommended for production")
     # mlx-lm stops cleanly on KeyboardInterrupt; make SIGTERM do the same.
     signal.signal(signal.SIGTERM, _interrupt)
     try:

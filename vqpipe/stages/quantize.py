@@ -248,7 +248,7 @@ def _quantize(source, bits, rotation, seed, embeddings, lm_head, dtype, progress
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vqpipe quantize", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="vqpipe quantize", description=__doc__.split("\n")[0])
     p.add_argument("--source", required=True, help="source model directory (download stage output)")
     p.add_argument("--out", required=True, help="output artifact directory")
     p.add_argument("--bits", type=int, default=4, help=f"bits per weight, one of {BITS}")
