@@ -244,7 +244,7 @@ def quantize_flags(model, rotation):
         flags += f" --group-size {group}"
     rules = quantize_option(model, "layer_bits")
     if rules:
-        flags += " --layer-bits " + shlex.quote(json.dumps(rules, separators=(",", ":")))
+        flags += f" --layer-bits {shlex.quote(json.dumps(rules, separators=(',', ':')))}"
     if rotation != "none":  # bench-quality's unrotated arm: no rotation at all, none of the stream either
         flags += residual_flags(model)
     cal = quantize_option(model, "calibration")
