@@ -463,6 +463,8 @@ def _load_extras(d, x):
 def _quality(d, summary):
     models = summary["models"]
     d.h(2, "Quality in detail")
+    if not summary.get("quality"):
+        d.img("quality_bits")  # it says which artifact is missing; with data it leads the summary
     _render_user_quality(d, summary)
     d.table(["model", "variant", "method", "bits", "metric", "n", "median", "min–max", "mean", "weight rel. MSE", "tokens"],
             [[m, v, r.get("method") or "—", _g(r.get("bits")), r.get("metric") or "—", *_cells(r, digits=5),
