@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv with vqpipe and its pinned dependencies, plus the few Debian packages the
-# pipeline uses (rsync for the fs storage plugin, Debian's OpenBLAS, which vqpipe/blas.py preloads by default on Linux)
+# pipeline uses (rsync for the fs storage plugin, Debian's OpenBLAS, which vqpipe/blas.py preloads by default on Linux,
+# chromium for the report's browser test)
 # and the ones tests/test_cluster.py runs a real single-node SLURM cluster with (slurm-wlm, slurmdbd,
 # munge, mariadb-server; VQPIPE_NO_CLUSTER=1 skips them).
 # Idempotent: does nothing when the stamp matches pyproject.toml.
@@ -15,6 +16,8 @@ need_deb=()
 command -v rsync >/dev/null || need_deb+=(rsync)
 if [ "$(uname -s)" = Linux ] && ! ls /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1 \
    && [ "$(uname -m)" = x86_64 ]; then need_deb+=(libopenblas0-pthread); fi
+# Headless Chromium: tests/test_report_summary.py opens the report in it (skipped without it).
+if [ "$(uname -s)" = Linux ] && ! command -v chromium >/dev/null; then need_deb+=(chromium); fi
 if [ -z "${VQPIPE_NO_CLUSTER:-}" ] && [ "$(uname -s)" = Linux ]; then
   command -v slurmctld >/dev/null || need_deb+=(slurm-wlm)
   command -v slurmdbd >/dev/null || need_deb+=(slurmdbd)
