@@ -10,14 +10,11 @@ from pathlib import Path
 
 def schema_error(error):
     """A jsonschema ``ValidationError`` as one line: the config key, the value and what is allowed."""
-    key = ".".join(str(p) for p in error.absolute_path) or "(top level)"
+    where = f"config key '{'.'.join(str(p) for p in error.absolute_path)}'" if error.absolute_path else "config"
     want = error.schema.get("description") if isinstance(error.schema, dict) else None
-    if error.validator in ("pattern", "enum", "type", "minimum", "maximum", "exclusiveMinimum",
-                           "exclusiveMaximum", "minLength", "minProperties") and want:
-        return f"config key '{key}': {error.instance!r} is not allowed here; expected {want}"
-    if error.validator == "additionalProperties":
-        return f"config key '{key}': {error.message}"
-    return f"config key '{key}': {error.message}" + (f" (expected {want})" if want else "")
+    if error.validator == "pattern" and want:  # the regular expression itself says little
+        return f"{where}: {error.instance!r} is not allowed here; expected {' '.join(want.split())}"
+    return f"{where}: {' '.join(error.message.split())}"
 
 
 def source_problem(source):
