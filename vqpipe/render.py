@@ -252,7 +252,7 @@ def _render_user_quality(d, summary):
 
 
 def _overview(d, summary):
-    d.h(2, "Plumbing: inputs of this report")
+    d.h(2, "Plumbing")
     d.p("The sections from here on check how the numbers above were made: the artifacts read, the software "
         "and hardware, the byte-exact reload of every reservoir (validate), the quantize and pack stages, "
         "the noise floors.")
