@@ -121,3 +121,21 @@ def test_quoted_output_on_the_pipeline_artifacts(command, quoted):
     assert rc == 0, err[-3000:]
     assert "\n".join(quoted) in out, f"README quotes:\n{chr(10).join(quoted)}\nthe command printed:\n{out}"
     assert not re.search(r"warn", err, re.I), err[-3000:]
+
+
+def test_python_api_block(tiny_source, tiny_b4_reservoir, tmp_path):
+    """The README's Python block, in a shell set up as it says (scripts/env.sh), in a directory where
+    its paths lead to the tiny model and reservoir: no warning."""
+    (block,) = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    for rel, target in (("results/models/tiny/source", tiny_source),
+                        ("results/reservoir/tiny/b4-auto/persist-off", tiny_b4_reservoir)):
+        assert rel in block
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).symlink_to(target)
+    from vqpipe import blas
+
+    env = blas.env_for(blas.choice(), user_env()) if sys.platform.startswith("linux") else user_env()  # scripts/env.sh
+    r = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", block], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() and (tmp_path / "tiny.vqres").is_file()
