@@ -6,7 +6,6 @@ import os
 import shutil
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -71,7 +70,7 @@ def test_summary_leads_the_report(built):
     assert "| 2 | 2.500 | 0.99 | 118 (2.365× source) | new-quant (2-bit) | 2.250 | 0.8 | 100 | 0.808× higher |" in first
     assert "![quality_bits](plots/quality_bits.png)" in first
     assert "| vqpipe-b4 |" in first and "| requantize-hadamard |" in first  # speed and load beside the others
-    for term in ("KL is how far", "bits per weight (bpw)", "An arm is", "A/A noise floor"):
+    for term in ("KL is how far", "Bits per weight (bpw)", "an arm is", "The frontier", "A/A noise floor"):
         assert term in first, term
     assert md.index("## Summary") < md.index("## Quality in detail") < md.index("## Plumbing\n")
     assert md.index("## Plumbing\n") < md.index("## Plumbing: validate")

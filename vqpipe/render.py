@@ -290,11 +290,14 @@ def _quality_verdict(d, model, q):
     if on and off:
         verdict += f", not at {', '.join(off)}"
     d.p(f"Verdict: {verdict}: no other format measured here ({', '.join(arms) or 'none'}) is both as small and "
-        "closer to the source there (the frontier; vqpipe's own ablations, such as its unrotated arm, are left out of it). An arm is one thing measured side by side: vqpipe at a bit width, or another format at one. KL is how far a quantized model's next-token distribution is from the "
-        "source model's (nats per token, median over the evaluation windows; 0 = the same model); bits per "
-        "weight (bpw) counts everything stored for the model's matrices, embedding included; perplexity is "
-        "exp(mean negative log-likelihood) over every token of the evaluation text"
-        + (f" (the source's: {_f(src, 4)})." if isinstance(src, (int, float)) else "."))
+        "closer to the source there.")
+    d.p("Terms: an arm is one thing measured side by side (vqpipe at a bit width, or another format at one). "
+        "KL is how far an arm's next-token distribution is from the source model's (nats per token, median over "
+        "the evaluation windows; 0 = the same model). Bits per weight (bpw) count everything stored for the "
+        "model's matrices, embedding included. Perplexity is exp(mean negative log-likelihood) over every token "
+        "of the evaluation text" + (f" (the source's: {_f(src, 4)})" if isinstance(src, (int, float)) else "")
+        + ". The frontier: the arms no other arm beats on both size and KL (vqpipe's own ablations, such as "
+        "its unrotated arm, left out).")
     if q.get("synthetic"):
         d.p(f"{model} is a synthetic model (random weights): its perplexity on real text means nothing; compare "
             "the arms by KL.", warn=True)
