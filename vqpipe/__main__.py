@@ -65,7 +65,7 @@ def main(argv=None):
         env = policy_env()
         if env is not None:
             sys.stdout.flush()
-            os.execve(sys.executable, [sys.executable, "-m", "vqpipe", *argv], env)
+            os.execve(sys.executable, sys.orig_argv, env)  # the same command line: interpreter flags kept
         from . import blas
 
         mismatch = blas.policy_mismatch()
