@@ -57,6 +57,11 @@ def test_command_starts_again_under_the_policy(tmp_path):
     assert blas.preloaded(_bare_env()) == "reference" and blas.choice(_bare_env()) == "openblas"
     r = _run(["report", "--inputs", str(tmp_path), "--out", str(tmp_path / "out")], env=_bare_env())
     assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    # The same command line again, under the policy's environment: a probe sees both processes.
+    probe = ("import sys; sys.argv = ['vqpipe', 'inspect', '--help']; from vqpipe import blas;"
+             "print('PRELOAD', blas.preloaded(), flush=True); from vqpipe.__main__ import main; sys.exit(main())")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=_bare_env())
+    assert r.returncode == 0 and r.stdout.startswith("PRELOAD reference\nPRELOAD openblas\nusage: vqpipe inspect")
     env = blas.env_for("openblas", _bare_env())
     r = subprocess.run([sys.executable, "-c", "from vqpipe import blas; print(blas.preloaded())"],
                        capture_output=True, text=True, timeout=60, env=env)
