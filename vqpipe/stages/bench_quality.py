@@ -651,7 +651,7 @@ def artifacts(dirs):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vqpipe bench-quality", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="vqpipe bench-quality", description=__doc__.split("\n")[0])
     p.add_argument("--source", help="source model directory")
     p.add_argument("--model", default=None, help="model name recorded in the output")
     p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
