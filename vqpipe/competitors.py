@@ -1,7 +1,8 @@
 """What users would pick instead of vqpipe: mlx-lm 0.32's own quantizers and MLX's fp4 modes.
 
 Each builder quantizes a source model in place the way the tool would, with our calibration
-tokens (mlx-lm's own ``main()`` downloads its calibration text; these call its functions):
+tokens (mlx-lm's own ``main()`` downloads its calibration text; these call its functions; ``calib``
+is the [n, length] tokens or a function giving them, called once the width is accepted):
 
     gptq      mlx_lm.quant.gptq.gptq_quantize: affine g64 GPTQ on every nn.Linear, the rest
               (the embedding) at its fallback, 6 bits g64 (mlx-lm's defaults)
@@ -31,6 +32,7 @@ def gptq(model, calib, bits, group_size=64, fallback_bits=6, fallback_group_size
         quantize(mx.zeros((1, 32)), bits, mx.ones((1, 1)), mx.zeros((1, 1)))
     except AssertionError as e:
         raise Refused(f"mlx_lm.quant.gptq: {e} (it packs 2, 4 and 8 bits only)") from None
+    calib = calib() if callable(calib) else calib
     gptq_quantize(model, calib, bits, group_size, fallback_bits, fallback_group_size, batch_size=batch_size)
     return {"group_size": group_size, "fallback_bits": fallback_bits, "fallback_group_size": fallback_group_size,
             "calibration": list(calib.shape)}
@@ -42,6 +44,7 @@ def awq(model, calib, bits, model_type, group_size=64, embed_bits=4, embed_group
 
     if model_type not in AWQ_MODEL_CONFIGS:
         raise Refused(f"mlx_lm.quant.awq: AWQ support for {model_type} models NYI")
+    calib = calib() if callable(calib) else calib
     awq_quantize(model, calib, AWQ_MODEL_CONFIGS[model_type], group_size=group_size, bits=bits,
                  embed_group_size=embed_group_size, embed_bits=embed_bits, n_grid=n_grid)
     mx.eval(model.parameters())
@@ -76,9 +79,10 @@ def dynamic(model, calib, bits, target_bpw, group_size=64, batch_size=4, dtype=N
 
     nn.quantize(model, group_size=group_size, bits=low, class_predicate=predicate)
     mx.eval(model.parameters())
-    widths = [m.bits for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module) if hasattr(m, "bits")]
+    widths = {k: m.bits for k, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module) if hasattr(m, "bits")}
     return {"group_size": group_size, "low_bits": low, "high_bits": high, "target_bpw": target_bpw,
-            "layers_high": widths.count(high), "layers_low": widths.count(low), "calibration": list(calib.shape)}
+            "layers_high": list(widths.values()).count(high), "layers_low": list(widths.values()).count(low),
+            "widths": widths, "calibration": list(calib.shape)}
 
 
 FP4 = {"mxfp4": 32, "nvfp4": 16}  # MLX's fp4 modes and their (fixed) group sizes

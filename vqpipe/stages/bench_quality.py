@@ -168,9 +168,9 @@ def competitor_arm(path, method, bits, calib, embeddings=False, target_bpw=None)
     _fp32(model)
     try:
         if method == "mlx-gptq":
-            info = competitors.gptq(model, calib(), bits)
+            info = competitors.gptq(model, calib, bits)
         elif method == "mlx-awq":
-            info = competitors.awq(model, calib(), bits, config["model_type"])
+            info = competitors.awq(model, calib, bits, config["model_type"])
         elif method == "mlx-dynamic":
             info = competitors.dynamic(model, calib(), bits, target_bpw, dtype=dtype)
         else:
