@@ -121,6 +121,20 @@ def test_competitor_parts_on_both_texts(tiny_llama_source, tmp_path, capsys):
             assert t["kl"]["n"] == 2 and t["kl"]["min"] >= 0 and t["ppl"]["min"] > 1
     assert recs["mlx-dynamic"]["settings"]["target_bpw"] == 2.8 and recs["mxfp4"]["bpw"]["bpw"] == pytest.approx(4.25)
     assert doc["source"]["texts"]["jargon"]["ppl"]["n"] == 2
+    # the report: one row per metric and text, the other text's columns in the quality table
+    from vqpipe.stages import report
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "quality.json").write_text(out.read_text())
+    assert report.main(["--inputs", str(tmp_path / "in"), "--out", str(tmp_path / "report")]) == 0
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    rows = [r for v in summary["models"][doc["model"]].values() for r in v.get("quality", [])]
+    kl = {(r["method"], r["text"]): r for r in rows if r["metric"] == "kl"}
+    assert kl[("mxfp4", "jargon")]["median"] == recs["mxfp4"]["texts"]["jargon"]["kl"]["median"]
+    assert kl[("mxfp4", "devil")]["median"] == recs["mxfp4"]["kl"]["median"]
+    assert kl[("mxfp4", "devil")]["bpw_matrices"] == recs["mxfp4"]["bpw"]["bpw_matrices"]
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "KL (jargon)" in md and "Unsupported bits 3" in md
     # mlx-dynamic needs a budget: the vqpipe artifact of its width, or --dynamic-bpw
     rc = q.main([*common, "--reference", str(ref), "--bits", "2", "--arms", "mlx-dynamic", "--out", str(tmp_path / "x.json")])
     assert rc == 2 and "needs a budget" in capsys.readouterr().err
