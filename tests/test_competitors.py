@@ -56,7 +56,7 @@ def test_gptq_counts_its_fallback_embedding(tiny_llama_source, shapes, calib):
 
 def test_gptq_refuses_three_bits_before_any_work(tiny_llama_source):
     with pytest.raises(q.SkippedArm, match="Unsupported bits 3"):
-        q.competitor_arm(tiny_llama_source, "mlx-gptq", 3, lambda: pytest.fail("no calibration for a refusal"))
+        q.competitor_arm("/nonexistent", "mlx-gptq", 3, lambda: pytest.fail("no calibration for a refusal"))
 
 
 def test_awq_counts_its_embedding_and_head(tiny_llama_source, shapes, calib):
@@ -93,7 +93,7 @@ def test_fp4_modes(tiny_llama_source, shapes, mode, group, scale_bits):
     _, _, bpw, info = q.competitor_arm(tiny_llama_source, mode, 4, None, embeddings=True)
     assert bpw["bpw"] == pytest.approx(lin) and info["embedding"]["mode"] == mode
     with pytest.raises(q.SkippedArm, match="4-bit floats only"):
-        q.competitor_arm(tiny_llama_source, mode, 3, None)
+        q.competitor_arm("/nonexistent", mode, 3, None)  # refused before any model is read
 
 
 def test_competitor_parts_on_both_texts(tiny_llama_source, tmp_path, capsys):

@@ -24,14 +24,24 @@ class Refused(Exception):
     """The tool refuses this width or model; the message says why."""
 
 
+def check(method, bits):
+    """Refused if ``method`` does not do ``bits``, asked before any model is read."""
+    if method == "mlx-gptq":
+        from mlx_lm.quant.gptq import quantize
+
+        try:  # its packing asserts the width only after the Hessians and the first layer: ask it first
+            quantize(mx.zeros((1, 32)), bits, mx.ones((1, 1)), mx.zeros((1, 1)))
+        except AssertionError as e:
+            raise Refused(f"mlx_lm.quant.gptq: {e} (it packs 2, 4 and 8 bits only)") from None
+    elif method in FP4 and bits != 4:
+        raise Refused(f"MLX's {method} mode stores 4-bit floats only, not {bits} bits")
+
+
 def gptq(model, calib, bits, group_size=64, fallback_bits=6, fallback_group_size=64, batch_size=8):
     """mlx-lm's GPTQ (its Hessians from ``calib`` [n, length] tokens)."""
-    from mlx_lm.quant.gptq import gptq_quantize, quantize
+    from mlx_lm.quant.gptq import gptq_quantize
 
-    try:  # its packing asserts the width only after the Hessians and the first layer: ask it first
-        quantize(mx.zeros((1, 32)), bits, mx.ones((1, 1)), mx.zeros((1, 1)))
-    except AssertionError as e:
-        raise Refused(f"mlx_lm.quant.gptq: {e} (it packs 2, 4 and 8 bits only)") from None
+    check("mlx-gptq", bits)
     calib = calib() if callable(calib) else calib
     gptq_quantize(model, calib, bits, group_size, fallback_bits, fallback_group_size, batch_size=batch_size)
     return {"group_size": group_size, "fallback_bits": fallback_bits, "fallback_group_size": fallback_group_size,
@@ -90,8 +100,7 @@ FP4 = {"mxfp4": 32, "nvfp4": 16}  # MLX's fp4 modes and their (fixed) group size
 
 def fp4(model, mode, bits, embeddings=False):
     """MLX's ``mode`` (mxfp4 / nvfp4) on every nn.Linear (and the embedding with ``embeddings``)."""
-    if bits != 4:
-        raise Refused(f"MLX's {mode} mode stores 4-bit floats only, not {bits} bits")
+    check(mode, bits)
     kinds = (nn.Linear, nn.Embedding) if embeddings else nn.Linear
     nn.quantize(model, group_size=FP4[mode], bits=4, mode=mode, class_predicate=lambda p, m: isinstance(m, kinds))
     mx.eval(model.parameters())

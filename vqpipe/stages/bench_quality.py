@@ -160,6 +160,10 @@ def competitor_arm(path, method, bits, calib, embeddings=False, target_bpw=None)
     dtype, so scales, biases and dense parameters are counted and evaluated as mlx-lm stores them."""
     from mlx_lm.utils import dequantize_model, load_model
 
+    try:
+        competitors.check(method, bits)
+    except competitors.Refused as e:
+        raise SkippedArm(str(e)) from None
     model, config = load_model(Path(path), lazy=True)
     model = dequantize_model(model)
     mx.eval(model.parameters())
