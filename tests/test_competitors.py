@@ -96,6 +96,20 @@ def test_fp4_modes(tiny_llama_source, shapes, mode, group, scale_bits):
         q.competitor_arm("/nonexistent", mode, 3, None)  # refused before any model is read
 
 
+def test_calibration_is_the_calibrate_stages_draw(tiny_llama_source):
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(tiny_llama_source)
+    opts = q.arm_options(calib_windows=8, calib_length=16, calib_seed=0, awq_windows=3)
+    full = q.calibration(tok, opts)
+    assert full.shape == (8, 16) and mx.array_equal(full, text.calibration_tokens(tok, 8, 16, 0))
+    few = q.calibration(tok, opts, opts["awq_windows"])
+    assert few.shape == (3, 16)  # rows 0, 4 (3.5 rounds to even) and 7 of the same draw
+    assert [int(mx.argmax(mx.all(full == r, axis=1)).item()) for r in few] == [0, 4, 7]
+    with pytest.raises(ValueError, match="awq_windows must be at least 1"):
+        q.arm_options(awq_windows=0)
+
+
 def test_competitor_parts_on_both_texts(tiny_llama_source, tmp_path, capsys):
     common = ["--source", str(tiny_llama_source), "--windows", "2", "--length", "16", "--gen-prompts", "1",
               "--gen-tokens", "2", "--calib-windows", "2", "--calib-length", "16"]

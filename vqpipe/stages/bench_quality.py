@@ -444,18 +444,28 @@ def with_texts(per_text, texts):
     return {**first, "texts": {c: {k: r[k] for k in keep if k in r} for c, r in per_text.items()}}
 
 
-def arm_options(calib_windows=64, calib_length=512, calib_seed=0, awq_windows=None, dynamic_windows=None,
-                dynamic_bpw=None):
+def arm_options(calib_windows=64, calib_length=512, calib_seed=0, gptq_windows=None, awq_windows=None,
+                dynamic_windows=None, dynamic_bpw=None):
     """The competitor arms' settings. Calibration: ``calib_windows`` x ``calib_length`` tokens of the
-    calibration text at ``calib_seed`` (what the calibrate stage gives vqpipe), fewer for AWQ or
-    dynamic_quant where given (their cost on a CPU). ``dynamic_bpw``: dynamic_quant's budget
-    (default: the vqpipe artifact's bits per weight over every matrix at that width)."""
-    for k, v in (("calib_windows", calib_windows), ("awq_windows", awq_windows), ("dynamic_windows", dynamic_windows)):
+    calibration text at ``calib_seed`` (what the calibrate stage gives vqpipe); ``gptq_windows``,
+    ``awq_windows``, ``dynamic_windows``: fewer of those windows, spread evenly over them, for a
+    method (their cost on a CPU). ``dynamic_bpw``: dynamic_quant's budget (default: the vqpipe
+    artifact's bits per weight over every matrix at that width)."""
+    given = {"calib_windows": calib_windows, "gptq_windows": gptq_windows, "awq_windows": awq_windows,
+             "dynamic_windows": dynamic_windows}
+    for k, v in given.items():
         if v is not None and v < 1:
             raise ValueError(f"{k} must be at least 1, got {v}")
-    return {"calib_windows": calib_windows, "calib_length": calib_length, "calib_seed": calib_seed,
-            "awq_windows": awq_windows or calib_windows, "dynamic_windows": dynamic_windows or calib_windows,
-            "dynamic_bpw": dynamic_bpw}
+    return {**given, "calib_length": calib_length, "calib_seed": calib_seed, "dynamic_bpw": dynamic_bpw}
+
+
+def calibration(tok, options, n=None):
+    """The mlx-lm arms' calibration tokens: the calibrate stage's draw (``options``' calib_windows x
+    calib_length at calib_seed); ``n`` fewer: rows spread evenly over that draw (over the book)."""
+    t = text.calibration_tokens(tok, options["calib_windows"], options["calib_length"], options["calib_seed"])
+    if n is None or n >= len(t):
+        return t
+    return t[mx.array(np.linspace(0, len(t) - 1, n).round().astype(np.int32))]
 
 
 def measure_arms(path, data, bits_list, arms, index, quantized, rotation, seed, prompts, gen_tokens,
@@ -474,7 +484,7 @@ def measure_arms(path, data, bits_list, arms, index, quantized, rotation, seed, 
         return loaded[0]
 
     def calib(n):
-        return lambda: text.calibration_tokens(tokenizer(), n, options["calib_length"], options["calib_seed"])
+        return lambda: calibration(tokenizer(), options, n)
 
     for bits in bits_list:
         emb = artifact_embeddings(quantized.get((bits, rotation)))
@@ -487,8 +497,7 @@ def measure_arms(path, data, bits_list, arms, index, quantized, rotation, seed, 
             info = None
             try:
                 if method in COMPETITORS:
-                    n = {"mlx-awq": options["awq_windows"], "mlx-dynamic": options["dynamic_windows"]}.get(
-                        method, options["calib_windows"])
+                    n = options.get(f"{method.removeprefix('mlx-')}_windows") or options["calib_windows"]
                     target = dynamic_budget(options["dynamic_bpw"], quantized.get((bits, rotation)), bits) \
                         if method == "mlx-dynamic" else None
                     model, werr, bpw, info = competitor_arm(path, method, bits, calib(n), emb, target)
@@ -845,9 +854,12 @@ def main(argv=None):
                    help="calibration windows of the mlx-lm methods (the calibrate stage's, by default)")
     p.add_argument("--calib-length", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--calib-seed", type=int, default=0)
-    p.add_argument("--awq-windows", type=int, default=None, help="calibration windows for mlx-awq (default --calib-windows)")
+    p.add_argument("--gptq-windows", type=int, default=None,
+                   help="calibration windows for mlx-gptq, spread over --calib-windows (default all)")
+    p.add_argument("--awq-windows", type=int, default=None,
+                   help="calibration windows for mlx-awq, spread over --calib-windows (default all)")
     p.add_argument("--dynamic-windows", type=int, default=None,
-                   help="calibration windows for mlx-dynamic's sensitivities (default --calib-windows)")
+                   help="calibration windows for mlx-dynamic's sensitivities, spread over --calib-windows (default all)")
     p.add_argument("--dynamic-bpw", type=float, default=None,
                    help="mlx-dynamic's budget (default: the vqpipe artifact's bits per weight over every matrix)")
     p.add_argument("--out", default=None, help="output JSON (required unless --reference-out)")
@@ -866,8 +878,8 @@ def main(argv=None):
             write_reference(args.source, args.reference_out, args.windows, args.length, prompts, args.gen_tokens,
                             texts=args.texts)
             return 0
-        options = arm_options(args.calib_windows, args.calib_length, args.calib_seed, args.awq_windows,
-                              args.dynamic_windows, args.dynamic_bpw)
+        options = arm_options(args.calib_windows, args.calib_length, args.calib_seed, args.gptq_windows,
+                              args.awq_windows, args.dynamic_windows, args.dynamic_bpw)
         shard = parse_shard(args.shard)
         if args.reference:
             if args.shard:

@@ -211,7 +211,7 @@ def quality_calib_flags(w):
     seed), fewer where benchmarks.quality says (their cost on a CPU)."""
     q, calib = config["benchmarks"]["quality"], {**config["quantize"]["calibration"], **quantize_option(w.model, "calibration")}
     flags = f"--calib-windows {q['calib_windows'] or calib['windows']} --calib-length {calib['length']} --calib-seed {calib['seed']}"
-    return flags + "".join(f" --{k.replace('_', '-')} {q[k]}" for k in ("awq_windows", "dynamic_windows") if q[k])
+    return flags + "".join(f" --{k.replace('_', '-')} {q[k]}" for k in ("gptq_windows", "awq_windows", "dynamic_windows") if q[k])
 
 
 def quality_arm_priority(w):
