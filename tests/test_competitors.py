@@ -96,6 +96,14 @@ def test_fp4_modes(tiny_llama_source, shapes, mode, group, scale_bits):
         q.competitor_arm("/nonexistent", mode, 3, None)  # refused before any model is read
 
 
+def test_default_arms_leave_out_the_costly_ones():
+    names = [m for m, _ in q.check_arms(None, (64,))]
+    assert names == ["vqpipe", "unrotated", "affine-g64", "mlx-gptq", "mxfp4", "nvfp4"]
+    assert [m for m, _ in q.check_arms(["mlx-dynamic", "mlx-awq"], (64,))] == ["mlx-awq", "mlx-dynamic"]
+    with pytest.raises(ValueError, match="unknown arms"):
+        q.check_arms(["mlx-dwq"], (64,))
+
+
 def test_calibration_is_the_calibrate_stages_draw(tiny_llama_source):
     from mlx_lm.utils import load_tokenizer
 

@@ -47,6 +47,7 @@ from ..bench.harness import summarize
 
 AFFINE_GROUPS = (32, 64, 128)
 COMPETITORS = ("mlx-gptq", "mlx-awq", "mlx-dynamic", "mxfp4", "nvfp4")
+COSTLY = ("mlx-awq", "mlx-dynamic")  # run when asked for (--arms): their CPU cost (docs/quality.md)
 TEXTS = ("devil", "jargon")  # evaluation texts (vqpipe/text.py); the first is the records' top level
 PROMPTS = (
     "What is the capital of France?",
@@ -382,13 +383,14 @@ def source_record(path, source, nlls, index, length):
 
 
 def check_arms(arms, affine_groups):
-    """[(method, group or None)] of the arm names ``arms`` (default: every arm), in record order."""
+    """[(method, group or None)] of the arm names ``arms`` (default: every arm but :data:`COSTLY`),
+    in record order."""
     every = [("vqpipe", None), ("unrotated", None)] + [(f"affine-g{g}", g) for g in affine_groups] + \
         [(m, None) for m in COMPETITORS]
     unknown = sorted(set(arms or ()) - {m for m, _ in every})
     if unknown:
         raise ValueError(f"unknown arms {unknown}; choose from {', '.join(m for m, _ in every)}")
-    return [(m, g) for m, g in every if not arms or m in arms]
+    return [(m, g) for m, g in every if (m in arms if arms else m not in COSTLY)]
 
 
 def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", quantized=None,
@@ -827,7 +829,8 @@ def main(argv=None):
                    help="quantize-stage artifacts to measure (else the vqpipe arms are quantized here)")
     p.add_argument("--rotation", default="auto", help="rotation of the vqpipe arm (default auto)")
     p.add_argument("--affine-groups", type=int, nargs="+", default=list(AFFINE_GROUPS))
-    p.add_argument("--arms", nargs="+", default=None, help="run only these arms (default: all)")
+    p.add_argument("--arms", nargs="+", default=None,
+                   help=f"run only these arms (default: all but {' and '.join(COSTLY)}, which cost more on a CPU)")
     p.add_argument("--windows", type=int, default=20, help="distinct evaluation windows (>= 20)")
     p.add_argument("--length", type=int, default=512, help="tokens per window")
     p.add_argument("--gen-prompts", type=int, default=len(PROMPTS), help=f"fixed chat prompts generated (0-{len(PROMPTS)})")
