@@ -449,11 +449,12 @@ def test_full_precision_calibration_runs_once_per_model(bare):
         "models:\n  tiny: {source: 'synth:tiny', quantize: {calibration: {text: text, windows: 2, sequential: false}}}\n"
         "  tiny-llama: {source: 'synth:tiny-llama'}\n"
         "bits: [3, 4]\npersist_rotation: [true]\n"
-        "benchmarks: {quality: {models: [tiny], affine_groups: [32, 64]}, decode: {models: [tiny-llama]}}\n")
+        "benchmarks: {quality: {models: [tiny], affine_groups: [32, 64], competitors: [mlx-gptq, mxfp4, nvfp4]},"
+        " decode: {models: [tiny-llama]}}\n")
     out = smk(bare, "-n", "-p", "--configfile", "config/fp.yaml").stdout
     stats = job_stats(out)
     assert stats["calibrate"] == 1 and stats["quantize"] == 4 + 2  # tiny b3/b4 x auto/none, tiny-llama b3/b4
-    # 2 widths x (vqpipe, unrotated, affine-g32, -g64, and the default competitors mlx-gptq, mxfp4, nvfp4)
+    # 2 widths x (vqpipe, unrotated, affine-g32, -g64, mlx-gptq, and the default competitors mxfp4, nvfp4)
     assert stats["bench_quality_reference"] == 1 and stats["bench_quality_arm"] == 2 * 7 and stats["bench_quality"] == 1
     commands = [line for line in out.splitlines() if " -m vqpipe quantize " in line and "models/tiny/" in line]
     assert len(commands) == 4 and all("--moments results/calibration/tiny" in c for c in commands)
