@@ -14,10 +14,7 @@ STAGES = {
     "bench-quality": "vqpipe.stages.bench_quality",
     "bench-load": "vqpipe.stages.bench_load",
     "bench-kivi": "vqpipe.stages.bench_kivi",
-    "bench-kivi-attn": "vqpipe.stages.bench_kivi_attn",
-    "bench-kivi-quality": "vqpipe.stages.bench_kivi_quality",
     "bench-decode": "vqpipe.stages.bench_decode",
-    "bench-qmv": "vqpipe.stages.bench_qmv",
     "report": "vqpipe.stages.report",
     # Using a reservoir: mlx-lm's generate/chat/server loops with the reservoir loader.
     "generate": "vqpipe.generate",

@@ -60,7 +60,7 @@ class ReservoirProvider(ModelProvider):
         if self.cli_args.kv_bits_kivi:
             a = self.cli_args
             model.make_cache = kivi_cache_factory(model, a.kv_bits_kivi, a.kv_group_size_kivi, a.kv_residual,
-                                                  a.kv_packed)
+                                                  a.kv_cache == "packed")
         self.model_key = (model_path, None, None)
         self.model, self.tokenizer = model, tokenizer
         # Batched decoding needs caches that mlx-lm can merge across requests.
@@ -321,15 +321,16 @@ def parse_args(argv):
     k.add_argument("--kv-group-size", dest="kv_group_size_kivi", type=int, default=32, metavar="N",
                    help="KIVI group size (default 32)")
     k.add_argument("--kv-residual", type=int, default=128, help="KIVI residual window (default 128)")
-    k.add_argument("--kv-packed", action="store_true",
-                   help="keep the KIVI codes packed, attention reading them (the memory saving)")
+    k.add_argument("--kv-cache", choices=("packed", "reference"), default="packed",
+                   help="packed (default): the KIVI codes stay packed, attention reading them (the memory "
+                   "saving); reference: the quantize-dequantize cache (for comparisons)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     if args.max_tokens < 1 or args.max_pending < 1 or args.decode_concurrency < 1 or args.prompt_concurrency < 1:
         p.error("--max-tokens, --max-pending and the concurrencies must be at least 1")
     if args.kv_group_size_kivi < 1 or args.kv_residual < 0:
         p.error("--kv-group-size must be >= 1 and --kv-residual >= 0")
-    why = packed_args_problem(args.kv_bits_kivi, args.kv_group_size_kivi, args.kv_packed)
+    why = packed_args_problem(args.kv_bits_kivi, args.kv_group_size_kivi, args.kv_cache == "packed")
     if why:
         p.error(why)
     # The rest of what mlx_lm.server reads from its arguments, at its defaults (no adapters, no

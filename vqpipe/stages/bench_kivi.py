@@ -19,7 +19,7 @@ arm, interleaved with the reference in the same run and each with its A/A copy: 
 the "kernel" arm (the top-level speedup, verdict and M4 comparison of each row), the others are
 "kernel:<layout>"; every row then also carries ``layouts``, per layout: speedup, verdict, bandwidth
 and (isolated mode) whether its outputs equal the reference's. Without the option only the
-current layout (``VQPIPE_KIVI_LAYOUT``, default "vec") is timed.
+current layout (``kernels.layout()``, "vec") is timed.
 
     python -m vqpipe bench-kivi --out results/bench/kivi_ops.json
 """
