@@ -224,20 +224,30 @@ def _render_user_quality(d, summary):
         if src.get("full_precision") is False:
             d.p(f"The source is not a full-precision model: {src.get('note')} (GGUF tensor types: "
                 f"{src.get('gguf_types')}). Every figure is a distance to this dequantized model.", warn=True)
+        # the other evaluation texts (the first is the records' top level)
+        others = [c for c in (x.get("texts") or {})][1:]
+        if others:
+            d.p("Also on " + "; ".join(f"{c}: {x['texts'][c].get('title')} ({x['texts'][c].get('license')}; "
+                                         f"{x['texts'][c].get('package')} {x['texts'][c].get('package_version')})"
+                                         for c in others) + ", a domain the calibration text is not.")
         rows = []
         for r in x.get("records") or []:
             if r.get("skipped"):
-                rows.append([_g(r.get("bits")), r.get("method"), f"skipped: {r['skipped']}", "", "", "", "", "", ""])
+                rows.append([_g(r.get("bits")), r.get("method"), f"skipped: {r['skipped']}"] + [""] * (7 + 2 * len(others)))
                 continue
             b = r.get("bpw") or {}
+            t = r.get("texts") or {}
             rows.append([_g(r.get("bits")), r.get("method"), _g(b.get("bpw"), 4), _g(b.get("bpw_seed_rotation"), 4),
-                         _g(r.get("ppl_mean")), _st(r.get("ppl")), _st(r.get("kl")), _st(r.get("top1"), 3),
-                         _g(r.get("weight_rel_mse"), 4)])
-        d.table(["bits", "arm", "bpw", "bpw (rotations stored as seeds)", "perplexity (all tokens)",
-                 "perplexity (windows)", "KL", "top-1", "weight rel. MSE"], rows)
+                         _g(b.get("bpw_matrices"), 4), _g(r.get("ppl_mean")), _st(r.get("ppl")), _st(r.get("kl")),
+                         _st(r.get("top1"), 3)]
+                        + [v for c in others for v in (_st((t.get(c) or {}).get("ppl")), _st((t.get(c) or {}).get("kl")))]
+                        + [_g(r.get("weight_rel_mse"), 4)])
+        d.table(["bits", "arm", "bpw", "bpw (rotations stored as seeds)", "bpw (all matrices)", "perplexity (all tokens)",
+                 "perplexity (windows)", "KL", "top-1"]
+                + [h for c in others for h in (f"perplexity ({c})", f"KL ({c})")] + ["weight rel. MSE"], rows)
         dense = ((x.get("records") or [{}])[0].get("bpw") or {}).get("unquantized_params")
         if dense:
-            d.p("Kept unquantized in every arm (parameters): " + ", ".join(f"{k} {v:,}" for k, v in dense.items()) + ".")
+            d.p(f"Kept unquantized by {x['records'][0].get('method')} (parameters; each record lists its own): " + ", ".join(f"{k} {v:,}" for k, v in dense.items()) + ".")
         g = x.get("generations") or {}
         prompts = g.get("prompts") or []
         if prompts:

@@ -118,14 +118,20 @@ def kivi_rows(doc):
 
 
 def quality_rows(doc):
-    """bench-quality records hold one summary per metric (``kl``, ``top1``, ``ppl``): one row per metric."""
+    """bench-quality records hold one summary per metric (``kl``, ``top1``, ``ppl``): one row per metric
+    and evaluation text (``text``: the records' top level is the first text; ``texts`` has the rest)."""
     recs = []
+    first = next(iter(doc.get("texts") or {}), (doc.get("text") or {}).get("corpus", "devil"))
     for r in doc["records"]:
         ident = scalars(r)
         ident.setdefault("variant", _QUALITY_VARIANT.get(r["method"], "{method}-b{bits}").format(**{"rotation": "auto", **r}))
-        for key, st in r.items():
-            if is_stats(st):
-                recs.append({**ident, "metric": key, **stats(st), "mean": r.get(f"{key}_mean")})
+        if isinstance(r.get("bpw"), dict):
+            ident.setdefault("bpw_matrices", r["bpw"].get("bpw_matrices"))
+        per_text = [(first, r)] + [(c, t) for c, t in (r.get("texts") or {}).items() if c != first]
+        for corpus, t in per_text:
+            for key, st in t.items():
+                if is_stats(st):
+                    recs.append({**ident, "text": corpus, "metric": key, **stats(st), "mean": t.get(f"{key}_mean")})
     timing = [{**scalars(t), **{k: v for k, v in t.items() if is_stats(v)}} for t in doc.get("timing", [])]
     return recs, timing
 
