@@ -4,7 +4,7 @@
     nice -n 19 .venv/bin/python scripts/crashtest.py --trials 200 --out crash.json
     .venv/bin/python scripts/crashtest.py --stages pack --trials 5
 
-What a trial checks: vqpipe/crashtest.py; results: docs/reliability.md. Exits 1 on any failure.
+What a trial checks: experiments/crashtest.py; results: docs/reliability.md. Exits 1 on any failure.
 """
 
 import argparse
@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vqpipe import crashtest  # noqa: E402
+from experiments import crashtest  # noqa: E402
 
 
 def main():

@@ -5,8 +5,8 @@
     nice -n 19 .venv/bin/python scripts/fuzz.py gguf --cases 10000 --out fuzz-gguf.json
     .venv/bin/python scripts/fuzz.py reservoir --replay 4242        # one case, in this process
 
-Mutations and outcomes: vqpipe/fuzz_reservoir.py and vqpipe/fuzz_gguf.py; the runner (worker
-processes, crash and hang detection): vqpipe/fuzz.py; results: docs/reliability.md. Exits 1 if any
+Mutations and outcomes: experiments/fuzz_reservoir.py and experiments/fuzz_gguf.py; the runner (worker
+processes, crash and hang detection): experiments/fuzz.py; results: docs/reliability.md. Exits 1 if any
 case failed.
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vqpipe import fuzz  # noqa: E402
+from experiments import fuzz  # noqa: E402
 
 # target -> (module, default case count)
-TARGETS = {"reservoir": ("vqpipe.fuzz_reservoir", 100000), "gguf": ("vqpipe.fuzz_gguf", 10000)}
+TARGETS = {"reservoir": ("experiments.fuzz_reservoir", 100000), "gguf": ("experiments.fuzz_gguf", 10000)}
 
 
 def main():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Snakemake for the offline GPU host, as wheels in .whl/ (git-ignored, ~10 MiB), carried to it the
-# way the MLX runtime is (scripts/gpu_pipeline.sh installs them there). The host runs CPython 3.12
+# way the MLX runtime is (`scripts/gpu.sh pipeline` installs them there). The host runs CPython 3.12
 # on x86-64; this machine may run another Python, so compiled wheels are fetched for cp312 and
 # pure-Python ones (some exist only as sdists on the index) are built here.
 #

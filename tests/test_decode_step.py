@@ -151,7 +151,7 @@ def test_step_logits_match_eager_within_float32(tiny_llama_source, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_kernel_inside_compiled_step_same_tokens(tiny_llama_source, rot, mode):
     from vqpipe import qmv
-    from vqpipe.bench.decode_shapes import graph_ops
+    from experiments.decode_shapes import graph_ops
 
     model, _ = load(str(tiny_llama_source))
     quantize_model(model, 4, embeddings=True, dtype=mx.float32)
@@ -184,84 +184,51 @@ def test_generate_cli_compiled_matches_mlx_lm(reservoir, capsys, mode):
 def test_generate_cli_compiled_refuses_sampling(reservoir, capsys):
     from vqpipe import generate
 
-    for extra in (["--temp", "0.7"], ["--kv-bits", "4"]):
+    for extra in (["--temp", "0.7"], ["--kv-bits", "4", "--kv-cache", "reference"]):
         with pytest.raises(SystemExit):
             generate.main(["--model", str(reservoir), "--prompt", "x", "--compiled", "whole", *extra])
         assert "--compiled decodes greedily" in capsys.readouterr().err
 
 
-def test_split_views_layouts_give_the_same_logits(tiny_llama_source):
-    """The split step's one-reshape layout and mlx-lm's reshape + transpose are the same arrays for one
-    token: bit-identical logits in float32; an unknown layout is refused."""
-    model, _ = load(str(tiny_llama_source))
-    model = cast_floating(model, mx.float32)
-    prompt = _prompts(8192)[1]
-    runs = {}
-    for views in ("lean", "mlx"):
-        dec = Decoder(model, 24, "split", views=views)
-        token, pos, state = dec.start(prompt, 8)
-        runs[views] = []
-        for _ in range(4):
-            token, pos, state, logits = dec.step(token, pos, state)
-            runs[views].append(logits)
-    assert all(mx.array_equal(a, b).item() for a, b in zip(runs["lean"], runs["mlx"]))
-    with pytest.raises(ValueError, match="views"):
-        Decoder(model, 24, "split", views="transposed")
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_kv_writes_scatter_and_slice_give_the_same_caches(tiny_llama_source, mode):
-    """put_along_axis (the default write) and slice_update at an array start write the same values:
-    bit-identical logits and cache buffers in float32 over several positions; an unknown write is
-    refused. (Which is faster is a GPU question: bench/kv_write.py.)"""
-    model, _ = load(str(tiny_llama_source))
-    model = cast_floating(model, mx.float32)
-    prompt = _prompts(8192)[1]
-    runs = {}
-    for how in ("scatter", "slice"):
-        dec = Decoder(model, 24, mode, kv_write=how)
-        token, pos, state = dec.start(prompt, 8)
-        runs[how] = []
-        for _ in range(4):
-            token, pos, state, logits = dec.step(token, pos, state)
-            runs[how].append(logits)
-        runs[how].append(state)
-    for a, b in zip(runs["scatter"][:4], runs["slice"][:4]):
-        assert mx.array_equal(a, b).item()
-    for (ka, va), (kb, vb) in zip(runs["scatter"][4], runs["slice"][4]):
-        assert mx.array_equal(ka, kb).item() and mx.array_equal(va, vb).item()
-        assert mx.abs(ka[..., prompt.size: prompt.size + 4, :]).sum().item() > 0  # the steps did write
-    with pytest.raises(ValueError, match="kv_write"):
-        Decoder(model, 24, mode, kv_write="concat")
-
-
 def test_write_kv_writes_one_position_only():
+    """put_along_axis at a device position writes what slice_update there would, and nothing else."""
     buf = mx.random.normal((1, 3, 9, 4))
     new = mx.random.normal((1, 3, 1, 4))
-    for how in ("scatter", "slice"):
-        out = write_kv(buf, new, mx.array(6, mx.int32), how)
-        assert mx.array_equal(out[:, :, 6:7], new).item()
-        keep = mx.concatenate([out[:, :, :6], out[:, :, 7:]], axis=2)
-        assert mx.array_equal(keep, mx.concatenate([buf[:, :, :6], buf[:, :, 7:]], axis=2)).item()
+    out = write_kv(buf, new, mx.array(6, mx.int32))
+    assert mx.array_equal(out, mx.slice_update(buf, new, mx.array([6]), axes=(2,))).item()
+    keep = mx.concatenate([out[:, :, :6], out[:, :, 7:]], axis=2)
+    assert mx.array_equal(keep, mx.concatenate([buf[:, :, :6], buf[:, :, 7:]], axis=2)).item()
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_padded_position_gives_the_same_tokens(tiny_llama_source, mode):
-    """The position kept as a padded vector (out of MLX's small pool) or as a 0-d array: the same
-    logits bit for bit, and the padded one really is longer than the pool's 8 bytes."""
+def test_position_is_padded_out_of_the_small_pool(tiny_llama_source, mode):
+    """The position is a padded vector (longer than MLX's 8-byte small pool) whose entry 0 advances."""
     from vqpipe import small_arrays
 
     model, _ = load(str(tiny_llama_source))
     model = cast_floating(model, mx.float32)
     prompt = _prompts(8192)[2]
-    runs = {}
-    for pad in (True, False):
-        dec = Decoder(model, 32, mode, pad_small=pad)
-        token, pos, state = dec.start(prompt, 8)
-        assert (pos.nbytes > small_arrays.POOL_BYTES) == pad
-        runs[pad] = []
-        for _ in range(4):
-            token, pos, state, logits = dec.step(token, pos, state)
-            runs[pad].append(logits)
-        assert (pos.tolist() if pad else [pos.item()])[0] == prompt.size - 1 + 4
-    assert all(mx.array_equal(a, b).item() for a, b in zip(runs[True], runs[False]))
+    dec = Decoder(model, 32, mode)
+    token, pos, state = dec.start(prompt, 8)
+    assert pos.nbytes > small_arrays.POOL_BYTES
+    for _ in range(4):
+        token, pos, state, logits = dec.step(token, pos, state)
+    assert pos.tolist()[0] == prompt.size - 1 + 4
+
+
+def test_generate_takes_the_compiled_split_step_on_cuda_only(monkeypatch):
+    """``--compiled auto``: split on CUDA for greedy decoding with the full-precision cache; the eager
+    loop on the CPU, for sampling and for the KIVI caches."""
+    import argparse
+
+    import mlx.core as mx
+
+    from vqpipe.generate import auto_compiled
+
+    greedy = argparse.Namespace(temp=0.0, kv_bits=None)
+    assert auto_compiled(greedy, mx.cpu) is None
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert auto_compiled(greedy, mx.gpu) == "split"
+    assert auto_compiled(argparse.Namespace(temp=0.7, kv_bits=None), mx.gpu) is None
+    assert auto_compiled(argparse.Namespace(temp=0.0, kv_bits=4), mx.gpu) is None
+    assert auto_compiled(greedy, mx.cpu) is None

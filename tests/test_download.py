@@ -61,7 +61,7 @@ def test_4bit_is_byte_identical(tiny_4bit_source, tmp_path):
 
 
 def test_shipped_corpus_matches_its_generator():
-    spec = importlib.util.spec_from_file_location("make_corpus", ROOT / "vqpipe/data/make_corpus.py")
+    spec = importlib.util.spec_from_file_location("make_corpus", ROOT / "scripts/make_corpus.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.corpus_text() == (ROOT / "vqpipe/data/corpus.txt").read_text(encoding="utf-8")

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import vqpipe
-from vqpipe import crashtest, fsutil, manifest
+from experiments import crashtest
+from vqpipe import fsutil, manifest
 from vqpipe.stages import pack, quantize
 from vqpipe import reservoir as R
 

@@ -9,7 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from vqpipe import fold, fused
 from vqpipe import reservoir as R
-from vqpipe.bench.decode_shapes import graph_ops
+from experiments.decode_shapes import graph_ops
 from vqpipe.decode_step import Decoder
 from vqpipe.quantize import quantize_model, split_state
 from vqpipe.rotation import make_rotation
@@ -148,13 +148,6 @@ def test_layers_called_alone_keep_their_meaning(tiny_llama_source):
     s = np.array(got.model.layers[1].mlp.gate_proj.rotation.sign_vector())
     y = np.array(b.post_attention_layernorm(x))
     assert np.array_equal(y, np.array(a.post_attention_layernorm(x)) * s) and (s < 0).any()
-
-
-def test_switch_off(tiny_llama_source, monkeypatch):
-    monkeypatch.setenv("VQPIPE_FOLD_SIGNS", "0")
-    model, _ = load(str(tiny_llama_source))
-    quantize_model(model, 4, embeddings=True, dtype=mx.float32)
-    assert len(fused.fused_groups(model)) == 2 * len(model.model.layers) and fold.folded_count(model) == 0
 
 
 def test_unsigned_rotation():

@@ -95,11 +95,11 @@ def test_prefill_logits_and_tokens_unchanged(tiny_llama_source, tiny_source, bit
 
 
 def test_decode_shapes_ab_arms_on_cpu(tmp_path):
-    """bench/decode_shapes's A/B arms: the old weight rebuild (+u) and the unfolded model (-nofold)
+    """experiments/decode_shapes's A/B arms: the old weight rebuild (+u) and the unfolded model (-nofold)
     give the same ids as vqpipe-b4; the unfolded step has 3 primitives more per layer."""
     import json
 
-    from vqpipe.bench import decode_shapes
+    from experiments import decode_shapes
 
     out = tmp_path / "ab.json"
     with mx.stream(mx.cpu):

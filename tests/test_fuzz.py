@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from vqpipe import fuzz
-from vqpipe import fuzz_reservoir as F
+from experiments import fuzz
+from experiments import fuzz_reservoir as F
 from vqpipe import reservoir as R
 
 
@@ -25,7 +25,7 @@ def ctx(tmp_path_factory):
 def test_reservoir_campaign_ci(tmp_path):
     """3000 cases (the full campaign's first seed-7 cases) in worker processes: every outcome is
     a rejection, an identical model or a faithful load of a forged file."""
-    summary = fuzz.campaign("vqpipe.fuzz_reservoir", 7, 3000, tmp_path, batch=1500, timeout=120)
+    summary = fuzz.campaign("experiments.fuzz_reservoir", 7, 3000, tmp_path, batch=1500, timeout=120)
     assert summary["cases"] == 3000
     assert summary["failed"] == 0, summary["failures"][:10]
     counts = summary["counts"]
@@ -136,7 +136,7 @@ def test_gguf_campaign_ci(tmp_path):
     """1000 mutated GGUF files converted in worker processes: each rejected with an error naming
     the file, or converted; no crash (a native parser reached with a bad file), hang or other error."""
     pytest.importorskip("gguf")
-    summary = fuzz.campaign("vqpipe.fuzz_gguf", 7, 1000, tmp_path, batch=1000, timeout=120)
+    summary = fuzz.campaign("experiments.fuzz_gguf", 7, 1000, tmp_path, batch=1000, timeout=120)
     assert summary["cases"] == 1000
     assert summary["failed"] == 0, summary["failures"][:10]
     assert summary["counts"]["rejected"] > 500 and summary["counts"]["converted"] > 50, summary["counts"]
@@ -149,7 +149,7 @@ def test_gguf_structure_is_checked_before_native_code(tmp_path, monkeypatch):
 
     import mlx.core as mx
 
-    from vqpipe import fuzz_gguf as G
+    from experiments import fuzz_gguf as G
     from vqpipe.stages.download import fetch
 
     ctx = G.prepare(tmp_path / "w")

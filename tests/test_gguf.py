@@ -1,5 +1,5 @@
 """gguf: source: small GGUF files written here with the gguf package, converted and checked against an
-independent NumPy evaluation of the GGUF weights (vqpipe.gguf_ref), plus the error cases."""
+independent NumPy evaluation of the GGUF weights (experiments.gguf_ref), plus the error cases."""
 
 import json
 
@@ -9,7 +9,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from vqpipe import gguf_ref  # noqa: E402
+from experiments import gguf_ref  # noqa: E402
 from vqpipe.stages.download import fetch  # noqa: E402
 
 Q = gguf.GGMLQuantizationType

@@ -1,11 +1,11 @@
-"""bench.host_cost: refuses off CUDA with a message; on CUDA every kind is timed in both modes."""
+"""experiments.host_cost: refuses off CUDA with a message; on CUDA every kind is timed in both modes."""
 
 import json
 
 import pytest
 
-from vqpipe.bench import host_cost
-from vqpipe.bench.step_attribution import on_cuda
+from experiments import host_cost
+from experiments.step_attribution import on_cuda
 
 
 def test_refuses_without_cuda():

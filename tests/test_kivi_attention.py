@@ -749,7 +749,7 @@ def test_bench_kivi_attn_quick_runs_every_part(tmp_path, monkeypatch):
     part's arms, floors and fields are exercised without a GPU."""
     import json
 
-    from vqpipe.stages import bench_kivi_attn
+    from experiments import bench_kivi_attn
 
     monkeypatch.setattr(decode_kernel, "active", lambda use_kernels=None: use_kernels is not False)
     def stand_in(q, c, scale, **kw):  # the tile path; a launch-bounds variant "fails to compile"
@@ -787,7 +787,7 @@ def test_bench_kivi_attn_quick_runs_every_part(tmp_path, monkeypatch):
 
 def test_bench_kivi_floor_prefill_part_runs_on_cpu(tmp_path):
     """The launch probe's arms need CUDA (skipped here, said so); its prefill part runs anywhere."""
-    from vqpipe.bench import kivi_floor as bench_kivi_floor
+    from experiments import kivi_floor as bench_kivi_floor
 
     out = tmp_path / "floor.json"
     assert bench_kivi_floor.main(["--out", str(out), "--prefill", "300", "--chunk", "32", "--scores", "16",
@@ -808,7 +808,7 @@ def test_bench_kivi_quality_quick(tiny_source, tmp_path):
     and every kind gets perplexity, KL and top-1 agreement."""
     import json
 
-    from vqpipe.stages import bench_kivi_quality
+    from experiments import bench_kivi_quality
 
     out = tmp_path / "q.json"
     assert bench_kivi_quality.main(["--model", str(tiny_source), "--out", str(out), "--windows", "2", "--length", "300",
@@ -840,34 +840,30 @@ def test_whole_book_text_holds_both_splits():
 def test_fill_splits_one_wave_over_the_gpu(monkeypatch):
     """'WxF' shapes: as many splits as one wave of resident blocks over every SM needs, each warp
     keeping at least one chunk, at most NSMAX; the text form round-trips."""
-    monkeypatch.setenv("VQPIPE_KIVI_SMS", "132")
-    decode_kernel.multiprocessors.cache_clear()
-    try:
-        assert decode_kernel.multiprocessors() == 132
-        sh = decode_kernel.parse_shape("8xf")
-        assert sh == decode_kernel.Shape(8, 0, 0, 0) and decode_kernel.shape_text(sh) == "8xf:pf0:mb0"
-        assert decode_kernel.parse_shape(decode_kernel.shape_text(decode_kernel.Shape(4, 3, 1, 5))) == (4, 3, 1, 5, "")
-        # 8k at the 8B geometry: 260 chunks, 8 KV heads; 128 registers: 16 resident warps per SM
-        assert decode_kernel.default_splits(260, 8, 0, 8) == 33  # 264 blocks of 8 warps = 2 per SM
-        assert decode_kernel.default_splits(260, 4, 0, 8) == 65  # 520 blocks of 4 warps = 4 per SM
-        r = decode_kernel.resident_blocks
-        assert (r(4, sh), r(4, decode_kernel.Shape(4, 0)), r(2, decode_kernel.Shape(4, 0, 1)), r(2, decode_kernel.Shape(8, 0))) == (2, 4, 3, 1)
-        assert r(2, decode_kernel.Shape(8, 0, 0, 3)) == 3  # launch bounds decide
-        assert decode_kernel.default_splits(260, 4, 0, 8, 3) == 50  # 2 bits, 4 warps: 396 slots
-        assert decode_kernel.default_splits(260, 8, 4) == 9  # the throughput shape: 72 blocks
-        assert decode_kernel.default_splits(40, 8, 0, 8) == 5  # at least one chunk per warp
-        assert decode_kernel.default_splits(10**6, 1, 0, 1) == decode_kernel.NSMAX
-        with pytest.raises(ValueError, match="KV heads"):
-            decode_kernel.default_splits(260, 8, 0)
-        k, v = _kv(1, 2, 4133, 128, "float16")
-        c = _filled(4, 32, 128, k, v, [4132, 1])
-        _, spec, shape = decode_kernel.launch_args(mx.zeros((1, 8, 1, 128), mx.float16), c, 0.1, warps=4)
-        assert spec["grid"][0] == decode_kernel.default_splits(130, 4, shape.per_warp) * 128
-        monkeypatch.setitem(decode_kernel.V3_SHAPES, 4, sh)
-        _, spec, shape = decode_kernel.launch_args(mx.zeros((1, 8, 1, 128), mx.float16), c, 0.1)
-        assert shape == sh._replace(version="v3") and spec["grid"][0] == min(-(-132 * 2 // 2), -(-130 // 8)) * 256
-    finally:
-        decode_kernel.multiprocessors.cache_clear()
+    monkeypatch.setattr(decode_kernel, "multiprocessors", lambda: 132)
+    assert decode_kernel.multiprocessors() == 132
+    sh = decode_kernel.parse_shape("8xf")
+    assert sh == decode_kernel.Shape(8, 0, 0, 0) and decode_kernel.shape_text(sh) == "8xf:pf0:mb0"
+    assert decode_kernel.parse_shape(decode_kernel.shape_text(decode_kernel.Shape(4, 3, 1, 5))) == (4, 3, 1, 5, "")
+    # 8k at the 8B geometry: 260 chunks, 8 KV heads; 128 registers: 16 resident warps per SM
+    assert decode_kernel.default_splits(260, 8, 0, 8) == 33  # 264 blocks of 8 warps = 2 per SM
+    assert decode_kernel.default_splits(260, 4, 0, 8) == 65  # 520 blocks of 4 warps = 4 per SM
+    r = decode_kernel.resident_blocks
+    assert (r(4, sh), r(4, decode_kernel.Shape(4, 0)), r(2, decode_kernel.Shape(4, 0, 1)), r(2, decode_kernel.Shape(8, 0))) == (2, 4, 3, 1)
+    assert r(2, decode_kernel.Shape(8, 0, 0, 3)) == 3  # launch bounds decide
+    assert decode_kernel.default_splits(260, 4, 0, 8, 3) == 50  # 2 bits, 4 warps: 396 slots
+    assert decode_kernel.default_splits(260, 8, 4) == 9  # the throughput shape: 72 blocks
+    assert decode_kernel.default_splits(40, 8, 0, 8) == 5  # at least one chunk per warp
+    assert decode_kernel.default_splits(10**6, 1, 0, 1) == decode_kernel.NSMAX
+    with pytest.raises(ValueError, match="KV heads"):
+        decode_kernel.default_splits(260, 8, 0)
+    k, v = _kv(1, 2, 4133, 128, "float16")
+    c = _filled(4, 32, 128, k, v, [4132, 1])
+    _, spec, shape = decode_kernel.launch_args(mx.zeros((1, 8, 1, 128), mx.float16), c, 0.1, warps=4)
+    assert spec["grid"][0] == decode_kernel.default_splits(130, 4, shape.per_warp) * 128
+    monkeypatch.setitem(decode_kernel.V3_SHAPES, 4, sh)
+    _, spec, shape = decode_kernel.launch_args(mx.zeros((1, 8, 1, 128), mx.float16), c, 0.1)
+    assert shape == sh._replace(version="v3") and spec["grid"][0] == min(-(-132 * 2 // 2), -(-130 // 8)) * 256
     for bad in ("8xg", "8x-1", "0xf"):
         with pytest.raises(ValueError):
             decode_kernel.parse_shape(bad)
@@ -878,7 +874,7 @@ def test_bench_kivi_latency_on_cpu(tmp_path, monkeypatch):
     in one interleave, a floor per context, the split table; skipped cleanly without a kernel."""
     import json
 
-    from vqpipe.bench import kivi_latency
+    from experiments import kivi_latency
 
     out = tmp_path / "lat.json"
     assert kivi_latency.main(["--out", str(out), "--contexts", "256", "--layers", "1"]) == 0
@@ -903,7 +899,7 @@ def test_bench_kivi_attn_compiled_decode_arms(tmp_path):
     KIVI width through the compiled step, beside the eager arms (CPU: the tile path)."""
     import json
 
-    from vqpipe.stages import bench_kivi_attn
+    from experiments import bench_kivi_attn
 
     out = tmp_path / "d.json"
     assert bench_kivi_attn.main(["--out", str(out), "--quick", "--parts", "decode", "--compiled", "--work", str(tmp_path / "m")]) == 0

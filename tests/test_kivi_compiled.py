@@ -100,12 +100,11 @@ def test_compiled_step_with_the_kernel(tiny, bits):
 
 
 def test_generate_cli_compiled_packed_kivi(tiny_b4_reservoir, capsys):
-    """``vqpipe generate --compiled whole --kv-bits 4 --kv-packed``: the same text as the eager
+    """``vqpipe generate --compiled whole --kv-bits 4`` (the packed cache): the same text as the eager
     packed cache through mlx-lm's generate, the KIVI summary line; split mode refuses it."""
     from vqpipe import generate
 
-    args = ["--model", str(tiny_b4_reservoir), "--prompt", "Hello sea " * 30, "-m", "40", "--kv-bits", "4", "--kv-packed",
-            "--kv-residual", "32"]
+    args = ["--model", str(tiny_b4_reservoir), "--prompt", "Hello sea " * 30, "-m", "40", "--kv-bits", "4", "--kv-residual", "32"]
     assert generate.main(args) == 0
     eager = capsys.readouterr().out.split("==========\n")[1].rstrip("\n")
     assert generate.main(args + ["--compiled", "whole"]) == 0

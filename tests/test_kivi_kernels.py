@@ -1,7 +1,7 @@
 """Fused KIVI kernels: dialect layer and dispatch (CPU), bit-exactness and compile counts (GPU).
 
 The ``gpu`` tests need MLX's Metal or CUDA backend and are skipped cleanly on CPU. On a GPU host:
-``python -m pytest -m gpu tests/test_kivi_kernels.py`` (scripts/gpu_kivi.sh runs them on CUDA).
+``python -m pytest -m gpu tests/test_kivi_kernels.py`` (`scripts/gpu.sh tests` or `kivi` runs them on CUDA).
 """
 
 import itertools
@@ -63,7 +63,7 @@ def test_one_description_two_dialects(kind, layout):
 
 
 def test_layouts():
-    assert kernels.layout() == os.environ.get("VQPIPE_KIVI_LAYOUT", "vec")
+    assert kernels.layout() == "vec"
     names = {kernels.render(kind, "cuda", lay)[0] for lay in kernels.LAYOUTS for kind in ("kv", "kv_hat")}
     assert len(names) == 2 * len(kernels.LAYOUTS)  # distinct kernel names: no PTX cache collision
     assert kernels.render("kv", "cuda") == kernels.render("kv", "cuda", "vec")

@@ -1,6 +1,6 @@
-"""vqpipe/nvrtc.py: where the library and headers are looked for (CPU, no NVRTC needed), compiling
+"""experiments/nvrtc.py: where the library and headers are looked for (CPU, no NVRTC needed), compiling
 to PTX and cubin where NVRTC is found, and on a CUDA GPU both of its callers' launch paths: a cubin
-through the driver (vqpipe/bench/cuda_time.py) and PTX through mx.fast.precompiled_cuda_kernel."""
+through the driver (experiments/cuda_time.py) and PTX through mx.fast.precompiled_cuda_kernel."""
 
 import ctypes
 import os
@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vqpipe import nvrtc
+from experiments import nvrtc
 
 KERNEL = """#include <cuda_fp16.h>
 extern "C" __global__ void add_half(const __half* x, __half* out, const int n) {
@@ -89,7 +89,7 @@ def test_ptx_and_cubin_and_errors():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs MLX's CUDA backend")
 def test_both_callers_launch_on_the_gpu():
-    from vqpipe.bench import cuda_time as ct
+    from experiments import cuda_time as ct
 
     x = np.arange(1000, dtype=np.float16)
     drv = ct.Driver()

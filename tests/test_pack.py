@@ -189,3 +189,12 @@ def test_load_warns_when_the_reference_setup_differs(packed, tmp_path):
     (other / "pack.json").write_text(json.dumps(info))
     with pytest.warns(UserWarning, match="blas.name: 'some-other-blas' \\(artifact\\)"):
         vqpipe.load(other)
+    # Another thread count or MLX version: nothing a user of the model can act on, no warning.
+    info["reference_setup"]["blas"]["name"] = json.loads((packed["off"] / "pack.json").read_text())[
+        "reference_setup"]["blas"]["name"]
+    info["reference_setup"]["blas"]["threads"] = 97
+    info["reference_setup"]["versions"]["mlx"] = "0.0.1"
+    (other / "pack.json").write_text(json.dumps(info))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        vqpipe.load(other)

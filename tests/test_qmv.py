@@ -2,7 +2,7 @@
 against a float64 reference, determinism, layers, generation and compile counts (GPU).
 
 The ``gpu`` tests need MLX's Metal or CUDA backend and are skipped cleanly on CPU. On a GPU host:
-``python -m pytest -m gpu tests/test_qmv.py`` (scripts/gpu_qmv.sh runs them on CUDA).
+``python -m pytest -m gpu tests/test_qmv.py`` (`scripts/gpu.sh tests` runs them on CUDA).
 """
 
 import functools
@@ -296,7 +296,7 @@ def test_reference64_matches_dense_formula_on_cpu():
 
 
 def test_bench_quick_runs_on_cpu(tmp_path):
-    from vqpipe.stages import bench_qmv as bench
+    from experiments import bench_qmv as bench
 
     out = tmp_path / "q.json"
     with mx.stream(mx.cpu):

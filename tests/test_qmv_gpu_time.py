@@ -1,4 +1,4 @@
-"""CPU checks of the qmv GPU-time harness (vqpipe/bench/qmv_gpu_time.py, vqpipe/bench/cuda_time.py).
+"""CPU checks of the qmv GPU-time harness (experiments/qmv_gpu_time.py, experiments/cuda_time.py).
 
 The harness launches the kernel through the CUDA driver with MLX's parameter list rebuilt by hand;
 nothing here needs a GPU: the wrapper it generates must have the parameters, in the order, that
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from vqpipe import qmv
-from vqpipe.bench import cuda_time as ct
-from vqpipe.bench import qmv_gpu_time as gt
+from experiments import cuda_time as ct
+from experiments import qmv_gpu_time as gt
 from vqpipe.bitpack import pack, words_per_row
 
 INPUTS = [("x", "bfloat16", 3), ("packed", "uint32", 2), ("scales", "float32", 1), ("codebook", "float32", 1),
@@ -69,7 +69,7 @@ def test_ring_choice():
         pass
     with qmv.ring_stages(3):
         assert qmv.STAGES == 3
-    assert qmv.STAGES is None or qmv.STAGES == int(__import__("os").environ["VQPIPE_QMV_STAGES"])
+    assert qmv.STAGES is None
 
 
 def test_ablations_change_the_kernel_they_name():
@@ -125,4 +125,4 @@ def test_pair_tables_only_where_asked_and_where_they_apply():
     assert spec(1, lut=1)["LUT"] == 1 and spec(8, lut=1)["LUT"] == 0 and spec(8, lut=1, stages=0)["LUT"] == 1
     with qmv.lut_tables(1):
         assert qmv.LUT == 1
-    assert qmv.LUT is None or qmv.LUT == int(__import__("os").environ["VQPIPE_QMV_LUT"])
+    assert qmv.LUT is None

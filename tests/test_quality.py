@@ -49,7 +49,7 @@ def test_quality_artifact(tiny_source, tmp_path):
         quantize_run(tiny_source, arts[-1], 2, rot, progress=lambda *_: None)
     out = tmp_path / "quality.json"
     rc = q.main(["--source", str(tiny_source), "--bits", "2", "--quantized", *map(str, arts),
-                 "--affine-groups", "64", "--windows", "20", "--length", "16", "--gen-prompts", "1",
+                 "--arms", "vqpipe", "unrotated", "affine-g64", "--affine-groups", "64", "--windows", "20", "--length", "16", "--gen-prompts", "1",
                  "--gen-tokens", "2", "--out", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())

@@ -635,7 +635,7 @@ def test_prefault_policy_env(monkeypatch):
 
 
 def test_zero_copy_opt_in_falls_back(built, monkeypatch):
-    """VQPIPE_ZERO_COPY (Metal only) tries mx.asarray(copy=False) on the mapped file; where MLX refuses
+    """zerocopy.enable() (Metal only) makes loads try mx.asarray(copy=False) on the mapped file; where MLX refuses
     (the CPU backend always does) the blob is read as usual. The adoption itself is untested here."""
     model, path, want = built[("auto", True)]
     monkeypatch.setattr(zerocopy, "wanted", lambda: True)

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from vqpipe import reservoir as R
 from vqpipe import residual_rotation as rr
-from vqpipe.bench.decode_shapes import graph_ops
+from experiments.decode_shapes import graph_ops
 from vqpipe.decode_step import Decoder
 from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
 from vqpipe.quantize import quantize_model, residual_seed
@@ -199,7 +199,7 @@ def test_graft_refuses_another_stream_basis(tiny_source, tmp_path):
 
 
 def test_head_state_checked_in_the_header(tiny_source, tmp_path):
-    from vqpipe import fuzz_reservoir as F
+    from experiments import fuzz_reservoir as F
 
     path = tmp_path / "m.vqres"
     R.save_reservoir(_quantized(tiny_source, True), path)

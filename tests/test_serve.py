@@ -223,7 +223,8 @@ def test_serve_with_kivi_cache_and_max_pending(reservoir, local_model, tmp_path)
 
     model, tok = local_model
     prompts = ["The sea is", "A stone and a river"]
-    args = ("--kv-bits", "2", "--kv-group-size", "4", "--kv-residual", "4", "--max-pending", "1")
+    args = ("--kv-bits", "2", "--kv-cache", "reference", "--kv-group-size", "4", "--kv-residual", "4",
+            "--max-pending", "1")
     with _running_server(reservoir, tmp_path, *args) as s:
         out = [_post_until_admitted(s, {"prompt": p, "max_tokens": 8, "logprobs": True}) for p in prompts]
         # One request in flight (a stream that has sent its first token) fills --max-pending 1.
@@ -308,7 +309,7 @@ def test_generate_cli_kivi_matches_library(reservoir, local_model):
     from vqpipe.kivi import make_kivi_cache
 
     r = _run(["generate", "--model", str(reservoir), "--prompt", "Hello sea", "--max-tokens", "8",
-              "--kv-bits", "4", "--kv-group-size", "4", "--kv-residual", "4"])
+              "--kv-bits", "4", "--kv-cache", "reference", "--kv-group-size", "4", "--kv-residual", "4"])
     assert r.returncode == 0, r.stderr
     text = r.stdout.split("==========\n")[1].rstrip("\n")
     model, tok = local_model
@@ -335,7 +336,7 @@ def test_generate_errors_and_stdin(reservoir, tmp_path, capsys, monkeypatch):
 
 def test_chat_cli_piped_keeps_cache(reservoir, local_model):
     _, tok = local_model
-    r = _run(["chat", "--model", str(reservoir), "--max-tokens", "6", "--kv-bits", "2"],
+    r = _run(["chat", "--model", str(reservoir), "--max-tokens", "6", "--kv-bits", "2", "--kv-cache", "reference"],
              "Hello sea\nAnd the sky?\nr\nHello sea\nq\nnever read\n")
     assert r.returncode == 0, r.stderr
     replies = r.stdout.splitlines()
@@ -359,7 +360,7 @@ def test_chat_cli_piped_keeps_cache(reservoir, local_model):
 
 
 def test_packed_kivi_cache_in_generate_chat_and_serve(reservoir, local_model, tmp_path):
-    """--kv-packed: generate, chat and serve run the packed cache (codes resident, attention reading
+    """--kv-bits (the packed cache by default): generate, chat and serve run the packed cache (codes resident, attention reading
     them) and give what the library gives with that cache; past the residual, so codes are read.
 
     The prompts are long enough (34 templated, 31 raw tokens) that the first group of 32 is
@@ -373,7 +374,7 @@ def test_packed_kivi_cache_in_generate_chat_and_serve(reservoir, local_model, tm
     model, tok = local_model
     chat_text = "Hello sea, tell me about the waves, the tides and the wind tonight."
     raw = "The sea is calm tonight and the tide is full; the boats are in the harbour, the gulls are quiet and"
-    kv = ["--kv-bits", "4", "--kv-group-size", "32", "--kv-residual", "4", "--kv-packed"]
+    kv = ["--kv-bits", "4", "--kv-group-size", "32", "--kv-residual", "4"]
     r = _run(["generate", "--model", str(reservoir), "--prompt", chat_text, "--max-tokens", "12", *kv])
     assert r.returncode == 0, r.stderr
     text = r.stdout.split("==========\n")[1].rstrip("\n")
@@ -401,7 +402,8 @@ def test_packed_kivi_cache_in_generate_chat_and_serve(reservoir, local_model, tm
 def test_packed_kivi_options_checked(reservoir, capsys):
     from vqpipe import generate
 
-    for extra, needle in ((["--kv-packed"], "needs --kv-bits"), (["--kv-packed", "--kv-bits", "4", "--kv-group-size", "4"], "multiple of 8")):
+    for extra, needle in ((["--kv-bits", "4", "--kv-group-size", "4"], "multiple of 8"),
+                          (["--kv-bits", "2", "--kv-group-size", "8"], "--kv-cache reference")):
         with pytest.raises(SystemExit) as e:
             generate.main(["--model", str(reservoir), "--prompt", "x", *extra])
         assert e.value.code == 2 and needle in capsys.readouterr().err

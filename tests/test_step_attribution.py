@@ -1,4 +1,4 @@
-"""bench.step_attribution: interleaved pipelined decode and host times on the CPU; the spin kernel's GPU
+"""experiments.step_attribution: interleaved pipelined decode and host times on the CPU; the spin kernel's GPU
 timing on CUDA only."""
 
 import json
@@ -7,7 +7,7 @@ import time
 import mlx.core as mx
 import pytest
 
-from vqpipe.bench import step_attribution as sa
+from experiments import step_attribution as sa
 
 
 def test_runs_on_cpu(tmp_path):
@@ -38,7 +38,7 @@ def test_spin_kernel_holds_the_gpu():
 
 
 def test_decode_shapes_attribution_flag(tmp_path):
-    from vqpipe.bench import decode_shapes
+    from experiments import decode_shapes
 
     out = tmp_path / "d.json"
     with mx.stream(mx.cpu):

@@ -1,12 +1,12 @@
-"""bench/step_kernels.py (an Nsight Compute CSV read and summed per kernel family) and
-bench/kv_write.py (the KV-write A/B), on the CPU: the profiling itself needs the H200."""
+"""experiments/step_kernels.py (an Nsight Compute CSV read and summed per kernel family) and
+experiments/kv_write.py (the KV-write A/B), on the CPU: the profiling itself needs the H200."""
 
 import json
 
 import mlx.core as mx
 import pytest
 
-from vqpipe.bench import kv_write, step_kernels
+from experiments import kv_write, step_kernels
 
 NCU_CSV = """==PROF== Connected to process 123
 ==PROF== Profiling "custom_kernel_vqpipe_qmv3_0a1b2c3d" - 0: 0%....50%....100% - 1 pass

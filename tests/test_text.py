@@ -50,3 +50,24 @@ def test_provenance():
     assert p["package"] == "Debian dict-devil" and p["package_version"]
     assert "public domain" in p["license"] and len(p["file_sha256"]) == 64
     assert p["entries"]["eval"] + p["entries"]["calibration"] == len(text.entries())
+
+
+def test_jargon_provenance_and_windows(tok):
+    p = text.provenance("jargon")
+    assert p["package"] == "Debian dict-jargon" and p["package_version"].startswith("4.4.7")
+    assert p["corpus"] == "jargon" and "public domain" in p["license"] and len(p["file_sha256"]) == 64
+    assert p["entries"] == {"eval": len(text.entries("jargon"))} and p["entries"]["eval"] > 2000
+    heads = [h for h, _ in text.entries("jargon")]
+    assert not any(h.startswith("00") for h in heads)  # the database header entries are dropped
+    # body paragraphs are dedented and reflowed into single lines
+    bar = dict(text.entries("jargon"))["bar"]
+    assert "[very common] The second {metasyntactic variable}, after {foo} and before {baz}." in bar
+    assert "\n    " not in bar  # (quoted verse and code stay indented, line by line, as in the Devil's)
+    # a different text from the Devil's, and no calibration split to mix it into the quantizer
+    assert text.provenance()["corpus"] == "devil" and text.provenance()["file_sha256"] != p["file_sha256"]
+    with pytest.raises(ValueError, match="no calibration split"):
+        text.text("calibration", "jargon")
+    with pytest.raises(ValueError, match="unknown text 'bible'"):
+        text.provenance("bible")
+    w = text.eval_windows(tok, 4, 64, corpus="jargon")
+    assert len(w) == 4 and w[0].tolist() == text.tokens(tok, "eval", "jargon")[:64]

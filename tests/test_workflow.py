@@ -376,8 +376,8 @@ def test_bad_config_fails_naming_the_key(bare, config, key):
     (bare / "config" / "bad.yaml").write_text(config)
     proc = smk(bare, "--configfile", "config/bad.yaml", check=False)
     assert proc.returncode != 0
-    assert "Error validating config file" in proc.stdout
-    assert re.search(rf"\b{key}\b", proc.stdout), proc.stdout[-2000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("config")]  # one line, naming the key
+    assert re.search(rf"\b{key}\b", line) and "Failed validating" not in proc.stdout, proc.stdout[-2000:]
     assert not (bare / "results").exists() and not (bare / "logs").exists()
 
 
@@ -449,11 +449,13 @@ def test_full_precision_calibration_runs_once_per_model(bare):
         "models:\n  tiny: {source: 'synth:tiny', quantize: {calibration: {text: text, windows: 2, sequential: false}}}\n"
         "  tiny-llama: {source: 'synth:tiny-llama'}\n"
         "bits: [3, 4]\npersist_rotation: [true]\n"
-        "benchmarks: {quality: {models: [tiny], affine_groups: [32, 64]}, decode: {models: [tiny-llama]}}\n")
+        "benchmarks: {quality: {models: [tiny], affine_groups: [32, 64], competitors: [mlx-gptq, mxfp4, nvfp4]},"
+        " decode: {models: [tiny-llama]}}\n")
     out = smk(bare, "-n", "-p", "--configfile", "config/fp.yaml").stdout
     stats = job_stats(out)
     assert stats["calibrate"] == 1 and stats["quantize"] == 4 + 2  # tiny b3/b4 x auto/none, tiny-llama b3/b4
-    assert stats["bench_quality_reference"] == 1 and stats["bench_quality_arm"] == 2 * 4 and stats["bench_quality"] == 1
+    # 2 widths x (vqpipe, unrotated, affine-g32, -g64, mlx-gptq, and the default competitors mxfp4, nvfp4)
+    assert stats["bench_quality_reference"] == 1 and stats["bench_quality_arm"] == 2 * 7 and stats["bench_quality"] == 1
     commands = [line for line in out.splitlines() if " -m vqpipe quantize " in line and "models/tiny/" in line]
     assert len(commands) == 4 and all("--moments results/calibration/tiny" in c for c in commands)
     assert not any("--calibration" in c for c in commands)
@@ -461,6 +463,10 @@ def test_full_precision_calibration_runs_once_per_model(bare):
     arms = [line for line in out.splitlines() if " -m vqpipe bench-quality " in line and " --arms " in line]
     assert sum("--arms affine-g32 " in a and "--quantized  --embeddings" in a for a in arms) == 2  # no artifact
     assert sum("--arms unrotated " in a and "--quantized results/quantized/tiny/b3-none " in a for a in arms) == 1
+    # the mlx-lm arms calibrate on the calibrate stage's windows (tiny: 2), both texts measured
+    gptq = [a for a in arms if "--arms mlx-gptq " in a]
+    assert len(gptq) == 2 and all("--calib-windows 2 --calib-length 512 --calib-seed 0" in a for a in gptq)
+    assert all("--texts devil jargon" in a for a in arms)
     # the calibrated model's chain, then what needs only a source and bench-decode's reservoir, then the rest
     prio = {(rule, w.get("model"), w.get("bits"), w.get("arm")): p for rule, w, p in planned_jobs(out)}
     assert prio[("download", "tiny", None, None)] == prio[("calibrate", "tiny", None, None)] == 100

@@ -6,8 +6,8 @@ __version__ = "0.1.0"
 def load(path):
     """Load ``(model, tokenizer)`` from a reservoir directory, like ``mlx_lm.load``.
 
-    Warns (``UserWarning``) when this process's backend, BLAS or MLX version differs from the
-    one the reservoir's reference logits were made under: its logits then differ in the last bits.
+    Warns (``UserWarning``) when this process's BLAS differs from the one the reservoir's reference
+    logits were made under: its logits then differ in the last bits (vqpipe/blas.py, warn_if_other).
     """
     import json
     from pathlib import Path

@@ -1,6 +1,7 @@
-"""Command line: ``python -m vqpipe STAGE [options]``; each stage module has ``main(argv)``."""
+"""Command line: ``vqpipe STAGE [options]`` (or ``python -m vqpipe``); each stage module has ``main(argv)``."""
 
 import importlib
+import os
 import sys
 
 # Stage name -> module. Each module parses its own arguments.
@@ -14,10 +15,7 @@ STAGES = {
     "bench-quality": "vqpipe.stages.bench_quality",
     "bench-load": "vqpipe.stages.bench_load",
     "bench-kivi": "vqpipe.stages.bench_kivi",
-    "bench-kivi-attn": "vqpipe.stages.bench_kivi_attn",
-    "bench-kivi-quality": "vqpipe.stages.bench_kivi_quality",
     "bench-decode": "vqpipe.stages.bench_decode",
-    "bench-qmv": "vqpipe.stages.bench_qmv",
     "report": "vqpipe.stages.report",
     # Using a reservoir: mlx-lm's generate/chat/server loops with the reservoir loader.
     "generate": "vqpipe.generate",
@@ -29,20 +27,45 @@ STAGES = {
 # (vqpipe/prefault.py, hold_freed_heap). Not the stages that measure loads or memory.
 HOLD_HEAP = ("calibrate", "quantize", "bench-quality")
 
+USAGE = "usage: vqpipe STAGE [options]   (vqpipe STAGE --help for its options)"
+
+
+def policy_env():
+    """The environment this process should have run in for the BLAS policy (vqpipe/blas.py), or None
+    when it already does (or the policy cannot be met: the caller then warns)."""
+    from . import blas
+
+    if blas.policy_mismatch() is None:
+        return None
+    try:
+        env = blas.env_for(blas.choice())
+    except (ValueError, RuntimeError):
+        return None
+    return env if blas.preloaded(env) != blas.preloaded() else None
+
 
 def main(argv=None):
     as_program = argv is None
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m vqpipe STAGE [options]   (STAGE --help for its options)")
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
         print("stages: " + ", ".join(STAGES))
         return 0
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        print("stages: " + ", ".join(STAGES), file=sys.stderr)
+        return 2
     name, rest = argv[0], argv[1:]
     if name not in STAGES:
         print(f"vqpipe: unknown stage {name!r}; choose one of: {', '.join(STAGES)}", file=sys.stderr)
         return 2
     if as_program:
-        # The BLAS is fixed when the process starts (vqpipe/blas.py); say so when it is not the policy's.
+        # The BLAS is fixed when a process starts (vqpipe/blas.py): start again under the policy's
+        # environment rather than run (and compare) on another BLAS.
+        env = policy_env()
+        if env is not None:
+            sys.stdout.flush()
+            os.execve(sys.executable, sys.orig_argv, env)  # the same command line: interpreter flags kept
         from . import blas
 
         mismatch = blas.policy_mismatch()

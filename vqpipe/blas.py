@@ -13,8 +13,9 @@ Policy, from the environment variable ``VQPIPE_BLAS``:
 
 A library cannot be preloaded into a running process, so the BLAS is decided at one boundary, the
 environment a process starts in: the Snakefile sets it for every job, the Makefile for the tests,
-and ``source scripts/env.sh`` (``python -m vqpipe.blas --exports``) for a shell. Nothing re-executes
-itself. ``in_use()`` reports what this process really binds to; every artifact records it, validate
+``source scripts/env.sh`` (``python -m vqpipe.blas --exports``) for a shell, and the ``vqpipe``
+command starts itself again under the policy's environment when it was started under another
+(vqpipe/__main__.py). ``in_use()`` reports what this process really binds to; every artifact records it, validate
 refuses to compare across setups (vqpipe/numerics.py) and ``vqpipe.load`` warns (``warn_if_other``).
 
 This module must not import mlx at import time: the Snakefile imports it.
@@ -296,9 +297,11 @@ def policy_mismatch():
 
 
 def warn_if_other(recorded, what):
-    """Warn when ``recorded`` (an artifact's environment record) used another setup than this process.
+    """Warn when ``recorded`` (an artifact's environment record) used another BLAS than this process.
 
-    Results still load; their floats may differ from the artifact's own reference in the last bits.
+    Only the BLAS is a difference a user can act on (``VQPIPE_BLAS``; the ``vqpipe`` command starts
+    under the policy's); another thread count, device or MLX version moves some logits in the last
+    bits too, which validate checks and a user of the model cannot change. Results still load.
     """
     import mlx.core as mx
 
@@ -307,10 +310,12 @@ def warn_if_other(recorded, what):
     dev = mx.default_device()
     here = {"backend": "gpu" if dev.type == mx.gpu else "cpu", "device": str(dev), "blas": in_use(),
             "versions": {"mlx": mx.__version__}}
-    diff = numerics.differences(recorded, here, ("artifact", "here"))
+    diff = numerics.differences(recorded, here, ("artifact", "here"), keys=(("blas", "name"),))
     if diff:
-        warnings.warn(f"{what} was made under another numeric setup ({'; '.join(diff)}); logits "
-                      "can differ from its reference in the last bits", stacklevel=3)
+        made = numerics.setup(recorded, (("blas", "name"),))["blas.name"]
+        hint = f" (VQPIPE_BLAS={made} gives its setup)" if made in ("openblas", "reference") else ""
+        warnings.warn(f"{what} was made under another BLAS ({'; '.join(diff)}); its logits can differ "
+                      f"from its reference in the last bits{hint}", stacklevel=3)
     return diff
 
 

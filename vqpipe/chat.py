@@ -1,4 +1,4 @@
-"""Chat with a reservoir: ``python -m vqpipe chat --model DIR`` (one line per user turn).
+"""Chat with a reservoir: ``vqpipe chat --model DIR`` (one line per user turn).
 
 mlx_lm.chat's loop (q quits, r resets, h helps; ``stream_generate`` with a prompt cache kept between
 turns) with vqpipe's loader and an optional KIVI cache. Two changes: it reads plain lines, so it
@@ -94,7 +94,7 @@ def figures(response):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vqpipe chat", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="vqpipe chat", description=__doc__.split("\n")[0],
                                 epilog=HELP)
     add_model_args(p)
     args = p.parse_args(argv)

@@ -11,7 +11,7 @@ buffers, slices them to the current length and keeps the position as a Python in
   ``make_mask``) over buffers preallocated to a fixed ``capacity``. During prefill (eager, many
   tokens) its offset is a Python int and it behaves exactly as ``KVCache`` (same values, same
   slices). In the compiled step its offset is a 0-d int32 array: the new key/value go in with
-  ``mx.slice_update`` at that array index, attention reads the whole buffer under a mask built
+  ``mx.put_along_axis`` at that array index (:func:`write_kv`), attention reads the whole buffer under a mask built
   from the position, and rope takes the array offset (``mx.fast.rope`` accepts one).
 - :class:`Decoder` owns one compiled step per model: token, position and the cache buffers in;
   the greedy next token, the next position and the updated buffers out. Nothing crosses to the
@@ -26,7 +26,6 @@ Positions past ``capacity`` raise ValueError before anything is queued: the devi
 would otherwise clamp silently.
 """
 
-import os
 import time
 
 import mlx.core as mx
@@ -39,8 +38,8 @@ POSITION_DTYPE = mx.int32
 class StaticCache:
     """mlx-lm's KV-cache interface over buffers [B, kv_heads, capacity, head_dim]."""
 
-    def __init__(self, keys, values, offset, kv_write="scatter"):
-        self.keys, self.values, self.offset, self.kv_write = keys, values, offset, kv_write
+    def __init__(self, keys, values, offset):
+        self.keys, self.values, self.offset = keys, values, offset
 
     @property
     def capacity(self):
@@ -55,8 +54,8 @@ class StaticCache:
             self.values[..., self.offset:end, :] = values
             self.offset = end
             return self.keys[..., :end, :], self.values[..., :end, :]
-        self.keys = write_kv(self.keys, keys, self.offset, self.kv_write)
-        self.values = write_kv(self.values, values, self.offset, self.kv_write)
+        self.keys = write_kv(self.keys, keys, self.offset)
+        self.values = write_kv(self.values, values, self.offset)
         return self.keys, self.values
 
     def make_mask(self, n, return_array=False, window_size=None):
@@ -96,19 +95,14 @@ class _Probe:
 
 MODES = ("whole", "split", "eager")
 SPLIT_TYPES = ("llama", "qwen2")  # decoder blocks of mlx-lm's llama.py / qwen2.py layout
-VIEWS = ("lean", "mlx")  # split step: one reshape per head tensor for one token, or mlx-lm's reshape + transpose
-KV_WRITES = ("scatter", "slice")  # how the compiled steps write a token into the static cache (write_kv)
-KV_WRITE = os.environ.get("VQPIPE_KV_WRITE", "scatter")
 
 
-def write_kv(buf, new, pos, how="scatter"):
+def write_kv(buf, new, pos):
     """``buf`` [B, heads, capacity, D] with ``new`` [B, heads, 1, D] written at position ``pos`` (a 0-d
-    device array). "slice" is ``mx.slice_update`` at an array start (a DynamicSliceUpdate); on MLX
-    0.32.4's CUDA backend that launches a separate offset kernel and a copy kernel over the whole
-    buffer, so its cost grows with the capacity (bench/step_kernels.py, bench/kv_write.py). "scatter"
-    is ``mx.put_along_axis`` (a ScatterAxis over the one token's elements). The same values either way."""
-    if how == "slice":
-        return mx.slice_update(buf, new, pos.reshape(1), axes=(2,))
+    device array) by ``mx.put_along_axis``: a ScatterAxis over the one token's elements. Not
+    ``mx.slice_update`` at an array start, which on MLX 0.32.4's CUDA backend launches an offset
+    kernel and a copy kernel over the whole buffer, a cost that grows with the capacity
+    (experiments/kv_write.py); end to end at 8B the two measured alike (docs/tried.md)."""
     return mx.put_along_axis(buf, mx.broadcast_to(pos.reshape(1, 1, 1, 1), new.shape), new, axis=2)
 
 
@@ -136,23 +130,9 @@ class Decoder:
       called between them, eagerly, on the buffers sliced to the valid length (a host int): no mask,
       the fast kernel, and nothing else left to Python. mlx-lm's llama/qwen2 block layout only.
     - ``"eager"``: the whole step uncompiled (tests; what the static cache alone costs).
-
-
-    ``epilogue`` (split mode; default ``VQPIPE_QMV_EPILOGUE=1``, off): o_proj's and down_proj's
-    residual adds go into their mat-vec kernels' epilogues (vqpipe/qmv.py ``epilogue_code``), two
-    primitives fewer per layer where the kernels run; elsewhere the same adds as MLX ops.
-
-    ``kv_write`` (default ``VQPIPE_KV_WRITE``, "scatter"): how the compiled steps write the new
-    key and value, :func:`write_kv`; "slice" is the write before session 13 (the A/B arm).
-
-    ``prep`` (split mode; default ``VQPIPE_QMV_PREP=1``, off): each rotated mat-vec's input made by
-    one fused launch (vqpipe/prep.py: RMSNorm + rotation for q|k|v and gate|up, signs + rotation
-    for o_proj, SwiGLU + rotation for down_proj), four primitives fewer per layer where the kernels
-    run; elsewhere the block's own modules.
     """
 
-    def __init__(self, model, capacity, mode="whole", epilogue=None, prep=None, views="lean", kv_write=None,
-                 pad_small=None):
+    def __init__(self, model, capacity, mode="whole"):
         check_model(model)
         if capacity < 2:
             raise ValueError(f"static KV cache capacity must be >= 2, got {capacity}")
@@ -162,29 +142,10 @@ class Decoder:
             raise ValueError(f"split compiled decode supports model types {SPLIT_TYPES}, "
                              f"not {getattr(model, 'model_type', None)!r}")
         self.model, self.capacity, self.mode = model, int(capacity), mode
-        if epilogue is None:
-            from . import qmv
-
-            epilogue = qmv.EPILOGUE
-        self.epilogue = bool(epilogue) and mode == "split"
-        if prep is None:
-            from . import prep as prep_kernels
-
-            prep = prep_kernels.PREP
-        self.prep = bool(prep) and mode == "split"
-        if views not in VIEWS:
-            raise ValueError(f"decode views must be one of {VIEWS}, got {views!r}")
-        self.views = views
-        kv_write = KV_WRITE if kv_write is None else kv_write
-        if kv_write not in KV_WRITES:
-            raise ValueError(f"decode kv_write must be one of {KV_WRITES}, got {kv_write!r}")
-        self.kv_write = kv_write
-        self.pad_small = small_arrays.enabled() if pad_small is None else bool(pad_small)
         self._layout = None
         self.traces = 0  # Python runs of the step (whole) or of the blocks' first parts (split): traces when compiled
         if mode == "split":
-            self._parts = [_block_parts(layer, self._traced, self.epilogue, self.prep, self.views, self.kv_write)
-                           for layer in model.layers]
+            self._parts = [_block_parts(layer, self._traced) for layer in model.layers]
             self._embed = mx.compile(model.model.embed_tokens)
             self._head = mx.compile(self._logits)
             self._run = self._split_step
@@ -198,8 +159,7 @@ class Decoder:
             raise ValueError("compiled decode: call start() before step()")
         if self.position >= self.capacity:
             raise ValueError(f"static KV cache full: position {self.position}, capacity {self.capacity}")
-        with small_arrays.padded(self.pad_small):  # what the kernels traced now read (qmv's split points)
-            out = self._run(token, pos, state)
+        out = self._run(token, pos, state)
         self.position += 1
         return out
 
@@ -213,7 +173,7 @@ class Decoder:
 
     def _step(self, token, pos, state):
         self.traces += 1
-        caches = [StaticCache(k, v, _scalar(pos), self.kv_write) for k, v in state]
+        caches = [StaticCache(k, v, _scalar(pos)) for k, v in state]
         logits = self.model(token, cache=caches)[:, -1, :]
         return _greedy(logits, token), pos + 1, [(c.keys, c.values) for c in caches], logits
 
@@ -221,10 +181,9 @@ class Decoder:
         n = self.position + 1  # valid positions once this token is written
         h = self._embed(token)
         p = _scalar(pos)
-        start = pos[:1] if pos.ndim else pos.reshape(1)  # the cache writes' start index, once per step (not once per layer)
         new = []
         for (pre, post, scale), (kb, vb) in zip(self._parts, state):
-            q, kb, vb = pre(h, p, start, kb, vb)
+            q, kb, vb = pre(h, p, kb, vb)
             o = mx.fast.scaled_dot_product_attention(q, kb[..., :n, :], vb[..., :n, :], scale=scale)
             h = post(h, o)
             new.append((kb, vb))
@@ -268,7 +227,7 @@ class Decoder:
         token, done = self.prefill(prompt, caches, prefill_step)
         self.position = done
         # padded, the position's buffer is not in MLX's small pool (small_arrays.py); the step reads entry 0
-        pos = small_arrays.array([done], POSITION_DTYPE, True) if self.pad_small else mx.array(done, POSITION_DTYPE)
+        pos = small_arrays.array([done], POSITION_DTYPE)
         return token, pos, [(c.keys, c.values) for c in caches]
 
     def tokens(self, prompt, max_tokens, prefill_step=2048):
@@ -309,70 +268,25 @@ class Decoder:
         return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "ids": ids}
 
 
-def _plus_linear(linear, x, h):
-    """``h + linear(x)``, the add in the mat-vec's epilogue where ``linear`` is a vqpipe layer."""
-    from .qlinear import QuantizedLinear
-
-    return linear.add_to(x, h) if type(linear) is QuantizedLinear else h + linear(x)
-
-
-def _plus_mlp(mlp, x, h):
-    """``h + mlp(x)``, the add in down_proj's epilogue where the MLP is mlx-lm's llama/qwen2
-    ``down(swiglu(gate(x), up(x)))`` (or vqpipe/fold.py's SignedMLP of it) over vqpipe layers."""
-    from mlx_lm.models.activations import swiglu
-
-    from .fold import BLOCK_MODULES, SignedMLP
-    from .qlinear import QuantizedLinear
-
-    if isinstance(mlp, SignedMLP):
-        return mlp.add_to(x, h)
-    plain = type(mlp).__module__ in BLOCK_MODULES and set(mlp.children()) == {"gate_proj", "up_proj", "down_proj"}
-    if plain and type(mlp.down_proj) is QuantizedLinear:
-        return mlp.down_proj.add_to(swiglu(mlp.gate_proj(x), mlp.up_proj(x)), h)
-    return h + mlp(x)
-
-
-def _block_parts(layer, traced, epilogue=False, prep=False, views="lean", kv_write="scatter"):
+def _block_parts(layer, traced):
     """(before attention, after attention, scale) of one mlx-lm llama/qwen2 decoder block for one
-    token, the first two compiled; the same operations as the block's ``__call__``. ``epilogue``:
-    the two residual adds through :func:`_plus_linear` / :func:`_plus_mlp` (the same function);
-    ``prep``: the mat-vecs' inputs through vqpipe/prep.py's fused kernels (the same function);
-    ``views="mlx"``: mlx-lm's reshape + transpose per head tensor (the A/B arm of the lean layout)."""
-    from . import prep as prep_kernels
-
+    token, the first two compiled; the same operations as the block's ``__call__``."""
     attn = layer.self_attn
 
-    def before(h, pos, start, kb, vb):
+    def before(h, pos, kb, vb):
         traced()
-        if prep:
-            q, k, v = prep_kernels.qkv(layer, h)
-        else:
-            x = layer.input_layernorm(h)
-            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        x = layer.input_layernorm(h)
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         # One token: [1, 1, heads·D] is already [1, heads, 1, D] in memory, so one reshape replaces
-        # mlx-lm's reshape + transpose: fewer graph nodes, the same logits; no measurable decode
-        # speed-up on the H200 (docs/decode.md, "Session 12")
-        if views == "mlx":
-            q, k, v = (t.reshape(1, 1, n, -1).transpose(0, 2, 1, 3)
-                       for t, n in ((q, attn.n_heads), (k, attn.n_kv_heads), (v, attn.n_kv_heads)))
-            start = pos.reshape(1)
-        else:
-            q = q.reshape(1, attn.n_heads, 1, -1)
-            k = k.reshape(1, attn.n_kv_heads, 1, -1)
-            v = v.reshape(1, attn.n_kv_heads, 1, -1)
+        # mlx-lm's reshape + transpose: fewer graph nodes, the same logits
+        q = q.reshape(1, attn.n_heads, 1, -1)
+        k = k.reshape(1, attn.n_kv_heads, 1, -1)
+        v = v.reshape(1, attn.n_kv_heads, 1, -1)
         q, k = attn.rope(q, offset=pos), attn.rope(k, offset=pos)
-        if kv_write == "slice":
-            return q, mx.slice_update(kb, k, start, axes=(2,)), mx.slice_update(vb, v, start, axes=(2,))
         return q, write_kv(kb, k, pos), write_kv(vb, v, pos)
 
     def after(h, o):
-        # [1, heads, 1, D] -> [1, 1, heads·D]: the same memory for one token
-        o = o.transpose(0, 2, 1, 3).reshape(1, 1, -1) if views == "mlx" else o.reshape(1, 1, -1)
-        if prep:
-            return prep_kernels.after_attention(layer, h, o, epilogue)
-        if epilogue:
-            h = _plus_linear(attn.o_proj, o, h)
-            return _plus_mlp(layer.mlp, layer.post_attention_layernorm(h), h)
+        o = o.reshape(1, 1, -1)  # [1, heads, 1, D] -> [1, 1, heads·D]: the same memory for one token
         h = h + attn.o_proj(o)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 

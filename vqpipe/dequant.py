@@ -24,7 +24,7 @@ from .bitpack import unpack
 
 FIELD_BITS = {2: 8, 4: 8, 8: 8, 3: 12, 6: 12, 5: 10}
 
-_use_tables = True  # False: the old rebuild (an A/B arm of bench/decode_shapes.py)
+_use_tables = True  # False: the old rebuild (an A/B arm of experiments/decode_shapes.py)
 _tables = {}  # (id(codebook), bits, dtype) -> table; dropped with the codebook (weakref callback)
 
 

@@ -25,10 +25,9 @@ the norm), which in these blocks feeds only q|k|v and the MLP.
 What is stored never changes: the norms and MLPs keep their parameters (the same arrays under the
 same names; the folded products are plain attributes), and the layers their signed rotations.
 ``split_state`` and the reservoir see the unfolded model, byte for byte. Off with
-``VQPIPE_FOLD_SIGNS=0`` or ``fuse_model(model, fold=False)``.
+``fuse_model(model, fold=False)``.
 """
 
-import os
 import weakref
 
 import mlx.core as mx
@@ -40,11 +39,6 @@ from .qlinear import QuantizedLinear
 # Block classes whose __call__ we checked: input_layernorm -> q/k/v only, post_attention_layernorm
 # -> the MLP only, and down_proj(swiglu(gate_proj(x), up_proj(x))).
 BLOCK_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
-
-
-def default():
-    """Whether fusing folds by default (``VQPIPE_FOLD_SIGNS``, on unless set to 0)."""
-    return os.environ.get("VQPIPE_FOLD_SIGNS", "1") != "0"
 
 
 class SignedRMSNorm(nn.Module):
@@ -106,13 +100,6 @@ class SignedMLP(nn.Module):
             return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
         gate, up = self.group.compute(x, flip=True)
         return self.down_proj.forward(swiglu(gate, up), self.unsigned)
-
-    def add_to(self, x, residual):
-        """``residual + self(x)``, the add in down_proj's epilogue (QuantizedLinear.add_to)."""
-        if not all(self.get(name) is layer for name, layer in self.layers):
-            return residual + self(x)
-        gate, up = self.group.compute(x, flip=True)
-        return self.down_proj.add_to(swiglu(gate, up), residual, self.unsigned)
 
 
 def _group(layers):

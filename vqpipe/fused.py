@@ -105,13 +105,6 @@ class FusedGroup:
             y = dense_forward(xr, self.packed, scales, self.codebook, self.bits, bias, self.group_size)
         return mx.split(y, self.splits, axis=-1)
 
-    def matvec(self, xr, flip=False):
-        """Every sibling's output for an input rotated already (vqpipe/prep.py made it), by the
-        mat-vec kernel (the caller checked ``qmv.dispatch``); ``flip`` as in :meth:`compute`."""
-        scales, bias = self.flipped if flip else (self.scales, self.bias)
-        return qmv.launch(qmv.dispatch(xr), xr, self.packed, scales, self.codebook, self.bits, bias,
-                          self.group_size, None, self.splits, owner=self)
-
     def __call__(self, layer, x):
         if self._x is not x:
             self._outs, self._x, self._left = self.compute(x), x, self.size
@@ -122,9 +115,9 @@ class FusedGroup:
         return out
 
 
-def fuse_model(model, fold=None):
+def fuse_model(model, fold=True):
     """Install a FusedGroup on every set of compatible siblings; returns the number of new groups.
-    ``fold`` (default: ``vqpipe.fold.default()``, on): then fold the shared rotations' signs into
+    ``fold`` (on by default): then fold the shared rotations' signs into
     the layers before them (vqpipe/fold.py: exact, runtime only)."""
     modules = dict(model.named_modules())
     count = 0
@@ -145,7 +138,7 @@ def fuse_model(model, fold=None):
             for m in layers:
                 object.__setattr__(m, "_fused", fused)
             count += 1
-    if fold if fold is not None else fold_signs.default():
+    if fold:
         fold_signs.fold_model(model)
     return count
 

@@ -1,9 +1,13 @@
-"""Generate text from a reservoir: ``python -m vqpipe generate --model DIR --prompt TEXT``.
+"""Generate text from a reservoir: ``vqpipe generate --model DIR --prompt TEXT``.
 
 The generation loop is mlx-lm's (``mlx_lm.generate``: ``stream_generate`` with its streaming print
 and its prompt/generation tokens-per-second and peak-memory lines); vqpipe adds the reservoir loader
-and the KIVI KV cache. ``--kv-bits`` selects KIVI (vqpipe.kivi), not mlx-lm's own quantized cache;
-``--kv-packed`` keeps its codes packed (the memory saving, attention reading the codes).
+and the KIVI KV cache. ``--kv-bits`` selects KIVI (vqpipe.kivi), not mlx-lm's own quantized cache,
+with its codes packed and attention reading them (the memory saving; ``--kv-cache reference`` is
+the quantize-dequantize reference cache, full precision resident, kept for comparisons).
+On CUDA, greedy decoding with the full-precision cache runs the compiled split step
+(vqpipe.decode_step, docs/decode.md), where it measured faster than the eager loop; ``--compiled``
+picks another mode.
 The argument helpers here are shared with ``vqpipe chat``.
 """
 
@@ -26,9 +30,9 @@ def add_model_args(p):
     k = p.add_argument_group("KIVI KV cache (default: mlx-lm's full-precision cache)")
     k.add_argument("--kv-bits", type=int, choices=(2, 4, 8),
                    help="quantize the KV cache with KIVI at this many bits")
-    k.add_argument("--kv-packed", action="store_true",
-                   help="keep the KIVI codes packed, attention reading them (PackedKIVICache: the memory "
-                   "saving); default: the quantize-dequantize reference cache, full precision resident")
+    k.add_argument("--kv-cache", choices=("packed", "reference"), default="packed",
+                   help="packed (default): the KIVI codes stay packed, attention reading them (the memory "
+                   "saving); reference: the quantize-dequantize cache, full precision resident (for comparisons)")
     k.add_argument("--kv-group-size", type=int, default=32, help="KIVI group size (default 32)")
     k.add_argument("--kv-residual", type=int, default=128,
                    help="KIVI full-precision residual window in tokens (default 128)")
@@ -41,7 +45,7 @@ def check_args(p, args):
         p.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.kv_group_size < 1 or args.kv_residual < 0:
         p.error("--kv-group-size must be >= 1 and --kv-residual >= 0")
-    why = packed_args_problem(args.kv_bits, args.kv_group_size, args.kv_packed)
+    why = packed_args_problem(args.kv_bits, args.kv_group_size, args.kv_cache == "packed")
     if why:
         p.error(why)
     if not (0.0 <= args.top_p <= 1.0) or args.temp < 0:
@@ -49,14 +53,12 @@ def check_args(p, args):
 
 
 def packed_args_problem(bits, group_size, packed):
-    """Why --kv-packed cannot be used with these settings (a sentence), or None."""
-    if not packed:
+    """Why the packed KIVI cache cannot be used with these settings (a sentence), or None."""
+    if not packed or bits is None:
         return None
-    if bits is None:
-        return "--kv-packed needs --kv-bits"
     if group_size % (32 // bits):
-        return (f"--kv-packed: --kv-group-size {group_size} is not a multiple of {32 // bits} "
-                f"({bits}-bit codes are packed {32 // bits} to a 32-bit word)")
+        return (f"--kv-group-size {group_size} is not a multiple of {32 // bits}: the packed KIVI cache packs "
+                f"{bits}-bit codes {32 // bits} to a 32-bit word (or use --kv-cache reference)")
     return None
 
 
@@ -73,7 +75,7 @@ def load_model(path):
 
 
 def make_cache(model, args):
-    """A KIVI prompt cache when --kv-bits is given (packed with --kv-packed), else mlx-lm's default one."""
+    """A KIVI prompt cache when --kv-bits is given (packed unless --kv-cache reference), else mlx-lm's default one."""
     from mlx_lm.models.cache import make_prompt_cache
 
     if args.kv_bits is None:
@@ -81,7 +83,8 @@ def make_cache(model, args):
     from .kivi import make_kivi_cache
 
     kernels = {"auto": None, "on": True, "off": False}[args.kv_kernels]
-    return make_kivi_cache(model, args.kv_bits, args.kv_group_size, args.kv_residual, kernels, packed=args.kv_packed)
+    return make_kivi_cache(model, args.kv_bits, args.kv_group_size, args.kv_residual, kernels,
+                           packed=args.kv_cache == "packed")
 
 
 def make_sampler(args):
@@ -148,22 +151,40 @@ def compiled_generate(model, tokenizer, prompt, max_tokens, mode, cache=None):
     return 0
 
 
+def auto_compiled(args, device):
+    """The decode path ``--compiled auto`` takes: the split compiled step on CUDA for greedy decoding
+    with the full-precision cache (an H100, 0.5B shape: 261-266 tok/s against 162-172 for the eager
+    loop, docs/decode.md), else None (the eager loop: the CPU has no measured gain, sampling and the
+    KIVI caches run eagerly)."""
+    import mlx.core as mx
+
+    cuda = device == mx.gpu and mx.cuda.is_available()
+    return "split" if cuda and args.temp == 0 and args.kv_bits is None else None
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vqpipe generate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="vqpipe generate", description=__doc__.split("\n")[0])
     add_model_args(p)
     p.add_argument("--prompt", "-p", required=True, help="the prompt ('-' reads it from stdin)")
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the tokenizer's chat template (default: when the tokenizer has one)")
-    p.add_argument("--compiled", choices=("whole", "split"),
-                   help="greedy decode through vqpipe.decode_step's compiled step (docs/decode.md); "
-                   "whole with --kv-packed: vqpipe.kivi.compiled's step over the packed KIVI cache (docs/kivi.md)")
+    p.add_argument("--compiled", choices=("auto", "whole", "split", "off"), default="auto",
+                   help="greedy decode through vqpipe.decode_step's compiled step (docs/decode.md): auto (default) "
+                   "takes split on CUDA for greedy decoding with the full-precision cache and the eager loop "
+                   "elsewhere; whole with --kv-bits: vqpipe.kivi.compiled's step over the packed KIVI cache "
+                   "(docs/kivi.md); off: mlx-lm's eager loop")
     args = p.parse_args(argv)
     check_args(p, args)
-    kivi_ok = args.kv_packed and args.compiled == "whole"
+    import mlx.core as mx
+
+    if args.compiled == "auto":
+        args.compiled = auto_compiled(args, mx.default_device())
+    elif args.compiled == "off":
+        args.compiled = None
+    kivi_ok = args.kv_cache == "packed" and args.compiled == "whole"
     if args.compiled and (args.temp != 0 or (args.kv_bits is not None and not kivi_ok)):
         p.error("--compiled decodes greedily with the full-precision cache, or in mode whole with "
-                "--kv-bits N --kv-packed: no --temp, no --kv-bits without --kv-packed")
-    import mlx.core as mx
+                "--kv-bits N (packed cache): no --temp, no --kv-cache reference")
     from mlx_lm import generate
 
     try:

@@ -16,14 +16,14 @@ def _get(env, path):
     return env
 
 
-def setup(env):
+def setup(env, keys=SETUP_KEYS):
     """The values of ``env`` that change float results, as a dict ``{"blas.name": ..., ...}``."""
-    return {".".join(path): _get(env, path) for path in SETUP_KEYS}
+    return {".".join(path): _get(env, path) for path in keys}
 
 
-def differences(reference_env, current_env, names=("reference", "here")):
+def differences(reference_env, current_env, names=("reference", "here"), keys=SETUP_KEYS):
     """``["blas.name: 'openblas' (reference) != 'reference' (here)", ...]``; empty when comparable."""
-    a, b = setup(reference_env), setup(current_env)
+    a, b = setup(reference_env, keys), setup(current_env, keys)
     return [f"{k}: {a[k]!r} ({names[0]}) != {b[k]!r} ({names[1]})" for k in a if a[k] != b[k]]
 
 

@@ -13,7 +13,7 @@ when the pool's threads and that chain share a core the chain must not be slowed
 it; the pool still gets every cycle the chain leaves, and both cores when the chain waits.
 
 Each BLAS call must then run on one thread: OpenBLAS threads on top of ours oversubscribe the
-cores, and OpenBLAS's waiting threads spin (docs/quantize.md, "Second pass"). ``Pool`` sets both
+cores, and OpenBLAS's waiting threads spin (docs/results/2026-12-05-logs/quantize.md, "Second pass"). ``Pool`` sets both
 OpenBLAS libraries of the process (numpy's and the one MLX binds) to one thread while it runs
 more than one.
 """

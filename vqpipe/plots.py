@@ -6,7 +6,7 @@ Every plot is written even without data: it then says which artifact is missing.
 import io
 from pathlib import Path
 
-PLOTS = ("load_time", "decode_context", "kernel_speedup", "roofline")
+PLOTS = ("quality_bits", "load_time", "decode_context", "kernel_speedup", "roofline")
 
 
 def _figure(ncols=1, width=6.5, height=4.2):
@@ -192,7 +192,51 @@ def draw_roofline(ax, peak_bandwidth, peak_flops, points):
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 
 
+_MARKERS = "os^vDP*Xh<>p"
+
+
+def plot_quality(summary):
+    """KL and perplexity against bits per weight, one row per model, every bench-quality arm a series;
+    the frontier (no arm both smaller and closer to the source) dashed."""
+    models = {m: q for m, q in summary.get("quality", {}).items() if q["points"]}
+    if not models:
+        return _no_data("quality against bits per weight", "no bench-quality artifact among the inputs")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.4 * len(models)), squeeze=False)
+    for (model, q), (a_kl, a_ppl) in zip(models.items(), axes):
+        arms = sorted({p["arm"] for p in q["points"]}, key=lambda a: (a not in ("vqpipe", "rotated"), a))
+        for i, arm in enumerate(arms):
+            pts = sorted((p for p in q["points"] if p["arm"] == arm), key=lambda p: p["bpw"])
+            style = dict(marker=_MARKERS[i % len(_MARKERS)], label=arm, ms=7 if i else 9, lw=2.2 if i == 0 else 1.2,
+                         color="C3" if arm in ("vqpipe", "rotated") else f"C{i if i < 3 else i + 1}")
+            a_kl.plot([p["bpw"] for p in pts], [p["kl"] for p in pts], **style)
+            a_ppl.plot([p["bpw"] for p in pts], [p["ppl"] for p in pts], **style)
+        front = [p for key in q["frontier"] for p in q["points"] if (p["arm"], p["bits"]) == tuple(key)]
+        if front:
+            a_kl.plot([p["bpw"] for p in front], [p["kl"] for p in front], ls="--", color="grey", lw=1,
+                      label="frontier (no other format smaller with lower KL)", zorder=0)
+        if isinstance(q.get("source_ppl"), (int, float)):
+            a_ppl.axhline(q["source_ppl"], color="black", lw=1, ls=":", label=f"source ({q['source_ppl']:.4g})")
+        kind = " (synthetic: random weights)" if q.get("synthetic") else ""
+        a_kl.set_title(f"{model}{kind}: KL to the source (median over windows; lower is better)", fontsize=9)
+        a_ppl.set_title(f"{model}{kind}: perplexity on the eval text (all tokens; lower is better)", fontsize=9)
+        a_kl.set_yscale("log")
+        a_ppl.set_yscale("log")
+        for ax in (a_kl, a_ppl):
+            ax.set_xlabel("bits per weight (stored, every matrix)")
+            ax.grid(True, which="both", alpha=0.3)
+        a_kl.set_ylabel("KL(source || arm), nats/token")
+        a_ppl.set_ylabel("perplexity")
+        a_ppl.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+        a_kl.legend(fontsize=7, loc="upper right")
+    return _png(fig)
+
+
 def all_plots(summary):
     """{name: PNG bytes} of every plot in PLOTS."""
-    return {"load_time": plot_load(summary), "decode_context": plot_decode(summary),
+    return {"quality_bits": plot_quality(summary), "load_time": plot_load(summary), "decode_context": plot_decode(summary),
             "kernel_speedup": plot_kernels(summary), "roofline": plot_roofline(summary)}

@@ -66,7 +66,7 @@ def _glibc():
 # page when touched again; calibrate's numpy blocks (25 MB SwiGLU outputs, attention scores) were
 # freed and refaulted all the time: 8 windows, system time 2.88 -> 1.66 s (n = 2 each).
 # The top pad (256 MiB more per heap growth) is what the calibrated quantize timings of
-# docs/quantize.md "Fourth pass" were measured with (GPTQ temporaries of 17-29 MB).
+# docs/results/2026-12-05-logs/quantize.md, "Fourth pass", were measured with (GPTQ temporaries of 17-29 MB).
 _HOLD_HEAP = ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 256 << 20))
 
 
@@ -94,7 +94,7 @@ def large_blocks_on_heap():
     was a fresh mmap, faulted in page by page and unmapped when freed. Calibrated quantization
     makes and frees several d x d float32 matrices per block (qwen2.5-0.5b's 4864-wide down_proj
     input: 95 MB each, the one MLX copies for its Cholesky in 23k page faults every time; 0.56 M of
-    the stage's 0.95 M faults; docs/quantize.md, "Sixth pass"). Only where hold_freed_heap was
+    the stage's 0.95 M faults; docs/results/2026-12-05-logs/quantize.md, "Sixth pass"). Only where hold_freed_heap was
     applied (a stage process, whose memory is not what it measures); otherwise nothing changes."""
     libc = _glibc() if _held else None
     if libc is None:

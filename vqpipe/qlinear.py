@@ -294,20 +294,6 @@ class QuantizedLinear(nn.Module):
         return dense_forward(rotation.apply(x), self.packed, self.scales, self.codebook, self.bits,
                              self.get("bias"), self.group_size)
 
-    def add_to(self, x, residual, rotation=None):
-        """``residual + self(x)`` (``rotation``: as :meth:`forward`'s, default the layer's own). Where
-        the mat-vec kernel runs, the add is its epilogue's (vqpipe/qmv.py ``epilogue_code``: one
-        primitive fewer, one rounding of y fewer); elsewhere (CPU, prefill, 5/6 bits) the same add
-        after the dense path."""
-        if self.__dict__.get("_fused") is not None:  # a sibling of a fused group: its output is a slice
-            return residual + self(x)
-        rotation = self.rotation if rotation is None else rotation
-        dialect = qmv.dispatch(x) if self.bits in qmv.BITS else None
-        if dialect is not None:
-            return qmv.launch(dialect, x, self["packed"], self["scales"], self["codebook"], self.bits, self.get("bias"),
-                              self.group_size, rotation, owner=self, residual=residual)
-        return residual + self.forward(x, rotation)
-
     def to_state(self):
         rmeta, rarrays = self.rotation.to_state()
         meta = {

@@ -54,21 +54,21 @@ from .gpu import backend
 from .bitpack import unpack, words_per_row
 
 MAX_M = 8  # rows of x (prod of its leading dims) the kernel takes; more -> the dense path
-ROWS = int(os.environ.get("VQPIPE_QMV_ROWS", "4"))  # output rows per warp (R, template argument NR); rows_for
+ROWS = 4  # output rows per warp (R, template argument NR); rows_for
 TARGET_WARPS = 4096  # enough warps to fill an H200 (132 SMs x ~32 resident warps)
 MAX_BLOCKS = 2048  # threadgroups at most, more row sets grid-stride (H200: 1056 was slower at gate|up and head)
 # With the rotation in the prologue every threadgroup redoes it, so fewer, longer-lived threadgroups:
 # 2 per SM of an H200 (132 SMs). bench-qmv on the H200: 264 beat 528 and 1056 on every shape
 # (8B q|k|v 61 / 81 / 133 us; docs/qmv.md).
-MAX_BLOCKS_ROT = int(os.environ.get("VQPIPE_QMV_ROT_BLOCKS", "264"))
+MAX_BLOCKS_ROT = 264
 # How the next chunks' packed words wait (template argument RING, docs/qmv.md): 0 = in registers, one
 # chunk ahead; 2..4 = a ring of that many stages in shared memory (8 KiB each per 128-thread
 # threadgroup, RING - 1 chunks ahead, filled by cp.async on CUDA). None = by M: registers up to
 # MT = 4, the 4-stage ring at MT = 8 (registers alone need 255 there and spill at 2 bits). On the
 # H200 (docs/results/2026-12-01-h200-qmv2) registers beat every ring at M = 1 (8B gate|up 32.9 us
-# against 35.9-41.6) and M = 4 (63.4 against 69.6); at M = 8 they tie (113.1). VQPIPE_QMV_STAGES=N
-# (or qmv.ring_stages(N)) forces one. Metal has 32 KiB of threadgroup memory: at most 2 stages.
-STAGES = int(os.environ["VQPIPE_QMV_STAGES"]) if os.environ.get("VQPIPE_QMV_STAGES") else None
+# against 35.9-41.6) and M = 4 (63.4 against 69.6); at M = 8 they tie (113.1). qmv.ring_stages(N)
+# forces one. Metal has 32 KiB of threadgroup memory: at most 2 stages.
+STAGES = None
 RING_CHOICES = (0, 2, 3, 4)
 DIALECT_MAX_STAGES = {"metal": 2}
 
@@ -85,8 +85,8 @@ def ring_for(mt, stages=None, dialect="cuda"):
 # the instructions per item by a third but were 1.04-1.40x slower at 4 bits (72 registers, 24 warps per SM)
 # and within -2..+6 % at 2/3 bits (docs/results/2026-12-01-h200-qmv7). They apply only with registers
 # (RING = 0), no prologue (its staged activation and a 32 KiB table exceed 48 KiB), 2-4 bits, and on Metal
-# (32 KiB of threadgroup memory) 2/3 bits. VQPIPE_QMV_LUT=1 or qmv.lut_tables(1) asks for them.
-LUT = int(os.environ["VQPIPE_QMV_LUT"]) if os.environ.get("VQPIPE_QMV_LUT") else None
+# (32 KiB of threadgroup memory) 2/3 bits. qmv.lut_tables(1) asks for them.
+LUT = None
 
 
 def lut_for(bits, ring, xcap, lut=None, dialect="cuda"):
@@ -510,23 +510,18 @@ def output_names(n):
     return [f"out{k}" for k in range(n)]
 
 
-def epilogue_code(n, residual=False):
+def epilogue_code(n):
     """The epilogue for row o and activation row m of the float32 sum ``sum``: the row scale, the
-    bias, one cast, the store into n outputs split at seg. ``residual`` (one output only): the
-    addend ``residual[m, o]`` (x's dtype, the output's shape) added in float32 before the cast, so
-    the output is T(h + W.x) where the unfused step computes T(h + T(W.x)): one rounding fewer. The
-    epilogue runs once per output element, after any split-K reduction, so it is added once."""
-    if residual and n != 1:
-        raise ValueError("qmv: the residual epilogue writes one output")
-    add = "s_ += static_cast<float>(residual[m * OUT + o]); " if residual else ""
+    bias, one cast, the store into n outputs split at seg. It runs once per output element, after
+    any split-K reduction."""
     return ("{ float s_ = sum; if (GS == 0) { s_ *= static_cast<float>(scales[o]); } "
-            "if (has_bias) { s_ += static_cast<float>(bias[o]); } " + add + "const T v = static_cast<T>(s_); "
+            "if (has_bias) { s_ += static_cast<float>(bias[o]); } const T v = static_cast<T>(s_); "
             + store_code(n) + " }")
 
 
-def body_source(n, residual=False):
+def body_source(n):
     """The kernel description with the epilogue for n outputs, dialect tokens still in place."""
-    return _SOURCE.replace("QMV_EPILOGUE", epilogue_code(n, residual))
+    return _SOURCE.replace("QMV_EPILOGUE", epilogue_code(n))
 
 
 def store_code(n):
@@ -802,7 +797,7 @@ _HEADER_MACROS = ("QMV_LOAD_X", "QMV_X_ALIGNED", "QMV_W_ALIGNED", "QMV_LOAD_XS")
 
 _kernels = {}  # (dialect, outputs) -> MLX kernel object, built once
 _instances = set()  # (dialect, dtype, bias dtype, bits, MT): one JIT-compiled kernel each
-_enabled = os.environ.get("VQPIPE_QMV_KERNELS", "1") != "0"
+_enabled = None  # the switch; VQPIPE_QMV_KERNELS=0 (read at the first call) turns it off
 _placeholders = {}  # dtype -> the 2-D stand-in passed as `bias` when a layer has none
 
 
@@ -814,27 +809,29 @@ def minify(source):
     return "\n".join(line for line in lines if line) + "\n"
 
 
-def render(dialect, outputs=1, residual=False):
-    """(name, header, body) of the kernel in one dialect, writing ``outputs`` outputs (``residual``:
-    with the residual epilogue), minified. The name carries a digest of the source: MLX caches
+def render(dialect, outputs=1):
+    """(name, header, body) of the kernel in one dialect, writing ``outputs`` outputs, minified. The name carries a digest of the source: MLX caches
     compiled kernels (in memory and as PTX on disk) by name alone."""
     spec = DIALECTS[dialect]
-    body = body_source(outputs, residual)
+    body = body_source(outputs)
     for token, text in spec["tokens"].items():
         body = re.sub(rf"\b{token}\b", text, body)
     header, body = minify(spec["header"]), minify(body)
     digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
-    return f"vqpipe_qmv{outputs}{'r' if residual else ''}_{digest}", header, body
+    return f"vqpipe_qmv{outputs}_{digest}", header, body
 
 
 def set_enabled(flag):
-    """Global switch (also ``VQPIPE_QMV_KERNELS=0`` at import). Returns the previous setting."""
+    """Global switch (also ``VQPIPE_QMV_KERNELS=0``). Returns the previous setting."""
     global _enabled
-    previous, _enabled = _enabled, bool(flag)
+    previous, _enabled = is_enabled(), bool(flag)
     return previous
 
 
 def is_enabled():
+    global _enabled
+    if _enabled is None:
+        _enabled = os.environ.get("VQPIPE_QMV_KERNELS", "1") != "0"
     return _enabled
 
 
@@ -851,12 +848,7 @@ def enabled(flag):
 def kernels_active(use_kernels=None):
     """Whether a call with ``use_kernels`` runs the fused kernel: None follows the global switch and
     the backend; True insists (raises if there is no GPU backend); False never."""
-    return gpu.active(use_kernels, _enabled, backend(), "the qmv kernel")
-
-
-# Residual adds in the o_proj / down_proj epilogues of decode_step's split mode (one Add primitive
-# fewer each per layer). Off by default until measured on the H200 (docs/decode.md).
-EPILOGUE = os.environ.get("VQPIPE_QMV_EPILOGUE", "0") == "1"
+    return gpu.active(use_kernels, is_enabled(), backend(), "the qmv kernel")
 
 
 def rows_of(x):
@@ -868,7 +860,7 @@ def dispatch(x):
     """The decision of ``QuantizedLinear.__call__`` for activation ``x``: the dialect to launch in
     (switch on, 1 <= M <= MAX_M, a supported dtype, a GPU backend on the default device), else None:
     the layer then runs its dense path unchanged. Runs per layer per token, so it is kept cheap."""
-    if not _enabled:
+    if not (_enabled if _enabled is not None else is_enabled()):
         return None
     shape = x.shape
     if not 0 < math.prod(shape[:-1]) <= MAX_M or x.dtype not in DTYPES:
@@ -886,12 +878,12 @@ def compiled_kernel_count():
     return len(_instances)
 
 
-def _kernel(dialect, outputs=1, residual=False):
-    key = (dialect, outputs, residual)
+def _kernel(dialect, outputs=1):
+    key = (dialect, outputs)
     if key not in _kernels:
-        name, header, body = render(dialect, outputs, residual)
+        name, header, body = render(dialect, outputs)
         make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
-        _kernels[key] = make(name=name, input_names=INPUT_NAMES + (["residual"] if residual else []),
+        _kernels[key] = make(name=name, input_names=INPUT_NAMES,
                              output_names=output_names(outputs), source=body, header=header)
     return _kernels[key]
 
@@ -1036,12 +1028,12 @@ MAX_XCAP = {"cuda": 7168, "metal": 2048}
 MAX_ROT_A = 64  # the prologue's dense factor L is at most this many rows (A MACs per element)
 # Off by default: on the H200 every threadgroup redoing the rotation cost more than the MLX ops it
 # saves (docs/qmv.md, "Prologue rotation"), e.g. 174 us against 52 us for the kernel alone at 4096 -> 6144.
-_rotate_in_kernel = os.environ.get("VQPIPE_QMV_ROTATE", "0") == "1"
+_rotate_in_kernel = False
 
 
 def set_rotate_in_kernel(flag):
-    """Whether the kernel rotates the activation in its prologue where it can (also
-    ``VQPIPE_QMV_ROTATE=1`` at import; off by default); off, the rotation runs as MLX ops first.
+    """Whether the kernel rotates the activation in its prologue where it can (off by default);
+    off, the rotation runs as MLX ops first.
     Returns the previous setting."""
     global _rotate_in_kernel
     previous, _rotate_in_kernel = _rotate_in_kernel, bool(flag)
@@ -1150,7 +1142,7 @@ _prepared = {}  # argument signature -> (spec, cast scales, cast codebook, rotat
 
 def _prepare(key, dialect, bits, rotation):
     (x_shape, x_dtype, p_shape, p_dtype, s_shape, s_dtype, c_shape, c_dtype, b_sig, _, _, group_size, _, splits,
-     max_blocks, max_blocks_rot, stages, _, residual, _) = key
+     max_blocks, max_blocks_rot, stages, _) = key
     cast_scales = s_dtype not in SCALE_DTYPES  # e.g. bfloat16 scales: one cast to float32 per call
     m = math.prod(x_shape[:-1])
     ops = rotation_operands(rotation) if rotation is not None and _rotate_in_kernel and prologue_allowed(bits, m) else None
@@ -1162,21 +1154,15 @@ def _prepare(key, dialect, bits, rotation):
                        x_dtype, None if b_sig is None else b_sig[1], p_dtype, group_size,
                        mx.float32 if cast_scales else s_dtype, xcap, splits, max_blocks_rot if xcap else max_blocks,
                        stages, dialect, LUT)
-    _instances.add((dialect, len(spec["output_shapes"]), residual, *(str(v) for _, v in spec["template"])))
+    _instances.add((dialect, len(spec["output_shapes"]), *(str(v) for _, v in spec["template"])))
     # the split points, read by every thread's store: never from MLX's small-array pool (vqpipe/small_arrays.py)
     seg = small_arrays.constant(splits or [0], mx.int32)
     _prepared[key] = entry = (spec, cast_scales, c_dtype != mx.float32, xcap > 0, seg)
     return entry
 
 
-def residual_fits(residual, x, out_features, splits=None):
-    """Whether the kernels' epilogue can add ``residual`` (:func:`epilogue_code`): one output, and the
-    addend exactly the output's shape and dtype (no broadcast, no promotion)."""
-    return splits is None and residual.dtype == x.dtype and residual.shape == (*x.shape[:-1], out_features)
-
-
 def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=None, rotation=None, splits=None,
-           owner=None, residual=None):
+           owner=None):
     """One fused launch in ``dialect`` (no switch or backend check: see :func:`quantized_matvec`).
 
     ``x`` is the activation, rotated already unless ``rotation`` is given: then the kernel rotates
@@ -1184,20 +1170,15 @@ def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=Non
     rotated first by MLX ops. ``splits`` (row indices) cut the output rows into up to 3 outputs,
     returned as a list. Arguments are validated once per signature, then looked up. ``owner`` (the
     layer or fused group): where ``qmv_tc.wanted`` says so, the tensor-core kernel (revision 8) runs
-    on the owner's repacked copy of ``packed`` (made once, cached on it), the rotation as MLX ops.
-    ``residual``: returns ``residual + y``, added in the epilogue where :func:`residual_fits` (one
-    rounding fewer in bf16/fp16, bit-identical in float32), else by an MLX add after the launch."""
-    if residual is not None and not residual_fits(residual, x, packed.shape[0], splits):
-        return residual + launch(dialect, x, packed, scales, codebook, bits, bias, group_size, rotation, splits, owner)
+    on the owner's repacked copy of ``packed`` (made once, cached on it), the rotation as MLX ops."""
     if owner is not None and dialect == "cuda" and qmv_tc.wanted(x, bits, packed.shape[0]):
         xr = x if rotation is None else rotation.apply(x)
         return qmv_tc.launch(xr, qmv_tc.packed_for(owner, packed), packed.shape[0], scales, codebook, bias,
-                             group_size, splits, residual)
+                             group_size, splits)
     rkey = None if rotation is None else (rotation.kind, rotation.dim, rotation.seed, _rotate_in_kernel)
     key = (x.shape, x.dtype, packed.shape, packed.dtype, scales.shape, scales.dtype, codebook.shape,
            codebook.dtype, None if bias is None else (bias.shape, bias.dtype), bits, dialect, group_size, rkey,
-           None if splits is None else tuple(splits), MAX_BLOCKS, MAX_BLOCKS_ROT, STAGES, LUT, residual is not None,
-           small_arrays.enabled())
+           None if splits is None else tuple(splits), MAX_BLOCKS, MAX_BLOCKS_ROT, STAGES, LUT)
     entry = _prepared.get(key) or _prepare(key, dialect, int(bits), rotation)
     spec, cast_scales, cast_codebook, in_kernel, seg = entry
     if in_kernel:
@@ -1208,7 +1189,7 @@ def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=Non
         if spec["padded_in"] != x.shape[-1]:  # zeros past in_features: the padded indices then add nothing
             x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, spec["padded_in"] - x.shape[-1])])
         rot_s = rot_l = _placeholder(mx.float32)
-    outs = _kernel(dialect, len(spec["output_shapes"]), residual is not None)(
+    outs = _kernel(dialect, len(spec["output_shapes"]))(
         inputs=[
             x,
             packed,
@@ -1218,7 +1199,7 @@ def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=Non
             rot_s,
             rot_l,
             seg,
-        ] + ([] if residual is None else [residual]),
+        ],
         template=spec["template"],
         grid=spec["grid"],
         threadgroup=spec["threadgroup"],

@@ -32,7 +32,6 @@ import contextlib
 import functools
 import hashlib
 import math
-import os
 
 import mlx.core as mx
 import numpy as np
@@ -44,19 +43,17 @@ CHUNK = 128  # inputs per chunk: 4 tile pairs of 32, one packed word per row and
 ROWS = 16  # output rows per row block (the mma's M)
 WARPS = 8  # warps per threadgroup (256 threads share one pair table)
 NCOPIES = 16
-TARGET_WARPS = int(os.environ.get("VQPIPE_QMV_TC_WARPS", "4096"))  # split K while fewer warps than this
+TARGET_WARPS = 4096  # split K while fewer warps than this
 # Threadgroups at most (0: by PF, prefetch_for), more row blocks grid-stride: 396 = the 3 per H200 SM that
 # 72 registers (PF = 1) leave resident, 528 for PF = 2 (96 registers: 2 resident, a second round)
-MAX_BLOCKS = int(os.environ.get("VQPIPE_QMV_TC_BLOCKS", "0"))
-MIN_BLOCKS = int(os.environ.get("VQPIPE_QMV_TC_MINB", "0"))  # __launch_bounds__ min blocks (0: none)
-PREFETCH = int(os.environ.get("VQPIPE_QMV_TC_PF", "0"))  # items of codes in flight per warp (0: prefetch_for)
+MAX_BLOCKS = 0
+MIN_BLOCKS = 0  # __launch_bounds__ min blocks (0: none)
+PREFETCH = 0  # items of codes in flight per warp (0: prefetch_for)
 GROUP_SIZES = (32, 64, 128, 256)
 # "1": every call the kernel takes (4 bits, bf16 x, in_features % 128 == 0, M <= 8); "0": never (revision 6);
 # "auto": where it measured faster than revision 6 on the H200 (:func:`auto_rule`, docs/qmv.md "Revision 8")
 MODES = ("0", "1", "auto")
-_mode = os.environ.get("VQPIPE_QMV_TC", "auto")
-if _mode not in MODES:
-    raise ValueError(f"VQPIPE_QMV_TC must be one of {MODES}, got {_mode!r}")
+_mode = "auto"
 INPUT_NAMES = ["x", "packed", "scales", "codebook", "bias", "seg"]
 
 _HEADER = r"""
@@ -285,7 +282,7 @@ def wanted(x, bits, out_features):
 
 
 def set_mode(mode):
-    """``"0"``, ``"1"`` or ``"auto"`` (also ``VQPIPE_QMV_TC`` at import). Returns the previous mode."""
+    """``"0"``, ``"1"`` or ``"auto"``. Returns the previous mode."""
     global _mode
     if mode not in MODES:
         raise ValueError(f"qmv_tc: mode must be one of {MODES}, got {mode!r}")
@@ -308,17 +305,16 @@ def mode(value):
 _BOUNDS = "#undef __global__\n#define __global__ __location__(global) __launch_bounds__(256, {})\n"
 
 
-def render(outputs=1, minblocks=None, residual=False):
-    """(name, header, body), minified; the name carries a digest (MLX caches kernels by name).
-    ``residual``: the epilogue adds the residual input (qmv.epilogue_code), once, after split K."""
+def render(outputs=1, minblocks=None):
+    """(name, header, body), minified; the name carries a digest (MLX caches kernels by name)."""
     minblocks = MIN_BLOCKS if minblocks is None else minblocks
     header = _HEADER
     if minblocks:
         header = _BOUNDS.format(minblocks) + header
-    body = _BODY.replace("QMV_EPILOGUE", qmv.epilogue_code(outputs, residual))
+    body = _BODY.replace("QMV_EPILOGUE", qmv.epilogue_code(outputs))
     header, body = qmv.minify(header), qmv.minify(body)
     digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
-    return f"vqpipe_qmvtc{outputs}{'r' if residual else ''}_{digest}", header, body
+    return f"vqpipe_qmvtc{outputs}_{digest}", header, body
 
 
 def prefetch_for(ks, chunks):
@@ -379,13 +375,12 @@ def launch_spec(x_shape, out_features, scales_shape, bias_shape, dtype, bias_dty
 _kernels = {}
 
 
-def _kernel(outputs, residual=False):
-    key = (outputs, residual)
-    if key not in _kernels:
-        name, header, body = render(outputs, residual=residual)
-        _kernels[key] = mx.fast.cuda_kernel(name=name, input_names=INPUT_NAMES + (["residual"] if residual else []),
-                                            output_names=qmv.output_names(outputs), source=body, header=header)
-    return _kernels[key]
+def _kernel(outputs):
+    if outputs not in _kernels:
+        name, header, body = render(outputs)
+        _kernels[outputs] = mx.fast.cuda_kernel(name=name, input_names=INPUT_NAMES,
+                                                output_names=qmv.output_names(outputs), source=body, header=header)
+    return _kernels[outputs]
 
 
 def packed_for(owner, packed):
@@ -400,20 +395,17 @@ def packed_for(owner, packed):
     return cached[1]
 
 
-def launch(x, repacked, out_features, scales, codebook, bias=None, group_size=None, splits=None, residual=None):
-    """One tensor-core launch on the rotated activation ``x`` (bf16) with words from :func:`repack`;
-    ``residual`` (the output's shape and dtype, :func:`qmv.residual_fits`): added in the epilogue."""
-    if residual is not None and not qmv.residual_fits(residual, x, out_features, splits):
-        return residual + launch(x, repacked, out_features, scales, codebook, bias, group_size, splits)
+def launch(x, repacked, out_features, scales, codebook, bias=None, group_size=None, splits=None):
+    """One tensor-core launch on the rotated activation ``x`` (bf16) with words from :func:`repack`."""
     cast = scales.dtype not in qmv.SCALE_DTYPES
     spec = launch_spec(x.shape, out_features, scales.shape, None if bias is None else bias.shape, x.dtype,
                        None if bias is None else bias.dtype, group_size,
                        mx.float32 if cast else scales.dtype, None if splits is None else tuple(splits))
     seg = small_arrays.constant(splits or [0], mx.int32)
-    outs = _kernel(len(spec["output_shapes"]), residual is not None)(
+    outs = _kernel(len(spec["output_shapes"]))(
         inputs=[x, repacked, scales.astype(mx.float32) if cast else scales,
                 codebook if codebook.dtype == mx.float32 else codebook.astype(mx.float32),
-                qmv._placeholder(x.dtype) if bias is None else bias, seg] + ([] if residual is None else [residual]),
+                qmv._placeholder(x.dtype) if bias is None else bias, seg],
         template=spec["template"], grid=spec["grid"], threadgroup=spec["threadgroup"],
         output_shapes=spec["output_shapes"], output_dtypes=spec["output_dtypes"])
     return outs if splits is not None else outs[0]

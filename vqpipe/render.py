@@ -197,7 +197,7 @@ def _amdahl(d, run, am):
             "(ms), the measured speedup and the bound recomputed with the measured reference time.")
     d.table(["run", "weights", "context", "phase", "flush launches × layers", "predicted saving (µs/token)",
              "predicted speedup ≤", "reference n", "median (ms/token)", "min–max", "kernel n", "median (ms/token)", "min–max",
-             "measured speedup", "bound (measured T_ref)", "noise floor", "verdict"], rows,
+             "measured speedup", "bound (with the measured reference time)", "noise floor", "verdict"], rows,
             empty=f"{run}: no Amdahl prediction in this artifact.")
 
 
@@ -218,29 +218,43 @@ def _render_user_quality(d, summary):
             f"{t.get('license')}; {t.get('package')} {t.get('package_version')}), the eval split. "
             f"Source perplexity {_st(src.get('ppl'), 4)} (median [min–max] over windows). KL(source ‖ arm) and "
             "top-1 agreement are per token, averaged per window. bpw: stored bits of the quantized layers "
-            "(codes + scales/biases/norms + codebooks + rotations) per weight; \"seed rot.\": with rotations "
-            "stored as seeds (persist_rotation off).")
+            "(codes + scales/biases/norms + codebooks + rotations) per weight; \"rotations stored as seeds\": "
+            "the same with persist_rotation off. Perplexity here is the median [min–max] of the windows' own "
+            "perplexities; \"perplexity (all tokens)\" is exp(mean NLL) over every token, the figure the summary uses.")
         if src.get("full_precision") is False:
             d.p(f"The source is not a full-precision model: {src.get('note')} (GGUF tensor types: "
                 f"{src.get('gguf_types')}). Every figure is a distance to this dequantized model.", warn=True)
+        # the other evaluation texts (the first is the records' top level)
+        others = [c for c in (x.get("texts") or {})][1:]
+        if others:
+            d.p("Also on " + "; ".join(f"{c}: {x['texts'][c].get('title')} ({x['texts'][c].get('license')}; "
+                                         f"{x['texts'][c].get('package')} {x['texts'][c].get('package_version')})"
+                                         for c in others) + ", a domain the calibration text is not.")
         rows = []
         for r in x.get("records") or []:
             if r.get("skipped"):
-                rows.append([_g(r.get("bits")), r.get("method"), f"skipped: {r['skipped']}", "", "", "", "", ""])
+                rows.append([_g(r.get("bits")), r.get("method"), f"skipped: {r['skipped']}"] + [""] * (7 + 2 * len(others)))
                 continue
             b = r.get("bpw") or {}
+            t = r.get("texts") or {}
             rows.append([_g(r.get("bits")), r.get("method"), _g(b.get("bpw"), 4), _g(b.get("bpw_seed_rotation"), 4),
-                         _st(r.get("ppl")), _st(r.get("kl")), _st(r.get("top1"), 3), _g(r.get("weight_rel_mse"), 4)])
-        d.table(["bits", "arm", "bpw", "bpw (seed rot.)", "perplexity", "KL", "top-1", "weight rel. MSE"], rows)
+                         _g(b.get("bpw_matrices"), 4), _g(r.get("ppl_mean")), _st(r.get("ppl")), _st(r.get("kl")),
+                         _st(r.get("top1"), 3)]
+                        + [v for c in others for v in (_st((t.get(c) or {}).get("ppl")), _st((t.get(c) or {}).get("kl")))]
+                        + [_g(r.get("weight_rel_mse"), 4)])
+        d.table(["bits", "arm", "bpw", "bpw (rotations stored as seeds)", "bpw (all matrices)", "perplexity (all tokens)",
+                 "perplexity (windows)", "KL", "top-1"]
+                + [h for c in others for h in (f"perplexity ({c})", f"KL ({c})")] + ["weight rel. MSE"], rows)
         dense = ((x.get("records") or [{}])[0].get("bpw") or {}).get("unquantized_params")
         if dense:
-            d.p("Kept unquantized in every arm (parameters): " + ", ".join(f"{k} {v:,}" for k, v in dense.items()) + ".")
+            d.p(f"Kept unquantized by {x['records'][0].get('method')} (parameters; each record lists its own): " + ", ".join(f"{k} {v:,}" for k, v in dense.items()) + ".")
         g = x.get("generations") or {}
         prompts = g.get("prompts") or []
         if prompts:
             d.p(f"Greedy generations ({g.get('max_tokens')} tokens, chat template) of the source and every arm:")
             d.table(["arm"] + [f"“{p}”" for p in prompts],
-                    [[a.get("arm")] + list(a.get("texts") or []) for a in g.get("arms") or []])
+                    [[a.get("arm")] + [t if str(t).strip() else "(empty: this arm generated no visible text)"
+                                       for t in a.get("texts") or []] for a in g.get("arms") or []])
 
 
 
@@ -248,22 +262,144 @@ def _render_user_quality(d, summary):
 
 
 def _overview(d, summary):
-    d.h(1, "vqpipe report")
+    d.h(2, "Plumbing")
+    d.p("The sections from here on check how the numbers above were made: the artifacts read, the software "
+        "and hardware, the byte-exact reload of every reservoir (validate), the quantize and pack stages, "
+        "the noise floors.")
     d.p(f"Built from {len(summary['inputs'])} artifacts ({', '.join(summary['present']) or 'none'}). "
         f"Missing kinds: {', '.join(summary['missing']) or 'none'}."
         + (f" {summary['passed_over']} other JSON files in the input directories are not artifacts."
            if summary.get("passed_over") else ""))
-    d.p("Tables give n (samples), the median and the min–max range. A speedup is median(baseline time) / "
-        "median(other time), shown with the A/A noise floor of the same run; inside the floor the verdict is "
-        "\"no measurable difference\" (docs/benchmarking.md).")
+
+
+# --- the first screen: the answer ------------------------------------------------------------------
+
+
+def _f(x, digits=3):
+    return "—" if not isinstance(x, (int, float)) else f"{x:.{digits}g}"
+
+
+def _against(p, pts):
+    """The other arm with the lowest KL among those no larger than ``p`` (None if there is none)."""
+    others = [o for o in pts if not (o["vqpipe"] or o["ablation"]) and o["kl"] is not None and o["bpw"] <= p["bpw"] + 1e-3]
+    return min(others, key=lambda o: o["kl"], default=None)
+
+
+def _quality_verdict(d, model, q):
+    pts, src = q["points"], q.get("source_ppl")
+    ours = sorted((p for p in pts if p["vqpipe"]), key=lambda p: p["bpw"])
+    front = {tuple(k) for k in q["frontier"]}
+    arms = sorted({p["arm"] for p in pts if not (p["vqpipe"] or p["ablation"])})
+    if not ours:
+        d.p(f"{model}: no vqpipe arm among its bench-quality records (arms: {', '.join(arms) or 'none'}).")
+        return
+    on = [f"{p['bits']}" for p in ours if (p["arm"], p["bits"]) in front]
+    off = [f"{p['bits']}" for p in ours if (p["arm"], p["bits"]) not in front]
+    verdict = (f"vqpipe is on the quality-per-bit frontier at {', '.join(on)} bits" if on else
+               "vqpipe is not on the quality-per-bit frontier at any width measured")
+    if on and off:
+        verdict += f", not at {', '.join(off)}"
+    d.p(f"Verdict: {verdict}: no other format measured here ({', '.join(arms) or 'none'}) is both as small and "
+        "closer to the source there.")
+    d.p("Terms: an arm is one thing measured side by side (vqpipe at a bit width, or another format at one). "
+        "KL is how far an arm's next-token distribution is from the source model's (nats per token, median over "
+        "the evaluation windows; 0 = the same model). Bits per weight (bpw) count everything stored for the "
+        "model's matrices, embedding included. Perplexity is exp(mean negative log-likelihood) over every token "
+        "of the evaluation text" + (f" (the source's: {_f(src, 4)})" if isinstance(src, (int, float)) else "")
+        + ". The frontier: the arms no other arm beats on both size and KL (vqpipe's own ablations, such as "
+        "its unrotated arm, left out).")
+    if q.get("synthetic"):
+        d.p(f"{model} is a synthetic model (random weights): its perplexity on real text means nothing; compare "
+            "the arms by KL.", warn=True)
+    elif q.get("full_precision") is False:
+        d.p(f"{model}'s source is itself a quantized checkpoint (dequantized): every figure is a distance to it.")
+    rows = []
+    for p in ours:
+        o = _against(p, pts)
+        rel = (f" ({p['ppl'] / src:.3f}× source)" if isinstance(src, (int, float)) and isinstance(p["ppl"], (int, float))
+               else "")
+        base = [f"{p['bits']}", f"{p['bpw']:.3f}", _f(p["kl"]), _f(p["ppl"], 4) + rel]
+        if o is None:
+            rows.append(base + ["none at this size or smaller", "—", "—", "—", "—"])
+            continue
+        ratio = o["kl"] / p["kl"] if p["kl"] else None
+        rows.append(base + [f"{o['arm']} ({o['bits']}-bit)", f"{o['bpw']:.3f}", _f(o["kl"]), _f(o["ppl"], 4),
+                            "—" if ratio is None else f"{ratio:.3g}× " + ("lower" if ratio >= 1 else "higher")])
+    d.table(["vqpipe bits", "bpw", "KL", "perplexity", "best other arm no larger (lowest KL)", "its bpw", "its KL",
+             "its perplexity", "vqpipe's KL"], rows)
+
+
+def _speed_rows(dd_list):
+    """(weights rows, KIVI rows) of bench-decode's decode records: each arm at its largest context."""
+    best = {}
+    for r in dd_list:
+        if r.get("phase") != "decode" or not _is_stats(r):
+            continue
+        key = (r.get("run"), r.get("arm"))
+        if key not in best or (r.get("context") or 0) > (best[key].get("context") or 0):
+            best[key] = r
+    weights, kivi = [], []
+    for r in best.values():
+        row = [r.get("arm") or "—", r.get("weights") or "—", r.get("cache") or "—", _g(r.get("context")),
+               _st(r, 4), _bytes(r.get("peak_over_start_bytes", r.get("peak_memory_bytes")))]
+        (kivi if "kivi" in str(r.get("cache") or r.get("arm")) else weights).append(row)
+    return weights, kivi
+
+
+def _speed(d, model, variants):
+    decode = [r for dd in variants.values() for r in dd.get("decode", [])]
+    load = [r for dd in variants.values() for r in dd.get("load", [])]
+    weights, kivi = _speed_rows(decode)
+    head = ["arm", "weights", "KV cache", "context (tokens)", "decode tok/s median [min–max]", "peak memory"]
+    if weights:
+        d.p(f"{model}: decode speed and memory of vqpipe's reservoir beside mlx-lm's own weights (full precision, "
+            "MLX affine), each at the longest context measured; peak memory is the generation's own (MLX's peak "
+            "minus what was allocated before it). From bench-decode.")
+        d.table(head, weights)
+    if load:
+        d.p(f"{model}: time to a usable model in a fresh process: re-quantizing the source against loading the "
+            "reservoir (persist_rotation on: rotations stored as matrices; off: as seeds, regenerated at load). "
+            "From bench-load.")
+        d.table(["arm", "seconds median [min–max]", "n", "file size", "MLX peak memory (median)"],
+                [[r.get("arm") or "—", _st(r, 3), _g(r.get("n")), _bytes(r.get("file_bytes")),
+                  _med(r.get("mlx_peak_bytes"), _bytes)] for r in load])
+    if kivi:
+        d.p(f"{model}: the KIVI quantized KV cache (keys per channel, values per token, a full-precision window) "
+            "against the full-precision cache: kivi-ref is the MLX-ops reference, kivi-kernel the fused kernel "
+            "(GPU only). From bench-decode.")
+        d.table(head, kivi)
+
+
+def _summary(d, summary):
+    """The first screen: per model the verdict on quality per bit, the plot, then speed and memory."""
+    d.h(1, "vqpipe report")
+    quality = summary.get("quality") or {}
+    models = sorted(set(quality) | set(summary["models"]),
+                    key=lambda m: (m not in quality, bool((quality.get(m) or {}).get("synthetic")), m))
+    d.h(2, "Summary")
     for w in summary["warnings"]:
         d.p(w, warn=True)
+    if not quality:
+        d.p("No bench-quality artifact among the inputs: no quality verdict.")
+    for m in (m for m in models if m in quality):
+        d.h(3, f"{m}: quality per bit")
+        _quality_verdict(d, m, quality[m])
+    if quality:
+        d.img("quality_bits")
+    for m in models:
+        variants = summary["models"].get(m) or {}
+        if any(dd.get("decode") or dd.get("load") for dd in variants.values()):
+            d.h(3, f"{m}: speed and memory")
+            _speed(d, m, variants)
+    d.p("Every timing is a median with its min–max range over n samples. Differences smaller than the A/A noise "
+        "floor (an arm timed against itself, interleaved: what noise alone moves) are reported as "
+        "\"no measurable difference\" (docs/benchmarking.md).")
     for n in summary["notes"]:
         d.p(n)
 
 
 def _environment(d, summary):
-    d.h(2, "Environment")
+    d.h(2, "Plumbing: environments")
     rows = []
     for e in summary["environments"]:
         env, b = e["environment"], e["environment"].get("blas") or {}
@@ -277,7 +413,7 @@ def _environment(d, summary):
 
 
 def _validate(d, models):
-    d.h(2, "Validate")
+    d.h(2, "Plumbing: validate (byte-exact reload of every reservoir)")
     rows = []
     for m, v, r in _each(models, "validate"):
         verdict = {True: "PASS (bit-exact)", False: "FAIL", None: "REFUSED"}.get(r.get("bit_exact"), "—")
@@ -288,7 +424,7 @@ def _validate(d, models):
 
 
 def _quantize(d, models):
-    d.h(2, "Quantize")
+    d.h(2, "Plumbing: quantize and pack")
     d.table(["model", "variant", "bits", "rotation", "dtype", "layers", "quantize (s)", "peak RSS", "layer rel. MSE n",
              "median", "min–max"],
             [[m, v, _g(r.get("bits")), _g(r.get("rotation")), _g(r.get("dtype")), _g(r.get("layers")),
@@ -302,7 +438,7 @@ def _quantize(d, models):
 
 def _load(d, summary):
     models = summary["models"]
-    d.h(2, "Load time")
+    d.h(2, "Load time in detail")
     rows = [[m, r.get("arm") or v, r.get("variant") or "—", *_cells(r), _bytes(r.get("file_bytes")),
              _med(r.get("mlx_peak_bytes"), _bytes), _med(r.get("rss_bytes"), _bytes), _pct(r.get("noise_floor"))]
             for m, v, r in _each(models, "load")]
@@ -317,11 +453,8 @@ def _load(d, summary):
 
 
 def _load_extras(d, x):
-    """bench-load's targets, checks, copy paths and the several-processes experiment."""
-    if "targets" in x:
-        d.table(["model", "target", "value", "met"],
-                [[x["model"], k, _g(t.get("value")), {True: "met", False: "NOT met"}.get(t.get("met"), "reported")]
-                 for k, t in x["targets"].items()])
+    """bench-load's checks, copy paths and the several-processes experiment. (Its targets, goals whose
+    reasons the record does not carry, stay in summary.json.)"""
     if isinstance(x.get("checks"), dict):
         d.table(["model", "check", "result"], [[x["model"], k, _g(t)] for k, t in x["checks"].items()])
     d.table(["model", "copy path", "copies", "bytes", "n", "median (s)", "min–max (s)", "GB/s (median)"],
@@ -334,12 +467,17 @@ def _load_extras(d, x):
             for k, st in (mp.get(what) or {}).items():
                 if _is_stats(st):
                     rows.append([x["model"], what, mp.get("procs"), k, *_cells(st, fmt=_bytes if k != "seconds" else None)])
+        d.p("Several processes loading at once: Rss is a process's resident memory, Pss the same with pages "
+            "shared between processes divided among them, Pss_Anon the part of Pss not backed by a file (the "
+            "process's own heap); from /proc/PID/smaps_rollup.")
         d.table(["model", "processes at once", "procs", "figure", "n", "median", "min–max"], rows)
 
 
 def _quality(d, summary):
     models = summary["models"]
-    d.h(2, "Quality")
+    d.h(2, "Quality in detail")
+    if not summary.get("quality"):
+        d.img("quality_bits")  # it says which artifact is missing; with data it leads the summary
     _render_user_quality(d, summary)
     d.table(["model", "variant", "method", "bits", "metric", "n", "median", "min–max", "mean", "weight rel. MSE", "tokens"],
             [[m, v, r.get("method") or "—", _g(r.get("bits")), r.get("metric") or "—", *_cells(r, digits=5),
@@ -360,7 +498,7 @@ _PEAK_NOTE = ("Peak memory is one pilot generation per arm (n = 1): \"generation
 
 def _decode(d, summary):
     models = summary["models"]
-    d.h(2, "Decode and prefill")
+    d.h(2, "Decode and prefill in detail")
     rows = []
     for m, vs in models.items():
         for v, dd in vs.items():
@@ -422,7 +560,7 @@ def _kernels(d, summary):
 
 
 def _roofline(d, summary):
-    d.h(2, "Roofline")
+    d.h(2, "Plumbing: roofline")
     d.table(["artifact", "kind", "copy bandwidth n", "median (GB/s)", "min–max (GB/s)", "method", "buffer"],
             [[b["path"], b["kind"], *_cells(b, 1e-9), b.get("method") or "—", _bytes(b.get("bytes"))]
              for b in summary["copy_bandwidth"]], empty="(no copy-bandwidth measurement among the inputs)")
@@ -443,11 +581,11 @@ def _roofline(d, summary):
 
 
 def _floors_and_inputs(d, summary):
-    d.h(2, "Noise floors")
+    d.h(2, "Plumbing: noise floors")
     d.table(["artifact", "kind", "model", "floors n", "median", "min–max"],
             [[f["path"], f["kind"], f.get("model") or "—", *_cells(f, fmt=lambda v: f"±{v:.1%}")]
              for f in summary["noise_floors"]], name="noise_floors")
-    d.h(2, "Inputs")
+    d.h(2, "Plumbing: input files")
     d.table(["path", "kind", "environment", "sha256"],
             [[i["path"], i["kind"], i["environment"] or "—", i["sha256"][:16]] for i in summary["inputs"]], name="inputs")
 
@@ -455,14 +593,15 @@ def _floors_and_inputs(d, summary):
 def document(summary):
     """The report as a _Doc: every section in order."""
     d = _Doc()
+    _summary(d, summary)
+    _quality(d, summary)
+    _decode(d, summary)
+    _load(d, summary)
+    _kernels(d, summary)
     _overview(d, summary)
     _environment(d, summary)
     _validate(d, summary["models"])
     _quantize(d, summary["models"])
-    _load(d, summary)
-    _quality(d, summary)
-    _decode(d, summary)
-    _kernels(d, summary)
     _roofline(d, summary)
     _floors_and_inputs(d, summary)
     return d

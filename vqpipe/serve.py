@@ -1,4 +1,4 @@
-"""Serve a reservoir over an OpenAI-compatible HTTP API: ``python -m vqpipe serve --model DIR``.
+"""Serve a reservoir over an OpenAI-compatible HTTP API: ``vqpipe serve --model DIR``.
 
 This is mlx_lm.server (its HTTP handler, its generation thread with batching, its prompt cache)
 with two pieces plugged in: a ModelProvider that loads with ``vqpipe.load`` and serves that one
@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 from mlx_lm.server import APIHandler, ModelProvider
@@ -60,7 +61,7 @@ class ReservoirProvider(ModelProvider):
         if self.cli_args.kv_bits_kivi:
             a = self.cli_args
             model.make_cache = kivi_cache_factory(model, a.kv_bits_kivi, a.kv_group_size_kivi, a.kv_residual,
-                                                  a.kv_packed)
+                                                  a.kv_cache == "packed")
         self.model_key = (model_path, None, None)
         self.model, self.tokenizer = model, tokenizer
         # Batched decoding needs caches that mlx-lm can merge across requests.
@@ -299,7 +300,7 @@ def context_length(directory, override=None):
 def parse_args(argv):
     from .generate import packed_args_problem
 
-    p = argparse.ArgumentParser(prog="python -m vqpipe serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="vqpipe serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="reservoir directory (pack stage output)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
@@ -321,15 +322,16 @@ def parse_args(argv):
     k.add_argument("--kv-group-size", dest="kv_group_size_kivi", type=int, default=32, metavar="N",
                    help="KIVI group size (default 32)")
     k.add_argument("--kv-residual", type=int, default=128, help="KIVI residual window (default 128)")
-    k.add_argument("--kv-packed", action="store_true",
-                   help="keep the KIVI codes packed, attention reading them (the memory saving)")
+    k.add_argument("--kv-cache", choices=("packed", "reference"), default="packed",
+                   help="packed (default): the KIVI codes stay packed, attention reading them (the memory "
+                   "saving); reference: the quantize-dequantize cache (for comparisons)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     if args.max_tokens < 1 or args.max_pending < 1 or args.decode_concurrency < 1 or args.prompt_concurrency < 1:
         p.error("--max-tokens, --max-pending and the concurrencies must be at least 1")
     if args.kv_group_size_kivi < 1 or args.kv_residual < 0:
         p.error("--kv-group-size must be >= 1 and --kv-residual >= 0")
-    why = packed_args_problem(args.kv_bits_kivi, args.kv_group_size_kivi, args.kv_packed)
+    why = packed_args_problem(args.kv_bits_kivi, args.kv_group_size_kivi, args.kv_cache == "packed")
     if why:
         p.error(why)
     # The rest of what mlx_lm.server reads from its arguments, at its defaults (no adapters, no
@@ -381,6 +383,9 @@ def serve(args):
               "there is no authentication", file=sys.stderr)
     print(f"vqpipe serve: {args.served_names[0]!r} (context {context} tokens) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    # mlx-lm warns on every start that its server has only basic security checks. vqpipe serve binds
+    # to 127.0.0.1 and warns (above) when it listens elsewhere, the case where that matters.
+    warnings.filterwarnings("ignore", message="mlx_lm.server is not recommended for production")
     # mlx-lm stops cleanly on KeyboardInterrupt; make SIGTERM do the same.
     signal.signal(signal.SIGTERM, _interrupt)
     try:

@@ -118,14 +118,20 @@ def kivi_rows(doc):
 
 
 def quality_rows(doc):
-    """bench-quality records hold one summary per metric (``kl``, ``top1``, ``ppl``): one row per metric."""
+    """bench-quality records hold one summary per metric (``kl``, ``top1``, ``ppl``): one row per metric
+    and evaluation text (``text``: the records' top level is the first text; ``texts`` has the rest)."""
     recs = []
+    first = next(iter(doc.get("texts") or {}), (doc.get("text") or {}).get("corpus", "devil"))
     for r in doc["records"]:
         ident = scalars(r)
         ident.setdefault("variant", _QUALITY_VARIANT.get(r["method"], "{method}-b{bits}").format(**{"rotation": "auto", **r}))
-        for key, st in r.items():
-            if is_stats(st):
-                recs.append({**ident, "metric": key, **stats(st), "mean": r.get(f"{key}_mean")})
+        if isinstance(r.get("bpw"), dict):
+            ident.setdefault("bpw_matrices", r["bpw"].get("bpw_matrices"))
+        per_text = [(first, r)] + [(c, t) for c, t in (r.get("texts") or {}).items() if c != first]
+        for corpus, t in per_text:
+            for key, st in t.items():
+                if is_stats(st):
+                    recs.append({**ident, "text": corpus, "metric": key, **stats(st), "mean": t.get(f"{key}_mean")})
     timing = [{**scalars(t), **{k: v for k, v in t.items() if is_stats(v)}} for t in doc.get("timing", [])]
     return recs, timing
 
@@ -206,6 +212,60 @@ def setup_warnings(arts):
         notes.append("BLAS thread counts differ between artifacts ("
                      + "; ".join(f"{k}: {len(v)}" for k, v in sorted(by_threads.items())) + " artifacts)")
     return warnings, notes
+
+
+# --- quality against size ------------------------------------------------------------------------
+
+# bench-quality methods that are vqpipe's own quantizer (the default recipe); every other method is
+# another format, whatever its name (MLX affine groups, mlx-lm's other quantizers, an ablation).
+VQPIPE_METHODS = ("vqpipe", "rotated")
+# vqpipe's own ablations (its quantizer without a rotation): plotted, not what a verdict compares to.
+ABLATIONS = ("unrotated",)
+
+
+def _median(st):
+    return st["median"] if is_stats(st) else None
+
+
+def frontier(points):
+    """The points no other point beats on both size and KL: smaller-or-equal bpw and lower-or-equal
+    KL, one of them strictly. Sorted by bpw."""
+    pts = [p for p in points if p["bpw"] is not None and p["kl"] is not None]
+    out = [p for p in pts if not any(q["bpw"] <= p["bpw"] and q["kl"] <= p["kl"] and
+                                     (q["bpw"] < p["bpw"] or q["kl"] < p["kl"]) for q in pts)]
+    return sorted(out, key=lambda p: (p["bpw"], p["kl"]))
+
+
+def quality_points(arts):
+    """{model: {"source_ppl", "source", "synthetic", "points", "frontier"}} from bench-quality records.
+
+    One point per (arm, bits) with a bpw: ``kl`` and ``top1`` are medians over windows; ``ppl`` is
+    the perplexity over every token of the text (exp of the mean NLL, ``ppl_mean``), the figure
+    docs quote; ``ppl_median`` the median of the windows' perplexities (the detail tables).
+    """
+    out = {}
+    for a in (a for a in arts if a["kind"] == "bench-quality"):
+        doc = a["doc"]
+        src = doc.get("source") if isinstance(doc.get("source"), dict) else {}
+        m = out.setdefault(doc.get("model") or a["model"] or "-", {"points": []})
+        m["source_ppl"] = src.get("ppl_mean", _median(src.get("ppl")))
+        m["source"] = src.get("source")
+        m["synthetic"] = str(src.get("source") or "").startswith("synth:")
+        m["full_precision"] = src.get("full_precision")
+        for r in doc["records"]:
+            b = r.get("bpw") if isinstance(r.get("bpw"), dict) else {}
+            if r.get("skipped") or not isinstance(b.get("bpw"), (int, float)):
+                continue
+            arm = r.get("arm") or r["method"]
+            m["points"].append({"arm": arm, "bits": r.get("bits"), "bpw": b["bpw"], "kl": _median(r.get("kl")),
+                                "top1": _median(r.get("top1")), "ppl": r.get("ppl_mean", _median(r.get("ppl"))),
+                                "ppl_median": _median(r.get("ppl")), "vqpipe": r["method"] in VQPIPE_METHODS,
+                                "ablation": r["method"] in ABLATIONS})
+    out = {k: m for k, m in out.items() if m["points"]}
+    for m in out.values():
+        m["points"].sort(key=lambda p: (p["arm"], p["bpw"]))
+        m["frontier"] = [(p["arm"], p["bits"]) for p in frontier([p for p in m["points"] if not p["ablation"]])]
+    return out
 
 
 # --- the summary -------------------------------------------------------------------------------
@@ -289,6 +349,7 @@ def build_summary(arts, passed_over=0):
         "noise_floors": floors,
         "copy_bandwidth": bandwidth,
         "models": models,
+        "quality": quality_points(arts),
         "kernels": _kernels(arts),
         "roofline": roofline,
         "extras": extras,

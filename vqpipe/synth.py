@@ -82,7 +82,7 @@ PRESETS = {
     },
     # The shapes of Meta-Llama-3-8B: where decode is bound by memory bandwidth, not launches. 8 B
     # parameters (16 GB in bf16): built on a GPU host for benchmarks only, never in tests or CI
-    # (vqpipe/bench/decode_shapes.py builds it in device memory without files).
+    # (experiments/decode_shapes.py builds it in device memory without files).
     "llama3-8b": {
         "model_type": "llama",
         "hidden_size": 4096,

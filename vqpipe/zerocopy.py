@@ -1,18 +1,25 @@
 """Zero-copy adoption of reservoir file pages as MLX arrays (Apple silicon; untested)."""
 
-import os
-
 import mlx.core as mx
 import numpy as np
 
+_on = False
 
-def wanted():
-    """Opt-in (``VQPIPE_ZERO_COPY=1``), Metal only: wrap page-aligned file pages as MLX arrays.
+
+def enable(flag=True):
+    """Opt in (Metal only): later loads wrap page-aligned file pages as MLX arrays. Returns the
+    previous setting.
 
     Never exercised: we had no Apple machine. Trade-off: no copy and pages shared between processes,
     but the arrays stay backed by the file, so truncating it later faults (SIGBUS) like any mmap.
     """
-    return os.environ.get("VQPIPE_ZERO_COPY", "").strip() == "1" and mx.metal.is_available()
+    global _on
+    previous, _on = _on, bool(flag)
+    return previous
+
+
+def wanted():
+    return _on and mx.metal.is_available()
 
 
 def adopt(mm, start, nbytes):

@@ -1,5 +1,5 @@
-"""Benchmarks. ``harness`` (timing, noise floor, peak memory), ``env`` (environment record) and
-``roofline`` are shared; the bench-* stages live in the other modules."""
+"""The benchmarks' library: ``harness`` (timing, noise floor, peak memory), ``env`` (environment
+record) and ``roofline``, shared by the bench-* stages (vqpipe/stages/) and experiments/."""
 
 from .env import environment
 from .harness import (

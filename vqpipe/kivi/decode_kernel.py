@@ -31,14 +31,13 @@ query and p times the value scale as bf16 hi + lo in the mma's rows 0-7 and 8-15
 chunks staged in shared memory by cp.async, double buffered; the residual chunks through the same
 mma path and running state (their keys and values as bf16 hi + lo: exact for float16 and bfloat16),
 then a final merge whose loads of all splits are in flight together. Its bound is the float32 one
-plus 2^-16 of the score and value magnitudes (twice that with a float32 residual; docs/kivi.md,
-"Seventh window", "Eighth window"). "v4r" (the seventh window's v4: the residual on CUDA cores with
-its own partial, v3's final merge) and "v4m" (v4r with v4's merge) are kept to be timed against it.
+plus 2^-16 of the score and value magnitudes (twice that with a float32 residual; docs/kivi.md).
+"v4r" (the first v4: the residual on CUDA cores with its own partial, v3's final merge) and "v4m"
+(v4r with v4's merge) are kept to be timed against it.
 """
 
 import functools
 import hashlib
-import os
 import re
 import struct
 import typing
@@ -673,7 +672,7 @@ _BODY, _BODY_V3 = (
     for b in (_BODY, _BODY_V3)
 )
 
-# v4 (seventh window): the dot products on tensor cores. mma.sync m16n8k16 bf16 -> f32. Codes are
+# v4: the dot products on tensor cores. mma.sync m16n8k16 bf16 -> f32. Codes are
 # small integers, exact in bfloat16; the other operand (the folded query for the scores, p times the
 # value scale for p·V) is a float32 split into bf16 hi + lo, hi in rows 0-7 of the mma's A operand
 # and lo in rows 8-15 (the GQA group has at most 8 heads, so the padding rows carry the low halves:
@@ -1220,14 +1219,14 @@ _V4_MERGE = """
 """[1:]
 _BLOCK_MERGE = _BODY[_BODY.index("    // the block's partial: its warps merged"):_BODY.index("    if (last != 0u) {")]
 _V4_COMMON = _BODY_V4.replace("@SETUP@\n", _SETUP).replace("@V4SOFTMAX@\n", _V4_SOFTMAX)
-# v4r, the seventh window's v4 (kept to be timed against): the residual on CUDA cores with its own
+# v4r, the first v4 (kept to be timed against): the residual on CUDA cores with its own
 # partial (2 NW partials per block), v3's final merge
 _BODY_V4R = (_V4_COMMON.replace("@V4TAIL@\n", _V4_RES_CUDA_CORES).replace("V4P", "2u")
              + _BODY[_BODY.index("    // the block's partial: its warps merged"):].replace("w < NW;", "w < 2u * NW;"))
-# v4m: v4r with v4's final merge (to time the eighth window's two changes apart)
+# v4m: v4r with v4's final merge (to time v4's two later changes apart)
 _BODY_V4M = (_V4_COMMON.replace("@V4TAIL@\n", _V4_RES_CUDA_CORES).replace("V4P", "2u")
              + _BLOCK_MERGE.replace("w < NW;", "w < 2u * NW;") + _V4_MERGE)
-# v4 (eighth window): the residual through the mma path into the one running state (NW partials per
+# v4: the residual through the mma path into the one running state (NW partials per
 # block), the final merge with its loads in flight together (_V4_MERGE)
 _BODY_V4 = (_V4_COMMON.replace("@V4TAIL@\n", _V4_RES_MMA.replace("@V4SOFTMAX@\n", re.sub("(?m)^(?=.)", "    ", _V4_SOFTMAX)))
             .replace("V4P", "1u") + _BLOCK_MERGE + _V4_MERGE)
@@ -1355,18 +1354,16 @@ INPUTS = ["q", "kc", "kp", "vc", "vp", "rk", "rv", "meta", "scratch", "counters"
 
 
 VERSIONS = ("v3", "v2", "v4", "v4r", "v4m")
-# the tensor-core kernels: v4r the seventh window's (its residual on CUDA cores, v3's final merge), v4m
+# the tensor-core kernels: v4r the first v4 (its residual on CUDA cores, v3's final merge), v4m
 # v4r with v4's final merge; both kept to be timed against v4
 V4_FAMILY = ("v4", "v4r", "v4m")
-# the kernel a launch uses unless told (VQPIPE_KIVI_DECODE): "auto", the default, is v4 where it
+# the kernel a launch uses unless told: "auto", the default, is v4 where it
 # serves the geometry on CUDA (:func:`v4_unsupported`), v3 elsewhere (Metal, 8 bits, more than 8 query
 # heads per KV head): in the model's order, chained, v4 was 15-35 % faster than v3 at 4k-64k at 2 and
-# 4 bits on the H200 (docs/kivi.md "Eighth window"); "v4" the same with v3 as the fallback. VERSION
+# 4 bits on the H200 (docs/results/2026-12-05-logs/kivi.md, "Eighth window"); "v4" the same with v3 as the fallback. VERSION
 # is the CUDA-core kernel geometry-free callers (the host rendering, the fallback) take
-DEFAULT = os.environ.get("VQPIPE_KIVI_DECODE", "auto")
-if DEFAULT not in VERSIONS + ("auto",):
-    raise ValueError(f"VQPIPE_KIVI_DECODE={DEFAULT!r}: expected auto or one of {', '.join(VERSIONS)}")
-VERSION = "v3" if DEFAULT in ("auto",) + V4_FAMILY else DEFAULT
+DEFAULT = "auto"
+VERSION = "v3"
 
 # How the launch hands the kernel the softmax scale and the token counts (quantized, residual):
 # - "small" (the default): the scale as a template argument (its float32 bits, exact; one compile
@@ -1377,9 +1374,7 @@ VERSION = "v3" if DEFAULT in ("auto",) + V4_FAMILY else DEFAULT
 #   Larger than 8 bytes, it gets its own managed allocation (cudaMallocManaged), which the host
 #   writes and the kernel then reads: a page that may migrate between host and device every launch.
 META_MODES = ("small", "float3")
-META = os.environ.get("VQPIPE_KIVI_META", "small")
-if META not in META_MODES:
-    raise ValueError(f"VQPIPE_KIVI_META={META!r}: expected one of {', '.join(META_MODES)}")
+META = "small"
 _COUNTS = {
     "small": "const float sm = ka_bits_float(SCALE_BITS);\n"
     "    const unsigned int nq = (unsigned int)meta[0];\n"
@@ -1545,7 +1540,7 @@ def _kernel(dialect, version=None, meta=None, warps=WARPS, minblocks=0, minify=T
 
 
 def active(use_kernels):
-    return gpu.active(use_kernels, kernels._enabled, gpu.backend(), "KIVI decode attention")
+    return gpu.active(use_kernels, kernels.is_enabled(), gpu.backend(), "KIVI decode attention")
 
 
 def applies(queries, cache, use_kernels=None):
@@ -1612,14 +1607,12 @@ def shape_text(shape):
     return f"{shape.warps}x{shape.per_warp or 'f'}:pf{shape.ahead}:mb{shape.minblocks}" + (f":{shape.version}" if shape.version else "")
 
 
-# v3's launch per bit width; VQPIPE_KIVI_V3_SHAPE<bits> (e.g. "8x2:pf1") replaces one, for the benchmark
-# (the fourth window's throughput picks, 8x4 at 4 bits and 4x4:pf1 at 2, were 0.5-18 % slower chained)
+# v3's launch per bit width (the throughput picks, 8x4 at 4 bits and 4x4:pf1 at 2,
+# were 0.5-18 % slower chained); a benchmark replaces one by assigning V3_SHAPES[bits]
 V3_SHAPES = {2: Shape(4, 0, 1, 0), 4: Shape(8, 0, 0, 0), 8: Shape(8, 0, 0, 0)}
-V3_SHAPES.update({b: parse_shape(os.environ[f"VQPIPE_KIVI_V3_SHAPE{b}"])
-                  for b in (2, 4, 8) if f"VQPIPE_KIVI_V3_SHAPE{b}" in os.environ})
 # v4: 4-warp blocks filling the GPU, two resident per SM (40 KiB of stages each at D 128, 4 bits;
-# registers up to 255 leave two); VQPIPE_KIVI_V4_SHAPE replaces it
-V4_SHAPE = parse_shape(os.environ.get("VQPIPE_KIVI_V4_SHAPE", "4xf"))._replace(version="v4")
+# registers up to 255 leave two)
+V4_SHAPE = parse_shape("4xf")._replace(version="v4")
 V4_BLOCKS = 2
 
 
@@ -1653,10 +1646,8 @@ def resident_blocks(bits, shape):
 
 @functools.lru_cache(maxsize=1)
 def multiprocessors():
-    """SMs of CUDA device 0 (the driver's attribute 16), VQPIPE_KIVI_SMS if set; 132 (an H200)
-    where neither answers, e.g. on Metal or without the driver library."""
-    if os.environ.get("VQPIPE_KIVI_SMS"):
-        return int(os.environ["VQPIPE_KIVI_SMS"])
+    """SMs of CUDA device 0 (the driver's attribute 16); 132 (an H200) where it does not answer,
+    e.g. on Metal or without the driver library."""
     try:
         import ctypes
 

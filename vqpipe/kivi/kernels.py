@@ -15,7 +15,7 @@ in the same order, so outputs match the reference bit for bit on the same device
   the rest; kv_hat: the same without the scale and zero outputs, what the cache runs (per layer and
   flush, one launch with two outputs).
 
-Two layouts of the values body (``set_layout`` / ``VQPIPE_KIVI_LAYOUT``; the keys body is shared):
+Two layouts of the values body (``set_layout``; the keys body is shared):
 
 - "vec" (the default): L lanes per group, the power of two that covers the group in 16-byte chunks
   (4 for fp16 and G = 32), each lane one 16-byte load; a warp takes 32 / L groups.
@@ -410,10 +410,8 @@ DIALECTS = {
 
 _kernels = {}  # (dialect, kind, layout) -> MLX kernel object, built once
 _instances = set()  # (dialect, kind, layout, dtype, bits, G): one JIT-compiled kernel each
-_enabled = os.environ.get("VQPIPE_KIVI_KERNELS", "1") != "0"
-_layout = os.environ.get("VQPIPE_KIVI_LAYOUT", "vec")
-if _layout not in LAYOUTS:
-    raise ValueError(f"VQPIPE_KIVI_LAYOUT must be one of {LAYOUTS}, got {_layout!r}")
+_enabled = None  # the switch; VQPIPE_KIVI_KERNELS=0 (read at the first call) turns it off
+_layout = "vec"
 
 
 def _check_layout(name):
@@ -423,14 +421,12 @@ def _check_layout(name):
 
 
 def layout():
-    """The kernel layout calls use when they pass none: "vec" unless changed by
-    :func:`set_layout` or ``VQPIPE_KIVI_LAYOUT``."""
+    """The kernel layout calls use when they pass none: "vec" unless changed by :func:`set_layout`."""
     return _layout
 
 
 def set_layout(name):
-    """Pick the kernel layout ("vec" or "warp"; also ``VQPIPE_KIVI_LAYOUT``). Returns the
-    previous one. Both give the same bytes; only speed differs."""
+    """Pick the kernel layout ("vec" or "warp"). Returns the previous one. Both give the same bytes; only speed differs."""
     global _layout
     previous, _layout = _layout, _check_layout(name)
     return previous
@@ -451,14 +447,21 @@ def render(kind, dialect, layout="vec"):
 def set_enabled(flag):
     """Global switch (also ``VQPIPE_KIVI_KERNELS=0``). Returns the previous setting."""
     global _enabled
-    previous, _enabled = _enabled, bool(flag)
+    previous, _enabled = is_enabled(), bool(flag)
     return previous
+
+
+def is_enabled():
+    global _enabled
+    if _enabled is None:
+        _enabled = os.environ.get("VQPIPE_KIVI_KERNELS", "1") != "0"
+    return _enabled
 
 
 def kernels_active(use_kernels=None):
     """Whether a call with ``use_kernels`` runs a fused kernel: None follows the global switch and
     the backend; True insists (raises if there is no GPU backend); False never."""
-    return gpu.active(use_kernels, _enabled, backend(), "KIVI kernels")
+    return gpu.active(use_kernels, is_enabled(), backend(), "KIVI kernels")
 
 
 def compiled_kernel_count():

@@ -21,7 +21,7 @@ token evaluated (mlx-lm's ``prompt_progress_callback(total, total)`` fires right
 ``mx.eval`` of it); decode time: from there to the end of ``--gen-tokens`` decode steps, closed by
 ``mx.synchronize()``. See docs/benchmarking.md ("Decode and prefill").
 
-    python -m vqpipe bench-decode --source SRC --reservoir RES --model NAME --out FILE.json
+    vqpipe bench-decode --source SRC --reservoir RES --model NAME --out FILE.json
 """
 
 import argparse
@@ -821,7 +821,7 @@ def _positive(text):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m vqpipe bench-decode", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="vqpipe bench-decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--source", required=True, help="source model directory (download stage output)")
     p.add_argument("--reservoir", help="reservoir directory (pack stage output); needed for the vqpipe arms")
     p.add_argument("--model", help="model name recorded in the output (default: the source directory's name)")

@@ -19,9 +19,9 @@ arm, interleaved with the reference in the same run and each with its A/A copy: 
 the "kernel" arm (the top-level speedup, verdict and M4 comparison of each row), the others are
 "kernel:<layout>"; every row then also carries ``layouts``, per layout: speedup, verdict, bandwidth
 and (isolated mode) whether its outputs equal the reference's. Without the option only the
-current layout (``VQPIPE_KIVI_LAYOUT``, default "vec") is timed.
+current layout (``kernels.layout()``, "vec") is timed.
 
-    python -m vqpipe bench-kivi --out results/bench/kivi_ops.json
+    vqpipe bench-kivi --out results/bench/kivi_ops.json
 """
 
 import argparse
@@ -201,7 +201,7 @@ def _ints(text):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m vqpipe bench-kivi", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="vqpipe bench-kivi", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--heads", type=int, default=8, help="KV heads H (default 8)")
     p.add_argument("--head-dim", type=int, default=128, help="head dimension D (default 128)")

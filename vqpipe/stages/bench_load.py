@@ -528,7 +528,7 @@ def targets(result, rotations, bits):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vqpipe bench-load", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="vqpipe bench-load", description=__doc__.split("\n")[0])
     p.add_argument("--source", required=True, help="source model directory (download stage output)")
     p.add_argument("--out", required=True, help="output JSON")
     p.add_argument("--model", default=None, help="model name recorded in the output")

@@ -7,7 +7,11 @@ Arms at each bit width, all against the same source model:
     affine-gG    MLX's own nn.quantize (affine, group G in --affine-groups, default 32 64 128) on
                  every nn.Linear, from the source's stored dtype: scales and biases in that dtype,
                  as mlx_lm.convert stores them
-On windows of real English text no method saw (vqpipe.text, eval split): perplexity, KL(source ||
+    mlx-gptq, mlx-awq, mlx-dynamic, mxfp4, nvfp4
+                 what users would pick instead (vqpipe/competitors.py): mlx-lm's own quantizers,
+                 with the calibration tokens vqpipe's calibrated arms use, and MLX's fp4 modes
+On windows of real English text no method saw (vqpipe.text: the Devil's Dictionary's eval split,
+and the Jargon File, another domain): perplexity, KL(source ||
 arm) per token and top-1 agreement with the source, per window, median [min-max]; bits per weight
 counted from what each arm stores; and greedy generations on fixed chat prompts, side by side.
 Every arm runs as dense float32 layers holding its dequantized weights (``dense_copy``: the
@@ -32,7 +36,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from .. import cpu_eval, text
+from .. import competitors, cpu_eval, text
 from ..fold import unfold_model
 from ..residual_rotation import TiedEmbedding
 from .. import record
@@ -42,6 +46,9 @@ from ..bench.env import environment
 from ..bench.harness import summarize
 
 AFFINE_GROUPS = (32, 64, 128)
+COMPETITORS = ("mlx-gptq", "mlx-awq", "mlx-dynamic", "mxfp4", "nvfp4")
+COSTLY = ("mlx-awq", "mlx-dynamic")  # run when asked for (--arms): their CPU cost (docs/quality.md)
+TEXTS = ("devil", "jargon")  # evaluation texts (vqpipe/text.py); the first is the records' top level
 PROMPTS = (
     "What is the capital of France?",
     "Explain in one sentence why the sky is blue.",
@@ -142,6 +149,60 @@ def vqpipe_arm(path, bits, rotation, seed, quantized=None):
     err = sum(r["squared_error"] for r in records) / sum(r["weight_sq"] for r in records)
     bpw = bits_per_weight(model)  # before the cast: float16 group scales count 16 bits, as stored
     return _fp32(model), err, bpw
+
+
+def competitor_arm(path, method, bits, calib, embeddings=False, target_bpw=None):
+    """(model, weight rel. MSE or None, bpw, the method's settings) of one of :data:`COMPETITORS`
+    at ``bits``; ``calib()`` gives the calibration tokens, called only by the calibrated methods.
+    :class:`SkippedArm` where the tool refuses the width or model.
+
+    The tools run in float32 (MLX's CPU bfloat16 matmul is ~20x slower than OpenBLAS's float32:
+    mlx-lm on a bf16 source would compute in bf16), then everything is cast back to the source's
+    dtype, so scales, biases and dense parameters are counted and evaluated as mlx-lm stores them."""
+    from mlx_lm.utils import dequantize_model, load_model
+
+    try:
+        competitors.check(method, bits)
+    except competitors.Refused as e:
+        raise SkippedArm(str(e)) from None
+    model, config = load_model(Path(path), lazy=True)
+    model = dequantize_model(model)
+    mx.eval(model.parameters())
+    dtype = next(m.weight.dtype for _, m in model.named_modules() if isinstance(m, nn.Linear))
+    weights = {n: m.weight for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+    _fp32(model)
+    try:
+        if method == "mlx-gptq":
+            info = competitors.gptq(model, calib, bits)
+        elif method == "mlx-awq":
+            info = competitors.awq(model, calib, bits, config["model_type"])
+        elif method == "mlx-dynamic":
+            info = competitors.dynamic(model, calib(), bits, target_bpw, dtype=dtype)
+        else:
+            info = competitors.fp4(model, method, bits, embeddings)
+    except competitors.Refused as e:
+        raise SkippedArm(str(e)) from None
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    info["embedding"] = competitors.embedding_format(model)
+    bpw = bits_per_weight(model)  # before the cast: scales/biases as stored
+    bpw["bpw_mlx_lm"] = competitors.mlx_lm_bpw(model)
+    err = tot = 0.0
+    w_hats = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            w_hats[name] = dequantized(m)
+            w = weights[name].astype(mx.float32)
+            err += mx.sum(mx.square(w_hats[name] - w)).item()
+            tot += mx.sum(mx.square(w)).item()
+    # AWQ moves per-channel scales into the previous layer: its weights are not the source's
+    return dense_copy(_fp32(model), w_hats), (None if method == "mlx-awq" else err / tot), bpw, info
+
+
+def dequantized(m):
+    """The float32 weight of an MLX quantized layer (any mode: affine, mxfp4, nvfp4)."""
+    return mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits,
+                         mode=getattr(m, "mode", "affine")).astype(mx.float32)
 
 
 # --- bits per weight ----------------------------------------------------------------------------
@@ -274,7 +335,7 @@ def dense_copy(model, weights=None):
         elif hasattr(m, "dequantized_weight"):
             w = m.dequantized_weight(mx.float32)
         elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits).astype(mx.float32)
+            w = dequantized(m)
         else:
             continue
         if hasattr(m, "as_linear"):  # an embedding table (a tied head calls its as_linear)
@@ -322,50 +383,111 @@ def source_record(path, source, nlls, index, length):
 
 
 def check_arms(arms, affine_groups):
-    """[(method, group or None)] of the arm names ``arms`` (default: every arm), in record order."""
-    every = [("vqpipe", None), ("unrotated", None)] + [(f"affine-g{g}", g) for g in affine_groups]
+    """[(method, group or None)] of the arm names ``arms`` (default: every arm but :data:`COSTLY`),
+    in record order."""
+    every = [("vqpipe", None), ("unrotated", None)] + [(f"affine-g{g}", g) for g in affine_groups] + \
+        [(m, None) for m in COMPETITORS]
     unknown = sorted(set(arms or ()) - {m for m, _ in every})
     if unknown:
         raise ValueError(f"unknown arms {unknown}; choose from {', '.join(m for m, _ in every)}")
-    return [(m, g) for m, g in every if not arms or m in arms]
+    return [(m, g) for m, g in every if (m in arms if arms else m not in COSTLY)]
 
 
 def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", quantized=None,
             affine_groups=AFFINE_GROUPS, prompts=PROMPTS, gen_tokens=32, progress=print, arms=None,
-            shard=(0, 1)):
+            shard=(0, 1), texts=TEXTS, options=None):
     """(records, source record, generations). ``quantized``: {(bits, rotation): artifact dir}.
 
     ``arms``: the arm names to run (default all), to split one measurement over processes.
     ``shard`` (i, n): only the i-th of n slices of the windows (:func:`merge_shards` joins them;
     generations are shard 0's). Every record keeps its per-window values in ``per_window``.
+    ``texts``: the evaluation texts; the first is the records' top level, every one is in ``texts``.
+    ``options``: the competitor arms' settings (:func:`arm_options`).
     """
     arms = check_arms(arms, affine_groups)
+    texts = check_texts(texts)
     source, tok = load_source(path)
     index = shard_windows(n_windows, shard)
-    windows = [text.eval_windows(tok, n_windows, length)[i] for i in index]
     prompts = prompts if shard[0] == 0 else ()
     tmp = tempfile.TemporaryDirectory(prefix="vqpipe-quality-")
-    refs, src_nll = source_references(source, windows, tmp.name)
-    src = source_record(path, source, src_nll, index, length)
-    progress(f"source perplexity {src['ppl']['median']:.2f} (median of {len(windows)} windows x {length})")
+    evals, per_text = {}, {}
+    for corpus in texts:
+        windows = [text.eval_windows(tok, n_windows, length, corpus=corpus)[i] for i in index]
+        Path(tmp.name, corpus).mkdir()
+        refs, nlls = source_references(source, windows, f"{tmp.name}/{corpus}")
+        evals[corpus] = (refs, windows)
+        per_text[corpus] = source_record(path, source, nlls, index, length)
+    src = with_texts(per_text, texts)
+    progress(f"source perplexity {src['ppl']['median']:.2f} (median of {n_windows} windows x {length})")
     gens = {"prompts": list(prompts), "max_tokens": gen_tokens, "arms": []}
     if prompts:
         gens["arms"].append({"arm": "source", "texts": generations(source, tok, prompts, gen_tokens)})
     del source
-    records, texts = measure_arms(path, lambda: (tok, refs, windows), bits_list, arms, index, quantized or {},
-                                  rotation, seed, prompts, gen_tokens, progress=progress)
-    gens["arms"] += texts
+    records, outs = measure_arms(path, lambda: (tok, evals), bits_list, arms, index, quantized or {},
+                                 rotation, seed, prompts, gen_tokens, progress=progress, options=options)
+    gens["arms"] += outs
     tmp.cleanup()
     return records, src, gens
 
 
+def check_texts(texts):
+    texts = list(texts or TEXTS)
+    unknown = sorted(set(texts) - set(text.CORPORA))
+    if unknown or len(set(texts)) != len(texts):
+        raise ValueError(f"texts {texts}: choose distinct ones of {', '.join(text.CORPORA)}")
+    return texts
+
+
+def with_texts(per_text, texts):
+    """One record from per-text records: the first text's at the top level (what the report and
+    earlier artifacts read), and every text's metrics under ``texts``."""
+    first = per_text[texts[0]]
+    keep = ("kl", "kl_mean", "top1", "top1_mean", "ppl", "ppl_mean", "nll_mean", "per_window", "tokens")
+    return {**first, "texts": {c: {k: r[k] for k in keep if k in r} for c, r in per_text.items()}}
+
+
+def arm_options(calib_windows=64, calib_length=512, calib_seed=0, gptq_windows=None, awq_windows=None,
+                dynamic_windows=None, dynamic_bpw=None):
+    """The competitor arms' settings. Calibration: ``calib_windows`` x ``calib_length`` tokens of the
+    calibration text at ``calib_seed`` (what the calibrate stage gives vqpipe); ``gptq_windows``,
+    ``awq_windows``, ``dynamic_windows``: fewer of those windows, spread evenly over them, for a
+    method (their cost on a CPU). ``dynamic_bpw``: dynamic_quant's budget (default: the vqpipe
+    artifact's bits per weight over every matrix at that width)."""
+    given = {"calib_windows": calib_windows, "gptq_windows": gptq_windows, "awq_windows": awq_windows,
+             "dynamic_windows": dynamic_windows}
+    for k, v in given.items():
+        if v is not None and v < 1:
+            raise ValueError(f"{k} must be at least 1, got {v}")
+    return {**given, "calib_length": calib_length, "calib_seed": calib_seed, "dynamic_bpw": dynamic_bpw}
+
+
+def calibration(tok, options, n=None):
+    """The mlx-lm arms' calibration tokens: the calibrate stage's draw (``options``' calib_windows x
+    calib_length at calib_seed); ``n`` fewer: rows spread evenly over that draw (over the book)."""
+    t = text.calibration_tokens(tok, options["calib_windows"], options["calib_length"], options["calib_seed"])
+    if n is None or n >= len(t):
+        return t
+    return t[mx.array(np.linspace(0, len(t) - 1, n).round().astype(np.int32))]
+
+
 def measure_arms(path, data, bits_list, arms, index, quantized, rotation, seed, prompts, gen_tokens,
-                 embeddings=None, progress=print):
+                 embeddings=None, progress=print, options=None):
     """(records, generation arms) of ``arms`` [(method, group)] at each of ``bits_list``; ``data()``
-    gives (tokenizer, source references, windows), called once, when the first arm is measured (a
-    job of skipped arms reads none of it). ``embeddings``: whether the affine arms quantize the
-    embedding (default: as the vqpipe artifact of that width does)."""
+    gives (tokenizer, {text: (source references, windows)}), called once, when the first arm is
+    measured (a job of skipped arms reads none of it). ``embeddings``: whether the affine and fp4
+    arms quantize the embedding (default: as the vqpipe artifact of that width does); the mlx-lm
+    methods treat it as the tool does and record how."""
+    options = options or arm_options()
     records, texts, loaded = [], [], []
+
+    def tokenizer():
+        if not loaded:
+            loaded.extend(data())
+        return loaded[0]
+
+    def calib(n):
+        return lambda: calibration(tokenizer(), options, n)
+
     for bits in bits_list:
         emb = artifact_embeddings(quantized.get((bits, rotation)))
         if embeddings is not None and (bits, rotation) in quantized and embeddings != emb:
@@ -374,37 +496,52 @@ def measure_arms(path, data, bits_list, arms, index, quantized, rotation, seed, 
         emb = emb if embeddings is None else embeddings
         for method, group in arms:
             t0 = time.perf_counter()
-            if group is None:
-                rot = rotation if method == "vqpipe" else "none"
-                model, werr, bpw = vqpipe_arm(path, bits, rot, seed, quantized.get((bits, rot)))
-            else:
-                try:
+            info = None
+            try:
+                if method in COMPETITORS:
+                    n = options.get(f"{method.removeprefix('mlx-')}_windows") or options["calib_windows"]
+                    target = dynamic_budget(options["dynamic_bpw"], quantized.get((bits, rotation)), bits) \
+                        if method == "mlx-dynamic" else None
+                    model, werr, bpw, info = competitor_arm(path, method, bits, calib(n), emb, target)
+                elif group is None:
+                    rot = rotation if method == "vqpipe" else "none"
+                    model, werr, bpw = vqpipe_arm(path, bits, rot, seed, quantized.get((bits, rot)))
+                else:
                     # the embedding as the vqpipe artifact has it: both quantized, or both dense
                     model, werr, bpw = affine_arm(path, bits, group, emb, dense=True)
-                except SkippedArm as e:
-                    records.append({"bits": bits, "method": method, "group_size": group, "skipped": str(e)})
-                    progress(f"{bits}-bit {method}: skipped ({e})")
-                    continue
+            except SkippedArm as e:
+                rec = {"bits": bits, "method": method, "skipped": str(e)}
+                records.append({**rec, "group_size": group} if group else rec)
+                progress(f"{bits}-bit {method}: skipped ({e})")
+                continue
+            build_s = time.perf_counter() - t0
             # and the plain mlx-lm modules again: fold.py's sign-folding wrappers (a loaded vqpipe
             # model's norms and MLPs) fall back to the plain forward once their layers are swapped,
             # but check their children on every call and run the MLP's SwiGLU outside cpu_eval's
             # numpy patch: 0.45 CPU-s more per SmolLM2 window than the affine arms
             unfold_model(dense_copy(model))
-            if not loaded:
-                loaded.extend(data())
-            tok, refs, windows = loaded
-            length = len(windows[0]) if windows else 0
-            lp, per = None, []
-            for r, w in zip(refs, windows):
-                lp = window_logprobs(model, w, out=lp)  # one buffer for every window
-                per.append(window_metrics(r, lp, w))
-            kls, top1s, nlls = zip(*per)
-            rec = {"bits": bits, "method": method, "weight_rel_mse": werr,
-                   "kl": summarize(kls), "kl_mean": sum(kls) / len(kls),
-                   "top1": summarize(top1s), "top1_mean": sum(top1s) / len(top1s),
-                   **ppl_record(nlls), "bpw": bpw, "tokens": len(windows) * length,
-                   "per_window": {"index": index, "kl": list(kls), "top1": list(top1s), "nll": list(nlls)}}
-            if group is None:
+            tok = tokenizer()
+            evals = loaded[1]
+            per_text = {}
+            for corpus, (refs, windows) in evals.items():
+                lp, per = None, []
+                for r, w in zip(refs, windows):
+                    lp = window_logprobs(model, w, out=lp)  # one buffer for every window
+                    per.append(window_metrics(r, lp, w))
+                kls, top1s, nlls = zip(*per)
+                per_text[corpus] = {"kl": summarize(kls), "kl_mean": sum(kls) / len(kls),
+                                    "top1": summarize(top1s), "top1_mean": sum(top1s) / len(top1s),
+                                    **ppl_record(nlls), "tokens": len(windows) * len(windows[0]),
+                                    "per_window": {"index": index, "kl": list(kls), "top1": list(top1s),
+                                                   "nll": list(nlls)}}
+            rec = {"bits": bits, "method": method, "weight_rel_mse": werr, "bpw": bpw,
+                   **with_texts(per_text, list(evals))}
+            if method in COMPETITORS:
+                rec["settings"] = info
+                rec["build_seconds"] = build_s
+                if method in competitors.FP4:
+                    rec["embeddings"] = emb
+            elif group is None:
                 rec["rotation"] = rot
                 rec["artifact"] = str(quantized[(bits, rot)]) if (bits, rot) in quantized else None
                 rec["embeddings"] = artifact_embeddings(quantized.get((bits, rot)))
@@ -414,37 +551,63 @@ def measure_arms(path, data, bits_list, arms, index, quantized, rotation, seed, 
             records.append(rec)
             if prompts:
                 texts.append({"arm": f"{bits}-bit {method}", "texts": generations(model, tok, prompts, gen_tokens)})
-            progress(f"{bits}-bit {method:11s} bpw {bpw['bpw']:.3f}  ppl {rec['ppl']['median']:.2f}  "
-                     f"KL {rec['kl']['median']:.4f}  top-1 {rec['top1']['median']:.3f}  "
-                     f"weight rel MSE {werr:.5f}  [{time.perf_counter() - t0:.1f}s]")
+            progress(f"{bits}-bit {method:11s} bpw {bpw['bpw']:.3f} (matrices {bpw['bpw_matrices']:.3f})  "
+                     f"ppl {rec['ppl']['median']:.2f}  KL {rec['kl']['median']:.4f}  top-1 {rec['top1']['median']:.3f}  "
+                     + "  ".join(f"{c}: KL {r['kl']['median']:.4f} ppl {r['ppl']['median']:.2f}"
+                                 for c, r in list(rec["texts"].items())[1:])
+                     + f"  [build {build_s:.1f}s, all {time.perf_counter() - t0:.1f}s]")
             del model
     return records, texts
+
+
+def dynamic_budget(dynamic_bpw, artifact, bits):
+    """mlx-dynamic's bits-per-weight budget: ``dynamic_bpw`` if given, else what the vqpipe artifact
+    of this width stores over every weight matrix."""
+    if dynamic_bpw is not None:
+        return dynamic_bpw
+    if artifact is None:
+        raise ValueError(f"mlx-dynamic at {bits} bits needs a budget: the vqpipe artifact of that width "
+                         "(--quantized) or --dynamic-bpw")
+    model, _ = load_quantized(artifact)
+    return bits_per_weight(model)["bpw_matrices"]
 
 
 # --- the source's side in its own job: one reference, every arm job reads it -------------------
 # The pipeline runs the source once (--reference-out) and each arm in a job of its own
 # (--reference): arms that need no quantize artifact (affine) start before quantization ends.
 
-def write_reference(path, out, n_windows, length, prompts=PROMPTS, gen_tokens=32, progress=print):
-    """A directory with the source's side of every window (probabilities ref{i}.npy, float32,
-    memory-mapped by the arm jobs; per-position entropy and argmax; the window tokens) and
-    reference.json (the source record, its generations, the text and settings)."""
+def write_reference(path, out, n_windows, length, prompts=PROMPTS, gen_tokens=32, progress=print, texts=TEXTS):
+    """A directory with the source's side of every window of every text, in a folder per text
+    (probabilities ref{i}.npy, float32, memory-mapped by the arm jobs; per-position entropy and
+    argmax; the window tokens) and reference.json (the source record, its generations, the texts
+    and settings)."""
+    texts = check_texts(texts)
     source, tok = load_source(path)
-    windows = text.eval_windows(tok, n_windows, length)
     with atomic_dir(out) as tmp:
-        refs, nlls = source_references(source, windows, tmp)
-        src = source_record(path, source, nlls, list(range(n_windows)), length)
+        per_text = {}
+        for corpus in texts:
+            windows = text.eval_windows(tok, n_windows, length, corpus=corpus)
+            d = tmp / corpus
+            d.mkdir()
+            refs, nlls = source_references(source, windows, d)
+            per_text[corpus] = source_record(path, source, nlls, list(range(n_windows)), length)
+            np.save(d / "tokens.npy", np.stack([np.asarray(w) for w in windows]))
+            np.save(d / "negent.npy", np.stack([r[1] for r in refs]))
+            np.save(d / "argmax.npy", np.stack([r[2] for r in refs]))
+        src = with_texts(per_text, texts)
         progress(f"source perplexity {src['ppl']['median']:.2f} (median of {n_windows} windows x {length})")
         gens = {"prompts": list(prompts), "max_tokens": gen_tokens,
                 "arms": [{"arm": "source", "texts": generations(source, tok, prompts, gen_tokens)}] if prompts else []}
-        np.save(tmp / "tokens.npy", np.stack([np.asarray(w) for w in windows]))
-        np.save(tmp / "negent.npy", np.stack([r[1] for r in refs]))
-        np.save(tmp / "argmax.npy", np.stack([r[2] for r in refs]))
-        write_json(tmp / "reference.json", {"windows": n_windows, "length": length, "text": text.provenance(),
+        write_json(tmp / "reference.json", {"windows": n_windows, "length": length, **provenances(texts),
                                             "source": src, "generations": gens})
 
 
-def reference_doc(refdir, n_windows, length):
+def provenances(texts):
+    """The artifact's ``text`` (the first text's provenance, the records' top level) and ``texts``."""
+    return {"text": text.provenance(texts[0]), "texts": {c: text.provenance(c) for c in texts}}
+
+
+def reference_doc(refdir, n_windows, length, texts=None):
     """reference.json of a --reference-out directory, checked against the settings of this run."""
     refdir = Path(refdir)
     if not (refdir / "reference.json").is_file():
@@ -452,39 +615,44 @@ def reference_doc(refdir, n_windows, length):
     doc = json.loads((refdir / "reference.json").read_text())
     if (doc["windows"], doc["length"]) != (n_windows, length):
         raise ValueError(f"{refdir} holds {doc['windows']} windows x {doc['length']} tokens, not {n_windows} x {length}")
+    if texts is not None and list(doc.get("texts") or {}) != check_texts(texts):
+        raise ValueError(f"{refdir} holds the texts {list(doc.get('texts') or {})}, not {check_texts(texts)}")
     return doc
 
 
 def read_reference(refdir, tok, n_windows, length):
-    """(reference.json, refs as :func:`reference` returns them, windows) of a --reference-out
-    directory, checked against the windows this run would evaluate."""
+    """(reference.json, {text: (refs as :func:`reference` returns them, windows)}) of a
+    --reference-out directory, checked against the windows this run would evaluate."""
     refdir = Path(refdir)
     doc = reference_doc(refdir, n_windows, length)
-    windows = text.eval_windows(tok, n_windows, length)
-    if not np.array_equal(np.load(refdir / "tokens.npy"), np.stack([np.asarray(w) for w in windows])):
-        raise ValueError(f"{refdir}: its windows are not this source's (another tokenizer or text)")
-    negent, argmax = np.load(refdir / "negent.npy"), np.load(refdir / "argmax.npy")
-    refs = [(str(refdir / f"ref{i}.npy"), negent[i], argmax[i]) for i in range(n_windows)]
-    return doc, refs, windows
+    evals = {}
+    for corpus in doc["texts"]:
+        d = refdir / corpus
+        windows = text.eval_windows(tok, n_windows, length, corpus=corpus)
+        if not np.array_equal(np.load(d / "tokens.npy"), np.stack([np.asarray(w) for w in windows])):
+            raise ValueError(f"{refdir}: its {corpus} windows are not this source's (another tokenizer or text)")
+        negent, argmax = np.load(d / "negent.npy"), np.load(d / "argmax.npy")
+        evals[corpus] = ([(str(d / f"ref{i}.npy"), negent[i], argmax[i]) for i in range(n_windows)], windows)
+    return doc, evals
 
 
 def arm_part(path, refdir, bits_list, n_windows=20, length=512, seed=0, rotation="auto", quantized=None,
-             affine_groups=AFFINE_GROUPS, arms=None, embeddings=None, progress=print):
-    """(records, source record, generations, text provenance) of ``arms`` against the reference in
-    ``refdir``; the prompts are the reference's. :func:`merge_parts` joins the parts."""
+             affine_groups=AFFINE_GROUPS, arms=None, embeddings=None, progress=print, texts=None, options=None):
+    """(records, source record, generations, text provenances) of ``arms`` against the reference in
+    ``refdir``; the prompts and texts are the reference's. :func:`merge_parts` joins the parts."""
     from mlx_lm.utils import load_tokenizer
 
     arms = check_arms(arms, affine_groups)
-    doc = reference_doc(refdir, n_windows, length)
+    doc = reference_doc(refdir, n_windows, length, texts)
 
     def data():
         tok = load_tokenizer(Path(path))
-        return (tok, *read_reference(refdir, tok, n_windows, length)[1:])
+        return (tok, read_reference(refdir, tok, n_windows, length)[1])
 
     gens = doc["generations"]
-    records, texts = measure_arms(path, data, bits_list, arms, list(range(n_windows)), quantized or {}, rotation,
-                                  seed, gens["prompts"], gens["max_tokens"], embeddings, progress)
-    return records, doc["source"], {**gens, "arms": gens["arms"] + texts}, doc["text"]
+    records, outs = measure_arms(path, data, bits_list, arms, list(range(n_windows)), quantized or {}, rotation,
+                                 seed, gens["prompts"], gens["max_tokens"], embeddings, progress, options)
+    return records, doc["source"], {**gens, "arms": gens["arms"] + outs}, {k: doc[k] for k in ("text", "texts")}
 
 
 # --- the synthetic presets' own checks (tests/test_download.py) ---------------------------------
@@ -570,8 +738,8 @@ def merge_shards(docs):
     n = docs[0]["shard"][1]
     if [d["shard"] for d in docs] != [[i, n] for i in range(n)]:
         raise ValueError(f"shards {[d['shard'] for d in docs]} are not 0..{n - 1} of {n}")
-    for key in ("model", "windows", "length", "text"):
-        if any(d[key] != docs[0][key] for d in docs):
+    for key in ("model", "windows", "length", "text", "texts"):
+        if any(d.get(key) != docs[0].get(key) for d in docs):
             raise ValueError(f"shards disagree on {key!r}")
     if any(len(d["records"]) != len(docs[0]["records"]) for d in docs):
         raise ValueError("shards have different arms")
@@ -583,6 +751,8 @@ def merge_shards(docs):
         for k in ("kl", "top1"):
             if k in per:
                 out[k], out[f"{k}_mean"] = summarize(per[k]), sum(per[k]) / len(per[k])
+        if "texts" in recs[0]:
+            out["texts"] = {c: joined([r["texts"][c] for r in recs]) for c in recs[0]["texts"]}
         return out
 
     records = []
@@ -600,8 +770,8 @@ def merge_parts(docs):
     records and generations concatenated after the one source record they share."""
     first = docs[0]
     for d in docs[1:]:
-        for key in ("model", "windows", "length", "text", "source"):
-            if json.dumps(d[key], sort_keys=True) != json.dumps(first[key], sort_keys=True):
+        for key in ("model", "windows", "length", "text", "texts", "source"):
+            if json.dumps(d.get(key), sort_keys=True) != json.dumps(first.get(key), sort_keys=True):
                 raise ValueError(f"parts disagree on {key!r} (not made from one reference)")
         if {k: v for k, v in d["generations"].items() if k != "arms"} != \
                 {k: v for k, v in first["generations"].items() if k != "arms"}:
@@ -651,7 +821,7 @@ def artifacts(dirs):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vqpipe bench-quality", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="vqpipe bench-quality", description=__doc__.split("\n")[0])
     p.add_argument("--source", help="source model directory")
     p.add_argument("--model", default=None, help="model name recorded in the output")
     p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
@@ -659,7 +829,8 @@ def main(argv=None):
                    help="quantize-stage artifacts to measure (else the vqpipe arms are quantized here)")
     p.add_argument("--rotation", default="auto", help="rotation of the vqpipe arm (default auto)")
     p.add_argument("--affine-groups", type=int, nargs="+", default=list(AFFINE_GROUPS))
-    p.add_argument("--arms", nargs="+", default=None, help="run only these arms (default: all)")
+    p.add_argument("--arms", nargs="+", default=None,
+                   help=f"run only these arms (default: all but {' and '.join(COSTLY)}, which cost more on a CPU)")
     p.add_argument("--windows", type=int, default=20, help="distinct evaluation windows (>= 20)")
     p.add_argument("--length", type=int, default=512, help="tokens per window")
     p.add_argument("--gen-prompts", type=int, default=len(PROMPTS), help=f"fixed chat prompts generated (0-{len(PROMPTS)})")
@@ -680,6 +851,20 @@ def main(argv=None):
     p.add_argument("--embeddings", action=argparse.BooleanOptionalAction, default=None,
                    help="whether the affine arms quantize the embedding table (default: as the vqpipe "
                    "artifact of their width does; dense without one)")
+    p.add_argument("--texts", nargs="+", default=list(TEXTS), choices=list(text.CORPORA),
+                   help="evaluation texts (vqpipe/text.py); the first is the records' top level")
+    p.add_argument("--calib-windows", type=int, default=64,
+                   help="calibration windows of the mlx-lm methods (the calibrate stage's, by default)")
+    p.add_argument("--calib-length", type=int, default=512, help="tokens per calibration window")
+    p.add_argument("--calib-seed", type=int, default=0)
+    p.add_argument("--gptq-windows", type=int, default=None,
+                   help="calibration windows for mlx-gptq, spread over --calib-windows (default all)")
+    p.add_argument("--awq-windows", type=int, default=None,
+                   help="calibration windows for mlx-awq, spread over --calib-windows (default all)")
+    p.add_argument("--dynamic-windows", type=int, default=None,
+                   help="calibration windows for mlx-dynamic's sensitivities, spread over --calib-windows (default all)")
+    p.add_argument("--dynamic-bpw", type=float, default=None,
+                   help="mlx-dynamic's budget (default: the vqpipe artifact's bits per weight over every matrix)")
     p.add_argument("--out", default=None, help="output JSON (required unless --reference-out)")
     args = p.parse_args(argv)
     try:
@@ -693,22 +878,26 @@ def main(argv=None):
             raise ValueError("--source is required (unless --merge)")
         prompts = PROMPTS[: max(0, args.gen_prompts)]
         if args.reference_out:
-            write_reference(args.source, args.reference_out, args.windows, args.length, prompts, args.gen_tokens)
+            write_reference(args.source, args.reference_out, args.windows, args.length, prompts, args.gen_tokens,
+                            texts=args.texts)
             return 0
+        options = arm_options(args.calib_windows, args.calib_length, args.calib_seed, args.gptq_windows,
+                              args.awq_windows, args.dynamic_windows, args.dynamic_bpw)
         shard = parse_shard(args.shard)
         if args.reference:
             if args.shard:
                 raise ValueError("--shard and --reference: a reference covers every window; choose one")
             records, src, gens, provenance = arm_part(
                 args.source, args.reference, args.bits, args.windows, args.length, args.seed, args.rotation,
-                artifacts(args.quantized), args.affine_groups, args.arms, args.embeddings)
+                artifacts(args.quantized), args.affine_groups, args.arms, args.embeddings, texts=args.texts,
+                options=options)
         else:
             records, src, gens = quality(args.source, args.bits, args.windows, args.length, args.seed, args.rotation,
                                          artifacts(args.quantized), args.affine_groups, prompts, args.gen_tokens,
-                                         arms=args.arms, shard=shard)
-            provenance = text.provenance()
+                                         arms=args.arms, shard=shard, texts=args.texts, options=options)
+            provenance = provenances(check_texts(args.texts))
         result = {"kind": "bench-quality", "model": args.model or Path(args.source).name,
-                  "environment": environment(), "text": provenance,
+                  "environment": environment(), **provenance,
                   "windows": args.windows, "length": args.length,
                   "source": src, "records": records, "generations": gens}
         if args.shard:

@@ -126,7 +126,7 @@ def run(source, out, windows=16, length=512, seed=0, progress=print, residual=No
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vqpipe calibrate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="vqpipe calibrate", description=__doc__.split("\n")[0])
     p.add_argument("--source", required=True, help="source model directory (download stage output)")
     p.add_argument("--out", required=True, help="output artifact directory")
     p.add_argument("--calib-windows", type=int, default=16, help="calibration windows")

@@ -284,7 +284,7 @@ def main(argv=None):
     from ..synth import PRESETS
 
     parser = argparse.ArgumentParser(
-        prog="python -m vqpipe download",
+        prog="vqpipe download",
         description="Fetch a model into a Hugging Face layout directory.",
     )
     parser.add_argument(

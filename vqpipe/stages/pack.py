@@ -79,7 +79,7 @@ def run(quantized, out, persist_rotation, progress=print):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vqpipe pack", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="vqpipe pack", description=__doc__.split("\n")[0])
     p.add_argument("--quantized", required=True, help="quantize-stage artifact directory")
     p.add_argument("--out", required=True, help="output reservoir directory")
     p.add_argument("--persist-rotation", required=True, metavar="on|off",

@@ -85,7 +85,7 @@ def reference_logits(model, tokenizer):
     has used them: one block's (and the head's) are alive at a time, not the whole model's.
     Each prompt runs the same operations on the same values as a forward of its own: the same
     bytes. (qwen2.5-0.5b, on its own: the whole model's 2 GB of decoded float32 weights were held
-    and faulted in; peak RSS 3.18 -> 1.19 GB, 13.8 -> 4.4 s; docs/quantize.md, "Fifth pass".)"""
+    and faulted in; peak RSS 3.18 -> 1.19 GB, 13.8 -> 4.4 s; docs/results/2026-12-05-logs/quantize.md, "Fifth pass".)"""
     from ..dequant import decoded_once
 
     tokens = reference_tokens(tokenizer)
@@ -248,7 +248,7 @@ def _quantize(source, bits, rotation, seed, embeddings, lm_head, dtype, progress
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vqpipe quantize", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="vqpipe quantize", description=__doc__.split("\n")[0])
     p.add_argument("--source", required=True, help="source model directory (download stage output)")
     p.add_argument("--out", required=True, help="output artifact directory")
     p.add_argument("--bits", type=int, default=4, help=f"bits per weight, one of {BITS}")

@@ -1,7 +1,7 @@
 """Report stage: artifact records -> ``index.html`` (self-contained), ``report.md``, ``summary.json``,
 ``plots/*.png`` and ``tables/*.html``.
 
-``python -m vqpipe report --inputs FILE_OR_DIR ... --out results/report``. Every input is a record
+``vqpipe report --inputs FILE_OR_DIR ... --out results/report``. Every input is a record
 (vqpipe/record.py) checked against workflow/schemas/record.schema.json; a malformed one stops the
 report with the file and the field named. The work is split in three: vqpipe/summary.py (records ->
 figures, no MLX), vqpipe/plots.py (figures -> PNG) and vqpipe/render.py (figures -> pages, through
@@ -40,7 +40,7 @@ def make_report(inputs, out_dir):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vqpipe report", description="Aggregate artifacts into the report.")
+    p = argparse.ArgumentParser(prog="vqpipe report", description="Aggregate artifacts into the report.")
     p.add_argument("--inputs", nargs="+", required=True, help="JSON artifacts or directories holding them")
     p.add_argument("--out", default="results/report", help="output directory (default: results/report)")
     args = p.parse_args(argv)

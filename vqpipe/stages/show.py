@@ -1,4 +1,4 @@
-"""``python -m vqpipe inspect FILE``: a human summary of a reservoir, with its checksums verified.
+"""``vqpipe inspect FILE``: a human summary of a reservoir, with its checksums verified.
 
 Exit status: 0 when the file is valid and every blob checksum matches, 1 otherwise.
 """
@@ -109,7 +109,7 @@ def render(header, s, show_layers=False):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vqpipe inspect", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="vqpipe inspect", description=__doc__.split("\n")[0])
     p.add_argument("file", help="a model.vqres file, or a reservoir directory holding one")
     p.add_argument("--layers", action="store_true", help="also list every quantized layer")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip hashing the blobs")

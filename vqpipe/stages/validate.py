@@ -148,7 +148,7 @@ def main(argv=None):
     from .. import record
 
     p = argparse.ArgumentParser(
-        prog="python -m vqpipe validate", description=__doc__.split("\n")[0],
+        prog="vqpipe validate", description=__doc__.split("\n")[0],
         epilog="exit status: 0 bit-exact, 1 not bit-exact, 2 usage error, 3 refused (different setup)",
     )
     p.add_argument("--reservoir", required=True, help="reservoir directory (pack stage output)")

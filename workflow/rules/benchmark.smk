@@ -16,6 +16,7 @@ rule bench_quality_reference:
         length=config["benchmarks"]["quality"]["length"],
         gen_prompts=config["benchmarks"]["quality"]["gen_prompts"],
         gen_tokens=config["benchmarks"]["quality"]["gen_tokens"],
+        texts=" ".join(config["benchmarks"]["quality"]["texts"]),
         blas=BLAS,
     log:
         "logs/bench/{model}/quality.reference.log",
@@ -27,7 +28,8 @@ rule bench_quality_reference:
     shell:
         vqpipe_cmd(
             "bench-quality --source {input.source:q} --windows {params.windows} --length {params.length}"
-            " --gen-prompts {params.gen_prompts} --gen-tokens {params.gen_tokens} --reference-out {output:q}"
+            " --gen-prompts {params.gen_prompts} --gen-tokens {params.gen_tokens} --texts {params.texts}"
+            " --reference-out {output:q}"
         )
 
 
@@ -52,6 +54,8 @@ rule bench_quality_arm:
         groups=config["benchmarks"]["quality"]["affine_groups"],
         # the affine arms quantize the embedding where the vqpipe artifacts do (checked at the merge)
         embeddings=lambda w: "--embeddings" if quantize_option(w.model, "embeddings") else "--no-embeddings",
+        calib=quality_calib_flags,
+        texts=" ".join(config["benchmarks"]["quality"]["texts"]),
         blas=BLAS,
     log:
         "logs/bench/{model}/quality.b{bits}-{arm}.log",
@@ -65,7 +69,8 @@ rule bench_quality_arm:
             "bench-quality --source {input.source:q} --reference {input.reference:q} --model {params.model}"
             " --bits {wildcards.bits} --arms {wildcards.arm} --rotation {params.rotation}"
             " --affine-groups {params.groups} --windows {params.windows} --length {params.length}"
-            " --seed {params.seed} --quantized {input.quantized:q} {params.embeddings} --out {output:q}"
+            " --seed {params.seed} --quantized {input.quantized:q} {params.embeddings} --texts {params.texts}"
+            " {params.calib} --out {output:q}"
         )
 
 

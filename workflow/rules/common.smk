@@ -57,7 +57,7 @@ wildcard_constraints:
     bits=r"\d+",
     rotation="auto|hadamard|kron|qr|none",
     persist="on|off",
-    arm=r"vqpipe|unrotated|affine-g\d+",
+    arm=r"vqpipe|unrotated|affine-g\d+|mlx-gptq|mlx-awq|mlx-dynamic|mxfp4|nvfp4",
 
 
 MODELS = list(config["models"])
@@ -68,7 +68,8 @@ PERSIST = ["on" if p else "off" for p in config["persist_rotation"]]
 QUALITY_ROTATION = config["benchmarks"]["quality"].get("rotation") or next(
     (r for r in ROTATIONS if r != "none"), "auto")
 # bench-quality's arms, one job each per bit width (records in this order).
-QUALITY_ARMS = ["vqpipe", "unrotated"] + [f"affine-g{g}" for g in config["benchmarks"]["quality"]["affine_groups"]]
+QUALITY_ARMS = ["vqpipe", "unrotated"] + [f"affine-g{g}" for g in config["benchmarks"]["quality"]["affine_groups"]] + \
+    list(config["benchmarks"]["quality"]["competitors"])
 
 
 def fan_out(pattern):
@@ -100,8 +101,9 @@ def bench_outputs():
 
 
 def quality_artifact(wc):
-    """The quantize artifact a bench-quality arm measures: its rotation's, or none (affine)."""
-    rotation = {"vqpipe": QUALITY_ROTATION, "unrotated": "none"}.get(wc.arm)
+    """The quantize artifact a bench-quality arm measures: its rotation's, or none (affine); mlx-dynamic
+    reads the vqpipe artifact's bits per weight as its budget."""
+    rotation = {"vqpipe": QUALITY_ROTATION, "mlx-dynamic": QUALITY_ROTATION, "unrotated": "none"}.get(wc.arm)
     return [QUANTIZED.format(model=wc.model, bits=wc.bits, rotation=rotation)] if rotation else []
 
 
@@ -204,10 +206,18 @@ def priority(step=None):
     return of
 
 
+def quality_calib_flags(w):
+    """The mlx-lm arms' calibration: the calibrate stage's tokens for this model (windows, length,
+    seed), fewer where benchmarks.quality says (their cost on a CPU)."""
+    q, calib = config["benchmarks"]["quality"], {**config["quantize"]["calibration"], **quantize_option(w.model, "calibration")}
+    flags = f"--calib-windows {q['calib_windows'] or calib['windows']} --calib-length {calib['length']} --calib-seed {calib['seed']}"
+    return flags + "".join(f" --{k.replace('_', '-')} {q[k]}" for k in ("gptq_windows", "awq_windows", "dynamic_windows") if q[k])
+
+
 def quality_arm_priority(w):
     """bench-quality's vqpipe and unrotated arms are the end of a calibrated model's chain; its
     affine arms need only the source."""
-    if w.arm not in ("vqpipe", "unrotated"):
+    if w.arm not in ("vqpipe", "unrotated", "mlx-dynamic"):
         return PRIORITY["source_only"]
     return PRIORITY["chain"] - 2 if calibrated(w.model) else PRIORITY["rest"]
 
@@ -244,7 +254,7 @@ def quantize_flags(model, rotation):
         flags += f" --group-size {group}"
     rules = quantize_option(model, "layer_bits")
     if rules:
-        flags += " --layer-bits " + shlex.quote(json.dumps(rules, separators=(",", ":")))
+        flags += f" --layer-bits {shlex.quote(json.dumps(rules, separators=(',', ':')))}"
     if rotation != "none":  # bench-quality's unrotated arm: no rotation at all, none of the stream either
         flags += residual_flags(model)
     cal = quantize_option(model, "calibration")

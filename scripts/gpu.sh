@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# The GPU host's one entry point: kernel tests, decode and KIVI benchmarks, Nsight profiles and the
+# pipeline, each a part named on the command line, in the order given.
+#
+#   bash scripts/gpu.sh [--out DIR] [--repeats N] [--presets "P ..."] [--tar] PART ... [-- SNAKEMAKE ARGS]
+#
+#   tests     the GPU tests (pytest -m gpu over tests/), then the tests that run on the default
+#             device without the gpu mark (residual rotation, small arrays, step kernels)
+#   decode    decode side by side, split compiled step, P = 512: vqpipe 4-bit, its residual-rotated
+#             layout, bf16 and affine 4-bit, per preset (default qwen2.5-0.5b llama3-8b)
+#   qmv       the mat-vec kernels alone (experiments.bench_qmv, Llama-3-8B and Qwen shapes)
+#   kivi      the KIVI kernel tests, bench-kivi, and one KIVI-4 layer's latency at 8k and 32k
+#   ncu       Nsight Compute: the decode step kernel by kernel (experiments.step_kernels), then the
+#             mat-vec kernels' sections (needs ncu on the host)
+#   pipeline  the Snakefile with config/gpu.yaml (arguments after -- go to snakemake)
+#
+# The MLX CUDA runtime comes from the carried bundle (scripts/gpu_env.sh); PYTHON=... uses another
+# interpreter instead. Results go under DIR (default results/gpu), one folder per part, with env.txt;
+# --tar packs DIR into DIR.tgz (fewer files to carry back).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=results/gpu REPEATS=6 PRESETS="qwen2.5-0.5b llama3-8b" TAR=0 PARTS=() SNAKE=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --out) OUT=$2; shift 2 ;;
+    --repeats) REPEATS=$2; shift 2 ;;
+    --presets) PRESETS=$2; shift 2 ;;
+    --tar) TAR=1; shift ;;
+    --) shift; SNAKE=("$@"); break ;;
+    tests|decode|qmv|kivi|ncu|pipeline) PARTS+=("$1"); shift ;;
+    *) echo "gpu.sh: unknown argument $1 (parts: tests decode qmv kivi ncu pipeline)" >&2; exit 2 ;;
+  esac
+done
+[ ${#PARTS[@]} -gt 0 ] || { sed -n 2,20p "$0"; exit 2; }
+source scripts/gpu_env.sh
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+gpu_record_env "$OUT/env.txt"
+t0=$(date +%s)
+since() { echo "($(( $(date +%s) - t0 )) s)"; }
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+pt() {  # LOG LIMIT PYTEST-ARGS: a pytest step with a time limit and its own log; never stops the job
+  local log=$1 limit=$2
+  shift 2
+  timeout "$limit" $PY -m pytest -q -p no:cacheprovider -rfE "$@" 2>&1 | tee "$log" | tail -n 15
+}
+
+part_tests() {
+  echo "== GPU tests $(since)"
+  pt "$1/gpu.log" 600 -m gpu -n 8 --dist load tests/
+  echo "== tests on the default device $(since)"
+  pt "$1/device.log" 400 -n 8 --dist load tests/test_residual_rotation.py tests/test_small_arrays.py tests/test_step_kernels.py
+}
+
+part_decode() {
+  for p in $PRESETS; do
+    echo "== decode $p $(since)"
+    timeout 300 $PY -m experiments.decode_shapes --preset "$p" --out "$1/$p.json" --prompt-lengths 512 \
+      --gen-tokens 32 --repeats "$REPEATS" --bits 4 --residual-bits 4 --split-only --aa-arm vqpipe-b4+s \
+      --copy-mib 256 2>&1 | tee "$1/$p.log" | grep -E "^step|decode|floor|vs" | tail -n 30
+  done
+}
+
+part_qmv() {
+  echo "== qmv kernels $(since)"
+  timeout 300 $PY -m experiments.bench_qmv --modes independent chained --repeats 20 \
+    --shapes qwen-qkv qwen-q/o qwen-gateup qwen-down qwen-lm_head l3-qkv l3-o l3-gateup l3-down l3-lm_head \
+    --out "$1/bench-qmv.json" 2>&1 | tee "$1/bench-qmv.log" | tail -n 30
+}
+
+part_kivi() {
+  echo "== KIVI kernel tests $(since)"
+  MLX_PTX_CACHE_DIR=$(mktemp -d) pt "$1/kernels.log" 420 --maxfail=10 -m gpu tests/test_kivi_kernels.py tests/test_kivi_attention.py
+  echo "== bench-kivi $(since)"
+  timeout 300 $PY -m vqpipe bench-kivi --out "$1/kivi_ops.json" 2>&1 | tee "$1/bench-kivi.log" | tail -n 20
+  echo "== KIVI-4 layer latency $(since)"
+  timeout 200 $PY -m experiments.kivi_latency --out "$1/kivi_latency.json" --contexts 8192,32768 \
+    --repeats 15 --warmup 3 2>&1 | tee "$1/kivi_latency.log" | tail -n 30
+}
+
+part_ncu() {
+  [ -n "$NCU" ] || { echo "== no Nsight Compute on this host"; return 0; }
+  for arm in affine4+s vqpipe-b4+s bf16+s; do
+    local tag=qwen-${arm//+/_}
+    echo "== step kernels qwen2.5-0.5b $arm $(since)"
+    timeout 120 "$NCU" --profile-from-start off --clock-control none --cache-control none \
+      --metrics gpu__time_duration.sum --print-kernel-base function --csv --log-file "$1/k-$tag.csv" \
+      $PY -m experiments.step_kernels --preset qwen2.5-0.5b --arm "$arm" --steps 3 > "$1/k-$tag.log" 2>&1
+    $PY -m experiments.step_kernels --summarize "$1/k-$tag.csv" --steps 3 --out "$1/k-$tag.json" 2>&1 | head -n 25
+  done
+  echo "== mat-vec kernel sections, qwen2.5-0.5b $(since)"
+  timeout 120 "$NCU" --profile-from-start off --clock-control none --cache-control none -k regex:vqpipe_qmv -c 8 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
+    $PY -m experiments.step_kernels --preset qwen2.5-0.5b --arm vqpipe-b4+s --steps 1 > "$1/ncu_qmv.log" 2>&1
+  grep -E "custom_kernel_vqpipe|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Memory Throughput" "$1/ncu_qmv.log" \
+    | sed 's/(const.*)//' | head -n 60
+}
+
+part_pipeline() {
+  # The host has no snakemake and no network: carry .whl/ (scripts/gpu_wheels.sh builds it).
+  local smk=/opt/snakemake
+  if [ ! -d "$smk/snakemake" ]; then
+    [ -d .whl ] || { echo "gpu.sh pipeline: no .whl/ (carry it; scripts/gpu_wheels.sh builds it)" >&2; return 2; }
+    $PY -m pip install -q --no-index --no-deps --target "$smk" .whl/*.whl 2>/dev/null \
+      || for w in .whl/*.whl; do $PY -m zipfile -e "$w" "$smk" || return 2; done
+  fi
+  # The rules run `python -m vqpipe ...`; the host may have only python3.
+  command -v python > /dev/null || { mkdir -p /opt/pybin && ln -sf "$(command -v python3)" /opt/pybin/python; export PATH=/opt/pybin:$PATH; }
+  # One job at a time: the benchmarks time one GPU, which a concurrent job would disturb.
+  PYTHONPATH=$PYTHONPATH:$smk $PY -m snakemake --cores 1 --scheduler greedy --configfile config/gpu.yaml \
+    --rerun-incomplete --keep-going "${SNAKE[@]}" 2>&1 | tee "$1/snakemake.log" | tail -n 30
+}
+
+for part in "${PARTS[@]}"; do
+  mkdir -p "$OUT/$part"
+  "part_$part" "$OUT/$part"
+done
+if [ "$TAR" = 1 ]; then
+  tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && rm -rf "$OUT"
+fi
+echo "== done $(since)"
