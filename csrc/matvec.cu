@@ -2,8 +2,10 @@
 // block of the row at a time (16-byte loads of the codes at 4 and 8 bits, 32-bit loads at the
 // straddling widths), float32 accumulation, a warp-shuffle sum. Correct first; vqpipe's decode on
 // a GPU goes through vqpipe/qmv.py, not here.
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cuda/device.h"
@@ -118,6 +120,21 @@ void dispatch_bits(int bits, F&& f) {
 
 } // namespace
 
+// MLX links its own copy of the CUDA runtime, which does not know the kernels registered with this
+// module's (cudaGraphAddKernelNode: invalid resource handle): the encoder gets the driver's handle
+// of each kernel instead, looked up once (experiments/cuda_ext, docs/results/2026-12-06-h100-cuda-ext).
+template <auto Kernel>
+CUfunction driver_function() {
+  static CUfunction fn = [] {
+    cudaFunction_t f;
+    if (cudaGetFuncBySymbol(&f, reinterpret_cast<const void*>(Kernel)) != cudaSuccess) {
+      throw std::runtime_error("codebook_matvec: cudaGetFuncBySymbol failed");
+    }
+    return reinterpret_cast<CUfunction>(f);
+  }();
+  return fn;
+}
+
 bool codebook_matvec_has_gpu() {
   return true;
 }
@@ -146,7 +163,7 @@ void CodebookMatvec::eval_gpu(const std::vector<array>& inputs, array& out) {
           // add_kernel_node takes the addresses of its arguments: plain mutable locals
           int n_rows = rows, n_in = in, ldx = in, gs = group_size, first = m0, mc = std::min(kMaxM, m - m0);
           encoder.add_kernel_node(
-              codebook_matvec_kernel<T, ST, B>, grid, block,
+              driver_function<codebook_matvec_kernel<T, ST, B>>(), grid, block,
               gpu_ptr<T>(x), gpu_ptr<uint32_t>(packed), gpu_ptr<ST>(scales), gpu_ptr<float>(codebook),
               has_bias_ ? gpu_ptr<float>(inputs[4]) : static_cast<const float*>(nullptr), gpu_ptr<T>(out),
               n_rows, n_in, ldx, gs, first, mc);
