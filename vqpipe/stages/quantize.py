@@ -268,7 +268,7 @@ def _budget(text):
         raise argparse.ArgumentTypeError(f"not auto, none or a number: {text!r}") from None
 
 
-def main(argv=None):
+def parser():
     p = argparse.ArgumentParser(prog="python -m vqpipe quantize", description=__doc__.split("\n")[0])
     p.add_argument("--source", required=True, help="source model directory (download stage output)")
     p.add_argument("--out", required=True, help="output artifact directory")
@@ -309,7 +309,11 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="threads for the numpy work of GPTQ and group scales (vqpipe/parallel.py; the result "
                    "does not depend on it); default: the cores this process may run on")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     try:
         layer_bits = None if args.layer_bits is None else json.loads(args.layer_bits)
     except ValueError as e:
