@@ -147,3 +147,36 @@ def test_defaults_agree():
     assert api["group_size"].default is None and cli.group_size is None and config["quantize"]["group_size"] is None
     # no model of the default config carries hand-made widths
     assert not any(m.get("quantize", {}).get("layer_bits") for m in config["models"].values())
+
+
+def test_self_generated_calibration_deterministic(tiny_llama_source):
+    from mlx_lm.utils import load
+
+    from vqpipe.stages.quantize import calibration_tokens
+
+    model, tok = load(str(tiny_llama_source))
+    dtypes = {k: v.dtype for k, v in tree_flatten(model.parameters())}
+    a, info = calibration_tokens(tok, "self", 3, 40, seed=1, model=model)
+    b, _ = calibration_tokens(tok, "self", 3, 40, seed=1, model=model)
+    c, _ = calibration_tokens(tok, "self", 3, 40, seed=2, model=model)
+    assert a.shape == (3, 40) and a.dtype == mx.int32
+    assert np.array_equal(np.array(a), np.array(b)) and not np.array_equal(np.array(a), np.array(c))
+    assert info["text"] == "self" and info["provenance"]["seeds"]
+    assert {k: v.dtype for k, v in tree_flatten(model.parameters())} == dtypes  # the model as it was
+    with pytest.raises(ValueError, match="needs the source model"):
+        calibration_tokens(tok, "self", 3, 40)
+
+
+def test_api_recipe_with_tokenizer(tiny_llama_source, monkeypatch):
+    """quantize_model(model, bits, tokenizer=tok): the calibrate stage's moments and the allocation."""
+    from mlx_lm.utils import load
+
+    import vqpipe.quantize
+
+    monkeypatch.setattr(vqpipe.quantize, "CALIBRATION_WINDOWS", 4)  # the recipe's 64 x 512, smaller
+    monkeypatch.setattr(vqpipe.quantize, "CALIBRATION_LENGTH", 64)
+    model, tok = load(str(tiny_llama_source))
+    records = quantize_model(model, 4, tokenizer=tok, budget=6.0, fuse=False)
+    assert all(r["calibrated"] for r in records if r["kind"] == "linear")
+    total, weights = recipe.model_bits(model)
+    assert total <= 6.0 * weights and len({r["bits"] for r in records}) > 1

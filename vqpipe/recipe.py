@@ -28,7 +28,7 @@ from .bitpack import words_per_row
 from .codebook import LAYER_BITS, distortion
 
 STEPS = 2  # widths above the base a layer may get
-FISHER_WINDOWS = 8  # calibration windows of the backward passes (of the 64: ~1 s each for SmolLM2)
+FISHER_WINDOWS = 4  # calibration windows of the backward passes (the first 4 of the 64)
 LOOKUP = "#lookup"  # suffix of an embedding's lookup sensitivity (beside a tied head's output one)
 EXTRA = 0.5  # default budget over the base width: MLX affine g64's float16 scale and bias per 64
 

@@ -106,7 +106,7 @@ def load_fisher(path, residual=None):
 
 
 def run(source, out, windows=64, length=512, seed=0, progress=print, residual=None, rotation_seed=0, plain=None,
-        sensitivity=True):
+        sensitivity=True, text="text"):
     """Moments of the plain model and/or (``residual``: a rotation kind) of the model with the residual
     rotation quantize --residual-rotation --rotation KIND --seed ``rotation_seed`` folds in. ``plain``
     defaults to on without ``residual``, off with it. ``sensitivity``: also each layer's output
@@ -127,7 +127,9 @@ def run(source, out, windows=64, length=512, seed=0, progress=print, residual=No
     for rotated in [False] * plain + [True] * (residual is not None):
         model, tokenizer = load_model(str(source), lazy=True)
         if tokens is None:
-            tokens, calib = calibration_tokens(tokenizer, "text", windows, length, seed)
+            if text == "none":
+                raise ValueError("calibrate: calibration text none collects nothing")
+            tokens, calib = calibration_tokens(tokenizer, text, windows, length, seed, model)
         if rotated:  # the model quantize will see: moments in the rotated stream's basis
             from ..quantize import rotate_for_quantize
 
@@ -156,6 +158,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m vqpipe calibrate", description=__doc__.split("\n")[0])
     p.add_argument("--source", required=True, help="source model directory (download stage output)")
     p.add_argument("--out", required=True, help="output artifact directory")
+    p.add_argument("--calibration", default="text", choices=("text", "self"),
+                   help="text (default): the calibration split of vqpipe/text.py; self: text the model writes itself "
+                   "(vqpipe/selfgen.py)")
     p.add_argument("--calib-windows", type=int, default=64, help="calibration windows")
     p.add_argument("--calib-length", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration window offsets")
@@ -171,7 +176,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         run(args.source, args.out, args.calib_windows, args.calib_length, args.calib_seed,
-            residual=args.residual_rotation, rotation_seed=args.seed, plain=args.plain, sensitivity=args.sensitivity)
+            residual=args.residual_rotation, rotation_seed=args.seed, plain=args.plain, sensitivity=args.sensitivity,
+            text=args.calibration)
     except (ValueError, OSError) as e:
         print(f"vqpipe calibrate: error: {e}", file=sys.stderr)
         return 2

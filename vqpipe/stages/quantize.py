@@ -161,14 +161,15 @@ def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-CALIBRATION_TEXTS = ("none", "text")
+CALIBRATION_TEXTS = ("none", "text", "self")
 
 
-def calibration_tokens(tokenizer, text="none", windows=16, length=512, seed=0):
+def calibration_tokens(tokenizer, text="none", windows=64, length=512, seed=0, model=None):
     """(tokens [windows, length] or None, provenance dict or None) for a calibration spec.
 
-    ``text``: ``none`` (data-free quantization) or ``text`` (the calibration split of the real
-    English text in vqpipe/text.py, disjoint from the evaluation split).
+    ``text``: ``none`` (data-free quantization), ``text`` (the calibration split of the real
+    English text in vqpipe/text.py, disjoint from the evaluation split) or ``self`` (text the
+    source ``model`` writes itself from a few seed requests, vqpipe/selfgen.py).
     """
     if text not in CALIBRATION_TEXTS:
         raise ValueError(f"unknown calibration text {text!r}; choose one of {', '.join(CALIBRATION_TEXTS)}")
@@ -176,11 +177,17 @@ def calibration_tokens(tokenizer, text="none", windows=16, length=512, seed=0):
         return None, None
     if windows < 1 or length < 2:
         raise ValueError(f"calibration needs at least 1 window of 2 tokens, got {windows} x {length}")
+    spec = {"text": text, "windows": windows, "length": length, "seed": seed}
+    if text == "self":
+        from .. import selfgen
+
+        if model is None:
+            raise ValueError("self-generated calibration needs the source model")
+        return selfgen.self_tokens(model, tokenizer, windows, length, seed), {**spec, "provenance": selfgen.provenance(tokenizer)}
     from .. import text as corpus
 
     tokens = corpus.calibration_tokens(tokenizer, windows, length, seed)
-    return tokens, {"text": text, "windows": windows, "length": length, "seed": seed,
-                    "provenance": corpus.provenance()}
+    return tokens, {**spec, "provenance": corpus.provenance()}
 
 
 def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=True, dtype="source",
@@ -221,7 +228,7 @@ def _quantize(source, bits, rotation, seed, embeddings, lm_head, dtype, progress
     from mlx_lm.utils import load
 
     model, tokenizer = load(str(source), lazy=True)
-    tokens, calib = calibration_tokens(tokenizer, calibration, calib_windows, calib_length, calib_seed)
+    tokens, calib = calibration_tokens(tokenizer, calibration, calib_windows, calib_length, calib_seed, model)
     stored = fisher = None
     if moments is not None:
         if tokens is not None:
@@ -286,7 +293,7 @@ def parser():
                    help="a float16 scale per this many rotated entries of a row (default: one per row)")
     p.add_argument("--calibration", default="text", choices=CALIBRATION_TEXTS,
                    help="text (default): GPTQ and the bit allocation from the calibration split of vqpipe/text.py; "
-                   "none: data-free")
+                   "self: from text the model writes itself (vqpipe/selfgen.py); none: data-free")
     p.add_argument("--calib-windows", type=int, default=64, help="calibration windows")
     p.add_argument("--calib-length", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration window offsets")
