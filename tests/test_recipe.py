@@ -140,7 +140,9 @@ def test_defaults_agree():
     assert config["quantize"]["embeddings"] is True
     assert api["sequential"].default is False and cli.sequential is False and cal["sequential"]["default"] is False
     assert config["quantize"]["calibration"]["sequential"] is False
-    assert cli.calibration == "text" and cal["text"]["default"] == "auto" and config["quantize"]["calibration"]["text"] == "auto"
+    assert cli.calibration is None and cli.moments is None  # None: text without --moments (stage.run)
+    assert inspect.signature(stage.run).parameters["calibration"].default is None
+    assert cal["text"]["default"] == "auto" and config["quantize"]["calibration"]["text"] == "auto"
     assert CALIBRATION_WINDOWS == cli.calib_windows == cal["windows"]["default"] == config["quantize"]["calibration"]["windows"]
     assert api["budget"].default is None and cli.budget == "auto" and q["budget"]["default"] == "auto"
     assert config["quantize"]["budget"] == "auto" and config["quantize"]["layer_bits"] == []

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import __version__, manifest, record, recipe, residual_rotation
+from .. import __version__, manifest, record, recipe, residual_rotation, selfgen  # noqa: F401 (self text: a code input)
 from ..calibrate import _batches, block_forward, collect, decoder, head_inputs, moments, tied_head
 from ..fsutil import atomic_dir, save_safetensors
 

@@ -191,11 +191,13 @@ def calibration_tokens(tokenizer, text="none", windows=64, length=512, seed=0, m
 
 
 def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=True, dtype="source",
-        progress=print, group_size=None, calibration="text", calib_windows=64, calib_length=512,
+        progress=print, group_size=None, calibration=None, calib_windows=64, calib_length=512,
         calib_seed=0, damp=None, moments=None, sequential=False, layer_bits=None, threads=1, residual=False,
         budget="auto"):
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if calibration is None:  # the recipe: the calibration text, unless stored moments give it
+        calibration = "text" if moments is None else "none"
     if group_size is not None and group_size < 1:
         raise ValueError(f"group size must be a positive integer, got {group_size}")
     if damp is not None and not 0 < damp < 1:
@@ -291,8 +293,8 @@ def parser():
                    "each tensor as the source stores it)")
     p.add_argument("--group-size", type=int, default=None,
                    help="a float16 scale per this many rotated entries of a row (default: one per row)")
-    p.add_argument("--calibration", default="text", choices=CALIBRATION_TEXTS,
-                   help="text (default): GPTQ and the bit allocation from the calibration split of vqpipe/text.py; "
+    p.add_argument("--calibration", default=None, choices=CALIBRATION_TEXTS,
+                   help="text (default without --moments): GPTQ and the bit allocation from the calibration split of vqpipe/text.py; "
                    "self: from text the model writes itself (vqpipe/selfgen.py); none: data-free")
     p.add_argument("--calib-windows", type=int, default=64, help="calibration windows")
     p.add_argument("--calib-length", type=int, default=512, help="tokens per calibration window")
