@@ -140,9 +140,10 @@ def test_defaults_agree():
     assert config["quantize"]["embeddings"] is True
     assert api["sequential"].default is False and cli.sequential is False and cal["sequential"]["default"] is False
     assert config["quantize"]["calibration"]["sequential"] is False
-    assert cli.calibration is None and cli.moments is None  # None: text without --moments (stage.run)
+    assert cli.calibration == "auto" and cli.moments is None  # text, or none for a synth: source (stage.run)
     assert inspect.signature(stage.run).parameters["calibration"].default is None
-    assert cal["text"]["default"] == "auto" and config["quantize"]["calibration"]["text"] == "auto"
+    assert cal["text"]["default"] == "auto"
+    assert stage.auto_calibration(Path("/nonexistent")) == "text" and config["quantize"]["calibration"]["text"] == "auto"
     assert CALIBRATION_WINDOWS == cli.calib_windows == cal["windows"]["default"] == config["quantize"]["calibration"]["windows"]
     assert api["budget"].default is None and cli.budget == "auto" and q["budget"]["default"] == "auto"
     assert config["quantize"]["budget"] == "auto" and config["quantize"]["layer_bits"] == []
@@ -182,3 +183,10 @@ def test_api_recipe_with_tokenizer(tiny_llama_source, monkeypatch):
     assert all(r["calibrated"] for r in records if r["kind"] == "linear")
     total, weights = recipe.model_bits(model)
     assert total <= 6.0 * weights and len({r["bits"] for r in records}) > 1
+
+
+def test_cli_auto_calibration_follows_the_source(tiny_source, tmp_path):
+    """A synth: source stays data-free by default, as in the config (random weights)."""
+    assert stage.auto_calibration(tiny_source) == "none"
+    info = stage.run(tiny_source, tmp_path / "q", 4, progress=lambda *_: None)
+    assert info["calibration"] is None and not info["allocation"]["automatic"]

@@ -164,6 +164,14 @@ def peak_rss_bytes():
 CALIBRATION_TEXTS = ("none", "text", "self")
 
 
+def auto_calibration(source):
+    """The recipe's calibration text for a download-stage ``source``: ``text``, or ``none`` for a
+    synthetic model (random weights: no text says what they compute; as the config's ``auto``)."""
+    path = Path(source) / "vqpipe-source.json"
+    spec = json.loads(path.read_text()).get("source", "") if path.is_file() else ""
+    return "none" if spec.startswith("synth:") else "text"
+
+
 def calibration_tokens(tokenizer, text="none", windows=64, length=512, seed=0, model=None):
     """(tokens [windows, length] or None, provenance dict or None) for a calibration spec.
 
@@ -196,8 +204,8 @@ def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=Tru
         budget="auto"):
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if calibration is None:  # the recipe: the calibration text, unless stored moments give it
-        calibration = "text" if moments is None else "none"
+    if calibration in (None, "auto"):
+        calibration = "none" if moments is not None else auto_calibration(source)
     if group_size is not None and group_size < 1:
         raise ValueError(f"group size must be a positive integer, got {group_size}")
     if damp is not None and not 0 < damp < 1:
@@ -293,8 +301,8 @@ def parser():
                    "each tensor as the source stores it)")
     p.add_argument("--group-size", type=int, default=None,
                    help="a float16 scale per this many rotated entries of a row (default: one per row)")
-    p.add_argument("--calibration", default=None, choices=CALIBRATION_TEXTS,
-                   help="text (default without --moments): GPTQ and the bit allocation from the calibration split of vqpipe/text.py; "
+    p.add_argument("--calibration", default="auto", choices=("auto",) + CALIBRATION_TEXTS,
+                   help="auto (default): text, or none with --moments or for a synth: source; text: GPTQ and the bit allocation from the calibration split of vqpipe/text.py; "
                    "self: from text the model writes itself (vqpipe/selfgen.py); none: data-free")
     p.add_argument("--calib-windows", type=int, default=64, help="calibration windows")
     p.add_argument("--calib-length", type=int, default=512, help="tokens per calibration window")
