@@ -139,9 +139,15 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=True, lm_hea
     if layer_bits or fisher is None or moments is None or budget is None:
         layer_bits = allocate.resolve(layer_bits or [], quantized_names, bits)
     else:
-        chosen, _, _ = recipe.plan(model, bits, targets, moments, fisher, budget,
-                                   lambda name, dim: layer_rotation(kind_of(name), seed, name, dim), group_size, damp)
+        t0 = time.perf_counter()
+        chosen, tables, weights = recipe.plan(model, bits, targets, moments, fisher, budget,
+                                              lambda name, dim: layer_rotation(kind_of(name), seed, name, dim),
+                                              group_size, damp)
         layer_bits = {n: w for n, w in chosen.items() if w != bits}
+        if progress:
+            spent = sum(tables[n][w][0] for n, w in chosen.items()) / weights
+            progress(f"allocation: {len(layer_bits)} of {len(chosen)} layers above {bits} bits, {spent:.5f} of "
+                     f"{budget} bits per weight, {time.perf_counter() - t0:.1f}s")
     modules = dict(model.named_modules())
     done = [0]
     pool = Pool(check_threads(threads))

@@ -242,9 +242,10 @@ def budget_flag(model, bits):
     """--budget of ``model``'s quantize job at ``bits``."""
     budget = quantize_option(model, "budget")
     if isinstance(budget, dict):
-        if str(bits) not in budget:
+        widths = {str(k): v for k, v in budget.items()}
+        if str(bits) not in widths:
             raise WorkflowError(f"config: budget of {model} names no bits per weight for width {bits}")
-        budget = budget[str(bits)]
+        budget = widths[str(bits)]
     return f" --budget {budget}"
 
 
