@@ -29,7 +29,7 @@ def test_every_linear_becomes_quantized(fixture, request):
     else:
         ref_model = model
     ref = _logits(ref_model, tokens)
-    records = quantize_model(model, 4)
+    records = quantize_model(model, 4, embeddings=False)  # the embedding: test_quantized_embeddings
     layers = quantized_layers(model)
     assert len(layers) == len(records) == n_linear
     assert not any(isinstance(m, (nn.Linear, nn.QuantizedLinear, nn.QuantizedEmbedding))

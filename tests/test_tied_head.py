@@ -170,7 +170,7 @@ def test_quantize_cli_full_precision_moments(tiny_source, tmp_path):
 def test_bench_quality_counts_group_scales_as_stored(tiny_source, tmp_path):
     from vqpipe.stages import quantize
 
-    quantize.run(tiny_source, tmp_path / "q", 4, group_size=64, progress=lambda *_: None)
+    quantize.run(tiny_source, tmp_path / "q", 4, group_size=64, calibration="none", progress=lambda *_: None)
     model, _, bpw = q.vqpipe_arm(tiny_source, 4, "auto", 0, tmp_path / "q")
     # Linears: a float16 scale per 64 weights (0.25 bits), even though the evaluation copy is
     # float32; the data-free embedding: a float32 scale per row.

@@ -411,9 +411,12 @@ def quantize_commands(bare, name, tiny_quantize):
 
 def test_calibration_options_reach_the_command(bare):
     """A per-model quantize override becomes flags of that model's quantize job only."""
-    tiny, llama = quantize_commands(bare, "cal", "{group_size: 64, calibration: {text: text, windows: 4}}")
+    tiny, llama = quantize_commands(bare, "cal", "{group_size: 64, calibration: {text: text, windows: 4, sequential: true},"
+                                                 " budget: {4: 4.75}}")
     assert "--group-size 64 --calibration text --calib-windows 4 --calib-length 512" in tiny[0]
-    assert "--group-size" not in llama[0] and "--calibration" not in llama[0]
+    assert "--sequential" in tiny[0] and "--budget 4.75" in tiny[0]
+    # a synth: model is data-free by default (calibration text auto)
+    assert "--group-size" not in llama[0] and "--calibration none" in llama[0] and "--budget auto" in llama[0]
 
 
 def test_layer_bits_reach_the_command(bare):

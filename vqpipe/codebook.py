@@ -70,15 +70,25 @@ def check_bits(bits, allowed=BITS):
 
 
 @lru_cache(maxsize=None)
-def codebook(bits, dim):
-    """Sorted Lloyd-Max levels (float64, sqrt(dim)-scaled units) for rotated rows of length dim."""
+def _fit(bits, dim):
     check_bits(bits, LAYER_BITS)
     if dim >= 3:
-        levels, _ = lloyd_max(sphere_pdf(dim), 1 << bits, float(np.sqrt(dim)))
+        levels, mse = lloyd_max(sphere_pdf(dim), 1 << bits, float(np.sqrt(dim)))
     else:
-        levels, _ = lloyd_max(gaussian_pdf, 1 << bits, 10.0)
+        levels, mse = lloyd_max(gaussian_pdf, 1 << bits, 10.0)
     levels.setflags(write=False)
-    return levels
+    return levels, mse
+
+
+def codebook(bits, dim):
+    """Sorted Lloyd-Max levels (float64, sqrt(dim)-scaled units) for rotated rows of length dim."""
+    return _fit(bits, dim)[0]
+
+
+def distortion(bits, dim):
+    """The codebook's mean squared error per entry of a rotated unit-variance row (its Lloyd-Max
+    fit's): what one entry of a row with RMS s loses, in units of s^2 (vqpipe/recipe.py)."""
+    return _fit(bits, dim)[1]
 
 
 def boundaries(levels):

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import allocate
+from . import allocate, recipe
 from .codebook import check_bits
 from .fused import fuse_model, rotation_owner
 from .parallel import Pool, check_threads
@@ -78,9 +78,10 @@ def _targets(model, embeddings, lm_head):
     return out
 
 
-def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_head=True,
+def quantize_model(model, bits, rotation="auto", seed=0, embeddings=True, lm_head=True,
                    dtype=mx.float32, progress=None, group_size=None, calibration=None, damp=None,
-                   fuse=True, sequential=True, moments=None, layer_bits=None, threads=1, residual=False):
+                   fuse=True, sequential=False, moments=None, layer_bits=None, threads=1, residual=False,
+                   tokenizer=None, fisher=None, budget=None):
     """Quantize ``model`` in place, one layer at a time; returns per-layer records.
 
     Every nn.Linear (and affine nn.QuantizedLinear, dequantized first) becomes a QuantizedLinear.
@@ -97,6 +98,16 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     vqpipe/fused.py), and with ``fuse`` they are computed as one (rows concatenated), as the
     loaders do, so the reference logits come from the same code path.
 
+    The recipe (docs/quantize.md, "The automatic recipe"): with calibration data (``tokenizer``:
+    the calibration text's windows, the pipeline's 64 x 512; or ``calibration`` tokens; or
+    ``moments`` and ``fisher`` from a calibrate artifact) and ``sequential`` false, the moments come
+    from the full-precision model and each layer's width from vqpipe/recipe.py: the steps of one
+    or two bits with the largest predicted loss saved per stored bit, within ``budget`` bits per
+    weight over every quantized matrix (None or 'auto': ``bits`` + 0.5, what MLX affine g64
+    stores; 'none': every layer at ``bits``). ``layer_bits`` rules replace the allocation.
+    Without calibration data it is data-free. ``embeddings`` (default true) quantizes the
+    embedding table and so a tied head, as the pipeline does.
+
     ``residual``: first fold one rotation of the residual stream into the model
     (vqpipe/residual_rotation.py; its seed from ``seed``, kind from ``rotation``); the layers that
     read the stream and the embedding are then quantized without a rotation of their own. Needs
@@ -110,15 +121,36 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     targets = _targets(model, embeddings, lm_head)
     if not any(kind == "linear" for _, _, kind in targets):
         raise ValueError(f"model {type(model).__name__} has no nn.Linear layers to quantize")
-    layer_bits = allocate.resolve(layer_bits or [], [n for n, _, kind in targets if kind != "dense-embedding"], bits)
+    budget = recipe.check_budget(budget, bits)
+    if tokenizer is not None and calibration is None and moments is None:
+        from .text import calibration_tokens
+
+        calibration = calibration_tokens(tokenizer, CALIBRATION_WINDOWS, CALIBRATION_LENGTH, 0)
+    if calibration is not None and not sequential:  # as the calibrate stage: one full-precision pass
+        moments, fisher = calibrate_model(model, calibration, progress, fisher is None and budget is not None and not layer_bits)
+        calibration = None
     # Keep names only: holding the source modules would keep every evaluated source weight alive.
     targets = [(name, kind) for name, _, kind in targets]
-    modules = dict(model.named_modules())
-    done = [0]
-    pool = Pool(check_threads(threads))
+    quantized_names = [n for n, kind in targets if kind != "dense-embedding"]
 
     def kind_of(name):  # the rotation kind layer ``name`` is quantized with
         return "none" if residual and unrotated(name) else rotation
+
+    if layer_bits or fisher is None or moments is None or budget is None:
+        layer_bits = allocate.resolve(layer_bits or [], quantized_names, bits)
+    else:
+        t0 = time.perf_counter()
+        chosen, tables, weights = recipe.plan(model, bits, targets, moments, fisher, budget,
+                                              lambda name, dim: layer_rotation(kind_of(name), seed, name, dim),
+                                              group_size, damp)
+        layer_bits = {n: w for n, w in chosen.items() if w != bits}
+        if progress:
+            spent = sum(tables[n][w][0] for n, w in chosen.items()) / weights
+            progress(f"allocation: {len(layer_bits)} of {len(chosen)} layers above {bits} bits, {spent:.5f} of "
+                     f"{budget} bits per weight, {time.perf_counter() - t0:.1f}s")
+    modules = dict(model.named_modules())
+    done = [0]
+    pool = Pool(check_threads(threads))
 
     def quantize_one(name, kind, hessian, defer=False):
         """The layer's record; with ``defer``, a function that completes the layer and returns its
@@ -190,6 +222,22 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=False, lm_he
     if fuse:
         fuse_model(model)
     return records
+
+
+CALIBRATION_WINDOWS, CALIBRATION_LENGTH = 64, 512  # the recipe's calibration text: 64 x 512 tokens
+
+
+def calibrate_model(model, tokens, progress=None, sensitivity=True):
+    """({name: (key, H)}, fisher or None): the full-precision moments of ``tokens`` (the calibrate
+    stage's) and, with ``sensitivity``, the output Fisher of its first recipe.FISHER_WINDOWS windows."""
+    from .stages.calibrate import full_precision_moments
+
+    names, sums = full_precision_moments(model, tokens, progress)
+    stored = {name: (key, sums[key]) for name, key in names.items()}
+    fisher = None
+    if sensitivity:
+        fisher = recipe.output_fisher(model, tokens[: recipe.FISHER_WINDOWS], recipe.sensitive_layers(model), progress)
+    return stored, fisher
 
 
 def residual_seed(seed):

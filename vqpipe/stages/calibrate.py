@@ -3,6 +3,9 @@
 Artifact (a directory, written atomically):
     moments.safetensors   one float32 H per distinct input ("<key>"): linears that read one
                           activation (q/k/v, gate/up) share a key; "final norm" feeds the head
+                          and "fisher/<name>": each layer's output sensitivity (vqpipe/recipe.py,
+                          the recipe's bit allocation: mean squared loss gradient per output, from
+                          the first recipe.FISHER_WINDOWS windows)
     moments.json          {name: key} for every layer that has moments, the calibration spec and
                           its provenance, the time taken
 
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import __version__, manifest, record, residual_rotation
+from .. import __version__, manifest, record, recipe, residual_rotation, selfgen  # noqa: F401 (self text: a code input)
 from ..calibrate import _batches, block_forward, collect, decoder, head_inputs, moments, tied_head
 from ..fsutil import atomic_dir, save_safetensors
 
@@ -59,6 +62,7 @@ def full_precision_moments(model, tokens, progress=None):
 
 
 RESIDUAL_PREFIX = "residual/"  # the residual-rotated model's moments in the same file
+FISHER = "fisher/"
 
 
 def sets(info):
@@ -86,10 +90,27 @@ def load(path, residual=None):
     return {name: (key, arrays[prefix + key]) for name, key in layers.items()}, info
 
 
-def run(source, out, windows=16, length=512, seed=0, progress=print, residual=None, rotation_seed=0, plain=None):
+def load_fisher(path, residual=None):
+    """{name: sensitivity} (recipe.output_fisher's) from a calibrate artifact, or None where it
+    holds none (made with --no-sensitivity, or before the recipe)."""
+    path = Path(path)
+    info = json.loads((path / "moments.json").read_text())
+    found = [m for m in sets(info) if m["residual_rotation"] == residual]
+    if not found or not info.get("sensitivity"):
+        return None
+    import numpy as np
+
+    head = found[0]["prefix"] + FISHER
+    arrays = mx.load(str(path / "moments.safetensors"))
+    return {k[len(head):]: np.asarray(v) for k, v in arrays.items() if k.startswith(head)}
+
+
+def run(source, out, windows=64, length=512, seed=0, progress=print, residual=None, rotation_seed=0, plain=None,
+        sensitivity=True, text="text"):
     """Moments of the plain model and/or (``residual``: a rotation kind) of the model with the residual
     rotation quantize --residual-rotation --rotation KIND --seed ``rotation_seed`` folds in. ``plain``
-    defaults to on without ``residual``, off with it."""
+    defaults to on without ``residual``, off with it. ``sensitivity``: also each layer's output
+    sensitivity (vqpipe/recipe.py), what the quantize stage's bit allocation reads."""
     from mlx_lm.utils import load as load_model
 
     from .quantize import calibration_tokens
@@ -106,18 +127,26 @@ def run(source, out, windows=16, length=512, seed=0, progress=print, residual=No
     for rotated in [False] * plain + [True] * (residual is not None):
         model, tokenizer = load_model(str(source), lazy=True)
         if tokens is None:
-            tokens, calib = calibration_tokens(tokenizer, "text", windows, length, seed)
+            if text == "none":
+                raise ValueError("calibrate: calibration text none collects nothing")
+            tokens, calib = calibration_tokens(tokenizer, text, windows, length, seed, model)
         if rotated:  # the model quantize will see: moments in the rotated stream's basis
             from ..quantize import rotate_for_quantize
 
             rotate_for_quantize(model, residual, rotation_seed)
         names, sums = full_precision_moments(model, tokens, progress)
         prefix = RESIDUAL_PREFIX if rotated else ""
+        if sensitivity:
+            t1 = time.perf_counter()
+            fisher = recipe.output_fisher(model, tokens[: recipe.FISHER_WINDOWS], recipe.sensitive_layers(model), progress)
+            tensors.update({prefix + FISHER + k: mx.array(v) for k, v in fisher.items()})
+            progress(f"sensitivity of {len(fisher)} outputs in {time.perf_counter() - t1:.1f}s")
         found.append({"residual_rotation": residual_rotation.of(model), "prefix": prefix, "layers": names})
         tensors.update({prefix + k: v for k, v in sums.items()})
         del model
     info = {"vqpipe_version": __version__, "source": str(source), "calibration": {**calib, "sequential": False},
-            "layers": found[0]["layers"], "sets": found, "seconds": time.perf_counter() - t0}
+            "layers": found[0]["layers"], "sets": found, "seconds": time.perf_counter() - t0,
+            "sensitivity": {"windows": min(recipe.FISHER_WINDOWS, windows), "loss": "next-token NLL"} if sensitivity else None}
     with atomic_dir(out, manifest=True) as tmp:
         save_safetensors(tmp / "moments.safetensors", tensors)
         record.write(tmp / "moments.json", "calibrate", info, inputs={"source": source})
@@ -129,7 +158,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="vqpipe calibrate", description=__doc__.split("\n")[0])
     p.add_argument("--source", required=True, help="source model directory (download stage output)")
     p.add_argument("--out", required=True, help="output artifact directory")
-    p.add_argument("--calib-windows", type=int, default=16, help="calibration windows")
+    p.add_argument("--calibration", default="text", choices=("text", "self"),
+                   help="text (default): the calibration split of vqpipe/text.py; self: text the model writes itself "
+                   "(vqpipe/selfgen.py)")
+    p.add_argument("--calib-windows", type=int, default=64, help="calibration windows")
     p.add_argument("--calib-length", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration window offsets")
     p.add_argument("--residual-rotation", default=None, choices=("auto", "hadamard", "kron"), metavar="KIND",
@@ -139,10 +171,13 @@ def main(argv=None):
     p.add_argument("--plain", action=argparse.BooleanOptionalAction, default=None,
                    help="also (or only) the plain model's moments (default: only without --residual-rotation); "
                         "quantize jobs without the residual rotation read those")
+    p.add_argument("--sensitivity", action=argparse.BooleanOptionalAction, default=True,
+                   help="also each layer's output sensitivity, for quantize's bit allocation (vqpipe/recipe.py; default)")
     args = p.parse_args(argv)
     try:
         run(args.source, args.out, args.calib_windows, args.calib_length, args.calib_seed,
-            residual=args.residual_rotation, rotation_seed=args.seed, plain=args.plain)
+            residual=args.residual_rotation, rotation_seed=args.seed, plain=args.plain, sensitivity=args.sensitivity,
+            text=args.calibration)
     except (ValueError, OSError) as e:
         print(f"vqpipe calibrate: error: {e}", file=sys.stderr)
         return 2

@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from .. import __version__
 from ..codebook import BITS
-from .. import manifest, parallel, record, residual_rotation
+from .. import manifest, parallel, recipe, record, residual_rotation
 from ..fsutil import atomic_dir, save_safetensors
 from ..fused import fuse_model
 from ..prefault import Prefault
@@ -161,14 +161,23 @@ def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-CALIBRATION_TEXTS = ("none", "text")
+CALIBRATION_TEXTS = ("none", "text", "self")
 
 
-def calibration_tokens(tokenizer, text="none", windows=16, length=512, seed=0):
+def auto_calibration(source):
+    """The recipe's calibration text for a download-stage ``source``: ``text``, or ``none`` for a
+    synthetic model (random weights: no text says what they compute; as the config's ``auto``)."""
+    path = Path(source) / "vqpipe-source.json"
+    spec = json.loads(path.read_text()).get("source", "") if path.is_file() else ""
+    return "none" if spec.startswith("synth:") else "text"
+
+
+def calibration_tokens(tokenizer, text="none", windows=64, length=512, seed=0, model=None):
     """(tokens [windows, length] or None, provenance dict or None) for a calibration spec.
 
-    ``text``: ``none`` (data-free quantization) or ``text`` (the calibration split of the real
-    English text in vqpipe/text.py, disjoint from the evaluation split).
+    ``text``: ``none`` (data-free quantization), ``text`` (the calibration split of the real
+    English text in vqpipe/text.py, disjoint from the evaluation split) or ``self`` (text the
+    source ``model`` writes itself from a few seed requests, vqpipe/selfgen.py).
     """
     if text not in CALIBRATION_TEXTS:
         raise ValueError(f"unknown calibration text {text!r}; choose one of {', '.join(CALIBRATION_TEXTS)}")
@@ -176,18 +185,27 @@ def calibration_tokens(tokenizer, text="none", windows=16, length=512, seed=0):
         return None, None
     if windows < 1 or length < 2:
         raise ValueError(f"calibration needs at least 1 window of 2 tokens, got {windows} x {length}")
+    spec = {"text": text, "windows": windows, "length": length, "seed": seed}
+    if text == "self":
+        from .. import selfgen
+
+        if model is None:
+            raise ValueError("self-generated calibration needs the source model")
+        return selfgen.self_tokens(model, tokenizer, windows, length, seed), {**spec, "provenance": selfgen.provenance(tokenizer)}
     from .. import text as corpus
 
     tokens = corpus.calibration_tokens(tokenizer, windows, length, seed)
-    return tokens, {"text": text, "windows": windows, "length": length, "seed": seed,
-                    "provenance": corpus.provenance()}
+    return tokens, {**spec, "provenance": corpus.provenance()}
 
 
 def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=True, dtype="source",
-        progress=print, group_size=None, calibration="none", calib_windows=16, calib_length=512,
-        calib_seed=0, damp=None, moments=None, sequential=True, layer_bits=None, threads=1, residual=False):
+        progress=print, group_size=None, calibration=None, calib_windows=64, calib_length=512,
+        calib_seed=0, damp=None, moments=None, sequential=False, layer_bits=None, threads=1, residual=False,
+        budget="auto"):
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if calibration in (None, "auto"):
+        calibration = "none" if moments is not None else auto_calibration(source)
     if group_size is not None and group_size < 1:
         raise ValueError(f"group size must be a positive integer, got {group_size}")
     if damp is not None and not 0 < damp < 1:
@@ -202,7 +220,7 @@ def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=Tru
     try:
         info = _quantize(source, bits, rotation, seed, embeddings, lm_head, dtype, progress, group_size,
                          calibration, calib_windows, calib_length, calib_seed, damp, moments, sequential,
-                         layer_bits, threads, residual)
+                         layer_bits, threads, residual, budget)
     except BaseException:
         check.result()
         raise
@@ -215,31 +233,42 @@ def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=Tru
 
 def _quantize(source, bits, rotation, seed, embeddings, lm_head, dtype, progress, group_size,
               calibration, calib_windows, calib_length, calib_seed, damp, moments, sequential, layer_bits,
-              threads, residual=False):
+              threads, residual=False, budget="auto"):
     """The quantized model, its tokenizer and the record's fields (run's work before saving)."""
     from mlx_lm.utils import load
 
     model, tokenizer = load(str(source), lazy=True)
-    tokens, calib = calibration_tokens(tokenizer, calibration, calib_windows, calib_length, calib_seed)
-    stored = None
+    tokens, calib = calibration_tokens(tokenizer, calibration, calib_windows, calib_length, calib_seed, model)
+    stored = fisher = None
     if moments is not None:
         if tokens is not None:
             raise ValueError("--moments and --calibration text both give calibration; choose one")
         from . import calibrate as mom
 
-        stored, minfo = mom.load(moments, residual_identity(model, rotation, seed) if residual else None)
-        calib = {**minfo["calibration"], "moments": str(moments)}
+        ident = residual_identity(model, rotation, seed) if residual else None
+        stored, minfo = mom.load(moments, ident)
+        fisher = mom.load_fisher(moments, ident)
+        calib = {**minfo["calibration"], "moments": str(moments), "sensitivity": minfo.get("sensitivity")}
     elif calib is not None:
         calib["sequential"] = sequential
     t0 = time.perf_counter()
     records = quantize_model(model, bits, rotation, seed, embeddings, lm_head, DTYPES[dtype], progress,
                              group_size, tokens, damp, moments=stored, sequential=sequential,
-                             layer_bits=layer_bits, threads=threads, residual=residual)
+                             layer_bits=layer_bits, threads=threads, residual=residual, fisher=fisher,
+                             budget=budget)
     seconds = time.perf_counter() - t0
+    total, weights = recipe.model_bits(model)
+    allocation = {"budget": recipe.check_budget(budget, bits), "bpw": total / weights,
+                  "rules": bool(layer_bits),
+                  # the widths came from vqpipe/recipe.py (quantize_model's condition)
+                  "automatic": calib is not None and not layer_bits and budget != "none" and not sequential
+                  and (moments is None or fisher is not None),
+                  "widths": {r["name"]: r["bits"] for r in records if r["bits"] != bits}}
     info = {
         "vqpipe_version": __version__, "source": str(source), "bits": bits, "rotation": rotation,
         "seed": seed, "embeddings": embeddings, "lm_head": lm_head, "dtype": dtype,
         "group_size": group_size, "calibration": calib, "damp": damp, "layer_bits": layer_bits or [],
+        "allocation": allocation,
         "residual_rotation": residual_rotation.of(model),
         "quantize_seconds": seconds, "peak_rss_bytes": peak_rss_bytes(), "records": records,
         "model": model, "tokenizer": tokenizer,
@@ -247,7 +276,16 @@ def _quantize(source, bits, rotation, seed, embeddings, lm_head, dtype, progress
     return info
 
 
-def main(argv=None):
+def _budget(text):
+    if text in ("auto", "none"):
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not auto, none or a number: {text!r}") from None
+
+
+def parser():
     p = argparse.ArgumentParser(prog="vqpipe quantize", description=__doc__.split("\n")[0])
     p.add_argument("--source", required=True, help="source model directory (download stage output)")
     p.add_argument("--out", required=True, help="output artifact directory")
@@ -263,15 +301,20 @@ def main(argv=None):
                    "each tensor as the source stores it)")
     p.add_argument("--group-size", type=int, default=None,
                    help="a float16 scale per this many rotated entries of a row (default: one per row)")
-    p.add_argument("--calibration", default="none", choices=CALIBRATION_TEXTS,
-                   help="none: data-free; text: GPTQ on the calibration split of vqpipe/text.py")
-    p.add_argument("--calib-windows", type=int, default=16, help="calibration windows")
+    p.add_argument("--calibration", default="auto", choices=("auto",) + CALIBRATION_TEXTS,
+                   help="auto (default): text, or none with --moments or for a synth: source; text: GPTQ and the bit allocation from the calibration split of vqpipe/text.py; "
+                   "self: from text the model writes itself (vqpipe/selfgen.py); none: data-free")
+    p.add_argument("--calib-windows", type=int, default=64, help="calibration windows")
     p.add_argument("--calib-length", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration window offsets")
     p.add_argument("--damp", type=float, default=None, help="GPTQ damping, fraction of mean(diag H) (0.01)")
-    p.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --calibration: each block's moments from the already quantized blocks (default); "
-                   "--no-sequential: from the full-precision model (one forward pass per block fewer)")
+    p.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --calibration: each block's moments from the already quantized blocks (no bit "
+                   "allocation then); default --no-sequential: from the full-precision model, as the calibrate stage")
+    p.add_argument("--budget", default="auto", type=_budget, metavar="BPW",
+                   help="bits per weight over every quantized matrix for the automatic per-layer widths "
+                   "(vqpipe/recipe.py): auto (default: bits + 0.5, what MLX affine g64 stores), none (every layer "
+                   "at --bits), or a number; --layer-bits rules replace the allocation")
     p.add_argument("--layer-bits", default=None, metavar="JSON",
                    help='mixed widths (vqpipe/allocate.py): a JSON list of rules {"match": REGEX, "add": N} '
                    '(N bits over --bits) or {"match": REGEX, "bits": N} for the layers whose names match')
@@ -283,7 +326,11 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="threads for the numpy work of GPTQ and group scales (vqpipe/parallel.py; the result "
                    "does not depend on it); default: the cores this process may run on")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     try:
         layer_bits = None if args.layer_bits is None else json.loads(args.layer_bits)
     except ValueError as e:
@@ -293,7 +340,7 @@ def main(argv=None):
         run(args.source, args.out, args.bits, args.rotation, args.seed, args.embeddings, args.lm_head, args.dtype,
             group_size=args.group_size, calibration=args.calibration, calib_windows=args.calib_windows,
             calib_length=args.calib_length, calib_seed=args.calib_seed, damp=args.damp, moments=args.moments,
-            sequential=args.sequential, layer_bits=layer_bits, residual=args.residual_rotation,
+            sequential=args.sequential, layer_bits=layer_bits, residual=args.residual_rotation, budget=args.budget,
             threads=parallel.default_threads() if args.threads is None else args.threads)
     except (ValueError, OSError) as e:  # OSError: e.g. disk full, named with its path
         where = "" if isinstance(e, ValueError) or e.filename else f"writing {args.out}: "

@@ -26,6 +26,7 @@ rule calibrate:
         ENV
     shell:
         vqpipe_cmd(
-            "calibrate --source {input.source:q} --out {output:q} --calib-windows {params.windows}"
+            "calibrate --source {input.source:q} --out {output:q} --calibration {params.calibration[text]}"
+            " --calib-windows {params.windows}"
             " --calib-length {params.length} --calib-seed {params.seed}{params.residual}"
         )

@@ -240,11 +240,26 @@ def source_files(wc):
 
 
 def quantize_option(model, key):
-    """Quantize option ``key`` of ``model``: models.NAME.quantize.KEY, else quantize.KEY."""
-    return config["models"][model].get("quantize", {}).get(key, config["quantize"][key])
+    """Quantize option ``key`` of ``model``: models.NAME.quantize.KEY, else quantize.KEY; calibration
+    text auto resolved (text for every model but a synth: one: random weights have no text to fit)."""
+    value = config["models"][model].get("quantize", {}).get(key, config["quantize"][key])
+    if key == "calibration" and value["text"] == "auto":
+        value = {**value, "text": "none" if config["models"][model]["source"].startswith("synth:") else "text"}
+    return value
 
 
-def quantize_flags(model, rotation):
+def budget_flag(model, bits):
+    """--budget of ``model``'s quantize job at ``bits``."""
+    budget = quantize_option(model, "budget")
+    if isinstance(budget, dict):
+        widths = {str(k): v for k, v in budget.items()}
+        if str(bits) not in widths:
+            raise WorkflowError(f"config: budget of {model} names no bits per weight for width {bits}")
+        budget = widths[str(bits)]
+    return f" --budget {budget}"
+
+
+def quantize_flags(model, rotation, bits):
     """Command-line flags of the options that change the codes (all of them are rule params)."""
     q = config["quantize"]
     emb = quantize_option(model, "embeddings")
@@ -262,8 +277,10 @@ def quantize_flags(model, rotation):
         flags += f" --moments {MOMENTS.format(model=model)} --damp {cal['damp']}"
     elif cal["text"] != "none":
         flags += (f" --calibration {cal['text']} --calib-windows {cal['windows']} --calib-length {cal['length']}"
-                  f" --calib-seed {cal['seed']} --damp {cal['damp']}")
-    return flags
+                  f" --calib-seed {cal['seed']} --damp {cal['damp']}" + (" --sequential" if cal["sequential"] else ""))
+    else:
+        flags += " --calibration none"
+    return flags + budget_flag(model, bits)
 
 
 def residual_flags(model):

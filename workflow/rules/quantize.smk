@@ -24,7 +24,8 @@ rule quantize:
         group_size=lambda w: quantize_option(w.model, "group_size"),
         layer_bits=lambda w: quantize_option(w.model, "layer_bits"),
         calibration=lambda w: quantize_option(w.model, "calibration"),
-        flags=lambda w: quantize_flags(w.model, w.rotation),
+        budget=lambda w: quantize_option(w.model, "budget"),
+        flags=lambda w: quantize_flags(w.model, w.rotation, w.bits),
     log:
         "logs/quantize/{model}/b{bits}-{rotation}.log",
     priority: priority(1)
