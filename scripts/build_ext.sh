@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-.venv/bin/python}
 build=${VQPIPE_EXT_BUILD:-build/ext}
+mkdir -p "$(dirname "$build")"
 cmake -S csrc -B "$build" -DPython_EXECUTABLE="$("$PY" -c 'import sys; print(sys.executable)')" \
   -DCMAKE_BUILD_TYPE=Release >"$build.log" 2>&1 || { mkdir -p "$(dirname "$build")"; cat "$build.log" >&2; exit 1; }
 cmake --build "$build" -j "$(nproc 2>/dev/null || echo 2)" >>"$build.log" 2>&1 || { tail -40 "$build.log" >&2; exit 1; }

@@ -210,8 +210,10 @@ def quality_calib_flags(w):
     """The mlx-lm arms' calibration: the calibrate stage's tokens for this model (windows, length,
     seed), fewer where benchmarks.quality says (their cost on a CPU)."""
     q, calib = config["benchmarks"]["quality"], {**config["quantize"]["calibration"], **quantize_option(w.model, "calibration")}
-    flags = f"--calib-windows {q['calib_windows'] or calib['windows']} --calib-length {calib['length']} --calib-seed {calib['seed']}"
-    return flags + "".join(f" --{k.replace('_', '-')} {q[k]}" for k in ("gptq_windows", "awq_windows", "dynamic_windows") if q[k])
+    flags = [f"--calib-windows {q['calib_windows'] or calib['windows']}", f"--calib-length {calib['length']}",
+             f"--calib-seed {calib['seed']}"]
+    flags += [f"--{k.replace('_', '-')} {q[k]}" for k in ("gptq_windows", "awq_windows", "dynamic_windows") if q[k]]
+    return " ".join(flags)
 
 
 def quality_arm_priority(w):
