@@ -157,6 +157,27 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Block k of row r (its B words at w): the 32 codebook values, group scales applied, into v[0..3].
+template <int B>
+__attribute__((target("avx2,fma"), always_inline)) inline void block_values(
+    const MatvecArgs& a, int r, int k, const uint32_t* w, __m256i load_mask, const __m256* cb,
+    const float* table, bool whole, float* s, __m256* v) {
+  __m256i block = _mm256_setzero_si256();
+  if constexpr (B != 2 && B != 4 && B != 8) {
+    block = _mm256_maskload_epi32(reinterpret_cast<const int*>(w), load_mask);
+  }
+  for (int g = 0; g < 4; ++g) v[g] = lookup8<B>(codes8<B>(w, block, g), cb, table);
+  if (a.group_scales) {
+    if (whole) {
+      const __m256 sg = _mm256_set1_ps(scale_at(a, r, k * 32 / a.group_size));
+      for (int g = 0; g < 4; ++g) v[g] = _mm256_mul_ps(v[g], sg);
+    } else {
+      block_scales(a, r, k, s);
+      for (int g = 0; g < 4; ++g) v[g] = _mm256_mul_ps(v[g], _mm256_load_ps(s + 8 * g));
+    }
+  }
+}
+
 template <int B, int M>
 __attribute__((target("avx2,fma"))) void rows_avx2(const MatvecArgs& a, int r0, int r1, int m0) {
   const int blocks = a.padded / 32, words = B * blocks;
@@ -173,21 +194,8 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const MatvecArgs& a, int r0, 
     __m256 acc[M][2];
     for (int mm = 0; mm < M; ++mm) acc[mm][0] = acc[mm][1] = _mm256_setzero_ps();
     for (int k = 0; k < blocks; ++k, w += B) {
-      __m256i block = _mm256_setzero_si256();
-      if constexpr (B != 2 && B != 4 && B != 8) {
-        block = _mm256_maskload_epi32(reinterpret_cast<const int*>(w), load_mask);
-      }
       __m256 v[4];
-      for (int g = 0; g < 4; ++g) v[g] = lookup8<B>(codes8<B>(w, block, g), cb, table);
-      if (a.group_scales) {
-        if (whole) {
-          const __m256 sg = _mm256_set1_ps(scale_at(a, r, k * 32 / a.group_size));
-          for (int g = 0; g < 4; ++g) v[g] = _mm256_mul_ps(v[g], sg);
-        } else {
-          block_scales(a, r, k, s);
-          for (int g = 0; g < 4; ++g) v[g] = _mm256_mul_ps(v[g], _mm256_load_ps(s + 8 * g));
-        }
-      }
+      block_values<B>(a, r, k, w, load_mask, cb, table, whole, s, v);
       const float* xk = x + k * 32;
       for (int mm = 0; mm < M; ++mm) {
         const float* xm = xk + static_cast<size_t>(mm) * a.padded;
@@ -221,21 +229,8 @@ __attribute__((target("avx2,fma"))) void rows_avx2_wide(const MatvecArgs& a, int
   for (int r = r0; r < r1; ++r) {
     const uint32_t* w = a.packed + static_cast<size_t>(r) * words;
     for (int k = 0; k < blocks; ++k, w += B) {
-      __m256i block = _mm256_setzero_si256();
-      if constexpr (B != 2 && B != 4 && B != 8) {
-        block = _mm256_maskload_epi32(reinterpret_cast<const int*>(w), load_mask);
-      }
       __m256 v[4];
-      for (int g = 0; g < 4; ++g) v[g] = lookup8<B>(codes8<B>(w, block, g), cb, table);
-      if (a.group_scales) {
-        if (whole) {
-          const __m256 sg = _mm256_set1_ps(scale_at(a, r, k * 32 / a.group_size));
-          for (int g = 0; g < 4; ++g) v[g] = _mm256_mul_ps(v[g], sg);
-        } else {
-          block_scales(a, r, k, s);
-          for (int g = 0; g < 4; ++g) v[g] = _mm256_mul_ps(v[g], _mm256_load_ps(s + 8 * g));
-        }
-      }
+      block_values<B>(a, r, k, w, load_mask, cb, table, whole, s, v);
       for (int g = 0; g < 4; ++g) _mm256_storeu_ps(row.data() + k * 32 + 8 * g, v[g]);
     }
     for (int mm = 0; mm < a.m; ++mm) {

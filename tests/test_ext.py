@@ -9,13 +9,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import load
-from mlx_lm.models.cache import make_prompt_cache
 
 from vqpipe import ext, fused
 from vqpipe.bitpack import pack
 from vqpipe.codebook import LAYER_BITS
 from vqpipe.qlinear import QuantizedLinear, dense_forward
 from vqpipe.quantize import quantize_model
+
+from test_fused import _greedy
 
 pytestmark = pytest.mark.skipif(not ext.available(), reason=f"vqpipe._ext is not built ({ext._missing})")
 
@@ -190,17 +191,6 @@ def test_missing_module_warns_once(monkeypatch):
         assert not ext.dispatch(x) and not ext.dispatch(x)
     assert len(caught) == 1 and "vqpipe._ext is not built" in str(caught[0].message)
     assert "scripts/build_ext.sh" in str(caught[0].message)
-
-
-def _greedy(model, prompt, steps):
-    cache = make_prompt_cache(model)
-    logits = model(mx.array(prompt)[None], cache=cache)[0, -1]
-    out = []
-    for _ in range(steps):
-        tok = int(mx.argmax(logits).item())
-        out.append(tok)
-        logits = model(mx.array([[tok]]), cache=cache)[0, -1]
-    return out
 
 
 @pytest.mark.parametrize("bits,group_size", [(4, None), (3, 64)])

@@ -25,7 +25,7 @@ else:
     _missing = None
 
 # Rows of x (product of the leading dims) up to which the CPU takes the extension; above it the
-# dense path. Measured on SmolLM2's gate|up and down (docs/ext.md, vqpipe/bench/ext_decode.py
+# dense path. Measured on SmolLM2's gate|up and down (docs/ext.md, experiments/ext_decode.py
 # --threshold): the extension 2.6-3.1x faster at M = 64, even with the dense path at M = 128.
 MAX_M = 64
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)

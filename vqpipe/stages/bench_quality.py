@@ -134,8 +134,9 @@ def affine_arm(path, bits, group_size, embeddings=False, dense=False):
     return (dense_copy(model, w_hats) if dense else model), err / tot, bpw
 
 
-def vqpipe_arm(path, bits, rotation, seed, quantized=None):
-    """(model, weight rel. MSE, bpw): the quantize artifact ``quantized`` if given, else quantized here.
+def vqpipe_arm(path, bits, rotation, seed, quantized=None, embeddings=False):
+    """(model, weight rel. MSE, bpw): the quantize artifact ``quantized`` if given, else quantized here
+    (data-free, the embedding quantized with ``embeddings``, as the affine arms are given it).
 
     The one place bench-quality makes a vqpipe model: from the pipeline's artifact, its options
     are whatever the quantize rule used.
@@ -145,7 +146,7 @@ def vqpipe_arm(path, bits, rotation, seed, quantized=None):
         records = json.loads((Path(quantized) / "quantized.json").read_text())["records"]
     else:
         model, _ = load_source(path)
-        records = quantize_model(model, bits, rotation, seed)
+        records = quantize_model(model, bits, rotation, seed, embeddings=bool(embeddings))
     err = sum(r["squared_error"] for r in records) / sum(r["weight_sq"] for r in records)
     bpw = bits_per_weight(model)  # before the cast: float16 group scales count 16 bits, as stored
     return _fp32(model), err, bpw
@@ -505,7 +506,7 @@ def measure_arms(path, data, bits_list, arms, index, quantized, rotation, seed, 
                     model, werr, bpw, info = competitor_arm(path, method, bits, calib(n), emb, target)
                 elif group is None:
                     rot = rotation if method == "vqpipe" else "none"
-                    model, werr, bpw = vqpipe_arm(path, bits, rot, seed, quantized.get((bits, rot)))
+                    model, werr, bpw = vqpipe_arm(path, bits, rot, seed, quantized.get((bits, rot)), emb)
                 else:
                     # the embedding as the vqpipe artifact has it: both quantized, or both dense
                     model, werr, bpw = affine_arm(path, bits, group, emb, dense=True)

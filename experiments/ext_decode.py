@@ -15,7 +15,7 @@ M = 1..128 rows (the choice of ``ext.MAX_M``). Medians with [min-max] and n; tok
 mlx-lm's own generation rate; memory as the arm's weight bytes and its peak above the memory in
 use when the trial started (the models share one process).
 
-    python -m vqpipe.bench.ext_decode --reservoir DIR --source DIR --out FILE.json
+    python -m experiments.ext_decode --reservoir DIR --source DIR --out FILE.json
 """
 
 import argparse
