@@ -157,6 +157,16 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The codebook into registers (cb) and a 256-entry table (table, zeroed by the caller); returns the
+// mask that loads a block's B words.
+template <int B>
+__attribute__((target("avx2,fma"), always_inline)) inline __m256i load_codebook(
+    const MatvecArgs& a, __m256* cb, float* table) {
+  std::memcpy(table, a.codebook, sizeof(float) << B);
+  for (int t = 0; t < 4; ++t) cb[t] = _mm256_load_ps(table + 8 * t);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(B), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 // Block k of row r (its B words at w): the 32 codebook values, group scales applied, into v[0..3].
 template <int B>
 __attribute__((target("avx2,fma"), always_inline)) inline void block_values(
@@ -184,9 +194,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const MatvecArgs& a, int r0, 
   const bool whole = a.group_size % 32 == 0;
   __m256 cb[4];
   alignas(32) float table[256] = {};
-  std::memcpy(table, a.codebook, sizeof(float) << B);
-  for (int t = 0; t < 4; ++t) cb[t] = _mm256_load_ps(table + 8 * t);
-  const __m256i load_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(B), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i load_mask = load_codebook<B>(a, cb, table);
   const float* x = a.x + static_cast<size_t>(m0) * a.padded;
   alignas(32) float s[32];
   for (int r = r0; r < r1; ++r) {
@@ -221,9 +229,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2_wide(const MatvecArgs& a, int
   const bool whole = a.group_size % 32 == 0;
   __m256 cb[4];
   alignas(32) float table[256] = {};
-  std::memcpy(table, a.codebook, sizeof(float) << B);
-  for (int t = 0; t < 4; ++t) cb[t] = _mm256_load_ps(table + 8 * t);
-  const __m256i load_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(B), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i load_mask = load_codebook<B>(a, cb, table);
   std::vector<float> row(a.padded);
   alignas(32) float s[32];
   for (int r = r0; r < r1; ++r) {

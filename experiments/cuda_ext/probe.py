@@ -4,17 +4,17 @@ beside the same kernel from ``mx.fast.cuda_kernel`` (compiled at run time by NVR
 ``mx.async_eval``, then a full ``mx.eval`` outside the timer; arms interleaved per round; compiled
 (``mx.compile``, the decode step's case) and eager. Also the first call's wall time (kernel build).
 
-    PYTHONPATH=BUILD_DIR:$PYTHONPATH python experiments/cuda_ext/probe.py --out probe.json
+    PYTHONPATH=BUILD_DIR:$PWD python experiments/cuda_ext/probe.py --out probe.json
 """
 
 import argparse
 import json
-import statistics
 import time
 
 import mlx.core as mx
 
 import _probe
+from experiments.host_cost import time_chains
 
 SOURCE = """
     unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -65,17 +65,7 @@ def measure(kinds, n, rounds, compiled, x):
             y = f(x)
             mx.eval(y)
         assert k == "rms_norm" or mx.allclose(y, x + n).item(), k
-    times = {k: [] for k in kinds}
-    for _ in range(rounds):
-        for k, f in fns.items():
-            mx.synchronize()
-            t0 = time.perf_counter()
-            y = f(x)
-            mx.async_eval(y)
-            t1 = time.perf_counter()
-            mx.eval(y)
-            times[k].append((t1 - t0) / n * 1e6)
-    return {k: {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)} for k, v in times.items()}
+    return time_chains(fns, x, n, rounds)
 
 
 def main(argv=None):
