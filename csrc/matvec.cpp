@@ -1,7 +1,6 @@
 #include "matvec.h"
 
 #include <algorithm>
-#include <sstream>
 #include <stdexcept>
 #include <vector>
 
@@ -24,12 +23,12 @@ constexpr size_t kSerialWords = 16384;
   throw std::invalid_argument("codebook_matvec: " + msg);
 }
 
+// Plain string concatenation: an ostringstream here crashed the CUDA build of the module on the
+// H100 (docs/results/2026-12-06-h100-user), the same code being fine on the CPU build.
 std::string shape_str(const Shape& s) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
-  os << (s.size() == 1 ? ",)" : ")");
-  return os.str();
+  std::string out = "(";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + (s.size() == 1 ? ",)" : ")");
 }
 
 bool is_float(Dtype t) {

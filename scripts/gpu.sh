@@ -13,6 +13,12 @@
 #   ncu       Nsight Compute: the decode step kernel by kernel (experiments.step_kernels), then the
 #             mat-vec kernels' sections (needs ncu on the host)
 #   pipeline  the Snakefile with config/gpu.yaml (arguments after -- go to snakemake)
+#   ext       build vqpipe._ext with its CUDA kernel (nanobind from the carried .whl/), its tests on
+#             the GPU, each bad-argument case in a process of its own (a C++ backtrace under gdb)
+#   user      the default user path: a synthetic qwen2.5-0.5b reservoir made by the stage CLIs,
+#             `vqpipe generate` in three fresh processes (the first two under cProfile) beside
+#             mlx_lm.generate on mlx_lm.convert's affine 4-bit and on the source; MLX's PTX cache kept
+#   ttft      the time before the first token phase by phase (experiments/ttft.py), after a warm-up
 #
 # The MLX CUDA runtime comes from the carried bundle (scripts/gpu_env.sh); PYTHON=... uses another
 # interpreter instead. Results go under DIR (default results/gpu), one folder per part, with env.txt;
@@ -27,8 +33,8 @@ while [ $# -gt 0 ]; do
     --presets) PRESETS=$2; shift 2 ;;
     --tar) TAR=1; shift ;;
     --) shift; SNAKE=("$@"); break ;;
-    tests|decode|qmv|kivi|ncu|pipeline) PARTS+=("$1"); shift ;;
-    *) echo "gpu.sh: unknown argument $1 (parts: tests decode qmv kivi ncu pipeline)" >&2; exit 2 ;;
+    tests|decode|qmv|kivi|ncu|pipeline|ext|user|ttft) PARTS+=("$1"); shift ;;
+    *) echo "gpu.sh: unknown argument $1 (parts: tests decode qmv kivi ncu pipeline ext user ttft)" >&2; exit 2 ;;
   esac
 done
 [ ${#PARTS[@]} -gt 0 ] || { sed -n 2,20p "$0"; exit 2; }
@@ -109,6 +115,75 @@ part_pipeline() {
   # One job at a time: the benchmarks time one GPU, which a concurrent job would disturb.
   PYTHONPATH=$PYTHONPATH:$smk $PY -m snakemake --cores 1 --scheduler greedy --configfile config/gpu.yaml \
     --rerun-incomplete --keep-going "${SNAKE[@]}" 2>&1 | tee "$1/snakemake.log" | tail -n 30
+}
+
+part_ext() {
+  echo "== build vqpipe._ext with CUDA $(since)"
+  mkdir -p /tmp/site
+  $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/nanobind-*.whl 2>&1 | tail -n 3
+  PYTHONPATH=/tmp/site:$PYTHONPATH VQPIPE_EXT_BUILD=/tmp/ext_build bash scripts/build_ext.sh "$(command -v $PY)" 2>&1 | tail -n 5
+  $PY -c "from vqpipe import ext; m = ext.module(); print('ext', m is not None, 'gpu', m and m.has_gpu())"
+  echo "== bad arguments, one process each $(since)"
+  $PY experiments/ext_bad_args.py --each 2>&1 | tee "$1/bad_args.log" | tail -n 20
+  if command -v gdb > /dev/null; then
+    timeout 120 gdb -q -batch -ex run -ex bt -ex "info registers rip" --args $PY experiments/ext_bad_args.py \
+      > "$1/gdb.log" 2>&1
+    grep -E "^#|signal|rip" "$1/gdb.log" | head -n 40
+  else
+    echo "(no gdb on this host)"
+  fi
+  echo "== tests/test_ext.py on the GPU $(since)"
+  pt "$1/test_ext.log" 300 -p no:randomly tests/test_ext.py
+}
+
+USER_DIR=/tmp/user
+user_reservoir() {  # a synthetic qwen2.5-0.5b reservoir and mlx_lm.convert's affine 4-bit, once per host
+  local d=$USER_DIR
+  [ -f "$d/affine4/config.json" ] && return 0
+  rm -rf "$d" && mkdir -p "$d"
+  echo "== a synthetic qwen2.5-0.5b reservoir through the stage CLIs $(since)"
+  $PY -m vqpipe download --source synth:qwen2.5-0.5b --out "$d/src" 2>&1 | tail -n 1
+  $PY -m vqpipe quantize --source "$d/src" --out "$d/q" --bits 4 2>&1 | tail -n 1
+  $PY -m vqpipe pack --quantized "$d/q" --out "$d/r" --persist-rotation off 2>&1 | tail -n 1
+  $PY -m mlx_lm convert --hf-path "$d/src" --mlx-path "$d/affine4" -q --q-bits 4 --q-group-size 64 2>&1 | tail -n 1
+}
+
+part_ttft() {  # phase by phase before the first token (experiments/ttft.py), after one warm-up process
+  user_reservoir
+  echo "== warm-up generate (fills MLX's PTX cache) $(since)"
+  timeout 200 $PY -m vqpipe generate --model $USER_DIR/r --prompt "warm up" --max-tokens 4 2>&1 | grep -E "Prompt:|Generation:"
+  for i in 1 2; do
+    for mode in split eager; do
+      echo "== ttft $mode, process $i $(since)"
+      timeout 120 $PY -m experiments.ttft --model $USER_DIR/r --mode $mode 2>&1 | tee -a "$1/ttft.jsonl" | grep "{"
+    done
+  done
+}
+
+part_user() {
+  local d=$USER_DIR prompt="Write a short story about a lighthouse keeper who finds a message in a bottle."
+  user_reservoir
+  echo "PTX cache files before: $(ls /tmp/mlx/*/ptx 2>/dev/null | wc -l)"
+  for i in 1 2 3; do
+    echo "== vqpipe generate, process $i $(since)"
+    local prof=()
+    [ $i -le 2 ] && prof=(-m cProfile -o "$1/generate$i.prof")
+    local t=$(date +%s.%N)
+    timeout 300 $PY "${prof[@]}" -m vqpipe generate --model "$d/r" --prompt "$prompt" --max-tokens 128 \
+      > "$1/generate$i.log" 2>&1
+    echo "wall $($PY -c "print(round($(date +%s.%N) - $t, 2))") s; PTX cache files: $(ls /tmp/mlx/*/ptx 2>/dev/null | wc -l)"
+    grep -E "Prompt:|Generation:|Peak" "$1/generate$i.log"
+    for m in affine4 src; do
+      t=$(date +%s.%N)
+      timeout 120 $PY -m mlx_lm generate --model "$d/$m" --prompt "$prompt" --max-tokens 128 > "$1/mlx_lm_$m$i.log" 2>&1
+      echo "mlx_lm.generate $m: wall $($PY -c "print(round($(date +%s.%N) - $t, 2))") s; $(grep -E 'Prompt:|Generation:' "$1/mlx_lm_$m$i.log" | tr '\n' ' ')"
+    done
+  done
+  for i in 1 2; do
+    echo "== profile of process $i (cumulative, top 30)"
+    $PY -c "import pstats; pstats.Stats('$1/generate$i.prof').sort_stats('cumulative').print_stats(30)" \
+      2>&1 | grep -E "^ +[0-9]" | head -n 30 | cut -c1-160
+  done
 }
 
 for part in "${PARTS[@]}"; do

@@ -158,7 +158,17 @@ def test_jvp_and_no_vjp():
         mx.grad(lambda v: ext.matvec(v, p, s, c, 4).sum())(x)
 
 
-def test_layers_take_it_for_decode_only():
+@pytest.fixture
+def cpu_default():
+    """The CPU as the default device: the layers route only CPU work to the extension (on a GPU host
+    the default device is the GPU)."""
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(previous)
+
+
+def test_layers_take_it_for_decode_only(cpu_default):
     """QuantizedLinear on the CPU: M <= MAX_M through the extension, larger M dense; both equal the
     float64 formula (the dense path to its own float32 rounding)."""
     rng = np.random.default_rng(4)
@@ -181,7 +191,7 @@ def test_layers_take_it_for_decode_only():
         assert ext.dispatch(mx.zeros((1, 576)))
 
 
-def test_missing_module_warns_once(monkeypatch):
+def test_missing_module_warns_once(monkeypatch, cpu_default):
     monkeypatch.setattr(ext, "_ext", None)
     monkeypatch.setattr(ext, "_missing", ImportError("No module named 'vqpipe._ext'"))
     monkeypatch.setattr(ext, "_warned", False)

@@ -49,7 +49,7 @@ import re
 import mlx.core as mx
 import numpy as np
 
-from . import gpu
+from . import cuda_cache, gpu
 from .gpu import backend
 from .bitpack import unpack, words_per_row
 
@@ -882,7 +882,7 @@ def _kernel(dialect, outputs=1):
     key = (dialect, outputs)
     if key not in _kernels:
         name, header, body = render(dialect, outputs)
-        make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
+        make = mx.fast.metal_kernel if dialect == "metal" else cuda_cache.cuda_kernel
         _kernels[key] = make(name=name, input_names=INPUT_NAMES,
                              output_names=output_names(outputs), source=body, header=header)
     return _kernels[key]

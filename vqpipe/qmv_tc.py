@@ -36,7 +36,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from . import qmv, small_arrays
+from . import cuda_cache, qmv, small_arrays
 
 BITS = 4
 CHUNK = 128  # inputs per chunk: 4 tile pairs of 32, one packed word per row and lane per tile pair
@@ -378,7 +378,7 @@ _kernels = {}
 def _kernel(outputs):
     if outputs not in _kernels:
         name, header, body = render(outputs)
-        _kernels[outputs] = mx.fast.cuda_kernel(name=name, input_names=INPUT_NAMES,
+        _kernels[outputs] = cuda_cache.cuda_kernel(name=name, input_names=INPUT_NAMES,
                                                 output_names=qmv.output_names(outputs), source=body, header=header)
     return _kernels[outputs]
 

@@ -44,7 +44,7 @@ import typing
 
 import mlx.core as mx
 
-from .. import gpu
+from .. import cuda_cache, gpu
 from . import kernels
 
 NSMAX = 128  # most splits per KV head (the scratch holds one partial per split)
@@ -1534,7 +1534,7 @@ def _kernel(dialect, version=None, meta=None, warps=WARPS, minblocks=0, minify=T
     key = (dialect, version or VERSION, meta or META, warps if minblocks else 0, minblocks, minify)
     if key not in _kernels:
         name, header, body = render(dialect, key[1], key[2], warps, minblocks, minify)
-        make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
+        make = mx.fast.metal_kernel if dialect == "metal" else cuda_cache.cuda_kernel
         _kernels[key] = make(name=name, input_names=INPUTS, output_names=["out"], source=body, header=header)
     return _kernels[key]
 

@@ -33,7 +33,7 @@ import re
 
 import mlx.core as mx
 
-from .. import gpu
+from .. import cuda_cache, gpu
 from ..gpu import backend
 from . import quantizer
 
@@ -473,7 +473,7 @@ def _kernel(dialect, kind, layout):
     key = (dialect, kind, layout)
     if key not in _kernels:
         name, header, body = render(kind, dialect, layout)
-        make = mx.fast.metal_kernel if dialect == "metal" else mx.fast.cuda_kernel
+        make = mx.fast.metal_kernel if dialect == "metal" else cuda_cache.cuda_kernel
         inputs, outputs = IO_NAMES[kind]
         _kernels[key] = make(name=name, input_names=inputs, output_names=outputs, source=body, header=header)
     return _kernels[key]
