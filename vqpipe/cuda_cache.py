@@ -17,14 +17,14 @@ and compiles as before. Where NVRTC or the CUDA headers cannot be found, the sam
 """
 
 import ctypes
-import glob
 import os
-import sys
 import tempfile
 import warnings
 from pathlib import Path
 
 import mlx.core as mx
+
+from . import nvrtc
 
 # MLX's text around a kernel (mlx/backend/cuda/custom_kernel.cpp, build_kernel), byte for byte
 _UTILS = '#include "mlx/backend/cuda/device/utils.cuh"'
@@ -119,96 +119,36 @@ def ptx_path(directory, module_name):
     return path / (rest + ".ptx")
 
 
-class _Nvrtc:
-    """NVRTC and the device's compute capability through ctypes; None where either is missing."""
-
-    def __init__(self):
-        self.lib = _load(["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"], "nvidia/*/lib/libnvrtc.so*")
-        cuda = _load(["libcuda.so.1", "libcuda.so"], None)
-        if self.lib is None or cuda is None:
-            raise OSError("NVRTC or the CUDA driver library not found")
-        dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-        if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), 0) \
-                or cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) \
-                or cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev):
-            raise OSError("the CUDA driver gave no device")
-        self.arch = f"sm_{major.value}{minor.value}{'a' if major.value >= 9 else ''}"
-        self.includes = _include_dirs()
-        if not any((d / "cuda_fp16.h").is_file() for d in self.includes):
-            raise OSError("the CUDA headers (cuda_fp16.h) not found; set CUDA_HOME")
-
-    def compile(self, text, expression):
-        """(cubin, mangled name of ``expression``) of ``text``; RuntimeError with NVRTC's log."""
-        lib, prog = self.lib, ctypes.c_void_p()
-        self._check(lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), b"kernel.cu", 0, None, None))
-        try:
-            self._check(lib.nvrtcAddNameExpression(prog, expression.encode()))
-            opts = [b"--device-as-default-execution-space", f"--gpu-architecture={self.arch}".encode()]
-            opts += [f"--include-path={d}".encode() for d in self.includes]
-            if lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)):
-                size = ctypes.c_size_t()
-                lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-                log = ctypes.create_string_buffer(size.value)
-                lib.nvrtcGetProgramLog(prog, log)
-                raise RuntimeError(f"NVRTC: {log.value.decode(errors='replace')[:2000]}")
-            size = ctypes.c_size_t()
-            self._check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
-            cubin = ctypes.create_string_buffer(size.value)
-            self._check(lib.nvrtcGetCUBIN(prog, cubin))
-            mangled = ctypes.c_char_p()
-            self._check(lib.nvrtcGetLoweredName(prog, expression.encode(), ctypes.byref(mangled)))
-            return cubin.raw, mangled.value.decode()
-        finally:
-            lib.nvrtcDestroyProgram(ctypes.byref(prog))
-
-    def _check(self, code):
-        if code:
-            self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-            raise RuntimeError(f"NVRTC: {self.lib.nvrtcGetErrorString(code).decode()}")
+def _arch():
+    """The device's SASS target, as MLX's JIT names it ("sm_90a" on an H100), from the CUDA driver."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), 0) \
+            or cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) \
+            or cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev):
+        raise OSError("the CUDA driver gave no device")
+    return f"sm_{major.value}{minor.value}{'a' if major.value >= 9 else ''}"
 
 
-def _load(names, pattern):
-    """The first library of ``names`` the loader finds (one MLX loaded already is found by its
-    name), else the first file matching ``pattern`` under sys.path (NVIDIA's Python packages), whose
-    companions (libnvrtc-builtins) are loaded first, globally, for NVRTC's own dlopen to find."""
-    for n in names:
-        try:
-            return ctypes.CDLL(n)
-        except OSError:
-            pass
-    for p in sys.path if pattern else ():
-        for f in sorted(glob.glob(os.path.join(p, pattern))):
-            try:
-                for b in sorted(glob.glob(os.path.join(os.path.dirname(f), "libnvrtc-builtins.so.*"))):
-                    ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
-                return ctypes.CDLL(f)
-            except OSError:
-                pass
-    return None
-
-
-def _include_dirs():
-    """The CUDA headers (NVIDIA's Python packages, then CUDA_HOME / CUDA_PATH / /usr/local/cuda) and
-    CCCL (MLX's bundled copy first, as MLX's own JIT takes it)."""
-    found = [Path(mx.__file__).parent / "include" / "cccl"]
-    for p in sys.path:
-        found += [Path(p) / "nvidia" / sub / "include" for sub in ("cu13", "cuda_runtime", "cuda_nvrtc")]
-    for env in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(env):
-            found.append(Path(os.environ[env]) / "include")
-    found.append(Path("/usr/local/cuda/include"))
-    found += [d / "cccl" for d in list(found)]
-    return [d for d in dict.fromkeys(found) if d.is_dir()]
+def _compile(text, expression, arch):
+    """(cubin, mangled name of ``expression``): the text with our preamble for MLX's utils.cuh, the
+    options MLX's JIT gives (CCCL: MLX's bundled copy first, as its JIT takes it)."""
+    cubin, _, (mangled,) = nvrtc.build(
+        text.replace(_UTILS, _PREAMBLE, 1), arch, expressions=[expression],
+        options=["--device-as-default-execution-space", f"--include-path={Path(mx.__file__).parent / 'include' / 'cccl'}"])
+    return cubin, mangled
 
 
 _state = {}  # the one _Nvrtc of the process (or the reason there is none)
 
 
 def _compiler():
+    """The device's arch where NVRTC, the CUDA headers and a device are there; else None (one warning)."""
     if "nvrtc" not in _state:
         try:
-            _state["nvrtc"] = _Nvrtc()
-        except (OSError, AttributeError) as e:
+            nvrtc.include_dir()
+            _state["nvrtc"] = _arch()
+        except (OSError, RuntimeError) as e:
             _state["nvrtc"] = None
             warnings.warn(f"vqpipe: CUDA kernels compile in every process ({e})", RuntimeWarning, stacklevel=4)
     return _state["nvrtc"]
@@ -220,12 +160,12 @@ def ensure_cached(kname, text, directory=None):
     path = ptx_path(directory or cache_dir(), f"{kname}_{std_hash(text.encode()):x}")
     if path.is_file():
         return path
-    nvrtc = _compiler()
-    if nvrtc is None:
+    arch = _compiler()
+    if arch is None:
         return None
     expression = "mlx::core::cu::" + kname
     try:
-        cubin, mangled = nvrtc.compile(text.replace(_UTILS, _PREAMBLE, 1), expression)
+        cubin, mangled = _compile(text, expression, arch)
     except RuntimeError as e:
         warnings.warn(f"vqpipe: {kname} left to MLX's compile ({e})", RuntimeWarning, stacklevel=3)
         return None

@@ -1,10 +1,8 @@
 """CUDA C++ to PTX or cubin with NVRTC, through ctypes: one library lookup, one include rule.
 
-Used where vqpipe compiles CUDA itself instead of through MLX's ``cuda_kernel``: the qmv GPU-time
-harness (experiments/cuda_time.py, cubins it launches through the driver). PTX loads through
-``mx.fast.precompiled_cuda_kernel`` too (tests/test_nvrtc.py); the KIVI decode kernel's launch that
-way was removed: it cost more host time per call than ``cuda_kernel``'s (docs/kivi.md). Nothing
-here needs MLX or a GPU, only the NVRTC library.
+Used where vqpipe compiles CUDA itself: vqpipe/cuda_cache.py (its kernels' cubins, compiled once per
+machine for MLX's JIT cache) and the qmv GPU-time harness (experiments/cuda_time.py, cubins it
+launches through the driver). Nothing here needs MLX or a GPU, only the NVRTC library.
 
 The library: NVIDIA's pip wheels on ``sys.path`` (``nvidia/cu13/lib``, the CUDA 13 layout, or
 ``nvidia/cuda_nvrtc/lib``), then the toolkit (CUDA_HOME, CUDA_PATH, /usr/local/cuda), then the plain
@@ -74,6 +72,14 @@ def include_dir():
     raise RuntimeError(f"NVRTC: no CUDA headers (cuda_fp16.h) beside the library ({folder}) or under {', '.join(_homes())}")
 
 
+def include_args(extra=()):
+    """``--include-path`` options: the CUDA headers, their CCCL folder (``cuda/std/...``) where the
+    toolkit keeps it apart, and ``extra`` folders that exist."""
+    base = include_dir()
+    dirs = [base, os.path.join(base, "cccl"), *extra]
+    return [f"--include-path={d}" for d in dict.fromkeys(dirs) if os.path.isdir(d)]
+
+
 def _check(lib, status, what, prog=None):
     if status == 0:
         return
@@ -90,22 +96,32 @@ def _log(lib, prog):
     return buf.value.decode(errors="replace")
 
 
-def build(source, arch, options=(), binary="cubin", name="k"):
+def build(source, arch, options=(), binary="cubin", name="k", expressions=()):
     """(bytes, log) of ``source`` compiled for ``arch`` ("sm_90", "compute_90", …): ``binary`` "cubin"
-    (needs an sm_ arch) or "ptx" (NUL-terminated, as the driver loads it); C++17, the include rule."""
+    (needs an sm_ arch) or "ptx" (NUL-terminated, as the driver loads it); C++17, the include rule.
+    With ``expressions`` (kernel names), (bytes, log, their mangled names)."""
     get = {"cubin": ("nvrtcGetCUBINSize", "nvrtcGetCUBIN"), "ptx": ("nvrtcGetPTXSize", "nvrtcGetPTX")}[binary]
     lib, _ = library()
     prog = ctypes.c_void_p()
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None), "create")
     try:
-        opts = [f"--gpu-architecture={arch}", "-std=c++17", f"--include-path={include_dir()}", *options]
+        for e in expressions:
+            _check(lib, lib.nvrtcAddNameExpression(prog, e.encode()), "name expression")
+        opts = [f"--gpu-architecture={arch}", "-std=c++17", *include_args(), *options]
         arr = (ctypes.c_char_p * len(opts))(*(o.encode() for o in opts))
         _check(lib, lib.nvrtcCompileProgram(prog, len(opts), arr), "compile", prog)
         size = ctypes.c_size_t()
         _check(lib, getattr(lib, get[0])(prog, ctypes.byref(size)), get[0])
         buf = ctypes.create_string_buffer(size.value)
         _check(lib, getattr(lib, get[1])(prog, buf), get[1])
-        return buf.raw, _log(lib, prog)
+        if not expressions:
+            return buf.raw, _log(lib, prog)
+        lowered = []
+        for e in expressions:
+            m = ctypes.c_char_p()
+            _check(lib, lib.nvrtcGetLoweredName(prog, e.encode(), ctypes.byref(m)), "lowered name")
+            lowered.append(m.value.decode())
+        return buf.raw, _log(lib, prog), lowered
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
