@@ -23,7 +23,7 @@ import sys
 
 import mlx.core as mx
 
-from vqpipe.fsutil import write_json
+from vqpipe.store.fsutil import write_json
 from vqpipe.kivi.cache import make_kivi_cache
 
 

@@ -86,7 +86,8 @@ def main():
     mark("import vqpipe.stages.quantize", t, c)
     import mlx_lm.utils
 
-    from vqpipe import calibrate, fsutil, manifest, quantize, record
+    from vqpipe.quant import calibrate, quantize
+    from vqpipe.store import fsutil, manifest, record
 
     if "--calibration" in argv:
         timed(calibrate, "quantize_calibrated", "layer loop (quantize_calibrated)")

@@ -14,7 +14,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from vqpipe import synth
+from vqpipe.sources import synth
 from vqpipe.stages import download
 from vqpipe.stages.download import fetch
 

@@ -56,7 +56,7 @@ def _graph():
 def test_every_module_is_reached_from_a_rule_or_a_command():
     graph = _graph()
     named = "".join(p.read_text() for p in [*(ROOT / "workflow").rglob("*.smk"), ROOT / "workflow/Snakefile", ROOT / "Makefile"])
-    named += "".join(f" vqpipe.{m.strip()}" for line in re.findall(r"from vqpipe import ([\w, ]+)", named) for m in line.split(","))
+    named += "".join(f" {pkg}.{m.strip()}" for pkg, line in re.findall(r"from (vqpipe(?:\.\w+)*) import ([\w, ]+)", named) for m in line.split(","))
     roots = {"vqpipe", "vqpipe.__main__", *(m for m in NAMED.findall(named) if m in graph)}
     seen, todo = set(), list(roots)
     while todo:

@@ -11,7 +11,7 @@ import pytest
 import vqpipe
 from vqpipe.stages import show as vinspect
 from vqpipe.stages import pack, quantize
-from vqpipe import reservoir as R
+from vqpipe.store import reservoir as R
 
 
 @pytest.fixture(scope="module")

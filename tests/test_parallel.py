@@ -4,8 +4,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vqpipe import blas, parallel, qlinear
-from vqpipe.quantize import quantize_model, split_state
+from vqpipe import blas, parallel
+from vqpipe.layers import qlinear
+from vqpipe.quant.quantize import quantize_model, split_state
 
 from test_reservoir import make_model
 
@@ -53,7 +54,7 @@ def test_stored_moments_on_threads(monkeypatch):
 
 
 def test_job_rows():
-    from vqpipe.gptq import _chunks
+    from vqpipe.codec.gptq import _chunks
 
     def jobs(rows):
         return [b - a for a, b in _chunks(rows, qlinear._job_rows(rows))]

@@ -7,8 +7,8 @@ import pytest
 from mlx_lm import generate
 from mlx_lm.utils import load
 
-from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
-from vqpipe.quantize import quantize_model, quantized_layers
+from vqpipe.layers.qlinear import QuantizedEmbedding, QuantizedLinear
+from vqpipe.quant.quantize import quantize_model, quantized_layers
 from vqpipe.stages.quantize import load_quantized, main, run
 
 

@@ -1,4 +1,4 @@
-"""The automatic recipe: the bit allocation (vqpipe/recipe.py) and its defaults everywhere."""
+"""The automatic recipe: the bit allocation (vqpipe/quant/recipe.py) and its defaults everywhere."""
 
 import inspect
 from pathlib import Path
@@ -9,8 +9,14 @@ import pytest
 import yaml
 from mlx.utils import tree_flatten
 
-from vqpipe import recipe
-from vqpipe.quantize import CALIBRATION_WINDOWS, _targets, calibrate_model, layer_rotation, quantize_model
+from vqpipe.quant import recipe
+from vqpipe.quant.quantize import (
+    CALIBRATION_WINDOWS,
+    _targets,
+    calibrate_model,
+    layer_rotation,
+    quantize_model,
+)
 from vqpipe.stages import bench_quality
 from vqpipe.stages import quantize as stage
 
@@ -174,10 +180,10 @@ def test_api_recipe_with_tokenizer(tiny_llama_source, monkeypatch):
     """quantize_model(model, bits, tokenizer=tok): the calibrate stage's moments and the allocation."""
     from mlx_lm.utils import load
 
-    import vqpipe.quantize
+    import vqpipe.quant.quantize
 
-    monkeypatch.setattr(vqpipe.quantize, "CALIBRATION_WINDOWS", 4)  # the recipe's 64 x 512, smaller
-    monkeypatch.setattr(vqpipe.quantize, "CALIBRATION_LENGTH", 64)
+    monkeypatch.setattr(vqpipe.quant.quantize, "CALIBRATION_WINDOWS", 4)  # the recipe's 64 x 512, smaller
+    monkeypatch.setattr(vqpipe.quant.quantize, "CALIBRATION_LENGTH", 64)
     model, tok = load(str(tiny_llama_source))
     records = quantize_model(model, 4, tokenizer=tok, budget=6.0, fuse=False)
     assert all(r["calibrated"] for r in records if r["kind"] == "linear")

@@ -1,4 +1,4 @@
-"""One rotation of the residual stream folded into the weights (vqpipe/residual_rotation.py): the same
+"""One rotation of the residual stream folded into the weights (vqpipe/quant/residual_rotation.py): the same
 function, the stream's readers quantized without rotations of their own, stored and reloaded
 byte-exact, fewer primitives per decode step (CPU, float32)."""
 
@@ -11,12 +11,12 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from vqpipe import reservoir as R
-from vqpipe import residual_rotation as rr
+from vqpipe.store import reservoir as R
+from vqpipe.quant import residual_rotation as rr
 from experiments.decode_shapes import graph_ops
-from vqpipe.decode_step import Decoder
-from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
-from vqpipe.quantize import quantize_model, residual_seed
+from vqpipe.decode.step import Decoder
+from vqpipe.layers.qlinear import QuantizedEmbedding, QuantizedLinear
+from vqpipe.quant.quantize import quantize_model, residual_seed
 from vqpipe.stages.bench_decode import cast_floating
 
 PROMPT = [3, 17, 99, 5, 1200, 42, 7, 310, 8, 64, 2, 4000, 11]
@@ -132,7 +132,7 @@ def test_compiled_steps_give_the_eager_tokens(tiny_llama_source, tiny_source):
 
 def test_calibrated_quantize_reads_the_head_through_its_map(tiny_source):
     """GPTQ on the tied head sees what the head reads: Head(y) of the final norm's outputs."""
-    from vqpipe import calibrate
+    from vqpipe.quant import calibrate
 
     model = _load(tiny_source)
     tokens = mx.array(np.arange(4 * 32).reshape(4, 32) % 1000 + 3, mx.int32)

@@ -7,12 +7,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from vqpipe import gptq
-from vqpipe import reservoir as R
+from vqpipe.codec import gptq
+from vqpipe.store import reservoir as R
 from vqpipe.stages import bench_quality as q
-from vqpipe.calibrate import tied_head
-from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
-from vqpipe.quantize import quantize_model
+from vqpipe.quant.calibrate import tied_head
+from vqpipe.layers.qlinear import QuantizedEmbedding, QuantizedLinear
+from vqpipe.quant.quantize import quantize_model
 
 from test_reservoir import make_model
 
@@ -108,8 +108,8 @@ def test_stored_moments_quantize_as_in_process():
     # In process the moments are summed from the rotated activations (calibrate.collect); stored
     # ones are rotated afterwards (R H R^T): the same moments to float32 rounding, so the same
     # quantizer up to codes at a rounding tie and scales an ulp off.
-    from vqpipe.calibrate import collect, decoder
-    from vqpipe.quantize import layer_rotation, split_state
+    from vqpipe.quant.calibrate import collect, decoder
+    from vqpipe.quant.quantize import layer_rotation, split_state
     from vqpipe.stages.calibrate import full_precision_moments
 
     inproc, _ = make_model(TIED)

@@ -192,7 +192,7 @@ def test_decoded_once_gives_the_same_logits_and_decodes_each_layer_once(which, r
     """reference_logits builds the prompts' forwards together, each weight decoded once for all of
     them (dequant.decoded_once), and computes them a block at a time: the bytes of each prompt's
     own forward, and the model's blocks are its own again afterwards."""
-    from vqpipe import dequant
+    from vqpipe.kernels import dequant
 
     model, tok = quantize.load_quantized(request.getfixturevalue(which))
     blocks = list(model.model.layers)
@@ -206,7 +206,7 @@ def test_decoded_once_gives_the_same_logits_and_decodes_each_layer_once(which, r
     assert dequant.scaled_values.__name__ == "scaled_values"  # and decoded_once's own
     assert all(a is b for a, b in zip(model.model.layers, blocks)) and len(model.model.layers) == len(blocks)
     n = len(quantize.REFERENCE_PROMPTS)
-    layers = len([m for _, m in model.named_modules() if isinstance(m, vqpipe.qlinear.QuantizedLinear)])
+    layers = len([m for _, m in model.named_modules() if isinstance(m, vqpipe.layers.qlinear.QuantizedLinear)])
     # every weight decoded on the first prompt only; later prompts decode just their embedding rows
     assert len(calls) < layers + n and len(set(calls)) == len(calls)
     assert want == own_forwards(model, tok)  # nothing of the shared decoding is left behind

@@ -21,7 +21,7 @@ import threading
 
 import numpy as np
 
-from . import gpu
+from .kernels import gpu
 
 
 def env_off(name):

@@ -3,7 +3,7 @@
 Artifact (a directory, written atomically):
     moments.safetensors   one float32 H per distinct input ("<key>"): linears that read one
                           activation (q/k/v, gate/up) share a key; "final norm" feeds the head
-                          and "fisher/<name>": each layer's output sensitivity (vqpipe/recipe.py,
+                          and "fisher/<name>": each layer's output sensitivity (vqpipe/quant/recipe.py,
                           the recipe's bit allocation: mean squared loss gradient per output, from
                           the first recipe.FISHER_WINDOWS windows)
     moments.json          {name: key} for every layer that has moments, the calibration spec and
@@ -24,9 +24,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import __version__, manifest, record, recipe, residual_rotation, selfgen  # noqa: F401 (self text: a code input)
-from ..calibrate import _batches, block_forward, collect, decoder, head_inputs, moments, tied_head
-from ..fsutil import atomic_dir, save_safetensors
+from .. import __version__
+from ..store import manifest, record
+from ..quant import recipe, residual_rotation, selfgen  # noqa: F401 (self text: a code input)
+from ..quant.calibrate import _batches, block_forward, collect, decoder, head_inputs, moments, tied_head
+from ..store.fsutil import atomic_dir, save_safetensors
 
 HEAD = "final norm"
 
@@ -73,7 +75,7 @@ def sets(info):
 
 def load(path, residual=None):
     """({name: (key, H)}, info) from a calibrate artifact: the set collected under residual rotation
-    ``residual`` (an identity, vqpipe/residual_rotation.py; None: the plain model). Layers sharing a
+    ``residual`` (an identity, vqpipe/quant/residual_rotation.py; None: the plain model). Layers sharing a
     key get the same array object (the quantizer factorises a shared H once)."""
     path = Path(path)
     manifest.verify(path)
@@ -110,7 +112,7 @@ def run(source, out, windows=64, length=512, seed=0, progress=print, residual=No
     """Moments of the plain model and/or (``residual``: a rotation kind) of the model with the residual
     rotation quantize --residual-rotation --rotation KIND --seed ``rotation_seed`` folds in. ``plain``
     defaults to on without ``residual``, off with it. ``sensitivity``: also each layer's output
-    sensitivity (vqpipe/recipe.py), what the quantize stage's bit allocation reads."""
+    sensitivity (vqpipe/quant/recipe.py), what the quantize stage's bit allocation reads."""
     from mlx_lm.utils import load as load_model
 
     from .quantize import calibration_tokens
@@ -131,7 +133,7 @@ def run(source, out, windows=64, length=512, seed=0, progress=print, residual=No
                 raise ValueError("calibrate: calibration text none collects nothing")
             tokens, calib = calibration_tokens(tokenizer, text, windows, length, seed, model)
         if rotated:  # the model quantize will see: moments in the rotated stream's basis
-            from ..quantize import rotate_for_quantize
+            from ..quant.quantize import rotate_for_quantize
 
             rotate_for_quantize(model, residual, rotation_seed)
         names, sums = full_precision_moments(model, tokens, progress)
@@ -160,19 +162,19 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="output artifact directory")
     p.add_argument("--calibration", default="text", choices=("text", "self"),
                    help="text (default): the calibration split of vqpipe/text.py; self: text the model writes itself "
-                   "(vqpipe/selfgen.py)")
+                   "(vqpipe/quant/selfgen.py)")
     p.add_argument("--calib-windows", type=int, default=64, help="calibration windows")
     p.add_argument("--calib-length", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration window offsets")
     p.add_argument("--residual-rotation", default=None, choices=("auto", "hadamard", "kron"), metavar="KIND",
                    help="collect the moments of the model with a residual rotation of this kind folded in, as "
-                        "quantize --residual-rotation --rotation KIND --seed SEED makes it (vqpipe/residual_rotation.py)")
+                        "quantize --residual-rotation --rotation KIND --seed SEED makes it (vqpipe/quant/residual_rotation.py)")
     p.add_argument("--seed", type=int, default=0, help="with --residual-rotation: quantize's rotation seed")
     p.add_argument("--plain", action=argparse.BooleanOptionalAction, default=None,
                    help="also (or only) the plain model's moments (default: only without --residual-rotation); "
                         "quantize jobs without the residual rotation read those")
     p.add_argument("--sensitivity", action=argparse.BooleanOptionalAction, default=True,
-                   help="also each layer's output sensitivity, for quantize's bit allocation (vqpipe/recipe.py; default)")
+                   help="also each layer's output sensitivity, for quantize's bit allocation (vqpipe/quant/recipe.py; default)")
     args = p.parse_args(argv)
     try:
         run(args.source, args.out, args.calib_windows, args.calib_length, args.calib_seed,

@@ -1,11 +1,11 @@
 """Download stage: fetch a model source into a Hugging Face layout directory.
 
 Sources:
-  ``synth:PRESET[-4bit]``  deterministic offline synthetic model (``vqpipe.synth``)
+  ``synth:PRESET[-4bit]``  deterministic offline synthetic model (``vqpipe.sources.synth``)
   ``hf:REPO[@REVISION]``   Hugging Face Hub snapshot (or the local HF cache when offline)
   ``path:DIR``             a local model directory, copied
   ``gguf:FILE``            a llama.cpp GGUF file, converted (``gguf:pkg:PACKAGE/PATH``: a file
-                           shipped in an installed Python package; see ``vqpipe.gguf``)
+                           shipped in an installed Python package; see ``vqpipe.sources.gguf``)
 
 The output directory appears atomically (built next to it, then renamed) and holds
 ``vqpipe-source.json``: the source string, parameter count and sha256 of every file.
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .. import fsutil, manifest, record
-from ..manifest import sha256_file
+from ..store import fsutil, manifest, record
+from ..store.manifest import sha256_file
 
 SCHEMES = ("synth", "hf", "path", "gguf")
 SOURCE_FILE = "vqpipe-source.json"
@@ -70,11 +70,11 @@ def fetch(source, out_dir, seed=0, dtype="bfloat16"):
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if scheme == "synth":
-        from .. import synth
+        from ..sources import synth
 
         synth.parse_preset(value)  # fail on a bad preset before touching the disk
     if scheme == "gguf":
-        from .. import gguf
+        from ..sources import gguf
 
         gguf.open_reader(gguf.resolve(value))  # fail on a missing or bad file before touching the disk
 
@@ -281,7 +281,7 @@ def write_source_json(model_dir, info, out_dir=None):
 
 
 def main(argv=None):
-    from ..synth import PRESETS
+    from ..sources.synth import PRESETS
 
     parser = argparse.ArgumentParser(
         prog="vqpipe download",

@@ -21,14 +21,23 @@ from pathlib import Path
 import mlx.core as mx
 
 from .. import __version__
-from ..codebook import BITS
-from .. import manifest, parallel, recipe, record, residual_rotation
-from ..fsutil import atomic_dir, save_safetensors
-from ..fused import fuse_model
+from ..codec.codebook import BITS
+from ..store import manifest, record
+from .. import parallel
+from ..quant import recipe, residual_rotation
+from ..store.fsutil import atomic_dir, save_safetensors
+from ..layers.fused import fuse_model
 from ..prefault import Prefault
-from ..quantize import (assemble, build_layers, quantize_model, quantized_layers, residual_identity, skeleton,
-                        split_state)
-from ..rotation import KINDS
+from ..quant.quantize import (
+    assemble,
+    build_layers,
+    quantize_model,
+    quantized_layers,
+    residual_identity,
+    skeleton,
+    split_state,
+)
+from ..codec.rotation import KINDS
 
 REFERENCE_PROMPTS = (
     "The quick brown fox jumps over the lazy dog while the river runs north.",
@@ -86,7 +95,7 @@ def reference_logits(model, tokenizer):
     Each prompt runs the same operations on the same values as a forward of its own: the same
     bytes. (qwen2.5-0.5b, on its own: the whole model's 2 GB of decoded float32 weights were held
     and faulted in; peak RSS 3.18 -> 1.19 GB, 13.8 -> 4.4 s; docs/results/2026-12-05-logs/quantize.md, "Fifth pass".)"""
-    from ..dequant import decoded_once
+    from ..kernels.dequant import decoded_once
 
     tokens = reference_tokens(tokenizer)
     inner = getattr(model, "model", None)
@@ -177,7 +186,7 @@ def calibration_tokens(tokenizer, text="none", windows=64, length=512, seed=0, m
 
     ``text``: ``none`` (data-free quantization), ``text`` (the calibration split of the real
     English text in vqpipe/text.py, disjoint from the evaluation split) or ``self`` (text the
-    source ``model`` writes itself from a few seed requests, vqpipe/selfgen.py).
+    source ``model`` writes itself from a few seed requests, vqpipe/quant/selfgen.py).
     """
     if text not in CALIBRATION_TEXTS:
         raise ValueError(f"unknown calibration text {text!r}; choose one of {', '.join(CALIBRATION_TEXTS)}")
@@ -187,7 +196,7 @@ def calibration_tokens(tokenizer, text="none", windows=64, length=512, seed=0, m
         raise ValueError(f"calibration needs at least 1 window of 2 tokens, got {windows} x {length}")
     spec = {"text": text, "windows": windows, "length": length, "seed": seed}
     if text == "self":
-        from .. import selfgen
+        from ..quant import selfgen
 
         if model is None:
             raise ValueError("self-generated calibration needs the source model")
@@ -260,7 +269,7 @@ def _quantize(source, bits, rotation, seed, embeddings, lm_head, dtype, progress
     total, weights = recipe.model_bits(model)
     allocation = {"budget": recipe.check_budget(budget, bits), "bpw": total / weights,
                   "rules": bool(layer_bits),
-                  # the widths came from vqpipe/recipe.py (quantize_model's condition)
+                  # the widths came from vqpipe/quant/recipe.py (quantize_model's condition)
                   "automatic": calib is not None and not layer_bits and budget != "none" and not sequential
                   and (moments is None or fisher is not None),
                   "widths": {r["name"]: r["bits"] for r in records if r["bits"] != bits}}
@@ -303,7 +312,7 @@ def parser():
                    help="a float16 scale per this many rotated entries of a row (default: one per row)")
     p.add_argument("--calibration", default="auto", choices=("auto",) + CALIBRATION_TEXTS,
                    help="auto (default): text, or none with --moments or for a synth: source; text: GPTQ and the bit allocation from the calibration split of vqpipe/text.py; "
-                   "self: from text the model writes itself (vqpipe/selfgen.py); none: data-free")
+                   "self: from text the model writes itself (vqpipe/quant/selfgen.py); none: data-free")
     p.add_argument("--calib-windows", type=int, default=64, help="calibration windows")
     p.add_argument("--calib-length", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration window offsets")
@@ -313,15 +322,15 @@ def parser():
                    "allocation then); default --no-sequential: from the full-precision model, as the calibrate stage")
     p.add_argument("--budget", default="auto", type=_budget, metavar="BPW",
                    help="bits per weight over every quantized matrix for the automatic per-layer widths "
-                   "(vqpipe/recipe.py): auto (default: bits + 0.5, what MLX affine g64 stores), none (every layer "
+                   "(vqpipe/quant/recipe.py): auto (default: bits + 0.5, what MLX affine g64 stores), none (every layer "
                    "at --bits), or a number; --layer-bits rules replace the allocation")
     p.add_argument("--layer-bits", default=None, metavar="JSON",
-                   help='mixed widths (vqpipe/allocate.py): a JSON list of rules {"match": REGEX, "add": N} '
+                   help='mixed widths (vqpipe/codec/allocate.py): a JSON list of rules {"match": REGEX, "add": N} '
                    '(N bits over --bits) or {"match": REGEX, "bits": N} for the layers whose names match')
     p.add_argument("--moments", default=None, metavar="DIR",
                    help="GPTQ with the full-precision moments of a calibrate-stage artifact (no forward pass)")
     p.add_argument("--residual-rotation", action=argparse.BooleanOptionalAction, default=False,
-                   help="fold one rotation of the residual stream into the model first (vqpipe/residual_rotation.py): "
+                   help="fold one rotation of the residual stream into the model first (vqpipe/quant/residual_rotation.py): "
                    "q/k/v, gate/up and the head then need no rotation per token; needs --rotation auto, hadamard or kron")
     p.add_argument("--threads", type=int, default=None,
                    help="threads for the numpy work of GPTQ and group scales (vqpipe/parallel.py; the result "

@@ -145,7 +145,7 @@ def run(reservoir, reference, model_name=None, variant=None, persist_rotation=No
 
 
 def main(argv=None):
-    from .. import record
+    from ..store import record
 
     p = argparse.ArgumentParser(
         prog="vqpipe validate", description=__doc__.split("\n")[0],
@@ -166,7 +166,7 @@ def main(argv=None):
         if not (Path(args.reference) / name).is_file():
             print(f"vqpipe validate: error: {args.reference} has no {name}", file=sys.stderr)
             return EXIT_USAGE
-    from ..manifest import ManifestError, verify
+    from ..store.manifest import ManifestError, verify
 
     try:  # both may come from a shared cache: a corrupted copy is named, not compared
         verify(args.reservoir)
