@@ -97,9 +97,9 @@ def paired(per_window):
 def text_windows(tokenizer, which, n, length):
     """Token windows of ``which`` text and what the result records about it."""
     if which == "corpus":
-        from vqpipe.stages.bench_quality import CORPUS, eval_windows
+        from vqpipe.text import CORPUS, corpus_windows
 
-        return eval_windows(tokenizer, n, length), {"text": "corpus", "file": CORPUS.name, "real": False}
+        return corpus_windows(tokenizer, n, length), {"text": "corpus", "file": CORPUS.name, "real": False}
     from vqpipe import text
 
     return text.eval_windows(tokenizer, n, length, which), {"text": which, "real": True, **text.provenance()}

@@ -44,9 +44,9 @@ def stored_bits(layer):
 
 def cache(args):
     from vqpipe.quant.quantize import quantize_model
-    from vqpipe.stages import calibrate as mom
+    from vqpipe.store import calibration
 
-    stored, _ = mom.load(args.moments)
+    stored, _ = calibration.load(args.moments)
     args.group_size = args.group_size or None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -74,7 +74,7 @@ def main():
     from vqpipe.codec import gptq
     from vqpipe.layers import qlinear
     from vqpipe.quant.quantize import quantize_model
-    from vqpipe.stages.quantize import calibration_tokens
+    from vqpipe.quant.calibrate import calibration_tokens
 
     from vqpipe.prefault import hold_freed_heap
 

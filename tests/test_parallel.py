@@ -41,7 +41,7 @@ def test_threads_give_the_same_bytes(monkeypatch, kw):
 
 
 def test_stored_moments_on_threads(monkeypatch):
-    from vqpipe.stages.calibrate import full_precision_moments
+    from vqpipe.quant.calibrate import full_precision_moments
 
     source, _ = make_model(TIED)
     names, sums = full_precision_moments(source, CALIB)

@@ -18,6 +18,7 @@ from vqpipe.quant.quantize import (
     quantize_model,
 )
 from vqpipe.stages import bench_quality
+from vqpipe.quant.calibrate import auto_calibration
 from vqpipe.stages import quantize as stage
 
 from test_reservoir import make_model
@@ -149,7 +150,7 @@ def test_defaults_agree():
     assert cli.calibration == "auto" and cli.moments is None  # text, or none for a synth: source (stage.run)
     assert inspect.signature(stage.run).parameters["calibration"].default is None
     assert cal["text"]["default"] == "auto"
-    assert stage.auto_calibration(Path("/nonexistent")) == "text" and config["quantize"]["calibration"]["text"] == "auto"
+    assert auto_calibration(Path("/nonexistent")) == "text" and config["quantize"]["calibration"]["text"] == "auto"
     assert CALIBRATION_WINDOWS == cli.calib_windows == cal["windows"]["default"] == config["quantize"]["calibration"]["windows"]
     assert api["budget"].default is None and cli.budget == "auto" and q["budget"]["default"] == "auto"
     assert config["quantize"]["budget"] == "auto" and config["quantize"]["layer_bits"] == []
@@ -161,7 +162,7 @@ def test_defaults_agree():
 def test_self_generated_calibration_deterministic(tiny_llama_source):
     from mlx_lm.utils import load
 
-    from vqpipe.stages.quantize import calibration_tokens
+    from vqpipe.quant.calibrate import calibration_tokens
 
     model, tok = load(str(tiny_llama_source))
     dtypes = {k: v.dtype for k, v in tree_flatten(model.parameters())}
@@ -193,6 +194,6 @@ def test_api_recipe_with_tokenizer(tiny_llama_source, monkeypatch):
 
 def test_cli_auto_calibration_follows_the_source(tiny_source, tmp_path):
     """A synth: source stays data-free by default, as in the config (random weights)."""
-    assert stage.auto_calibration(tiny_source) == "none"
+    assert auto_calibration(tiny_source) == "none"
     info = stage.run(tiny_source, tmp_path / "q", 4, progress=lambda *_: None)
     assert info["calibration"] is None and not info["allocation"]["automatic"]

@@ -149,6 +149,8 @@ def test_stages_pass_the_rotation_on(tiny_source, tmp_path):
     without --residual-rotation from that one artifact, pack, load: recorded at every step; moments
     of another rotation are refused, naming it."""
     from vqpipe.stages import calibrate, pack, quantize
+    from vqpipe.store import calibration
+    from vqpipe.store.quantized import load_quantized
 
     quiet = {"progress": lambda *_: None}
     calibrate.run(tiny_source, tmp_path / "mom", windows=2, length=64, residual="auto", rotation_seed=5, plain=True,
@@ -159,7 +161,7 @@ def test_stages_pass_the_rotation_on(tiny_source, tmp_path):
     assert spec == {"kind": "hadamard", "dim": 256, "seed": residual_seed(5)}
     sets = json.loads((tmp_path / "mom" / "moments.json").read_text())["sets"]
     assert [m["residual_rotation"] for m in sets] == [None, spec]
-    assert [m["residual_rotation"] for m in calibrate.sets(json.loads((tmp_path / "only" / "moments.json").read_text()))] == [spec]
+    assert [m["residual_rotation"] for m in calibration.sets(json.loads((tmp_path / "only" / "moments.json").read_text()))] == [spec]
     plain = quantize.run(tiny_source, tmp_path / "p", 4, seed=5, moments=tmp_path / "mom", **quiet)
     assert plain["residual_rotation"] is None and plain["calibration"]["moments"] == str(tmp_path / "mom")
     with pytest.raises(ValueError, match=r"no moments collected with residual rotation None \(it holds \[\{"):
@@ -168,7 +170,7 @@ def test_stages_pass_the_rotation_on(tiny_source, tmp_path):
         quantize.run(tiny_source, tmp_path / "q3", 4, seed=6, moments=tmp_path / "mom", residual=True, **quiet)
     pack.run(tmp_path / "q", tmp_path / "r", False, **quiet)
     assert R.read_header(tmp_path / "r" / R.FILE_NAME)["residual_rotation"] == spec
-    model, _ = quantize.load_quantized(tmp_path / "q")
+    model, _ = load_quantized(tmp_path / "q")
     back = R.load_reservoir(tmp_path / "r")
     assert rr.of(model) == rr.of(back) == spec
     x = mx.array(PROMPT)[None]

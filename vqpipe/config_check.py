@@ -22,7 +22,7 @@ def source_problem(source):
 
     hf: sources are not checked here: whether a repository exists is the network's answer.
     """
-    from .stages.download import check_model_dir, parse_source
+    from .sources.spec import check_model_dir, parse_source
 
     try:
         scheme, value = parse_source(source)

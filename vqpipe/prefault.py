@@ -21,7 +21,7 @@ import threading
 
 import numpy as np
 
-from .kernels import gpu
+from . import gpu
 
 
 def env_off(name):

@@ -85,7 +85,7 @@ def _times_group_scales(w, scales, group_size):
 
 def scaled_values(packed, codebook, bits, n, dtype, scales, group_size):
     """C[q] times its group scales ([rows, n]; scales [rows, n // group_size]): the weight the
-    dense path multiplies by (vqpipe/layers/qlinear.py dense_forward)."""
+    dense path multiplies by (dense_forward)."""
     return _times_group_scales(codes_to_values(packed, codebook, bits, n, dtype), scales, group_size)
 
 
@@ -139,3 +139,16 @@ def decoded_once():
         yield
     finally:
         codes_to_values, scaled_values = decode, scale
+
+
+def dense_forward(xr, packed, scales, codebook, bits, bias=None, group_size=None):
+    """The dense path from the rotated input: rebuild C[q] in x's dtype, one matmul, scales, bias.
+    Per-row scales multiply the matmul's output (the formula the artifacts' reference logits were
+    made with); per-group scales multiply the rebuilt weight."""
+    dt, n = xr.dtype, xr.shape[-1]
+    # no uint32 temporaries
+    if scales.ndim == 1:
+        y = (xr @ codes_to_values(packed, codebook, bits, n, dt).T) * scales.astype(dt)
+    else:  # the same products as w * repeat(scales), without a weight-sized repeat of the scales
+        y = xr @ scaled_values(packed, codebook, bits, n, dt, scales, group_size).T
+    return y if bias is None else y + bias.astype(dt)

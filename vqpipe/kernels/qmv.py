@@ -29,7 +29,7 @@ Layout (revision 6, see docs/qmv.md):
   stay the default. What bounds the default at M = 1 is its instruction stream (~6 per weight value)
   and the L1 data pipe, not HBM (profiled: docs/qmv.md).
 - Revision 8 (vqpipe/kernels/qmv_tc.py, CUDA): tensor cores for 4 bits and bf16 activations, taken by
-  :func:`launch` where ``qmv_tc.wanted`` says so (M >= 2 on large layers, the heads at M = 1).
+  vqpipe/kernels/dispatch.py where ``qmv_tc.wanted`` says so (M >= 2 on large layers, the heads at M = 1).
 - float32 accumulation in a fixed order (per lane, 5-step xor butterfly, KS partials in warp order),
   then * s[o] (+ b[o]) and one cast to x's dtype: deterministic, not bit-identical to the dense path
   (which works in x's dtype, codebook included).
@@ -49,9 +49,12 @@ import re
 import mlx.core as mx
 import numpy as np
 
-from . import gpu
-from .gpu import backend
-from ..codec.bitpack import unpack, words_per_row
+from .. import gpu
+from . import small_arrays
+from ..codec import rotation as rot
+from ..codec.bitpack import words_per_row
+from .dequant import dense_forward
+from ..gpu import backend
 
 MAX_M = 8  # rows of x (prod of its leading dims) the kernel takes; more -> the dense path
 ROWS = 4  # output rows per warp (R, template argument NR); rows_for
@@ -999,8 +1002,6 @@ def _placeholder(dtype):
 def reference(xr, packed, scales, codebook, bits, bias=None, group_size=None):
     """The dense path, exactly as ``QuantizedLinear.__call__`` computes it from the rotated input:
     rebuild C[q] in x's dtype, one matmul, then scales and bias in x's dtype."""
-    from ..layers.qlinear import dense_forward
-
     return dense_forward(xr, packed, scales, codebook, bits, bias, group_size)
 
 
@@ -1096,8 +1097,6 @@ def rotating_in_kernel(flag, max_blocks=None):
 def rotation_operands(rotation):
     """(sd, L) for the kernel's prologue, R = (L (x) S_B / sqrt(B)) diag(sd) with B = dim / L's size
     a power of two, or None where a rotation has no such form (qr, none) or L is too large."""
-    from ..codec import rotation as rot
-
     key = ("qmv-prologue",)
     if key in rotation._cast:
         return rotation._cast[key]
@@ -1161,20 +1160,13 @@ def _prepare(key, dialect, bits, rotation):
     return entry
 
 
-def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=None, rotation=None, splits=None,
-           owner=None):
+def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=None, rotation=None, splits=None):
     """One fused launch in ``dialect`` (no switch or backend check: see :func:`quantized_matvec`).
 
     ``x`` is the activation, rotated already unless ``rotation`` is given: then the kernel rotates
     it in its prologue where :func:`rotation_operands` and the shared memory allow, else it is
     rotated first by MLX ops. ``splits`` (row indices) cut the output rows into up to 3 outputs,
-    returned as a list. Arguments are validated once per signature, then looked up. ``owner`` (the
-    layer or fused group): where ``qmv_tc.wanted`` says so, the tensor-core kernel (revision 8) runs
-    on the owner's repacked copy of ``packed`` (made once, cached on it), the rotation as MLX ops."""
-    if owner is not None and dialect == "cuda" and qmv_tc.wanted(x, bits, packed.shape[0]):
-        xr = x if rotation is None else rotation.apply(x)
-        return qmv_tc.launch(xr, qmv_tc.packed_for(owner, packed), packed.shape[0], scales, codebook, bias,
-                             group_size, splits)
+    returned as a list. Arguments are validated once per signature, then looked up."""
     rkey = None if rotation is None else (rotation.kind, rotation.dim, rotation.seed, _rotate_in_kernel)
     key = (x.shape, x.dtype, packed.shape, packed.dtype, scales.shape, scales.dtype, codebook.shape,
            codebook.dtype, None if bias is None else (bias.shape, bias.dtype), bits, dialect, group_size, rkey,
@@ -1208,6 +1200,3 @@ def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=Non
     )
     return outs if splits is not None else outs[0]
 
-
-from . import small_arrays  # noqa: E402
-from . import qmv_tc  # noqa: E402  (revision 8 uses this module's epilogue; imported last: no cycle at import)

@@ -44,7 +44,7 @@ import typing
 
 import mlx.core as mx
 
-from ..kernels import gpu
+from .. import gpu
 from . import kernels
 
 NSMAX = 128  # most splits per KV head (the scratch holds one partial per split)

@@ -33,8 +33,8 @@ import re
 
 import mlx.core as mx
 
-from ..kernels import gpu
-from ..kernels.gpu import backend
+from .. import gpu
+from ..gpu import backend
 from . import quantizer
 
 WARP = 32

@@ -159,6 +159,11 @@ def fold_block(block):
     return count
 
 
+def fused_groups(model):
+    """{id: group} of the fused groups (vqpipe/layers/fused.py) the model's layers belong to."""
+    return {id(g): g for _, m in model.named_modules() if (g := getattr(m, "__dict__", {}).get("_fused"))}
+
+
 def fold_model(model):
     """Fold every block where it is exact (undoing an earlier fold first); the multiplies removed."""
     unfold_model(model)
@@ -168,8 +173,6 @@ def fold_model(model):
 
 def unfold_model(model):
     """Back to the stored forward: the original norms and MLPs, groups without folded signs."""
-    from .fused import fused_groups
-
     for g in fused_groups(model).values():
         g.unfold()
     for _, m in model.named_modules():

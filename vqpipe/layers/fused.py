@@ -23,8 +23,10 @@ down_proj's into up's rows) where that is exact: vqpipe/layers/fold.py.
 import mlx.core as mx
 
 from . import fold as fold_signs
-from ..kernels import ext, qmv
-from .qlinear import QuantizedEmbedding, QuantizedLinear, dense_forward
+from ..kernels import dispatch, ext, qmv
+from ..kernels.dequant import dense_forward
+from .fold import fused_groups  # noqa: F401  (part of this module's interface)
+from .qlinear import QuantizedEmbedding, QuantizedLinear
 
 # Sibling names that read the same input in mlx-lm's decoder layers (Llama, Qwen2/3, Mistral, Gemma,
 # ...): the first of each tuple owns the rotation seed.
@@ -96,8 +98,8 @@ class FusedGroup:
         scales, bias = self.flipped if flip else (self.scales, self.bias)
         dialect = qmv.dispatch(x) if self.bits in qmv.BITS else None  # 5/6-bit groups run dense
         if dialect is not None:  # one launch: rotation in its prologue, one output per sibling
-            return qmv.launch(dialect, x, self.packed, scales, self.codebook, self.bits, bias,
-                              self.group_size, rotation, self.splits, owner=self)
+            return dispatch.launch(dialect, x, self.packed, scales, self.codebook, self.bits, bias,
+                                   self.group_size, rotation, self.splits, owner=self)
         xr = rotation.apply(x)
         if ext.dispatch(x):  # CPU decode: one compiled mat-vec over the group's rows
             y = ext.matvec(xr, self.packed, scales, self.codebook, self.bits, bias, self.group_size)
@@ -151,6 +153,3 @@ def unfuse_model(model):
         if isinstance(m, QuantizedLinear) and m.__dict__.get("_fused") is not None:
             object.__setattr__(m, "_fused", None)
 
-
-def fused_groups(model):
-    return {id(g): g for _, m in model.named_modules() if (g := getattr(m, "__dict__", {}).get("_fused"))}

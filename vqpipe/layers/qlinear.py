@@ -18,7 +18,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..kernels import dequant, ext, qmv
+from ..kernels import dequant, dispatch, ext, qmv
+from ..kernels.dequant import dense_forward
+from .head import Head
+from ..codec import gptq
 from ..codec import rotation as rot
 from ..codec.codebook import LAYER_BITS, boundaries, check_bits, codebook
 from ..codec.bitpack import pack, unpack
@@ -86,8 +89,6 @@ def _quantize_grouped(weight, bits, rotation, group_size, hessian, damp, pool):
     """Group scales and/or GPTQ; returns a function giving quantize_weight's tuple. Here, on the
     calling thread: the MLX part (the rotated weight, the factors of H); on ``pool``: GPTQ, refit,
     packing and error of row chunks (rows are independent: the bytes do not depend on the chunks)."""
-    from ..codec import gptq
-
     out_features, in_features = weight.shape
     check_group_size(group_size, in_features)
     levels = codebook(bits, in_features)
@@ -140,8 +141,6 @@ def _quantize_rows(w, n, levels, unit, group_size, h, bits):
     """Codes, refit steps, packed words and squared error per row of a row chunk (numpy only: it
     runs on a pool thread). Returns (steps [rows, groups], packed or None where a step overflows
     float16, error per row float64)."""
-    from ..codec import gptq
-
     idx, _ = gptq.gptq(w, n, levels, group_size)
     c = unit[idx]  # code values, for the refit and the error
     s = gptq.refit_steps(w, c, group_size, h)
@@ -173,8 +172,6 @@ _KEEP = 4
 def _rotated_factors(hessian, rotation, damp):
     """(damped H_r, N) for GPTQ (gptq.ldl_factor). Linears that read one activation with one
     rotation (q/k/v or gate/up sharing a rotation) pass the same H object: factorised once."""
-    from ..codec import gptq
-
     key = (rotation.kind, rotation.dim, rotation.seed, damp)
     for h_, key_, factors in _FACTORS:  # named_modules order is up, down, gate, ...: not adjacent
         if h_ is hessian and key_ == key:
@@ -197,17 +194,15 @@ def expand_scales(scales, group_size, in_features):
     return mx.repeat(scales, group_size, axis=-1)[..., :in_features]
 
 
-def dense_forward(xr, packed, scales, codebook, bits, bias=None, group_size=None):
-    """The dense path from the rotated input: rebuild C[q] in x's dtype, one matmul, scales, bias.
-    Per-row scales multiply the matmul's output (the formula the artifacts' reference logits were
-    made with); per-group scales multiply the rebuilt weight."""
-    dt, n = xr.dtype, xr.shape[-1]
-    # no uint32 temporaries (vqpipe/kernels/dequant.py)
-    if scales.ndim == 1:
-        y = (xr @ dequant.codes_to_values(packed, codebook, bits, n, dt).T) * scales.astype(dt)
-    else:  # the same products as w * repeat(scales), without a weight-sized repeat of the scales
-        y = xr @ dequant.scaled_values(packed, codebook, bits, n, dt, scales, group_size).T
-    return y if bias is None else y + bias.astype(dt)
+def dense_weight(module, dtype):
+    """The full-precision weight of a Linear/Embedding, dequantizing affine-quantized layers."""
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        w = mx.dequantize(
+            module.weight, module.scales, module.get("biases"), module.group_size, module.bits,
+            mode=getattr(module, "mode", "affine"),
+        )
+        return w.astype(dtype)
+    return module.weight.astype(dtype)
 
 
 class QuantizedLinear(nn.Module):
@@ -284,7 +279,7 @@ class QuantizedLinear(nn.Module):
         if dialect is not None:
             # self[...]: nn.Module's attribute lookup costs ~0.4 us a time, and this runs per layer per token
             # the kernel rotates x in its prologue where it can (else MLX ops rotate it first)
-            return qmv.launch(
+            return dispatch.launch(
                 dialect, x, self["packed"], self["scales"], self["codebook"], self.bits, self.get("bias"),
                 self.group_size, rotation, owner=self,
             )
@@ -345,7 +340,7 @@ class QuantizedEmbedding(QuantizedLinear):
     """
 
     out_dtype = mx.float32  # artifacts from before the dtype was recorded: the codebook's dtype
-    # A tied head of a residual-rotated model reads head(x) (vqpipe/quant/residual_rotation.py ``Head``): a
+    # A tied head of a residual-rotated model reads head(x) (vqpipe/layers/head.py): a
     # plain attribute, stored in the layer's state as ``head.*``
     head = None
 
@@ -382,8 +377,6 @@ class QuantizedEmbedding(QuantizedLinear):
         if "dtype" in meta:
             layer.out_dtype = getattr(mx, meta["dtype"])
         if "head" in meta:
-            from ..quant.residual_rotation import Head
-
             layer.head = Head.from_state(meta["head"], {k[len("head."):]: v for k, v in arrays.items()
                                                         if k.startswith("head.")})
         return layer

@@ -14,14 +14,18 @@ called as ``layer(h, mask, cache=None)``. The mask is the plain causal one (cali
 shorter than any sliding window we meet).
 """
 
+import json
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from .. import text as corpus
+from ..codec.gptq import Rotated
+from . import selfgen
 from .cpu_eval import numpy_exponentials
-from ..layers.qlinear import QuantizedEmbedding, QuantizedLinear
 
 BATCH_TOKENS = 4096  # tokens per forward batch: bounds the activations and attention scores
 
@@ -82,8 +86,6 @@ def collect(model, names, run, inputs, rotation=None):
     1.30 -> 0.33 CPU-s, moments included; docs/quantize.md). Linears sharing an input share its
     rotation (vqpipe/layers/fused.py: one seed per input), which gptq.rotate_hessian checks.
     """
-    from ..codec.gptq import Rotated
-
     modules = dict(model.named_modules())
     sums, owner, rotations = {}, {}, {}
     seen = {}
@@ -228,3 +230,69 @@ def moments(xs):
         else:
             total += prod
     return mx.array(total)
+
+
+HEAD = "final norm"
+
+
+def full_precision_moments(model, tokens, progress=None):
+    """({name: key}, {key: H}) for every nn.Linear of ``model``'s blocks and its head (an
+    lm_head, or the embedding table when it is tied), from one pass of the full-precision model."""
+    import mlx.nn as nn
+
+    inner = decoder(model)
+    prefix = {id(m): n for n, m in model.named_modules()}
+    linears = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
+    names, sums = {}, {}
+    h = [inner.embed_tokens(b).astype(mx.float32) for b in _batches(tokens)]
+    mx.eval(h)
+    mask = "causal" if tokens.shape[1] > 1 else None
+    for i, layer in enumerate(inner.layers):
+        t0 = time.perf_counter()
+        block = prefix[id(layer)] + "."
+        stats, h = collect(model, [n for n in linears if n.startswith(block)], block_forward(layer, mask), h)
+        for name, (key, hess) in stats.items():
+            names[name], sums[key] = key, hess
+        if progress:
+            progress(f"[block {i + 1}/{len(inner.layers)}] {len(stats)} layers {time.perf_counter() - t0:.2f}s")
+    heads = [n for n in linears if n.split(".")[-1] == "lm_head"]
+    if tied_head(model):
+        heads.append(prefix[id(inner.embed_tokens)])
+    if heads:
+        sums[HEAD] = moments(head_inputs(model, [inner.norm(x) for x in h]))
+        mx.eval(sums[HEAD])
+        names.update({n: HEAD for n in heads})
+    return names, sums
+
+
+CALIBRATION_TEXTS = ("none", "text", "self")
+
+
+def auto_calibration(source):
+    """The recipe's calibration text for a download-stage ``source``: ``text``, or ``none`` for a
+    synthetic model (random weights: no text says what they compute; as the config's ``auto``)."""
+    path = Path(source) / "vqpipe-source.json"
+    spec = json.loads(path.read_text()).get("source", "") if path.is_file() else ""
+    return "none" if spec.startswith("synth:") else "text"
+
+
+def calibration_tokens(tokenizer, text="none", windows=64, length=512, seed=0, model=None):
+    """(tokens [windows, length] or None, provenance dict or None) for a calibration spec.
+
+    ``text``: ``none`` (data-free quantization), ``text`` (the calibration split of the real
+    English text in vqpipe/text.py, disjoint from the evaluation split) or ``self`` (text the
+    source ``model`` writes itself from a few seed requests, vqpipe/quant/selfgen.py).
+    """
+    if text not in CALIBRATION_TEXTS:
+        raise ValueError(f"unknown calibration text {text!r}; choose one of {', '.join(CALIBRATION_TEXTS)}")
+    if text == "none":
+        return None, None
+    if windows < 1 or length < 2:
+        raise ValueError(f"calibration needs at least 1 window of 2 tokens, got {windows} x {length}")
+    spec = {"text": text, "windows": windows, "length": length, "seed": seed}
+    if text == "self":
+        if model is None:
+            raise ValueError("self-generated calibration needs the source model")
+        return selfgen.self_tokens(model, tokenizer, windows, length, seed), {**spec, "provenance": selfgen.provenance(tokenizer)}
+    tokens = corpus.calibration_tokens(tokenizer, windows, length, seed)
+    return tokens, {**spec, "provenance": corpus.provenance()}

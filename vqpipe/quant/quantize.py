@@ -15,16 +15,18 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .. import text as corpus
 from ..codec import allocate
 from . import recipe
+from .calibrate import full_precision_moments, quantize_calibrated
 from ..codec.codebook import check_bits
 from ..layers.fused import fuse_model, rotation_owner
 from ..parallel import Pool, check_threads
 from .plain_model import plain_model
 from ..prefault import large_blocks_on_heap
-from ..layers.qlinear import QuantizedEmbedding, QuantizedLinear
+from ..layers.qlinear import QuantizedEmbedding, QuantizedLinear, dense_weight
 from .residual_rotation import rotate_residual, tied, unrotated
-from ..codec.rotation import KINDS, resolve_kind
+from ..codec.rotation import KINDS, make_rotation, resolve_kind
 
 
 def layer_seed(seed, name):
@@ -35,8 +37,6 @@ def layer_seed(seed, name):
 
 def layer_rotation(rotation, seed, name, in_dim):
     """The rotation quantize_model gives layer ``name`` (``in_dim`` inputs; ``rotation`` a kind)."""
-    from ..codec.rotation import make_rotation
-
     return make_rotation(resolve_kind(rotation, in_dim), in_dim, layer_seed(seed, rotation_owner(name)))
 
 
@@ -54,17 +54,6 @@ def _sum_squares(weight, rows=8192):
         w = weight[start:start + rows].astype(mx.float32)
         total += mx.sum(w * w).item()
     return total
-
-
-def _dense_weight(module, dtype):
-    """The full-precision weight of a Linear/Embedding, dequantizing affine-quantized layers."""
-    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        w = mx.dequantize(
-            module.weight, module.scales, module.get("biases"), module.group_size, module.bits,
-            mode=getattr(module, "mode", "affine"),
-        )
-        return w.astype(dtype)
-    return module.weight.astype(dtype)
 
 
 def _targets(model, embeddings, lm_head):
@@ -90,7 +79,7 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=True, lm_hea
     in ``dtype``, like every other tensor that is not quantized. ``group_size`` gives each group of
     that many rotated entries of a row its own scale. ``calibration`` (int tokens [n, length])
     turns on GPTQ with input second moments collected block by block (vqpipe/quant/calibrate.py).
-    ``moments`` ({name: (key, H)}, vqpipe/stages/calibrate.py) gives GPTQ stored full-precision moments
+    ``moments`` ({name: (key, H)}, vqpipe/store/calibration.py) gives GPTQ stored full-precision moments
     instead (no forward pass). ``layer_bits`` (rules [{match, add|bits}], vqpipe/codec/allocate.py) gives
     the layers they match their own width; the others get ``bits``. ``dtype=None`` keeps each tensor that is not quantized in its source dtype.
     ``threads`` > 1 runs the numpy work of group scales / GPTQ on that many threads, beside the
@@ -124,9 +113,7 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=True, lm_hea
         raise ValueError(f"model {type(model).__name__} has no nn.Linear layers to quantize")
     budget = recipe.check_budget(budget, bits)
     if tokenizer is not None and calibration is None and moments is None:
-        from ..text import calibration_tokens
-
-        calibration = calibration_tokens(tokenizer, CALIBRATION_WINDOWS, CALIBRATION_LENGTH, 0)
+        calibration = corpus.calibration_tokens(tokenizer, CALIBRATION_WINDOWS, CALIBRATION_LENGTH, 0)
     if calibration is not None and not sequential:  # as the calibrate stage: one full-precision pass
         moments, fisher = calibrate_model(model, calibration, progress, fisher is None and budget is not None and not layer_bits)
         calibration = None
@@ -161,7 +148,7 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=True, lm_hea
         keep = dtype or _source_dtype(module)
         # In the source dtype: quantize_weight casts row chunks to float32, so a 150k-row embedding
         # never has a whole float32 copy (nor a squared one) alive at once.
-        weight = _dense_weight(module, keep)
+        weight = dense_weight(module, keep)
         if kind == "dense-embedding":
             new = nn.Embedding(*weight.shape)
             new.weight = weight.astype(keep)
@@ -231,8 +218,6 @@ CALIBRATION_WINDOWS, CALIBRATION_LENGTH = 64, 512  # the recipe's calibration te
 def calibrate_model(model, tokens, progress=None, sensitivity=True):
     """({name: (key, H)}, fisher or None): the full-precision moments of ``tokens`` (the calibrate
     stage's) and, with ``sensitivity``, the output Fisher of its first recipe.FISHER_WINDOWS windows."""
-    from ..stages.calibrate import full_precision_moments
-
     names, sums = full_precision_moments(model, tokens, progress)
     stored = {name: (key, sums[key]) for name, key in names.items()}
     fisher = None
@@ -287,8 +272,6 @@ def _quantize_all(model, targets, quantize_one, moments, calibration, progress, 
         return records
     if calibration is None:
         return [quantize_one(name, kind, None) for name, kind in targets]
-    from .calibrate import quantize_calibrated
-
     return quantize_calibrated(model, calibration, quantize_one, targets, progress, sequential, rotation=rotation)
 
 

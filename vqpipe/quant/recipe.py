@@ -26,6 +26,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..codec.bitpack import words_per_row
 from ..codec.codebook import LAYER_BITS, distortion
+from ..layers.qlinear import dense_weight
+from ..codec.gptq import DAMP, rotate_hessian
+from .calibrate import tied_head
 
 STEPS = 2  # widths above the base a layer may get
 FISHER_WINDOWS = 4  # calibration windows of the backward passes (the first 4 of the 64)
@@ -132,8 +135,6 @@ def _dense_table(module):
 
 def _output_shapes(model, names, n):
     """{probe key: output shape} for windows of ``n`` predicted tokens."""
-    from .calibrate import tied_head
-
     modules = dict(model.named_modules())
     head = tied_head(model)
     shapes = {}
@@ -152,8 +153,6 @@ def _output_shapes(model, names, n):
 def pivot_sum(h, rotation, damp):
     """sum_k d_k: the LDL pivots of ``rotation``'s R H R^T damped as gptq.ldl_factor damps it
     (GPTQ's column order: the factor of the reversed matrix)."""
-    from ..codec.gptq import rotate_hessian
-
     rev = np.array(rotate_hessian(h, rotation), dtype=np.float32)[::-1, ::-1].copy()
     diag = rev.diagonal().copy()
     dead = diag <= 0
@@ -223,15 +222,12 @@ def plan(model, bits, targets, moments, fisher, budget, rotation_of, group_size=
     quantization) within ``budget`` bits per weight over every quantized matrix. ``moments``
     {name: (key, H)}, ``fisher`` from :func:`output_fisher`, ``rotation_of(name, dim)`` the
     rotation quantize gives the layer, ``group_size`` and ``damp`` quantize's."""
-    from ..codec.gptq import DAMP
-    from .quantize import _dense_weight
-
     modules = dict(model.named_modules())
     tables, spreads, weights = {}, {}, 0
     for name, kind in targets:
         if kind == "dense-embedding":
             continue
-        weight = _dense_weight(modules[name], mx.float32)
+        weight = dense_weight(modules[name], mx.float32)
         out_features, d = weight.shape
         key, h = moments.get(name, (None, None))
         r = rotation_of(name, d)

@@ -30,40 +30,11 @@ import mlx.nn as nn
 from ..codec import rotation as rot
 from .calibrate import decoder
 from ..layers.fold import BLOCK_MODULES
+from ..layers.head import Head
 
 READERS = {"input_layernorm": ("q_proj", "k_proj", "v_proj"), "post_attention_layernorm": ("gate_proj", "up_proj")}
 WRITERS = ("self_attn.o_proj", "mlp.down_proj")
 ROW_CHUNK = 8192  # rows transformed at a time: a 150k-row embedding never has a float32 copy whole
-
-
-class Head:
-    """The tied head's input map y -> Q (gain * Q^T y) (plain state: the QuantizedEmbedding stores it)."""
-
-    def __init__(self, gain, rotation):
-        self.gain, self.rotation = gain, rotation
-        self._cast = {}
-
-    def _gain(self, dtype):
-        """The gain in ``dtype``, cast once and evaluated (a cast made inside a compile trace would be
-        replayed on every step: docs/decode.md, "Prep kernels")."""
-        if self.gain.dtype == dtype:
-            return self.gain
-        if dtype not in self._cast:
-            self._cast[dtype] = self.gain.astype(dtype)
-            mx.eval(self._cast[dtype])
-        return self._cast[dtype]
-
-    def __call__(self, y):
-        return self.rotation.apply(self.rotation.apply_transpose(y) * self._gain(y.dtype))
-
-    def to_state(self):
-        rmeta, rarrays = self.rotation.to_state()
-        return {"rotation": rmeta}, {"gain": self.gain, **{f"rotation.{k}": v for k, v in rarrays.items()}}
-
-    @classmethod
-    def from_state(cls, meta, arrays):
-        rarrays = {k[len("rotation."):]: v for k, v in arrays.items() if k.startswith("rotation.")}
-        return cls(arrays["gain"], rot.from_state(meta["rotation"], rarrays))
 
 
 class TiedEmbedding(nn.Embedding):

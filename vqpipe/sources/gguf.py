@@ -19,6 +19,9 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from ..store.manifest import sha256_file
+from .gguf_check import check, field
+
 MAGIC = b"GGUF"
 # Types mx.load reads (the quantized ones as affine triplets of group 32, with these bits).
 MLX_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
@@ -46,8 +49,6 @@ BLOCK_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
-TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
 
 
 def log(msg):
@@ -86,7 +87,6 @@ def open_reader(path):
         magic = f.read(4)
     if magic != MAGIC:
         raise ValueError(f"{path} is not a GGUF file (starts with {magic!r}, expected {MAGIC!r})")
-    from .gguf_check import check
 
     check(path)  # every count, length and offset checked in Python before a native parser runs
     try:
@@ -98,15 +98,6 @@ def open_reader(path):
         if t.data_offset + t.n_bytes > size:
             raise ValueError(f"{path}: truncated GGUF file (tensor {t.name} ends past the file's end)")
     return reader
-
-
-def field(reader, key, default=KeyError):
-    f = reader.fields.get(key)
-    if f is None:
-        if default is KeyError:
-            raise ValueError(f"GGUF metadata key {key!r} is missing")
-        return default
-    return f.contents()
 
 
 def make_config(reader, dtype):
@@ -250,7 +241,6 @@ def quantization_record(reader, types):
 
 def fetch_gguf(value, dst, dtype="bfloat16"):
     """Convert ``gguf:VALUE`` into ``dst`` (an empty directory); returns the vqpipe-source.json info."""
-    from ..stages.download import sha256_file
     from .gguf_tokenizer import write_tokenizer
 
     if dtype not in DTYPES:

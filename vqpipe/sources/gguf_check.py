@@ -159,3 +159,17 @@ def check(path):
             raise ValueError(f"{path}: tensors {a!r} and {b!r} overlap")
     return {"version": version, "tensors": len(tensors), "metadata": n_kv, "alignment": alignment,
             "data_start": data_start}
+
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
+TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
+
+
+def field(reader, key, default=KeyError):
+    """Metadata ``key`` of a gguf-py reader (ValueError naming it when missing and no ``default``)."""
+    f = reader.fields.get(key)
+    if f is None:
+        if default is KeyError:
+            raise ValueError(f"GGUF metadata key {key!r} is missing")
+        return default
+    return f.contents()

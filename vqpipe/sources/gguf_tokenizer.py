@@ -6,6 +6,7 @@ llama.cpp names the pre-tokenizer (``tokenizer.ggml.pre``); we rebuild the same 
 
 import json
 
+from .gguf_check import TOKEN_CONTROL, TOKEN_USER_DEFINED, field
 from .synth import LLAMA3_REGEX, QWEN2_REGEX
 
 # GPT-2's split regex (what ByteLevel(use_regex=True) applies).
@@ -38,7 +39,6 @@ def build(reader):
     """(tokenizers.Tokenizer, info) from the GGUF metadata."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
-    from .gguf import TOKEN_CONTROL, TOKEN_USER_DEFINED, field
 
     kind = field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
@@ -77,7 +77,6 @@ def build(reader):
 
 
 def special_name(reader, tokens, key):
-    from .gguf import field
 
     i = field(reader, f"tokenizer.ggml.{key}_token_id", None)
     return None if i is None or int(i) >= len(tokens) else tokens[int(i)]
@@ -85,7 +84,6 @@ def special_name(reader, tokens, key):
 
 def write_tokenizer(reader, config, dst):
     """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json, generation_config.json."""
-    from .gguf import field
 
     tok, info = build(reader)
     tok.save(str(dst / "tokenizer.json"))

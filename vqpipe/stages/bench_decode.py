@@ -44,7 +44,7 @@ from ..store import record
 from ..layers.qlinear import QuantizedLinear
 from ..bench import harness, roofline
 from ..bench.env import environment
-from .bench_quality import CORPUS, eval_windows
+from ..text import CORPUS, corpus_windows
 
 WEIGHTS = ("full", "vqpipe", "affine4", "affine8")
 CACHES = ("fp", "kivi-ref", "kivi-kernel", "compiled", "compiled-split")
@@ -151,8 +151,8 @@ def load_models(source, reservoir, weights, dtype, progress=print):
 
 
 def build_prompts(tokenizer, n, length):
-    """``n`` distinct windows of ``length`` tokens of the shipped corpus (``quality.eval_windows``)."""
-    windows = eval_windows(tokenizer, n, length)
+    """``n`` distinct windows of ``length`` tokens of the shipped corpus (``text.corpus_windows``)."""
+    windows = corpus_windows(tokenizer, n, length)
     if len({tuple(w.tolist()) for w in windows}) != n:
         raise ValueError(f"the corpus does not give {n} distinct {length}-token windows")
     return windows
@@ -789,7 +789,7 @@ def _finish(b):
                     else False if any(c.get("conclusive") and not c["identical"] for c in ran) else None),
         "deterministic": [{"context": c["context"], "identical": c["identical"]} for c in checks if c["b"].endswith(harness.AA_SUFFIX)],
     }
-    result["prompts"] = {"corpus": CORPUS.name, "n": b.args.prompts, "how": "quality.eval_windows: distinct windows spread over the corpus"}
+    result["prompts"] = {"corpus": CORPUS.name, "n": b.args.prompts, "how": "text.corpus_windows: distinct windows spread over the corpus"}
     result["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return result
 

@@ -66,7 +66,7 @@ def requantize(source, bits, rotation, seed=0):
     """(model, seconds): the source loaded and quantized, every parameter evaluated."""
     import mlx.core as mx
 
-    from .quantize import quantize_model
+    from ..quant.quantize import quantize_model
 
     t0 = time.perf_counter()
     model = plain_model(source, weights=True)  # mlx_lm.utils.load_model's model, without transformers
@@ -351,7 +351,8 @@ def _build_arms(result, source, config, bits, rotations, work, progress):
     import mlx.core as mx
 
     from ..store import reservoir as R
-    from .quantize import copy_model_files, split_state
+    from ..quant.quantize import split_state
+    from ..store.quantized import copy_model_files
 
     arms, want_hash, requant = {}, {}, {}
     for rot in rotations:

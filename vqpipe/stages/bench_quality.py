@@ -43,7 +43,8 @@ from ..layers.fold import unfold_model
 from ..quant.residual_rotation import TiedEmbedding
 from ..store import record
 from ..store.fsutil import atomic_dir, write_json
-from .quantize import load_quantized, quantize_model
+from ..quant.quantize import quantize_model
+from ..store.quantized import load_quantized
 from ..bench.env import environment
 from ..bench.harness import summarize
 
@@ -659,17 +660,6 @@ def arm_part(path, refdir, bits_list, n_windows=20, length=512, seed=0, rotation
 
 
 # --- the synthetic presets' own checks (tests/test_download.py) ---------------------------------
-
-CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus.txt"
-
-
-def eval_windows(tokenizer, n_windows, length):
-    """Windows of the shipped corpus the synthetic tokenizers were trained on (not real text)."""
-    ids = tokenizer.encode(CORPUS.read_text())
-    if len(ids) < length + n_windows:
-        raise ValueError(f"corpus has {len(ids)} tokens, too few for {n_windows} windows of {length}")
-    step = (len(ids) - length) // n_windows
-    return [mx.array(ids[i * step : i * step + length], dtype=mx.int32) for i in range(n_windows)]
 
 
 def load_fp32(path):

@@ -17,7 +17,6 @@ quantized blocks 0..l-1 (docs/quantize.md measures the difference).
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,85 +25,10 @@ import mlx.core as mx
 
 from .. import __version__
 from ..store import manifest, record
-from ..quant import recipe, residual_rotation, selfgen  # noqa: F401 (self text: a code input)
-from ..quant.calibrate import _batches, block_forward, collect, decoder, head_inputs, moments, tied_head
+from ..quant import recipe, residual_rotation
+from ..quant.calibrate import calibration_tokens, full_precision_moments
+from ..store.calibration import FISHER, RESIDUAL_PREFIX
 from ..store.fsutil import atomic_dir, save_safetensors
-
-HEAD = "final norm"
-
-
-def full_precision_moments(model, tokens, progress=None):
-    """({name: key}, {key: H}) for every nn.Linear of ``model``'s blocks and its head (an
-    lm_head, or the embedding table when it is tied), from one pass of the full-precision model."""
-    import mlx.nn as nn
-
-    inner = decoder(model)
-    prefix = {id(m): n for n, m in model.named_modules()}
-    linears = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
-    names, sums = {}, {}
-    h = [inner.embed_tokens(b).astype(mx.float32) for b in _batches(tokens)]
-    mx.eval(h)
-    mask = "causal" if tokens.shape[1] > 1 else None
-    for i, layer in enumerate(inner.layers):
-        t0 = time.perf_counter()
-        block = prefix[id(layer)] + "."
-        stats, h = collect(model, [n for n in linears if n.startswith(block)], block_forward(layer, mask), h)
-        for name, (key, hess) in stats.items():
-            names[name], sums[key] = key, hess
-        if progress:
-            progress(f"[block {i + 1}/{len(inner.layers)}] {len(stats)} layers {time.perf_counter() - t0:.2f}s")
-    heads = [n for n in linears if n.split(".")[-1] == "lm_head"]
-    if tied_head(model):
-        heads.append(prefix[id(inner.embed_tokens)])
-    if heads:
-        sums[HEAD] = moments(head_inputs(model, [inner.norm(x) for x in h]))
-        mx.eval(sums[HEAD])
-        names.update({n: HEAD for n in heads})
-    return names, sums
-
-
-RESIDUAL_PREFIX = "residual/"  # the residual-rotated model's moments in the same file
-FISHER = "fisher/"
-
-
-def sets(info):
-    """[{residual_rotation, prefix, layers}] of a moments.json (an artifact from before residual
-    rotations holds one set, the plain model's)."""
-    return info.get("sets") or [{"residual_rotation": None, "prefix": "", "layers": info["layers"]}]
-
-
-def load(path, residual=None):
-    """({name: (key, H)}, info) from a calibrate artifact: the set collected under residual rotation
-    ``residual`` (an identity, vqpipe/quant/residual_rotation.py; None: the plain model). Layers sharing a
-    key get the same array object (the quantizer factorises a shared H once)."""
-    path = Path(path)
-    manifest.verify(path)
-    info = json.loads((path / "moments.json").read_text())
-    found = [m for m in sets(info) if m["residual_rotation"] == residual]
-    if not found:
-        raise ValueError(f"{path}: no moments collected with residual rotation {residual} (it holds "
-                         f"{[m['residual_rotation'] for m in sets(info)]}; calibrate --residual-rotation KIND --seed SEED)")
-    layers, prefix = found[0]["layers"], found[0]["prefix"]
-    arrays = mx.load(str(path / "moments.safetensors"))
-    missing = sorted({prefix + k for k in layers.values()} - set(arrays))
-    if missing:
-        raise ValueError(f"{path}: moments.json names moments that moments.safetensors lacks: {missing[:3]}")
-    return {name: (key, arrays[prefix + key]) for name, key in layers.items()}, info
-
-
-def load_fisher(path, residual=None):
-    """{name: sensitivity} (recipe.output_fisher's) from a calibrate artifact, or None where it
-    holds none (made with --no-sensitivity, or before the recipe)."""
-    path = Path(path)
-    info = json.loads((path / "moments.json").read_text())
-    found = [m for m in sets(info) if m["residual_rotation"] == residual]
-    if not found or not info.get("sensitivity"):
-        return None
-    import numpy as np
-
-    head = found[0]["prefix"] + FISHER
-    arrays = mx.load(str(path / "moments.safetensors"))
-    return {k[len(head):]: np.asarray(v) for k, v in arrays.items() if k.startswith(head)}
 
 
 def run(source, out, windows=64, length=512, seed=0, progress=print, residual=None, rotation_seed=0, plain=None,
@@ -114,8 +38,6 @@ def run(source, out, windows=64, length=512, seed=0, progress=print, residual=No
     defaults to on without ``residual``, off with it. ``sensitivity``: also each layer's output
     sensitivity (vqpipe/quant/recipe.py), what the quantize stage's bit allocation reads."""
     from mlx_lm.utils import load as load_model
-
-    from .quantize import calibration_tokens
 
     source = Path(source)
     if not (source / "config.json").is_file():

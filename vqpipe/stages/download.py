@@ -24,9 +24,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..store import fsutil, manifest, record
+from ..sources.spec import check_model_dir, parse_source
 from ..store.manifest import sha256_file
 
-SCHEMES = ("synth", "hf", "path", "gguf")
 SOURCE_FILE = "vqpipe-source.json"
 
 # What mlx_lm fetches from a repo (weights, configs, tokenizers, chat templates), less code: a
@@ -47,15 +47,6 @@ PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PRO
 
 def log(msg):
     print(f"[download] {msg}", flush=True)
-
-
-def parse_source(source):
-    """``'synth:tiny'`` -> ``('synth', 'tiny')``; raises ValueError on a bad scheme or empty value."""
-    scheme, sep, value = str(source).partition(":")
-    if not sep or scheme not in SCHEMES or not value:
-        forms = "synth:PRESET[-4bit], hf:REPO[@REVISION], path:DIR, gguf:FILE, gguf:pkg:PACKAGE/PATH"
-        raise ValueError(f"bad model source {source!r}; expected one of: {forms}")
-    return scheme, value
 
 
 def fetch(source, out_dir, seed=0, dtype="bfloat16"):
@@ -118,17 +109,6 @@ def replace_dir(src, dst):
 
 # ---------------------------------------------------------------------------------------------
 # path: and hf:
-
-
-def check_model_dir(path):
-    """A model directory needs config.json and at least one *.safetensors file."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path / 'config.json'} is missing; is {path} a model directory?")
-    if not any(path.glob("*.safetensors")):
-        raise FileNotFoundError(f"no *.safetensors weight files in {path}")
 
 
 # Never copied from a source: code, and weight formats that unpickle (run code) when loaded.

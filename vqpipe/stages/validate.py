@@ -69,7 +69,8 @@ def run(reservoir, reference, model_name=None, variant=None, persist_rotation=No
     import mlx.core as mx
 
     from .. import load
-    from .quantize import REFERENCE_PROMPTS, environment, reference_logits
+    from ..bench.env import environment
+    from ..store.quantized import REFERENCE_PROMPTS, reference_logits
 
     reservoir, reference = Path(reservoir), Path(reference)
     guess = _reservoir_labels(reservoir)

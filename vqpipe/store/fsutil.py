@@ -17,6 +17,8 @@ import socket
 import tempfile
 from pathlib import Path
 
+from . import manifest as mf
+
 
 def fsync_dir(path):
     fd = os.open(path, os.O_RDONLY)
@@ -169,8 +171,6 @@ def atomic_dir(path, manifest=False):
     try:
         yield tmp
         if manifest:
-            from . import manifest as mf
-
             mf.write(tmp)
         for f in tmp.rglob("*"):
             if f.is_file():

@@ -33,7 +33,10 @@ from ..codec.codebook import BITS, LAYER_BITS
 from .fsutil import atomic_path
 from ..codec.bitpack import words_per_row
 from ..prefault import Prefault
-from ..codec.rotation import hadamard_supported
+from ..codec.rotation import hadamard_supported, regenerate
+from ..layers.fused import fuse_model
+from ..layers.qlinear import QuantizedEmbedding
+from ..quant.quantize import build_layers, skeleton, split_state
 
 FILE_NAME = "model.vqres"
 MAGIC = b"\x89VQRES\r\n"
@@ -230,8 +233,6 @@ def save_reservoir(model, path, persist_rotation=False, config=None):
     ``config`` (the model's config.json) is embedded so the file alone can rebuild the model; by
     default it is derived from the mlx-lm model's ``args``.
     """
-    from ..quant.quantize import split_state
-
     metas, arrays, params = split_state(model)
     if not metas:
         raise ValueError("model has no QuantizedLinear layers: quantize it first")
@@ -577,8 +578,6 @@ def _reader(path, header, prefault=None):
 
 
 def _regenerate(path, name, rmeta, memo):
-    from ..codec.rotation import regenerate
-
     key = (rmeta["dim"], rmeta["seed"])
     if key not in memo:
         r = regenerate(rmeta)
@@ -592,8 +591,6 @@ def _regenerate(path, name, rmeta, memo):
 
 
 def _build_layers(path, header, read, names=None):
-    from ..quant.quantize import build_layers
-
     layers, memo = {}, {}
     for name, meta in header["layers"].items():
         if names is not None and name not in names:
@@ -619,8 +616,6 @@ def _target_shape(module):
 
 def _check_targets(path, model, layers):
     import mlx.nn as nn
-
-    from ..layers.qlinear import QuantizedEmbedding
 
     embeddings = (nn.Embedding, nn.QuantizedEmbedding, QuantizedEmbedding)
     modules = dict(model.named_modules())
@@ -665,8 +660,6 @@ def _file(path):
 
 
 def _skeleton(path, header, model_dir):
-    from ..quant.quantize import skeleton
-
     model_dir = Path(model_dir) if model_dir is not None else path.parent
     if (model_dir / "config.json").is_file():
         return skeleton(model_dir)
@@ -743,8 +736,6 @@ def _load_once(path, model_dir):
     model.load_weights(list(params.items()), strict=False)
     mx.eval(model.parameters())
     residual_rotation.mark(model, header.get("residual_rotation"))
-    from ..layers.fused import fuse_model
-
     fuse_model(model)  # q/k/v and gate/up as one computation where they share a rotation
     return model
 
@@ -755,8 +746,6 @@ def graft_reservoir(model, path):
     Only layer blobs are read; the model's other parameters are left as they are.
     """
     from mlx.utils import tree_unflatten
-
-    from ..layers.fused import fuse_model
 
     path = _file(path)
     model.update_modules(tree_unflatten(list(_retry_replaced(path, _graft_layers, model, path).items())))
