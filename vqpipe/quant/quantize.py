@@ -119,30 +119,52 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=True, lm_hea
         calibration = None
     # Keep names only: holding the source modules would keep every evaluated source weight alive.
     targets = [(name, kind) for name, _, kind in targets]
-    quantized_names = [n for n, kind in targets if kind != "dense-embedding"]
 
     def kind_of(name):  # the rotation kind layer ``name`` is quantized with
         return "none" if residual and unrotated(name) else rotation
 
+    def rotation_of(name, dim):
+        return layer_rotation(kind_of(name), seed, name, dim)
+
     if layer_bits or fisher is None or moments is None or budget is None:
-        layer_bits = allocate.resolve(layer_bits or [], quantized_names, bits)
+        layer_bits = allocate.resolve(layer_bits or [], [n for n, kind in targets if kind != "dense-embedding"], bits)
     else:
-        t0 = time.perf_counter()
-        chosen, tables, weights = recipe.plan(model, bits, targets, moments, fisher, budget,
-                                              lambda name, dim: layer_rotation(kind_of(name), seed, name, dim),
-                                              group_size, damp)
-        layer_bits = {n: w for n, w in chosen.items() if w != bits}
-        if progress:
-            spent = sum(tables[n][w][0] for n, w in chosen.items()) / weights
-            progress(f"allocation: {len(layer_bits)} of {len(chosen)} layers above {bits} bits, {spent:.5f} of "
-                     f"{budget} bits per weight, {time.perf_counter() - t0:.1f}s")
+        layer_bits = _allocate(model, bits, targets, moments, fisher, budget, rotation_of, group_size, damp, progress)
+    pool = Pool(check_threads(threads))
+    quantize_one = _layer_quantizer(model, bits, layer_bits, kind_of, seed, dtype, group_size, damp, pool,
+                                    progress if calibration is None else None, len(targets))
+    # With moments, each block makes and frees d x d matrices of 95 MB (a 4864-wide input): kept
+    # on the heap and reused instead of mapped afresh (vqpipe/prefault.py; the same bytes)
+    heap = large_blocks_on_heap() if calibration is not None or moments is not None else contextlib.nullcontext()
+    with pool, heap:
+        records = _quantize_all(model, targets, quantize_one, moments, calibration, progress, sequential, rotation_of)
+    _cast_rest(model, dtype)
+    mx.eval(model.parameters())
+    if fuse:
+        fuse_model(model)
+    return [r for r in records if r is not None]
+
+
+def _allocate(model, bits, targets, moments, fisher, budget, rotation_of, group_size, damp, progress):
+    """{name: width} of the layers the recipe puts above ``bits`` (vqpipe/quant/recipe.py)."""
+    t0 = time.perf_counter()
+    chosen, tables, weights = recipe.plan(model, bits, targets, moments, fisher, budget, rotation_of, group_size, damp)
+    layer_bits = {n: w for n, w in chosen.items() if w != bits}
+    if progress:
+        spent = sum(tables[n][w][0] for n, w in chosen.items()) / weights
+        progress(f"allocation: {len(layer_bits)} of {len(chosen)} layers above {bits} bits, {spent:.5f} of "
+                 f"{budget} bits per weight, {time.perf_counter() - t0:.1f}s")
+    return layer_bits
+
+
+def _layer_quantizer(model, bits, layer_bits, kind_of, seed, dtype, group_size, damp, pool, progress, n_targets):
+    """``quantize_one(name, kind, hessian, defer=False)``: replaces layer ``name`` of ``model`` and
+    returns its record; with ``defer``, a function that completes the layer and returns its record,
+    while the layer's numpy work runs on ``pool`` meanwhile."""
     modules = dict(model.named_modules())
     done = [0]
-    pool = Pool(check_threads(threads))
 
     def quantize_one(name, kind, hessian, defer=False):
-        """The layer's record; with ``defer``, a function that completes the layer and returns its
-        record, while the layer's numpy work runs on the pool meanwhile."""
         t0 = time.perf_counter()
         module = modules.pop(name)
         keep = dtype or _source_dtype(module)
@@ -186,30 +208,23 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=True, lm_hea
                 }
             model.update_modules(tree_unflatten([(name, new)]))
             done[0] += 1
-            if progress and calibration is None:
-                progress(f"[{done[0]}/{len(targets)}] {name} {kind} {time.perf_counter() - t0:.2f}s")
+            if progress:
+                progress(f"[{done[0]}/{n_targets}] {name} {kind} {time.perf_counter() - t0:.2f}s")
             return record
 
         return complete if defer else complete()
 
-    # With moments, each block makes and frees d x d matrices of 95 MB (a 4864-wide input): kept
-    # on the heap and reused instead of mapped afresh (vqpipe/prefault.py; the same bytes)
-    heap = large_blocks_on_heap() if calibration is not None or moments is not None else contextlib.nullcontext()
-    with pool, heap:
-        records = _quantize_all(model, targets, quantize_one, moments, calibration, progress, sequential,
-                                lambda name, dim: layer_rotation(kind_of(name), seed, name, dim))
-    records = [r for r in records if r is not None]
-    # Remaining tensors (norms, biases of other layers) in the compute dtype.
+    return quantize_one
+
+
+def _cast_rest(model, dtype):
+    """The tensors that are not quantized (norms, biases of other layers) in ``dtype`` (None: kept)."""
     quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     rest = [(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())
             if not any(k.startswith(q + ".") for q in quantized) and mx.issubdtype(v.dtype, mx.floating)
             and dtype is not None and v.dtype != dtype]
     if rest:
         model.load_weights(rest, strict=False)
-    mx.eval(model.parameters())
-    if fuse:
-        fuse_model(model)
-    return records
 
 
 CALIBRATION_WINDOWS, CALIBRATION_LENGTH = 64, 512  # the recipe's calibration text: 64 x 512 tokens
