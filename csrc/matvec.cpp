@@ -245,7 +245,7 @@ std::vector<array> CodebookMatvec::vjp(
     const std::vector<array>&) {
   throw std::invalid_argument(
       "codebook_matvec: no vjp (it needs the transposed mat-vec); differentiate through "
-      "vqpipe.qlinear.dense_forward instead");
+      "vqpipe.layers.qlinear.dense_forward instead");
 }
 
 #ifndef VQPIPE_CUDA

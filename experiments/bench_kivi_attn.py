@@ -36,7 +36,7 @@ from vqpipe.kivi.attention import attend_tiles
 from vqpipe.kivi.cache import make_kivi_cache
 from vqpipe.kivi.store import PackedKIVICache
 from vqpipe.bench import env, harness, roofline
-from vqpipe.fsutil import write_json
+from vqpipe.store.fsutil import write_json
 
 HQ, HK, D = 32, 8, 128
 AFFINE_GROUP = 64
@@ -319,7 +319,7 @@ def _filled(model, kind, s, dtype):
 def _split_decoder(model, s, dtype, capacity):
     """decode_step's split-mode compiled step (compiled blocks around MLX's fused SDPA) over a static
     fp16 cache filled like :func:`_filled`: (decoder, [position, buffers])."""
-    from vqpipe.decode_step import Decoder
+    from vqpipe.decode.step import Decoder
 
     dec = Decoder(model, capacity, "split")
     caches = dec.new_cache()

@@ -23,7 +23,7 @@ import sys
 
 import mlx.core as mx
 
-from vqpipe.fsutil import write_json
+from vqpipe.store.fsutil import write_json
 from vqpipe.kivi.cache import make_kivi_cache
 
 
@@ -97,9 +97,9 @@ def paired(per_window):
 def text_windows(tokenizer, which, n, length):
     """Token windows of ``which`` text and what the result records about it."""
     if which == "corpus":
-        from vqpipe.stages.bench_quality import CORPUS, eval_windows
+        from vqpipe.text import CORPUS, corpus_windows
 
-        return eval_windows(tokenizer, n, length), {"text": "corpus", "file": CORPUS.name, "real": False}
+        return corpus_windows(tokenizer, n, length), {"text": "corpus", "file": CORPUS.name, "real": False}
     from vqpipe import text
 
     return text.eval_windows(tokenizer, n, length, which), {"text": which, "real": True, **text.provenance()}

@@ -1,4 +1,4 @@
-"""bench-qmv: the fused codebook mat-vec (vqpipe/qmv.py) against dense and MLX affine mat-vecs.
+"""bench-qmv: the fused codebook mat-vec (vqpipe/kernels/qmv.py) against dense and MLX affine mat-vecs.
 
 Per layer shape (Qwen2.5-0.5B and Llama-style), with one activation row (M = 1, decode), the arms run
 interleaved in one process on rotating pools of >= 20 distinct activations and of distinct weight
@@ -36,12 +36,12 @@ import sys
 
 import mlx.core as mx
 
-from vqpipe import qmv
-from vqpipe.codebook import codebook
-from vqpipe.fsutil import write_json
-from vqpipe.bitpack import words_per_row
-from vqpipe.qlinear import QuantizedLinear
-from vqpipe.rotation import make_rotation
+from vqpipe.kernels import qmv
+from vqpipe.codec.codebook import codebook
+from vqpipe.store.fsutil import write_json
+from vqpipe.codec.bitpack import words_per_row
+from vqpipe.layers.qlinear import QuantizedLinear
+from vqpipe.codec.rotation import make_rotation
 from vqpipe.bench import env, harness, roofline
 
 # name -> (in_features, out_features)
@@ -56,7 +56,7 @@ SHAPES = {
     "llama4k-attn": (4096, 4096),
     "llama4k-up": (4096, 11008),
     "llama4k-down": (11008, 4096),
-    # fused projections (rows concatenated, vqpipe/fused.py) and Llama-3-8B's layers
+    # fused projections (rows concatenated, vqpipe/layers/fused.py) and Llama-3-8B's layers
     "qwen-qkv": (896, 1152),
     "qwen-gateup": (896, 9728),
     "l3-qkv": (4096, 6144),

@@ -14,7 +14,7 @@ import sys
 
 from experiments import child_env
 from vqpipe.blas import choice, env_for, in_use, openblas_available
-from vqpipe.fsutil import write_json
+from vqpipe.store.fsutil import write_json
 
 # (label, M, K, N, dtype): prefill-like GEMMs in the three dtypes and a decode-like GEMV.
 CASES = (

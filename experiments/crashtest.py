@@ -31,7 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 from experiments import child_env
-from vqpipe import manifest
+from vqpipe.store import manifest
 
 # Files whose bytes legitimately differ between runs (timings, peak RSS, environment); the rest
 # of an artifact must be byte-identical to the golden one.
@@ -57,7 +57,7 @@ def commands(work, stage):
 def _install(kill_at, counter):
     import mlx.core as mx
 
-    from vqpipe import fsutil
+    from vqpipe.store import fsutil
 
     def event():
         counter[0] += 1

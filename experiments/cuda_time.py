@@ -7,13 +7,13 @@ with a small prelude instead of MLX's device headers: the kernel body uses only 
 the float types), launches it on device buffers and times a run of launches between two CUDA
 events. Nothing here needs MLX.
 
-Used by experiments/qmv_gpu_time.py; NVRTC and the CUDA headers are found by vqpipe/nvrtc.py
+Used by experiments/qmv_gpu_time.py; NVRTC and the CUDA headers are found by vqpipe/kernels/nvrtc.py
 (NVIDIA's Python packages, site-packages/nvidia/cu13, or the toolkit), libcuda comes from the driver.
 """
 
 import ctypes
 
-from vqpipe import nvrtc
+from vqpipe.kernels import nvrtc
 
 MAX_NDIM = 10  # mlx/backend/cuda/device/config.h: Shape is an array of MAX_NDIM int32
 CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "uint32": "uint32_t",
@@ -46,7 +46,7 @@ def kernel_source(name, header, body, inputs, outputs, template):
 
 
 def compile_cubin(source, arch="sm_90a", extra=()):
-    """(cubin bytes, log) of ``source`` for ``arch`` (vqpipe/nvrtc.py) with the option MLX's JIT
+    """(cubin bytes, log) of ``source`` for ``arch`` (vqpipe/kernels/nvrtc.py) with the option MLX's JIT
     adds (``--device-as-default-execution-space``, mlx/backend/cuda/jit_module.cpp)."""
     return nvrtc.cubin(source, arch, ("--device-as-default-execution-space", *extra))
 

@@ -12,14 +12,14 @@ memory from the preset's config:
 - ``vqpipe-bN+rot`` (``--prologue-bits N``): the same model with the rotation in the qmv kernel's
   prologue (``qmv.rotating_in_kernel``) instead of MLX ops before each launch;
 - ``vqpipe-bN+u`` (``--unpack-bits N``): the same model with the dense (prefill) path rebuilding
-  its weights the old way, unpacking to uint32 before the codebook gather (vqpipe/dequant.py);
+  its weights the old way, unpacking to uint32 before the codebook gather (vqpipe/kernels/dequant.py);
 - ``vqpipe-bN-nofold`` (``--unfolded-bits N``): the same codes with the rotation signs not folded
-  into the norms and up_proj's scales (vqpipe/fold.py): three more primitives per layer;
+  into the norms and up_proj's scales (vqpipe/layers/fold.py): three more primitives per layer;
 - ``vqpipe-bN-res`` (``--residual-bits N``): the same codes laid out as a residual-rotated model
-  (vqpipe/residual_rotation.py): q/k/v, gate/up, the embedding and an untied head without rotations
+  (vqpipe/quant/residual_rotation.py): q/k/v, gate/up, the embedding and an untied head without rotations
   of their own, a tied head reading its input map: the decode cost of that structure (its text
   differs: the codes mean another function);
-- ``ARM+c`` (``--compiled``): every arm above once more, decoding through vqpipe.decode_step (one
+- ``ARM+c`` (``--compiled``): every arm above once more, decoding through vqpipe.decode.step (one
   compiled step over a static KV cache) instead of mlx-lm's eager ``generate_step``: the same
   weights, so ``X+c`` vs ``X`` is what compilation buys and ``vqpipe-bN+c`` vs ``bf16+c`` what the
   kernel contributes once both are compiled;
@@ -57,17 +57,18 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from vqpipe import dequant, qmv, synth
-from vqpipe.decode_step import Decoder
-from vqpipe.codebook import codebook
-from vqpipe.fsutil import write_json
-from vqpipe.fused import fuse_model, rotation_owner
-from vqpipe.bitpack import words_per_row
-from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
-from vqpipe import residual_rotation
-from vqpipe.quantize import layer_seed, residual_seed
-from vqpipe.residual_rotation import Head, tied, unrotated
-from vqpipe.rotation import make_rotation
+from vqpipe.kernels import dequant, qmv
+from vqpipe.sources import synth
+from vqpipe.decode.step import Decoder
+from vqpipe.codec.codebook import codebook
+from vqpipe.store.fsutil import write_json
+from vqpipe.layers.fused import fuse_model, rotation_owner
+from vqpipe.codec.bitpack import words_per_row
+from vqpipe.layers.qlinear import QuantizedEmbedding, QuantizedLinear
+from vqpipe.quant import residual_rotation
+from vqpipe.quant.quantize import layer_seed, residual_seed
+from vqpipe.quant.residual_rotation import Head, tied, unrotated
+from vqpipe.codec.rotation import make_rotation
 from vqpipe.bench import harness, roofline
 from vqpipe.stages.bench_decode import generate_once, make_cache
 from vqpipe.bench.env import environment
@@ -75,9 +76,9 @@ from vqpipe.bench.env import environment
 STD = 0.02
 ROT = "+rot"  # arm suffix: the rotation in the kernel's prologue
 UNPACK = "+u"  # arm suffix: the old dense-path weight rebuild (uint32 unpack, then gather)
-NOFOLD = "-nofold"  # arm suffix: rotation signs not folded (vqpipe/fold.py)
-RES = "-res"  # arm suffix: laid out as a residual-rotated model (vqpipe/residual_rotation.py)
-COMPILED = "+c"  # arm suffix: decode through vqpipe.decode_step, the whole step compiled
+NOFOLD = "-nofold"  # arm suffix: rotation signs not folded (vqpipe/layers/fold.py)
+RES = "-res"  # arm suffix: laid out as a residual-rotated model (vqpipe/quant/residual_rotation.py)
+COMPILED = "+c"  # arm suffix: decode through vqpipe.decode.step, the whole step compiled
 SPLIT = "+s"  # arm suffix: decode_step's split mode (compiled blocks around MLX's fused SDPA)
 MODES = {COMPILED: "whole", SPLIT: "split"}
 
@@ -99,7 +100,7 @@ def is_compiled(name):
 
 
 def skeleton(preset):
-    from vqpipe.quantize import skeleton as load_skeleton
+    from vqpipe.quant.quantize import skeleton as load_skeleton
 
     with tempfile.TemporaryDirectory(prefix="vq-shapes-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(synth.make_config(preset)))
@@ -398,7 +399,7 @@ def parse_args(argv):
     p.add_argument("--aa-arm", default="bf16", help="the arm run twice for the A/A noise floor (default bf16, eager)")
     p.add_argument("--split-only", action="store_true", help="split-mode arms only (no eager arms)")
     p.add_argument("--compiled", action="store_true",
-                   help=f"add an ARM{COMPILED} arm per arm: decode through vqpipe.decode_step's compiled step")
+                   help=f"add an ARM{COMPILED} arm per arm: decode through vqpipe.decode.step's compiled step")
     p.add_argument("--split", action="store_true",
                    help=f"add an ARM{SPLIT} arm per arm: decode_step's split mode (compiled blocks, fused SDPA between)")
     p.add_argument("--profile-only", action="store_true", help="the step profiles only, no timed generations")

@@ -12,8 +12,8 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from vqpipe import ext
-from vqpipe.bitpack import pack
+from vqpipe.kernels import ext
+from vqpipe.codec.bitpack import pack
 
 
 def cases():

@@ -1,4 +1,4 @@
-"""Decode speed of the compiled codebook mat-vec (vqpipe/ext.py) on the CPU, and its M threshold.
+"""Decode speed of the compiled codebook mat-vec (vqpipe/kernels/ext.py) on the CPU, and its M threshold.
 
 Arms, interleaved in one process (A B C ... per trial, the prompt rotated over >= 20 distinct
 prompts), greedy, ``--tokens`` generated tokens each through mlx-lm's ``stream_generate``:
@@ -66,7 +66,7 @@ def arms(reservoir, source):
     import mlx_lm
 
     import vqpipe
-    from vqpipe import ext
+    from vqpipe.kernels import ext
 
     quantized, qtok = vqpipe.load(reservoir)
     plain, stok = mlx_lm.load(source)
@@ -116,8 +116,9 @@ def bench_decode(reservoir, source, trials, dense_trials, tokens):
 def bench_threshold(reservoir, reps, ms):
     """One call of SmolLM2's gate|up (3072 x 576) and down (576 x 1536): extension vs dense path."""
     import vqpipe
-    from vqpipe import ext, fused
-    from vqpipe.qlinear import dense_forward
+    from vqpipe.kernels import ext
+    from vqpipe.layers import fused
+    from vqpipe.layers.qlinear import dense_forward
 
     model, _ = vqpipe.load(reservoir)
     layer = model.model.layers[len(model.model.layers) // 2]
@@ -156,7 +157,7 @@ def main(argv=None):
     p.add_argument("--threshold-reps", type=int, default=10)
     args = p.parse_args(argv)
     mx.set_default_device(mx.cpu)
-    from vqpipe import ext
+    from vqpipe.kernels import ext
 
     if not ext.available():
         raise SystemExit(f"vqpipe._ext is not built ({ext._missing}); run scripts/build_ext.sh")

@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from vqpipe import reservoir as R
+from vqpipe.store import reservoir as R
 
 PREFIX = struct.Struct("<8sIIQQQQQ")
 TOKENS = [[1, 5, 9, 2, 33, 31, 4, 60]]
@@ -97,7 +97,7 @@ def _build(name, directory):
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
-    from vqpipe.quantize import quantize_model
+    from vqpipe.quant.quantize import quantize_model
 
     arch, bits, rotation, embeddings, persist = BASES[name]
     config = {**ARCH, **arch}

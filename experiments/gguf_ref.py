@@ -1,6 +1,6 @@
 """An independent evaluation of a GGUF file: a float32 NumPy forward pass in llama.cpp's conventions.
 
-It shares no code with the converter (vqpipe/gguf.py): weights are dequantized by the ``gguf``
+It shares no code with the converter (vqpipe/sources/gguf.py): weights are dequantized by the ``gguf``
 package (not MLX), Q/K stay in llama.cpp's permuted row order and RoPE rotates adjacent pairs
 (llama.cpp's "normal" mode) for llama, halves ("neox" mode) for qwen2. If the converted model's
 logits match these, the permutation was undone correctly.

@@ -45,7 +45,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from vqpipe.bench import env, harness
-from vqpipe.fsutil import write_json
+from vqpipe.store.fsutil import write_json
 from vqpipe.kivi import attention, decode_kernel
 from vqpipe.kivi.store import PackedKIVICache
 

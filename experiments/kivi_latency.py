@@ -31,7 +31,7 @@ import mlx.core as mx
 
 from vqpipe.bench import env, harness
 from experiments.kivi_floor import run_parts
-from vqpipe.fsutil import write_json
+from vqpipe.store.fsutil import write_json
 from vqpipe.kivi import decode_kernel
 from vqpipe.kivi.store import PackedKIVICache
 

@@ -22,7 +22,7 @@ import time
 import mlx.core as mx
 
 from vqpipe.bench import harness
-from vqpipe.fsutil import write_json
+from vqpipe.store.fsutil import write_json
 
 
 def write_slice(kb, vb, k, v, pos):

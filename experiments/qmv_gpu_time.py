@@ -18,7 +18,7 @@ Arms per shape, interleaved (A B C ... A B C ...), with an A/A copy of the first
   ``+``-joined subset of ``ABLATIONS``, kernels that skip a part of the work so the time they save says
   what that part costs; ROWS ``auto``, 2 or 4 output rows per warp), each checked against a float64 evaluation of the formula on 512 rows first
   (an ablation's check is expected to fail: it computes something else);
-- revision 8, the tensor-core kernel (vqpipe/qmv_tc.py): ``qmv_tc:BLOCKS:TARGET:MINBLOCKS:PF:ABLATIONS`` (0 or
+- revision 8, the tensor-core kernel (vqpipe/kernels/qmv_tc.py): ``qmv_tc:BLOCKS:TARGET:MINBLOCKS:PF:ABLATIONS`` (0 or
   empty = its default: grid cap, warps wanted before K is split, a __launch_bounds__ minimum, codes in flight,
   ``tcnolut``/``tcnoload``); its check runs on copy 0 repacked, its timed launches read the pool's random words
   as they are (any permutation of random words is as random).
@@ -143,12 +143,12 @@ class Variant:
         if self.tc:  # qmv_tc[:BLOCKS[:TARGET_WARPS[:MINBLOCKS[:PREFETCH[:ABLATIONS]]]]]: revision 8 (tensor cores)
             blocks, target, minb, pf, abl = (parts[1:] + ["0", "0", "0", "0", ""][len(parts) - 1:])[:5]
             self.pf = int(pf) or None
-            self.name, self.mod, self.drv, self.cache = text, importlib.import_module("vqpipe.qmv_tc"), drv, cache
+            self.name, self.mod, self.drv, self.cache = text, importlib.import_module("vqpipe.kernels.qmv_tc"), drv, cache
             self.blocks, self.target, self.minb = int(blocks) or None, int(target) or None, int(minb)
             self.ablations = tuple(a for a in abl.split("+") if a)
             return
         mod, stages, blocks, lut, abl, rows = parts + ["auto", "0", "auto", "", "auto"][len(parts) - 1:]
-        self.name, self.mod = text, importlib.import_module(f"vqpipe.{mod}")
+        self.name, self.mod = text, importlib.import_module(f"vqpipe.kernels.{mod}")
         self.stages = None if stages in ("", "auto") else int(stages)
         self.lut = None if lut in ("", "auto") else int(lut)
         self.rows = None if rows in ("", "auto") else int(rows)

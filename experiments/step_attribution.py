@@ -31,8 +31,9 @@ import mlx.core as mx
 
 from experiments import decode_shapes as ds
 from vqpipe.bench import harness
-from vqpipe import qmv, synth
-from vqpipe.fsutil import write_json
+from vqpipe.kernels import qmv
+from vqpipe.sources import synth
+from vqpipe.store.fsutil import write_json
 from vqpipe.bench.env import environment
 
 _SPIN = """

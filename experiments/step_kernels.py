@@ -23,7 +23,7 @@ import ctypes
 import re
 import sys
 
-from vqpipe.fsutil import write_json
+from vqpipe.store.fsutil import write_json
 
 
 def family(name):
@@ -90,7 +90,7 @@ def profile(preset, arm, context, steps, warmup, nofuse=False):
     elif base.startswith("vqpipe-b"):
         model = ds.random_vqpipe(preset, int(base.removeprefix("vqpipe-b")))
         if nofuse:  # q/k/v and gate/up as separate launches: the fused kernels' cost apart
-            from vqpipe.fused import unfuse_model
+            from vqpipe.layers.fused import unfuse_model
 
             unfuse_model(model)
     else:

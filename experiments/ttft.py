@@ -15,7 +15,7 @@ T0 = time.perf_counter()
 import mlx.core as mx  # noqa: E402
 
 import vqpipe  # noqa: E402
-from vqpipe.decode_step import POSITION_DTYPE, Decoder  # noqa: E402
+from vqpipe.decode.step import POSITION_DTYPE, Decoder  # noqa: E402
 
 
 def main():

@@ -43,10 +43,10 @@ def stored_bits(layer):
 
 
 def cache(args):
-    from vqpipe.quantize import quantize_model
-    from vqpipe.stages import calibrate as mom
+    from vqpipe.quant.quantize import quantize_model
+    from vqpipe.store import calibration
 
-    stored, _ = mom.load(args.moments)
+    stored, _ = calibration.load(args.moments)
     args.group_size = args.group_size or None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -166,7 +166,7 @@ def plan(args):
     modelled as separable, G_type * B_block / sum(B): the per-type and per-block measurements are
     its margins (37 arms instead of 210). A second extra bit is worth ``decay`` times the first
     (KL falls about 3.8x per bit, measured: docs/quality.md). Greedy on gain per bit."""
-    from vqpipe import allocate
+    from vqpipe.codec import allocate
 
     saved = {}  # arm -> KL saved against the all{base} arm of the same file (same windows)
     for f in args.gains:

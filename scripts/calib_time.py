@@ -41,7 +41,7 @@ def digest(model):
     import mlx.core as mx
     import numpy as np
 
-    from vqpipe.quantize import split_state
+    from vqpipe.quant.quantize import split_state
 
     _, arrays, _ = split_state(model)
     h = hashlib.sha256()
@@ -70,9 +70,11 @@ def main():
 
     from mlx_lm.utils import load
 
-    from vqpipe import calibrate, gptq, qlinear
-    from vqpipe.quantize import quantize_model
-    from vqpipe.stages.quantize import calibration_tokens
+    from vqpipe.quant import calibrate
+    from vqpipe.codec import gptq
+    from vqpipe.layers import qlinear
+    from vqpipe.quant.quantize import quantize_model
+    from vqpipe.quant.calibrate import calibration_tokens
 
     from vqpipe.prefault import hold_freed_heap
 

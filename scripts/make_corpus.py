@@ -1,6 +1,6 @@
 """Regenerate ``corpus.txt``: our own prose (``prose.txt``) plus text generated from templates.
 
-The synthetic tokenizers (``vqpipe.synth``) are trained on ``corpus.txt``; everything in it is
+The synthetic tokenizers (``vqpipe.sources.synth``) are trained on ``corpus.txt``; everything in it is
 written for this repository. Run ``python scripts/make_corpus.py`` after editing the
 templates or the prose; the output is deterministic (``random.Random`` with a fixed seed).
 """

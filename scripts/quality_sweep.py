@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vqpipe.bench.harness import summarize  # noqa: E402
 from vqpipe.stages.bench_quality import dense_copy, load_fp32  # noqa: E402
-from vqpipe.qlinear import QuantizedLinear  # noqa: E402
-from vqpipe.quantize import quantize_model  # noqa: E402
+from vqpipe.layers.qlinear import QuantizedLinear  # noqa: E402
+from vqpipe.quant.quantize import quantize_model  # noqa: E402
 
 
 PROGRESS = None

@@ -86,7 +86,9 @@ def main():
     mark("import vqpipe.stages.quantize", t, c)
     import mlx_lm.utils
 
-    from vqpipe import calibrate, fsutil, manifest, quantize, record
+    from vqpipe.quant import calibrate, quantize
+    from vqpipe.store import fsutil, manifest, record
+    from vqpipe.store import quantized as artifact
 
     if "--calibration" in argv:
         timed(calibrate, "quantize_calibrated", "layer loop (quantize_calibrated)")
@@ -95,10 +97,11 @@ def main():
     timed(manifest, "verify", "manifest.verify (source)")
     timed(manifest, "write", "manifest.write (output)")
     timed(mlx_lm.utils, "load", "mlx_lm load (lazy)")
-    for attr in ("calibration_tokens", "quantize_model", "save_quantized", "split_state", "copy_model_files",
-                 "reference_logits", "environment", "save_safetensors"):
+    for attr in ("calibration_tokens", "quantize_model", "save_quantized"):
         timed(stage, attr)
-    timed(stage.record, "write", "record.write")
+    for attr in ("split_state", "copy_model_files", "reference_logits", "environment", "save_safetensors"):
+        timed(artifact, attr)
+    timed(record, "write", "record.write")
     orig_replace = fsutil.replace_dir
 
     def replace_dir(*a):  # atomic_dir: manifest, fsync of every file, then this

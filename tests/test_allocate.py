@@ -1,4 +1,4 @@
-"""Mixed bit widths per layer (vqpipe/allocate.py): rules, the greedy budget, the quantized model,
+"""Mixed bit widths per layer (vqpipe/codec/allocate.py): rules, the greedy budget, the quantized model,
 its bits and its reservoir round trip."""
 
 import json
@@ -7,12 +7,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vqpipe import allocate
-from vqpipe import reservoir as R
-from vqpipe.codebook import codebook
-from vqpipe.fused import fused_groups, unfuse_model
-from vqpipe.qlinear import QuantizedLinear
-from vqpipe.quantize import quantize_model
+from vqpipe.codec import allocate
+from vqpipe.store import reservoir as R
+from vqpipe.codec.codebook import codebook
+from vqpipe.layers.fused import fused_groups, unfuse_model
+from vqpipe.layers.qlinear import QuantizedLinear
+from vqpipe.quant.quantize import quantize_model
 from vqpipe.stages import bench_quality as q
 
 from test_reservoir import make_model
@@ -96,7 +96,7 @@ def test_mixed_widths_fuse_only_equal_siblings_and_match_unfused(mixed):
     want = np.array(model(TOKENS))
     unfuse_model(model)
     assert np.allclose(np.array(model(TOKENS)), want, atol=1e-5)
-    from vqpipe.fused import fuse_model
+    from vqpipe.layers.fused import fuse_model
 
     fuse_model(model)
 
@@ -142,7 +142,7 @@ def test_quantize_cli_rejects_bad_layer_bits(tmp_path, capsys):
 def test_widths_without_a_decode_kernel_run_dense(mixed, monkeypatch):
     """qmv covers 2/3/4/8 bits: where it would launch, 5- and 6-bit layers (and fused groups of
     them) take the dense path instead of failing in the kernel's argument check."""
-    from vqpipe import qmv
+    from vqpipe.kernels import qmv
 
     model, _, _ = mixed
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from vqpipe import kivi
-from vqpipe import reservoir as R
+from vqpipe.store import reservoir as R
 from vqpipe.bench import AA_SUFFIX
 from vqpipe.stages import bench_decode
 from vqpipe.bench import roofline as rl
@@ -87,7 +87,7 @@ def test_json_has_every_field(run):
         assert c["baseline"]["n"] == c["other"]["n"] == REPEATS and c["verdict"]
 
     # The report reads it: decode and prefill records per arm, one roofline row per precision.
-    from vqpipe.summary import summary as summarize_records
+    from vqpipe.report.summary import summary as summarize_records
 
     summary = summarize_records([str(path)])  # checks the record against the schema first
     assert "bench-decode" in summary["present"]

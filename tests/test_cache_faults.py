@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from test_workflow import CI, QUANTIZED, RESERVOIR, SNAKEMAKE, VERDICT, copy_repo, smk
-from vqpipe import snakecache
+from vqpipe.store import snakecache
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +79,7 @@ def test_race_corruption_and_read_only_cache(tmp_path):
     assert len(entries) == 3, entries
     for e in entries:  # each whole, nothing nested, and its manifest verifies
         assert not [p for p in e.iterdir() if p.is_dir()], e
-        assert subprocess.run([sys.executable, "-c", f"from vqpipe import manifest; assert manifest.verify({str(e)!r})"],
+        assert subprocess.run([sys.executable, "-c", f"from vqpipe.store import manifest; assert manifest.verify({str(e)!r})"],
                               env={**env, "PYTHONPATH": str(a)}).returncode == 0
 
     # A bit flipped in the cached quantize artifact: a third workflow takes every upstream

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from vqpipe.codebook import boundaries, codebook, gaussian_pdf, lloyd_max, sphere_pdf
+from vqpipe.codec.codebook import boundaries, codebook, gaussian_pdf, lloyd_max, sphere_pdf
 
 # Max (1960) / Lloyd (1982): minimum MSE of an N-level quantizer for a unit Gaussian.
 CLASSICAL_MSE = {1: 0.3634, 2: 0.1175, 3: 0.03454, 4: 0.009497}

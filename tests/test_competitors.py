@@ -1,4 +1,4 @@
-"""bench-quality's competitor arms (vqpipe/competitors.py): mlx-lm's gptq, awq, dynamic_quant and
+"""bench-quality's competitor arms (vqpipe/bench/competitors.py): mlx-lm's gptq, awq, dynamic_quant and
 MLX's mxfp4 / nvfp4 on a tiny model, their bits per weight against a hand count, their refusals."""
 
 import json
@@ -7,7 +7,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from vqpipe import competitors, text
+from vqpipe.bench import competitors
+from vqpipe import text
 from vqpipe.stages import bench_quality as q
 
 

@@ -5,7 +5,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from vqpipe import cpu_eval
+from vqpipe.quant import cpu_eval
 
 
 def qkv(n=7, s=7, hq=6, hk=2, d=16, seed=0):

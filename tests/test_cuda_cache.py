@@ -11,7 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vqpipe import cuda_cache, gpu
+from vqpipe import gpu
+from vqpipe.kernels import cuda_cache
 
 needs_cuda = pytest.mark.skipif(gpu.backend() != "cuda", reason="needs MLX's CUDA backend")
 
@@ -100,8 +101,8 @@ def test_without_nvrtc_mlx_compiles_and_nothing_is_written(tmp_path, monkeypatch
 CHILD = r"""
 import sys, time
 import mlx.core as mx, numpy as np
-from vqpipe import qmv
-from vqpipe.bitpack import pack
+from vqpipe.kernels import qmv
+from vqpipe.codec.bitpack import pack
 rng = np.random.default_rng(0)
 idx = rng.integers(0, 16, (300, 896)).astype(np.uint8)
 p, s = mx.array(pack(idx, 4)), mx.array(rng.random(300).astype(np.float32))

@@ -6,8 +6,8 @@ import mlx.core as mx
 import pytest
 
 from experiments import decode_shapes
-from vqpipe.fused import fused_groups
-from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
+from vqpipe.layers.fused import fused_groups
+from vqpipe.layers.qlinear import QuantizedEmbedding, QuantizedLinear
 
 
 def test_random_vqpipe_model_is_complete():
@@ -25,7 +25,7 @@ def test_residual_arm_is_the_rotated_layout():
     embedding unrotated, a tied head reading its map; fewer primitives per eager decode step."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from vqpipe import residual_rotation as rr
+    from vqpipe.quant import residual_rotation as rr
 
     for preset in ("tiny-llama", "tiny"):
         plain, res = decode_shapes.random_vqpipe(preset, 3), decode_shapes.random_vqpipe(preset, 3, residual=True)

@@ -1,4 +1,4 @@
-"""The compiled decode step over a static KV cache (vqpipe/decode_step.py) against mlx-lm's eager
+"""The compiled decode step over a static KV cache (vqpipe/decode/step.py) against mlx-lm's eager
 decode, float32 on the CPU: full precision, MLX affine and vqpipe weights."""
 
 import mlx.core as mx
@@ -6,8 +6,8 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import RotatingKVCache
 
-from vqpipe.decode_step import Decoder, StaticCache, check_model, write_kv
-from vqpipe.quantize import quantize_model
+from vqpipe.decode.step import Decoder, StaticCache, check_model, write_kv
+from vqpipe.quant.quantize import quantize_model
 from vqpipe.stages.bench_decode import cast_floating, generate_once, make_cache
 
 PROMPT_LENGTHS = (1, 5, 23)  # 1: no prefill at all; 23 with prefill_step 8: three chunks
@@ -146,11 +146,11 @@ def test_step_logits_match_eager_within_float32(tiny_llama_source, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(__import__("vqpipe.qmv").qmv.backend() is None, reason="needs MLX's Metal or CUDA backend")
+@pytest.mark.skipif(__import__("vqpipe.kernels.qmv").kernels.qmv.backend() is None, reason="needs MLX's Metal or CUDA backend")
 @pytest.mark.parametrize("rot", [False, True])
 @pytest.mark.parametrize("mode", MODES)
 def test_kernel_inside_compiled_step_same_tokens(tiny_llama_source, rot, mode):
-    from vqpipe import qmv
+    from vqpipe.kernels import qmv
     from experiments.decode_shapes import graph_ops
 
     model, _ = load(str(tiny_llama_source))
@@ -170,7 +170,7 @@ def reservoir(tiny_b4_reservoir):
 def test_generate_cli_compiled_matches_mlx_lm(reservoir, capsys, mode):
     from mlx_lm import generate as mlx_generate
 
-    from vqpipe import generate
+    from vqpipe.apps import generate
 
     assert generate.main(["--model", str(reservoir), "--prompt", "Hello sea", "-m", "8", "--compiled", mode]) == 0
     out = capsys.readouterr().out
@@ -182,7 +182,7 @@ def test_generate_cli_compiled_matches_mlx_lm(reservoir, capsys, mode):
 
 
 def test_generate_cli_compiled_refuses_sampling(reservoir, capsys):
-    from vqpipe import generate
+    from vqpipe.apps import generate
 
     for extra in (["--temp", "0.7"], ["--kv-bits", "4", "--kv-cache", "reference"]):
         with pytest.raises(SystemExit):
@@ -203,7 +203,7 @@ def test_write_kv_writes_one_position_only():
 @pytest.mark.parametrize("mode", MODES)
 def test_position_is_padded_out_of_the_small_pool(tiny_llama_source, mode):
     """The position is a padded vector (longer than MLX's 8-byte small pool) whose entry 0 advances."""
-    from vqpipe import small_arrays
+    from vqpipe.kernels import small_arrays
 
     model, _ = load(str(tiny_llama_source))
     model = cast_floating(model, mx.float32)
@@ -223,7 +223,7 @@ def test_generate_takes_the_compiled_split_step_on_cuda_only(monkeypatch):
 
     import mlx.core as mx
 
-    from vqpipe.generate import auto_compiled
+    from vqpipe.apps.generate import auto_compiled
 
     greedy = argparse.Namespace(temp=0.0, kv_bits=None)
     assert auto_compiled(greedy, mx.cpu) is None

@@ -14,7 +14,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from vqpipe import synth
+from vqpipe.sources import synth
 from vqpipe.stages import download
 from vqpipe.stages.download import fetch
 
@@ -192,10 +192,11 @@ def test_blocks_are_small_updates_that_matter(tiny_source):
     """Each block is a small update of the residual stream, yet the blocks pick the next token."""
     from mlx_lm.models.base import create_attention_mask
 
-    from vqpipe.stages.bench_quality import agreement, eval_windows, load_fp32, logprobs
+    from vqpipe.stages.bench_quality import agreement, load_fp32, logprobs
+    from vqpipe.text import corpus_windows
 
     model, tokenizer = load_fp32(tiny_source)
-    ids = eval_windows(tokenizer, 2, 128)[1]
+    ids = corpus_windows(tokenizer, 2, 128)[1]
     h = embedded = model.model.embed_tokens(ids[None])
     mask = create_attention_mask(h, None)
     for layer in model.model.layers:
@@ -213,10 +214,11 @@ def test_blocks_are_small_updates_that_matter(tiny_source):
 
 def test_quantization_sensitivity_is_realistic(tiny_source):
     """4-bit affine g64 costs about as much as on a trained model; rotation and more bits help."""
-    from vqpipe.stages.bench_quality import agreement, eval_windows, load_fp32, logprobs, quantize_method
+    from vqpipe.stages.bench_quality import agreement, load_fp32, logprobs, quantize_method
+    from vqpipe.text import corpus_windows
 
     source, tokenizer = load_fp32(tiny_source)
-    windows = eval_windows(tokenizer, 4, 128)
+    windows = corpus_windows(tokenizer, 4, 128)
     refs = [logprobs(source, w) for w in windows]
     result = {}
     for method, bits in (("affine", 4), ("rotated", 4), ("affine", 2)):

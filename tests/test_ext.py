@@ -1,4 +1,4 @@
-"""The compiled codebook mat-vec (vqpipe/ext.py, csrc/): exact to float32 accumulation against a
+"""The compiled codebook mat-vec (vqpipe/kernels/ext.py, csrc/): exact to float32 accumulation against a
 float64 evaluation of the same formula, every width and scale layout, and the same greedy tokens
 as the dense path in a model."""
 
@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from vqpipe import ext, fused
-from vqpipe.bitpack import pack
-from vqpipe.codebook import LAYER_BITS
-from vqpipe.qlinear import QuantizedLinear, dense_forward
-from vqpipe.quantize import quantize_model
+from vqpipe.kernels import ext
+from vqpipe.layers import fused
+from vqpipe.codec.bitpack import pack
+from vqpipe.codec.codebook import LAYER_BITS
+from vqpipe.layers.qlinear import QuantizedLinear, dense_forward
+from vqpipe.quant.quantize import quantize_model
 
 from test_fused import _greedy
 

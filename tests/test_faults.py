@@ -18,9 +18,9 @@ import pytest
 
 import vqpipe
 from experiments import crashtest
-from vqpipe import fsutil, manifest
+from vqpipe.store import fsutil, manifest
 from vqpipe.stages import pack, quantize
-from vqpipe import reservoir as R
+from vqpipe.store import reservoir as R
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def test_disk_full_clear_error_no_partial_artifact(crash_work, small_disk):
 WRITER = textwrap.dedent("""
     import shutil, sys, time
     from pathlib import Path
-    from vqpipe import fsutil
+    from vqpipe.store import fsutil
     mode, target, a, b, n = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5])
     for i in range(n):
         src = a if i % 2 else b

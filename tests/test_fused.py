@@ -1,4 +1,4 @@
-"""Siblings computed as one (vqpipe/fused.py), shared rotations, dtypes of unquantized tensors, and
+"""Siblings computed as one (vqpipe/layers/fused.py), shared rotations, dtypes of unquantized tensors, and
 per-group scales on the dense path (CPU)."""
 
 import mlx.core as mx
@@ -8,11 +8,12 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from vqpipe import blas, fused
+from vqpipe import blas
+from vqpipe.layers import fused
 from vqpipe.stages.download import fetch
-from vqpipe.bitpack import unpack_numpy
-from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
-from vqpipe.quantize import layer_seed, quantize_model, split_state
+from vqpipe.codec.bitpack import unpack_numpy
+from vqpipe.layers.qlinear import QuantizedEmbedding, QuantizedLinear
+from vqpipe.quant.quantize import layer_seed, quantize_model, split_state
 
 
 @pytest.fixture(scope="module")
@@ -141,10 +142,10 @@ def test_group_scales_dense_path():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(__import__("vqpipe.qmv").qmv.backend() is None, reason="needs MLX's Metal or CUDA backend")
+@pytest.mark.skipif(__import__("vqpipe.kernels.qmv").kernels.qmv.backend() is None, reason="needs MLX's Metal or CUDA backend")
 @pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
 def test_fused_kernel_decode_same_tokens_in_float32(sources, preset):
-    from vqpipe import qmv
+    from vqpipe.kernels import qmv
 
     ref, tok = load(str(sources[preset]))
     got, _ = load(str(sources[preset]))

@@ -1,4 +1,4 @@
-"""Rotation signs folded into the layers before them (vqpipe/fold.py): exact, out of the stored
+"""Rotation signs folded into the layers before them (vqpipe/layers/fold.py): exact, out of the stored
 state, three primitives fewer per decoder layer (CPU, float32)."""
 
 import mlx.core as mx
@@ -7,12 +7,12 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from vqpipe import fold, fused
-from vqpipe import reservoir as R
+from vqpipe.layers import fold, fused
+from vqpipe.store import reservoir as R
 from experiments.decode_shapes import graph_ops
-from vqpipe.decode_step import Decoder
-from vqpipe.quantize import quantize_model, split_state
-from vqpipe.rotation import make_rotation
+from vqpipe.decode.step import Decoder
+from vqpipe.quant.quantize import quantize_model, split_state
+from vqpipe.codec.rotation import make_rotation
 
 PROMPT = [3, 17, 99, 5, 1200, 42, 7, 310, 8, 64, 2, 4000, 11]
 
@@ -169,12 +169,12 @@ def test_unsigned_rotation():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(__import__("vqpipe.qmv").qmv.backend() is None, reason="needs MLX's Metal or CUDA backend")
+@pytest.mark.skipif(__import__("vqpipe.kernels.qmv").kernels.qmv.backend() is None, reason="needs MLX's Metal or CUDA backend")
 @pytest.mark.parametrize("rotate_in_kernel", [False, True], ids=["mlx-rotation", "prologue"])
 def test_folded_kernel_decode_bit_identical(tiny_llama_source, rotate_in_kernel):
     """With the qmv kernel (signs of ones in its prologue, or the MLX rotation without the multiply)
     and up_proj's flipped scales: the same logits, bit for bit, as the unfolded model."""
-    from vqpipe import qmv
+    from vqpipe.kernels import qmv
 
     ref, got = _pair(tiny_llama_source, 4)
     with qmv.enabled(True), qmv.rotating_in_kernel(rotate_in_kernel):

@@ -1,4 +1,4 @@
-"""The dense (prefill) path's weight rebuild through field tables (vqpipe/dequant.py): the same
+"""The dense (prefill) path's weight rebuild through field tables (vqpipe/kernels/dequant.py): the same
 values as codebook[unpack(packed)], bit for bit, with no weight-sized uint32 temporaries (CPU)."""
 
 import mlx.core as mx
@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from vqpipe import dequant, ext
-from vqpipe.bitpack import pack, unpack
-from vqpipe.qlinear import QuantizedLinear
-from vqpipe.quantize import quantize_model
-from vqpipe.rotation import make_rotation
+from vqpipe.kernels import dequant, ext
+from vqpipe.codec.bitpack import pack, unpack
+from vqpipe.layers.qlinear import QuantizedLinear
+from vqpipe.quant.quantize import quantize_model
+from vqpipe.codec.rotation import make_rotation
 
 
 def _packed(bits, rows, n, seed=0):
@@ -73,7 +73,7 @@ def test_group_scales_and_bias_same_as_before():
     bias = mx.array(rng.standard_normal(n_out).astype(np.float32))
     layer = QuantizedLinear(n_in, n_out, 3, make_rotation("auto", n_in, 2), packed, scales, codebook, bias, gs)
     x = mx.random.normal((2, 20, n_in), key=mx.random.key(3))
-    with ext.using(False):  # the dense path (M = 40 would take vqpipe/ext.py's kernel on the CPU)
+    with ext.using(False):  # the dense path (M = 40 would take vqpipe/kernels/ext.py's kernel on the CPU)
         got = layer(x)
     with dequant.using_tables(False):  # the old rebuild, and the old repeat of the scales
         xr = layer.rotation.apply(x)

@@ -12,7 +12,7 @@ import pytest
 
 from experiments import fuzz
 from experiments import fuzz_reservoir as F
-from vqpipe import reservoir as R
+from vqpipe.store import reservoir as R
 
 
 @pytest.fixture(scope="module")

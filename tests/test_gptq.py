@@ -8,12 +8,13 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from vqpipe import blas, gptq
-from vqpipe import reservoir as R
-from vqpipe.bitpack import unpack
-from vqpipe.qlinear import QuantizedLinear, quantize_weight
-from vqpipe.quantize import quantize_model, quantized_layers, split_state
-from vqpipe.rotation import make_rotation
+from vqpipe import blas
+from vqpipe.codec import gptq
+from vqpipe.store import reservoir as R
+from vqpipe.codec.bitpack import unpack
+from vqpipe.layers.qlinear import QuantizedLinear, quantize_weight
+from vqpipe.quant.quantize import quantize_model, quantized_layers, split_state
+from vqpipe.codec.rotation import make_rotation
 
 from test_reservoir import make_model
 
@@ -270,7 +271,7 @@ def test_ldl_factor_dead_input():
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 def test_code_lookup_is_searchsorted(bits):
-    from vqpipe.codebook import boundaries, codebook
+    from vqpipe.codec.codebook import boundaries, codebook
 
     bounds = boundaries(codebook(bits, 896)).astype(np.float32)
     rng = np.random.default_rng(bits)
@@ -290,7 +291,7 @@ def test_gptq_rejects_non_finite_weights():
 
 
 def test_gram_is_symmetric_and_xtx():
-    from vqpipe.calibrate import gram
+    from vqpipe.quant.calibrate import gram
 
     x = mx.random.normal((300, 40), key=mx.random.key(0)) * mx.arange(1, 41)
     g, want = gram(x), np.array(x).astype(np.float64).T @ np.array(x).astype(np.float64)

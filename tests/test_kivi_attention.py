@@ -343,7 +343,7 @@ def test_generation_same_tokens_as_reference_cache(tiny, bits):
 
 
 def test_generation_with_vqpipe_weights(tiny, tiny_b4_reservoir):
-    from vqpipe.reservoir import load as load_reservoir
+    from vqpipe.store.reservoir import load as load_reservoir
 
     model, _ = load_reservoir(tiny_b4_reservoir)
     _, tokenizer = tiny  # the source's tokenizer

@@ -102,7 +102,7 @@ def test_compiled_step_with_the_kernel(tiny, bits):
 def test_generate_cli_compiled_packed_kivi(tiny_b4_reservoir, capsys):
     """``vqpipe generate --compiled whole --kv-bits 4`` (the packed cache): the same text as the eager
     packed cache through mlx-lm's generate, the KIVI summary line; split mode refuses it."""
-    from vqpipe import generate
+    from vqpipe.apps import generate
 
     args = ["--model", str(tiny_b4_reservoir), "--prompt", "Hello sea " * 30, "-m", "40", "--kv-bits", "4", "--kv-residual", "32"]
     assert generate.main(args) == 0

@@ -1,4 +1,4 @@
-"""vqpipe/nvrtc.py: where the library and headers are looked for (CPU, no NVRTC needed), compiling
+"""vqpipe/kernels/nvrtc.py: where the library and headers are looked for (CPU, no NVRTC needed), compiling
 to PTX and cubin where NVRTC is found, and on a CUDA GPU both of its callers' launch paths: a cubin
 through the driver (experiments/cuda_time.py) and PTX through mx.fast.precompiled_cuda_kernel."""
 
@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vqpipe import nvrtc
+from vqpipe.kernels import nvrtc
 
 KERNEL = """#include <cuda_fp16.h>
 extern "C" __global__ void add_half(const __half* x, __half* out, const int n) {

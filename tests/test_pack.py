@@ -11,7 +11,8 @@ import pytest
 import vqpipe
 from vqpipe.stages import show as vinspect
 from vqpipe.stages import pack, quantize
-from vqpipe import reservoir as R
+from vqpipe.store import quantized as quantized_artifact
+from vqpipe.store import reservoir as R
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def test_persist_off_is_smaller_for_qr(packed):
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_load_reproduces_reference_logits(packed, quantized, mode):
     model, tokenizer = vqpipe.load(packed[mode])
-    got = quantize.reference_logits(model, tokenizer)
+    got = quantized_artifact.reference_logits(model, tokenizer)
     ref = mx.load(str(quantized / "reference.safetensors"))
     assert set(got) == set(ref)
     for k in ref:
@@ -70,7 +71,7 @@ def test_load_and_generate(packed, quantized):
 
     model, tokenizer = vqpipe.load(packed["off"])
     text = generate(model, tokenizer, "The quick brown fox", max_tokens=12, verbose=False)
-    want_model, want_tok = quantize.load_quantized(quantized)
+    want_model, want_tok = quantized_artifact.load_quantized(quantized)
     assert isinstance(text, str) and text
     assert text == generate(want_model, want_tok, "The quick brown fox", max_tokens=12, verbose=False)
 

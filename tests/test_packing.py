@@ -2,7 +2,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vqpipe.bitpack import pack, unpack, unpack_numpy, words_per_row
+from vqpipe.codec.bitpack import pack, unpack, unpack_numpy, words_per_row
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

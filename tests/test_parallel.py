@@ -4,8 +4,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vqpipe import blas, parallel, qlinear
-from vqpipe.quantize import quantize_model, split_state
+from vqpipe import blas, parallel
+from vqpipe.layers import qlinear
+from vqpipe.quant.quantize import quantize_model, split_state
 
 from test_reservoir import make_model
 
@@ -40,7 +41,7 @@ def test_threads_give_the_same_bytes(monkeypatch, kw):
 
 
 def test_stored_moments_on_threads(monkeypatch):
-    from vqpipe.stages.calibrate import full_precision_moments
+    from vqpipe.quant.calibrate import full_precision_moments
 
     source, _ = make_model(TIED)
     names, sums = full_precision_moments(source, CALIB)
@@ -53,7 +54,7 @@ def test_stored_moments_on_threads(monkeypatch):
 
 
 def test_job_rows():
-    from vqpipe.gptq import _chunks
+    from vqpipe.codec.gptq import _chunks
 
     def jobs(rows):
         return [b - a for a, b in _chunks(rows, qlinear._job_rows(rows))]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from vqpipe.plain_model import plain_model
+from vqpipe.quant.plain_model import plain_model
 
 ARCHS = [
     {"model_type": "llama", "tie_word_embeddings": True},
@@ -69,7 +69,7 @@ def test_anything_else_is_left_to_load_model(extra, tmp_path):
 def test_models_only_imports_no_transformers(tmp_path):
     """A fresh process builds a model and runs it with mlx_lm.models only."""
     (tmp_path / "config.json").write_text(json.dumps({**BASE, "model_type": "llama"}))
-    code = ("import sys; from vqpipe.plain_model import models_only, plain_model; models_only(); "
+    code = ("import sys; from vqpipe.quant.plain_model import models_only, plain_model; models_only(); "
             "import mlx.core as mx; m = plain_model(sys.argv[1]); mx.eval(m(mx.array([[1, 2, 3]]))); "
             "print('transformers' in sys.modules, 'mlx_lm.utils' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)

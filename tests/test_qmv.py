@@ -1,4 +1,4 @@
-"""Fused codebook mat-vec (vqpipe/qmv.py): dialects, dispatch and validation (CPU); the kernel
+"""Fused codebook mat-vec (vqpipe/kernels/qmv.py): dialects, dispatch and validation (CPU); the kernel
 against a float64 reference, determinism, layers, generation and compile counts (GPU).
 
 The ``gpu`` tests need MLX's Metal or CUDA backend and are skipped cleanly on CPU. On a GPU host:
@@ -20,10 +20,11 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from vqpipe import ext, qmv, bitpack
-from vqpipe.codebook import codebook as lloyd_codebook
-from vqpipe.bitpack import unpack, words_per_row
-from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
+from vqpipe.kernels import ext, qmv
+from vqpipe.codec import bitpack
+from vqpipe.codec.codebook import codebook as lloyd_codebook
+from vqpipe.codec.bitpack import unpack, words_per_row
+from vqpipe.layers.qlinear import QuantizedEmbedding, QuantizedLinear
 
 needs_gpu = pytest.mark.skipif(qmv.backend() is None, reason="needs MLX's Metal or CUDA backend")
 DTYPES = ("float16", "bfloat16", "float32")
@@ -66,7 +67,7 @@ def test_cpu_path_is_the_dense_formula(dt, rows):
         with ext.using(False):  # the dense path, as before the compiled mat-vec
             got, want = layer(x), _dense_formula(layer, x)
             mx.eval(got, want)
-        fast = layer(x)  # decode sizes take vqpipe/ext.py's kernel: float32 sums, not the same bytes
+        fast = layer(x)  # decode sizes take vqpipe/kernels/ext.py's kernel: float32 sums, not the same bytes
     assert _same_bytes(got, want)
     if ext.available():
         assert np.allclose(np.array(fast.astype(mx.float32)), np.array(want.astype(mx.float32)), rtol=2e-2, atol=2e-2)
@@ -135,7 +136,7 @@ def test_env_switch(value, expected):
     if value is not None:
         env["VQPIPE_QMV_KERNELS"] = value
     out = subprocess.run(
-        [sys.executable, "-c", "from vqpipe import qmv; print(qmv.is_enabled())"],
+        [sys.executable, "-c", "from vqpipe.kernels import qmv; print(qmv.is_enabled())"],
         env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1],
     )
     assert out.stdout.strip() == str(expected)
@@ -439,7 +440,7 @@ def test_prologue_only_where_verified():
 def test_prologue_configs_fit_the_shared_memory():
     """The GPU prologue tests must run the prologue, not the MLX-op fallback: their staged rows fit
     a bucket (with the ring's 2 stages beside it); qwen's 4864-wide down_proj (10944 floats) does not."""
-    from vqpipe.rotation import make_rotation
+    from vqpipe.codec.rotation import make_rotation
 
     for kind, n_in, bits, _, m, _, _ in PROLOGUE_CONFIGS:
         a = qmv.rotation_operands(make_rotation(kind, n_in, seed=7))[1].shape[0]
@@ -452,7 +453,7 @@ def test_prologue_configs_fit_the_shared_memory():
 @needs_gpu
 @pytest.mark.parametrize("cfg", PROLOGUE_CONFIGS, ids=lambda c: "-".join(map(str, c)))
 def test_kernel_prologue_rotation_matches_float64(cfg):
-    from vqpipe.rotation import make_rotation
+    from vqpipe.codec.rotation import make_rotation
 
     kind, n_in, bits, n_out, m, dt, splits = cfg
     r = make_rotation(kind, n_in, seed=7)
@@ -559,7 +560,7 @@ def test_generation_kernel_on_off(dt, embeddings, tmp_path_factory, monkeypatch)
     from mlx_lm import load
 
     from vqpipe.stages.download import fetch
-    from vqpipe.quantize import quantize_model
+    from vqpipe.quant.quantize import quantize_model
 
     path = fetch("synth:tiny", tmp_path_factory.mktemp("qmv") / "tiny", seed=0)
     model, tok = load(str(path))
@@ -941,7 +942,7 @@ def _host_check(host_kernel, bits, n_in, n_out, m, gs, rotation=None, splits=Non
     ("hadamard", 48, 8, 7, 2, 0, None), ("hadamard", 80, 8, 5, 3, 0, (2,)),
 ])
 def test_kernel_prologue_rotation_and_outputs_on_cpu(host_kernel, kind, n_in, bits, n_out, m, gs, splits):
-    from vqpipe.rotation import make_rotation
+    from vqpipe.codec.rotation import make_rotation
 
     _host_check(host_kernel, bits, n_in, n_out, m, gs, make_rotation(kind, n_in, seed=5), splits)
 
@@ -951,14 +952,14 @@ def test_kernel_prologue_rotation_and_outputs_on_cpu(host_kernel, kind, n_in, bi
     ("hadamard", 1024, 2, 70, 1, None, 3),
 ])
 def test_kernel_prologue_with_grid_stride_on_cpu(host_kernel, monkeypatch, kind, n_in, bits, n_out, m, splits, blocks):
-    from vqpipe.rotation import make_rotation
+    from vqpipe.codec.rotation import make_rotation
 
     monkeypatch.setattr(qmv, "MAX_BLOCKS_ROT", blocks)  # each threadgroup rotates once, then takes row sets
     _host_check(host_kernel, bits, n_in, n_out, m, 0, make_rotation(kind, n_in, seed=3), splits, blocks=blocks)
 
 
 def test_prologue_operands_reproduce_the_rotation():
-    from vqpipe.rotation import make_rotation
+    from vqpipe.codec.rotation import make_rotation
 
     for kind, d in (("hadamard", 896), ("kron", 4864), ("hadamard", 4096), ("kron", 1472), ("hadamard", 768)):
         r = make_rotation(kind, d, seed=2)

@@ -12,10 +12,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vqpipe import qmv
+from vqpipe.kernels import qmv
 from experiments import cuda_time as ct
 from experiments import qmv_gpu_time as gt
-from vqpipe.bitpack import pack, words_per_row
+from vqpipe.codec.bitpack import pack, words_per_row
 
 INPUTS = [("x", "bfloat16", 3), ("packed", "uint32", 2), ("scales", "float32", 1), ("codebook", "float32", 1),
           ("bias", "bfloat16", 2), ("rot_s", "float32", 2), ("rot_l", "float32", 2), ("seg", "int32", 1)]
@@ -73,7 +73,7 @@ def test_ring_choice():
 
 
 def test_ablations_change_the_kernel_they_name():
-    from vqpipe import qmv_tc
+    from vqpipe.kernels import qmv_tc
 
     name, header, body = qmv.render("cuda", 1)
     for abl in gt.ABLATIONS:

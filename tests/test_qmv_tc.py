@@ -1,4 +1,4 @@
-"""qmv revision 8 (vqpipe/qmv_tc.py), the tensor-core mat-vec.
+"""qmv revision 8 (vqpipe/kernels/qmv_tc.py), the tensor-core mat-vec.
 
 CPU: the repacking, the kernel's input order and pair table, and the whole kernel emulated in numpy
 from the same index rules (the packed words at the kernel's offsets, the table bytes the kernel's
@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vqpipe import qmv, qmv_tc
-from vqpipe.bitpack import pack, unpack
+from vqpipe.kernels import qmv, qmv_tc
+from vqpipe.codec.bitpack import pack, unpack
 
 
 def _codes(rng, n, k):
@@ -291,7 +291,7 @@ def test_gpu_deterministic():
 def test_gpu_layer_takes_the_tensor_core_kernel(m, monkeypatch):
     import mlx.nn as nn
 
-    from vqpipe.qlinear import QuantizedLinear
+    from vqpipe.layers.qlinear import QuantizedLinear
 
     lin = nn.Linear(512, 640, bias=True)
     layer = QuantizedLinear.from_linear(lin, 4, "auto", seed=3)
@@ -320,7 +320,7 @@ def test_gpu_generation_tensor_core_against_revision_6(tmp_path_factory, monkeyp
     from mlx_lm import load
 
     from test_qmv import _decode
-    from vqpipe.quantize import quantize_model
+    from vqpipe.quant.quantize import quantize_model
     from vqpipe.stages.download import fetch
 
     path = fetch("synth:tiny", tmp_path_factory.mktemp("qmvtc") / "tiny", seed=0)

@@ -7,9 +7,10 @@ import pytest
 from mlx_lm import generate
 from mlx_lm.utils import load
 
-from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
-from vqpipe.quantize import quantize_model, quantized_layers
-from vqpipe.stages.quantize import load_quantized, main, run
+from vqpipe.layers.qlinear import QuantizedEmbedding, QuantizedLinear
+from vqpipe.quant.quantize import quantize_model, quantized_layers
+from vqpipe.stages.quantize import main, run
+from vqpipe.store.quantized import load_quantized
 
 
 def _logits(model, tokens):

@@ -1,4 +1,4 @@
-"""The automatic recipe: the bit allocation (vqpipe/recipe.py) and its defaults everywhere."""
+"""The automatic recipe: the bit allocation (vqpipe/quant/recipe.py) and its defaults everywhere."""
 
 import inspect
 from pathlib import Path
@@ -9,9 +9,16 @@ import pytest
 import yaml
 from mlx.utils import tree_flatten
 
-from vqpipe import recipe
-from vqpipe.quantize import CALIBRATION_WINDOWS, _targets, calibrate_model, layer_rotation, quantize_model
+from vqpipe.quant import recipe
+from vqpipe.quant.quantize import (
+    CALIBRATION_WINDOWS,
+    _targets,
+    calibrate_model,
+    layer_rotation,
+    quantize_model,
+)
 from vqpipe.stages import bench_quality
+from vqpipe.quant.calibrate import auto_calibration
 from vqpipe.stages import quantize as stage
 
 from test_reservoir import make_model
@@ -143,7 +150,7 @@ def test_defaults_agree():
     assert cli.calibration == "auto" and cli.moments is None  # text, or none for a synth: source (stage.run)
     assert inspect.signature(stage.run).parameters["calibration"].default is None
     assert cal["text"]["default"] == "auto"
-    assert stage.auto_calibration(Path("/nonexistent")) == "text" and config["quantize"]["calibration"]["text"] == "auto"
+    assert auto_calibration(Path("/nonexistent")) == "text" and config["quantize"]["calibration"]["text"] == "auto"
     assert CALIBRATION_WINDOWS == cli.calib_windows == cal["windows"]["default"] == config["quantize"]["calibration"]["windows"]
     assert api["budget"].default is None and cli.budget == "auto" and q["budget"]["default"] == "auto"
     assert config["quantize"]["budget"] == "auto" and config["quantize"]["layer_bits"] == []
@@ -155,7 +162,7 @@ def test_defaults_agree():
 def test_self_generated_calibration_deterministic(tiny_llama_source):
     from mlx_lm.utils import load
 
-    from vqpipe.stages.quantize import calibration_tokens
+    from vqpipe.quant.calibrate import calibration_tokens
 
     model, tok = load(str(tiny_llama_source))
     dtypes = {k: v.dtype for k, v in tree_flatten(model.parameters())}
@@ -174,10 +181,10 @@ def test_api_recipe_with_tokenizer(tiny_llama_source, monkeypatch):
     """quantize_model(model, bits, tokenizer=tok): the calibrate stage's moments and the allocation."""
     from mlx_lm.utils import load
 
-    import vqpipe.quantize
+    import vqpipe.quant.quantize
 
-    monkeypatch.setattr(vqpipe.quantize, "CALIBRATION_WINDOWS", 4)  # the recipe's 64 x 512, smaller
-    monkeypatch.setattr(vqpipe.quantize, "CALIBRATION_LENGTH", 64)
+    monkeypatch.setattr(vqpipe.quant.quantize, "CALIBRATION_WINDOWS", 4)  # the recipe's 64 x 512, smaller
+    monkeypatch.setattr(vqpipe.quant.quantize, "CALIBRATION_LENGTH", 64)
     model, tok = load(str(tiny_llama_source))
     records = quantize_model(model, 4, tokenizer=tok, budget=6.0, fuse=False)
     assert all(r["calibrated"] for r in records if r["kind"] == "linear")
@@ -187,6 +194,6 @@ def test_api_recipe_with_tokenizer(tiny_llama_source, monkeypatch):
 
 def test_cli_auto_calibration_follows_the_source(tiny_source, tmp_path):
     """A synth: source stays data-free by default, as in the config (random weights)."""
-    assert stage.auto_calibration(tiny_source) == "none"
+    assert auto_calibration(tiny_source) == "none"
     info = stage.run(tiny_source, tmp_path / "q", 4, progress=lambda *_: None)
     assert info["calibration"] is None and not info["allocation"]["automatic"]

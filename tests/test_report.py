@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vqpipe import record
+from vqpipe.store import record
 from vqpipe.stages import report
 from vqpipe.bench import compare, environment, noise_floor, summarize
 
@@ -302,7 +302,7 @@ def test_mixed_blas_is_flagged(tmp_path, env):
 
 
 def test_write_bytes_replaces(tmp_path):
-    from vqpipe.fsutil import write_bytes
+    from vqpipe.store.fsutil import write_bytes
 
     p = tmp_path / "a" / "x.txt"
     write_bytes(p, "one")

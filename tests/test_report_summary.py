@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from vqpipe import record
+from vqpipe.store import record
 from vqpipe.bench import environment, summarize
 from vqpipe.stages import report
-from vqpipe.summary import frontier
+from vqpipe.report.summary import frontier
 
 from test_report import _artifacts, _write
 
@@ -81,7 +81,7 @@ def test_summary_leads_the_report(built):
 
 
 def test_quality_plot_without_bench_quality(tmp_path):
-    from vqpipe.plots import plot_quality
+    from vqpipe.report.plots import plot_quality
 
     png = plot_quality({"quality": {}})
     assert png[:8] == b"\x89PNG\r\n\x1a\n"

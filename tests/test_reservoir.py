@@ -14,9 +14,10 @@ import pytest
 import xxhash
 from mlx.utils import tree_flatten
 
-from vqpipe import prefault, zerocopy
-from vqpipe import reservoir as R
-from vqpipe.quantize import quantize_model, quantized_layers
+from vqpipe import prefault
+from vqpipe.store import zerocopy
+from vqpipe.store import reservoir as R
+from vqpipe.quant.quantize import quantize_model, quantized_layers
 
 TOKENS = mx.array([[1, 5, 9, 2, 77, 31, 4, 100]], dtype=mx.int32)
 
@@ -119,7 +120,7 @@ def test_fresh_process_logits_byte_identical(built, tmp_path):
     script = textwrap.dedent("""
         import json, sys
         import mlx.core as mx, numpy as np
-        from vqpipe.reservoir import load_reservoir
+        from vqpipe.store.reservoir import load_reservoir
         jobs, out = json.loads(sys.argv[1]), sys.argv[2]
         tokens = mx.array(json.loads(sys.argv[3]), dtype=mx.int32)
         for key, path in jobs.items():
@@ -213,7 +214,7 @@ def test_graft_into_unquantized_model(built):
 
 
 def test_graft_into_lazy_skeleton(built):
-    from vqpipe.quantize import skeleton
+    from vqpipe.quant.quantize import skeleton
 
     model, path, _ = built[("qr", False)]
     skel = skeleton(path.parent)
@@ -434,7 +435,7 @@ KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, sys.argv[3])
     import test_reservoir as T
-    from vqpipe import reservoir as R
+    from vqpipe.store import reservoir as R
     point, target = sys.argv[1], sys.argv[2]
     model, _ = T.make_model(T.MODELS["qr"][0], seed=5)
     T.quantize_model(model, 4, "qr", seed=9)
@@ -500,7 +501,7 @@ def test_deeply_nested_header(good, tmp_path):
 def test_stale_temp_of_killed_writer_is_removed(built, tmp_path):
     """A SIGKILLed writer's temporary is removed by the next write; a live writer's, another host's
     and an old-style (pid-less) temporary are left alone."""
-    from vqpipe import fsutil
+    from vqpipe.store import fsutil
 
     target = tmp_path / R.FILE_NAME
     (tmp_path / "config.json").write_text(json.dumps({**BASE, **MODELS["qr"][0]}))
@@ -531,7 +532,7 @@ def test_stale_temp_of_killed_writer_is_removed(built, tmp_path):
 
 
 def test_stale_temp_dir_of_dead_writer_is_removed(tmp_path):
-    from vqpipe import fsutil
+    from vqpipe.store import fsutil
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
@@ -549,7 +550,8 @@ def test_stale_temp_dir_of_dead_writer_is_removed(tmp_path):
 
 TRUNCATE_SCRIPT = textwrap.dedent("""
     import os, sys
-    from vqpipe import prefault as P, reservoir as R
+    from vqpipe import prefault as P
+    from vqpipe.store import reservoir as R
     path, where, prefault = sys.argv[1], sys.argv[2], sys.argv[3] == "prefault"
     if prefault:
         P.PREFAULT_MIN = 0
@@ -650,7 +652,7 @@ def test_zero_copy_opt_in_falls_back(built, monkeypatch):
 
 def test_atomic_writes_get_the_umask_mode_not_mkstemps(tmp_path):
     # mkstemp/mkdtemp create 0600/0700: published artifacts must be readable like any open()ed file.
-    from vqpipe import fsutil
+    from vqpipe.store import fsutil
 
     old = os.umask(0o022)
     try:

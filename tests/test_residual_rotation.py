@@ -1,4 +1,4 @@
-"""One rotation of the residual stream folded into the weights (vqpipe/residual_rotation.py): the same
+"""One rotation of the residual stream folded into the weights (vqpipe/quant/residual_rotation.py): the same
 function, the stream's readers quantized without rotations of their own, stored and reloaded
 byte-exact, fewer primitives per decode step (CPU, float32)."""
 
@@ -11,12 +11,12 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from vqpipe import reservoir as R
-from vqpipe import residual_rotation as rr
+from vqpipe.store import reservoir as R
+from vqpipe.quant import residual_rotation as rr
 from experiments.decode_shapes import graph_ops
-from vqpipe.decode_step import Decoder
-from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
-from vqpipe.quantize import quantize_model, residual_seed
+from vqpipe.decode.step import Decoder
+from vqpipe.layers.qlinear import QuantizedEmbedding, QuantizedLinear
+from vqpipe.quant.quantize import quantize_model, residual_seed
 from vqpipe.stages.bench_decode import cast_floating
 
 PROMPT = [3, 17, 99, 5, 1200, 42, 7, 310, 8, 64, 2, 4000, 11]
@@ -132,7 +132,7 @@ def test_compiled_steps_give_the_eager_tokens(tiny_llama_source, tiny_source):
 
 def test_calibrated_quantize_reads_the_head_through_its_map(tiny_source):
     """GPTQ on the tied head sees what the head reads: Head(y) of the final norm's outputs."""
-    from vqpipe import calibrate
+    from vqpipe.quant import calibrate
 
     model = _load(tiny_source)
     tokens = mx.array(np.arange(4 * 32).reshape(4, 32) % 1000 + 3, mx.int32)
@@ -149,6 +149,8 @@ def test_stages_pass_the_rotation_on(tiny_source, tmp_path):
     without --residual-rotation from that one artifact, pack, load: recorded at every step; moments
     of another rotation are refused, naming it."""
     from vqpipe.stages import calibrate, pack, quantize
+    from vqpipe.store import calibration
+    from vqpipe.store.quantized import load_quantized
 
     quiet = {"progress": lambda *_: None}
     calibrate.run(tiny_source, tmp_path / "mom", windows=2, length=64, residual="auto", rotation_seed=5, plain=True,
@@ -159,7 +161,7 @@ def test_stages_pass_the_rotation_on(tiny_source, tmp_path):
     assert spec == {"kind": "hadamard", "dim": 256, "seed": residual_seed(5)}
     sets = json.loads((tmp_path / "mom" / "moments.json").read_text())["sets"]
     assert [m["residual_rotation"] for m in sets] == [None, spec]
-    assert [m["residual_rotation"] for m in calibrate.sets(json.loads((tmp_path / "only" / "moments.json").read_text()))] == [spec]
+    assert [m["residual_rotation"] for m in calibration.sets(json.loads((tmp_path / "only" / "moments.json").read_text()))] == [spec]
     plain = quantize.run(tiny_source, tmp_path / "p", 4, seed=5, moments=tmp_path / "mom", **quiet)
     assert plain["residual_rotation"] is None and plain["calibration"]["moments"] == str(tmp_path / "mom")
     with pytest.raises(ValueError, match=r"no moments collected with residual rotation None \(it holds \[\{"):
@@ -168,7 +170,7 @@ def test_stages_pass_the_rotation_on(tiny_source, tmp_path):
         quantize.run(tiny_source, tmp_path / "q3", 4, seed=6, moments=tmp_path / "mom", residual=True, **quiet)
     pack.run(tmp_path / "q", tmp_path / "r", False, **quiet)
     assert R.read_header(tmp_path / "r" / R.FILE_NAME)["residual_rotation"] == spec
-    model, _ = quantize.load_quantized(tmp_path / "q")
+    model, _ = load_quantized(tmp_path / "q")
     back = R.load_reservoir(tmp_path / "r")
     assert rr.of(model) == rr.of(back) == spec
     x = mx.array(PROMPT)[None]

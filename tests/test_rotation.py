@@ -5,7 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vqpipe import rotation as rot
+from vqpipe.codec import rotation as rot
 
 DIMS = [50, 896, 4864, 11008]
 
@@ -61,7 +61,7 @@ def test_seed_changes_rotation():
 
 SCRIPT = """
 import hashlib, mlx.core as mx, numpy as np
-from vqpipe import rotation as rot
+from vqpipe.codec import rotation as rot
 h = hashlib.sha256()
 for kind, dim in [("hadamard", 896), ("kron", 4864), ("kron", 50), ("qr", 50), ("qr", 896)]:
     r = rot.make_rotation(kind, dim, 123)

@@ -16,7 +16,7 @@ import urllib.request
 import openai  # the test extra pins it
 import pytest
 
-from vqpipe.serve import context_length
+from vqpipe.apps.serve import context_length
 
 PY = [sys.executable, "-m", "vqpipe"]
 USER = [{"role": "user", "content": "Tell me about the sea."}]
@@ -29,7 +29,7 @@ def reservoir(tiny_b4_reservoir):
 
 @pytest.fixture(scope="module")
 def local_model(reservoir):
-    from vqpipe.generate import load_model
+    from vqpipe.apps.generate import load_model
 
     return load_model(reservoir)
 
@@ -285,7 +285,7 @@ def test_load_script_against_server(server, tmp_path, capsys):
 
 
 def test_serve_refuses_what_it_cannot_serve(reservoir, tmp_path, capsys, server):
-    from vqpipe import serve
+    from vqpipe.apps import serve
 
     assert serve.main(["--model", str(tmp_path)]) == 2
     assert "not a reservoir directory" in capsys.readouterr().err
@@ -305,7 +305,7 @@ def _run(args, stdin=None):
 def test_generate_cli_kivi_matches_library(reservoir, local_model):
     from mlx_lm import generate
 
-    from vqpipe.generate import encode_prompt
+    from vqpipe.apps.generate import encode_prompt
     from vqpipe.kivi import make_kivi_cache
 
     r = _run(["generate", "--model", str(reservoir), "--prompt", "Hello sea", "--max-tokens", "8",
@@ -322,7 +322,7 @@ def test_generate_cli_kivi_matches_library(reservoir, local_model):
 def test_generate_errors_and_stdin(reservoir, tmp_path, capsys, monkeypatch):
     import io
 
-    from vqpipe import generate
+    from vqpipe.apps import generate
 
     assert generate.main(["--model", str(tmp_path), "--prompt", "x"]) == 2
     assert "not a reservoir directory" in capsys.readouterr().err
@@ -368,7 +368,7 @@ def test_packed_kivi_cache_in_generate_chat_and_serve(reservoir, local_model, tm
     tokens do what 40 after a short prompt did, at a third of the decode steps (~0.1-0.3 s each here)."""
     from mlx_lm import generate
 
-    from vqpipe.generate import encode_prompt
+    from vqpipe.apps.generate import encode_prompt
     from vqpipe.kivi import make_kivi_cache
 
     model, tok = local_model
@@ -400,7 +400,7 @@ def test_packed_kivi_cache_in_generate_chat_and_serve(reservoir, local_model, tm
 
 
 def test_packed_kivi_options_checked(reservoir, capsys):
-    from vqpipe import generate
+    from vqpipe.apps import generate
 
     for extra, needle in ((["--kv-bits", "4", "--kv-group-size", "4"], "multiple of 8"),
                           (["--kv-bits", "2", "--kv-group-size", "8"], "--kv-cache reference")):

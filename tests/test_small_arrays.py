@@ -1,8 +1,9 @@
-"""vqpipe/small_arrays.py: small arrays kernels read are padded past MLX's small pool."""
+"""vqpipe/kernels/small_arrays.py: small arrays kernels read are padded past MLX's small pool."""
 
 import mlx.core as mx
 
-from vqpipe import bitpack, qmv, small_arrays
+from vqpipe.codec import bitpack
+from vqpipe.kernels import qmv, small_arrays
 
 
 def test_padding_lengths_and_values():

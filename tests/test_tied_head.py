@@ -7,12 +7,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from vqpipe import gptq
-from vqpipe import reservoir as R
+from vqpipe.codec import gptq
+from vqpipe.store import reservoir as R
 from vqpipe.stages import bench_quality as q
-from vqpipe.calibrate import tied_head
-from vqpipe.qlinear import QuantizedEmbedding, QuantizedLinear
-from vqpipe.quantize import quantize_model
+from vqpipe.quant.calibrate import tied_head
+from vqpipe.layers.qlinear import QuantizedEmbedding, QuantizedLinear
+from vqpipe.quant.quantize import quantize_model
 
 from test_reservoir import make_model
 
@@ -108,9 +108,9 @@ def test_stored_moments_quantize_as_in_process():
     # In process the moments are summed from the rotated activations (calibrate.collect); stored
     # ones are rotated afterwards (R H R^T): the same moments to float32 rounding, so the same
     # quantizer up to codes at a rounding tie and scales an ulp off.
-    from vqpipe.calibrate import collect, decoder
-    from vqpipe.quantize import layer_rotation, split_state
-    from vqpipe.stages.calibrate import full_precision_moments
+    from vqpipe.quant.calibrate import collect, decoder
+    from vqpipe.quant.quantize import layer_rotation, split_state
+    from vqpipe.quant.calibrate import full_precision_moments
 
     inproc, _ = make_model(TIED)
     rin = quantize_model(inproc, 3, "auto", 1, embeddings=True, group_size=16, calibration=CALIB, sequential=False)
@@ -142,6 +142,7 @@ def test_stored_moments_quantize_as_in_process():
 def test_calibrate_stage_feeds_quantize(tiny_source, tmp_path):
     from vqpipe.stages import calibrate
     from vqpipe.stages import quantize
+    from vqpipe.store import calibration
 
     assert calibrate.main(["--source", str(tiny_source), "--out", str(tmp_path / "m"), "--calib-windows", "2",
                          "--calib-length", "16"]) == 0
@@ -154,7 +155,7 @@ def test_calibrate_stage_feeds_quantize(tiny_source, tmp_path):
         quantize.run(tiny_source, tmp_path / "q2", 4, calibration="text", moments=tmp_path / "m")
     (tmp_path / "m" / "calibrate.safetensors").write_bytes(b"broken")
     with pytest.raises(ValueError):
-        calibrate.load(tmp_path / "m")
+        calibration.load(tmp_path / "m")
 
 
 def test_quantize_cli_full_precision_moments(tiny_source, tmp_path):

@@ -1,6 +1,6 @@
 """The validate stage: bit-exact comparison, refusal across setups, verdict file, exit codes.
 
-The reservoir loader (``vqpipe.load``) is replaced by ``quantize.load_quantized`` here, so these
+The reservoir loader (``vqpipe.load``) is replaced by ``quantized.load_quantized`` here, so these
 tests pin the comparison logic whatever the reservoir format; tests/test_workflow.py runs the real
 pack -> validate round trip through Snakemake.
 """
@@ -14,6 +14,7 @@ import pytest
 
 import vqpipe
 from vqpipe.stages import quantize, validate
+from vqpipe.store import quantized
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def quantized_dir(tmp_path_factory, tiny_source):
 @pytest.fixture
 def artifact(tmp_path, quantized_dir, monkeypatch):
     """(reservoir-like dir, reference dir): private copies of the quantized artifact."""
-    monkeypatch.setattr(vqpipe, "load", quantize.load_quantized)
+    monkeypatch.setattr(vqpipe, "load", quantized.load_quantized)
     ref = tmp_path / "quantized" / "tiny" / "b4-auto"
     shutil.copytree(quantized_dir, ref)
     res = tmp_path / "reservoir" / "tiny" / "b4-auto" / "persist-on"
@@ -54,7 +55,7 @@ def test_bit_exact_round_trip_passes(artifact, tmp_path):
     v = json.loads(out.read_text())
     assert v["bit_exact"] is True
     assert v["max_abs_diff"] == 0.0
-    assert v["n_prompts"] == len(quantize.REFERENCE_PROMPTS) == len(v["prompts"])
+    assert v["n_prompts"] == len(quantized.REFERENCE_PROMPTS) == len(v["prompts"])
     assert (v["model"], v["variant"], v["persist_rotation"]) == ("tiny", "b4-auto", "on")  # from the path
     assert v["kind"] == "validate"
     assert v["environment"]["blas"]["name"] == v["reference_environment"]["blas"]["name"]
@@ -180,7 +181,7 @@ def grouped_dir(tmp_path_factory, tiny_source):
 def own_forwards(model, tok):
     """The reference logits as separate forwards, one prompt at a time, nothing shared."""
     out = []
-    for t in quantize.reference_tokens(tok):
+    for t in quantized.reference_tokens(tok):
         y = model(t[None]).astype(mx.float32)
         mx.eval(y)
         out.append(np.asarray(y[0]).tobytes())
@@ -192,21 +193,21 @@ def test_decoded_once_gives_the_same_logits_and_decodes_each_layer_once(which, r
     """reference_logits builds the prompts' forwards together, each weight decoded once for all of
     them (dequant.decoded_once), and computes them a block at a time: the bytes of each prompt's
     own forward, and the model's blocks are its own again afterwards."""
-    from vqpipe import dequant
+    from vqpipe.kernels import dequant
 
-    model, tok = quantize.load_quantized(request.getfixturevalue(which))
+    model, tok = quantized.load_quantized(request.getfixturevalue(which))
     blocks = list(model.model.layers)
     want = own_forwards(model, tok)
     calls = []
     decode = dequant.codes_to_values
     monkeypatch.setattr(dequant, "codes_to_values", lambda p, *a: calls.append(id(p)) or decode(p, *a))
-    got = quantize.reference_logits(model, tok)
+    got = quantized.reference_logits(model, tok)
     assert [np.asarray(got[f"logits.{i}"]).tobytes() for i in range(len(want))] == want
     assert dequant.codes_to_values is not decode and calls  # the patch is restored to what was there
     assert dequant.scaled_values.__name__ == "scaled_values"  # and decoded_once's own
     assert all(a is b for a, b in zip(model.model.layers, blocks)) and len(model.model.layers) == len(blocks)
-    n = len(quantize.REFERENCE_PROMPTS)
-    layers = len([m for _, m in model.named_modules() if isinstance(m, vqpipe.qlinear.QuantizedLinear)])
+    n = len(quantized.REFERENCE_PROMPTS)
+    layers = len([m for _, m in model.named_modules() if isinstance(m, vqpipe.layers.qlinear.QuantizedLinear)])
     # every weight decoded on the first prompt only; later prompts decode just their embedding rows
     assert len(calls) < layers + n and len(set(calls)) == len(calls)
     assert want == own_forwards(model, tok)  # nothing of the shared decoding is left behind
@@ -218,7 +219,7 @@ def test_a_changed_code_fails_every_prompt(artifact, tmp_path, monkeypatch):
     res, ref = artifact
 
     def load_changed(path):
-        model, tok = quantize.load_quantized(path)
+        model, tok = quantized.load_quantized(path)
         layer = model.model.layers[0].mlp.down_proj
         layer.packed = layer.packed ^ mx.array(1, dtype=layer.packed.dtype)
         return model, tok
@@ -226,4 +227,4 @@ def test_a_changed_code_fails_every_prompt(artifact, tmp_path, monkeypatch):
     monkeypatch.setattr(vqpipe, "load", load_changed)
     out = tmp_path / "verdict.json"
     assert run_cli(res, ref, out) == validate.EXIT_MISMATCH
-    assert [p["bit_exact"] for p in json.loads(out.read_text())["prompts"]] == [False] * len(quantize.REFERENCE_PROMPTS)
+    assert [p["bit_exact"] for p in json.loads(out.read_text())["prompts"]] == [False] * len(quantized.REFERENCE_PROMPTS)

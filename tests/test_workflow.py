@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import yaml
 
-from vqpipe import manifest
+from vqpipe.store import manifest
 
 pytestmark = pytest.mark.slow
 
@@ -216,13 +216,13 @@ def test_changing_persist_rotation_reruns_pack_not_quantize(tree):
     "source, first",
     [
         ("vqpipe/stages/quantize.py", "quantize"),
-        ("vqpipe/qlinear.py", "quantize"),
-        ("vqpipe/quantize.py", "quantize"),
+        ("vqpipe/layers/qlinear.py", "quantize"),
+        ("vqpipe/quant/quantize.py", "quantize"),
         ("vqpipe/stages/pack.py", "pack"),
         ("vqpipe/stages/validate.py", "validate"),
         ("vqpipe/stages/report.py", "report"),
-        ("vqpipe/summary.py", "report"),
-        ("vqpipe/templates/report.md.j2", "report"),
+        ("vqpipe/report/summary.py", "report"),
+        ("vqpipe/report/templates/report.md.j2", "report"),
         ("workflow/schemas/record.schema.json", "report"),
     ],
 )
@@ -245,7 +245,7 @@ def test_editing_a_stage_reruns_it_and_what_follows(tree, source, first):
 def test_editing_reservoir_reruns_pack_and_a_killed_run_resumes(tree):
     # One edit serves both checks (a rebuild of everything after pack is the costliest step here):
     # the plan after editing the reservoir code, then that run killed mid-validate and resumed.
-    restore = edit(tree / "vqpipe/reservoir.py")  # a comment: the artifacts are those of the original
+    restore = edit(tree / "vqpipe/store/reservoir.py")  # a comment: the artifacts are those of the original
     try:
         stats = plan(tree, *CI)
         assert "download" not in stats and "quantize" not in stats
@@ -420,7 +420,7 @@ def test_calibration_options_reach_the_command(bare):
 
 
 def test_layer_bits_reach_the_command(bare):
-    """Mixed-width rules (vqpipe/allocate.py) become one quoted JSON flag of that model's quantize jobs."""
+    """Mixed-width rules (vqpipe/codec/allocate.py) become one quoted JSON flag of that model's quantize jobs."""
     tiny, llama = quantize_commands(bare, "lb", "{layer_bits: [{match: 'v_proj$', add: 1}]}")
     assert """--layer-bits '[{"match":"v_proj$","add":1}]'""" in tiny[0]
     assert "--layer-bits" not in llama[0]

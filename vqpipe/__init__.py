@@ -13,7 +13,7 @@ def load(path):
     from pathlib import Path
 
     from .blas import warn_if_other
-    from .reservoir import load as _load
+    from .store.reservoir import load as _load
 
     model, tokenizer = _load(path)
     info = Path(path) / "pack.json"

@@ -18,9 +18,9 @@ STAGES = {
     "bench-decode": "vqpipe.stages.bench_decode",
     "report": "vqpipe.stages.report",
     # Using a reservoir: mlx-lm's generate/chat/server loops with the reservoir loader.
-    "generate": "vqpipe.generate",
-    "chat": "vqpipe.chat",
-    "serve": "vqpipe.serve",
+    "generate": "vqpipe.apps.generate",
+    "chat": "vqpipe.apps.chat",
+    "serve": "vqpipe.apps.serve",
 }
 
 # Stages whose temporaries churn large blocks of memory: freed memory stays in the process

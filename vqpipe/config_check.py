@@ -22,7 +22,7 @@ def source_problem(source):
 
     hf: sources are not checked here: whether a repository exists is the network's answer.
     """
-    from .stages.download import check_model_dir, parse_source
+    from .sources.spec import check_model_dir, parse_source
 
     try:
         scheme, value = parse_source(source)
@@ -30,13 +30,13 @@ def source_problem(source):
         return str(e)
     try:
         if scheme == "synth":
-            from .synth import parse_preset
+            from .sources.synth import parse_preset
 
             parse_preset(value)
         elif scheme == "path":
             check_model_dir(Path(value).expanduser())
         elif scheme == "gguf":
-            from .gguf import resolve
+            from .sources.gguf import resolve
 
             resolve(value)
     except (ValueError, FileNotFoundError) as e:

@@ -213,3 +213,18 @@ def provenance(corpus="devil"):
         "entries": counts,
         "chars": {s: len(text(s, corpus)) for s in splits},
     }
+
+
+# the shipped corpus the synthetic tokenizers were trained on (not real text)
+CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
+
+
+def corpus_windows(tokenizer, n_windows, length):
+    """Windows of the shipped corpus the synthetic tokenizers were trained on (not real text)."""
+    import mlx.core as mx
+
+    ids = tokenizer.encode(CORPUS.read_text())
+    if len(ids) < length + n_windows:
+        raise ValueError(f"corpus has {len(ids)} tokens, too few for {n_windows} windows of {length}")
+    step = (len(ids) - length) // n_windows
+    return [mx.array(ids[i * step : i * step + length], dtype=mx.int32) for i in range(n_windows)]

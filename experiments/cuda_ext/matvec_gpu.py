@@ -1,5 +1,5 @@
 """The extension's CUDA mat-vec (vqpipe._ext, csrc/matvec.cu) beside vqpipe's decode kernel
-(vqpipe/qmv.py through ``mx.fast.cuda_kernel``) and the dense path, on one layer at a time: is it
+(vqpipe/kernels/qmv.py through ``mx.fast.cuda_kernel``) and the dense path, on one layer at a time: is it
 right (against the dense float32 formula), and what does a call cost (K calls evaluated together,
 arms interleaved, median [min-max] over rounds, µs per call, the input rotation included in both)?
 
@@ -14,8 +14,8 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from vqpipe import ext
-from vqpipe.qlinear import QuantizedLinear, dense_forward
+from vqpipe.kernels import ext
+from vqpipe.layers.qlinear import QuantizedLinear, dense_forward
 
 SHAPES = {"qwen q": (896, 896), "qwen up": (4864, 896), "qwen down": (896, 4864),
           "8B q": (4096, 4096), "8B up": (14336, 4096), "8B down": (4096, 14336)}

@@ -8,7 +8,8 @@ from importlib import metadata
 
 import mlx.core as mx
 
-from .. import blas, qmv
+from .. import blas
+from ..kernels import qmv
 
 
 def _version(dist):

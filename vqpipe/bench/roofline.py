@@ -2,7 +2,7 @@
 
 Decoding one token reads every weight once plus the KV cache, with ~2 FLOPs per weight: a low
 arithmetic intensity, so it is memory-bound. Prefill of S tokens reuses each weight S times and is
-compute-bound. The report places both on one plot against the two measured roofs (vqpipe/plots.py).
+compute-bound. The report places both on one plot against the two measured roofs (vqpipe/report/plots.py).
 """
 
 import os

@@ -17,6 +17,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask, make_prompt_cache
 
 from . import kernels, quantizer
+from .attention import install
+from .store import PackedKIVICache
 
 
 class KIVICache(_BaseCache):
@@ -215,9 +217,6 @@ def make_kivi_cache(model, bits=4, group_size=32, residual_length=128, use_kerne
     attention that reads them; the model's attention is routed to it (:func:`vqpipe.kivi.attention.install`)."""
     caches = make_prompt_cache(model)
     if packed:
-        from .attention import install
-        from .store import PackedKIVICache
-
         install(model)
         make = PackedKIVICache
     else:

@@ -44,7 +44,8 @@ import typing
 
 import mlx.core as mx
 
-from .. import cuda_cache, gpu
+from .. import gpu
+from ..kernels import cuda_cache
 from . import kernels
 
 NSMAX = 128  # most splits per KV head (the scratch holds one partial per split)

@@ -33,7 +33,8 @@ import re
 
 import mlx.core as mx
 
-from .. import cuda_cache, gpu
+from .. import gpu
+from ..kernels import cuda_cache
 from ..gpu import backend
 from . import quantizer
 

@@ -5,7 +5,7 @@ reservoir), ``affine4``/``affine8`` (MLX ``nn.quantize`` of the source's linear 
 caches ``fp`` (mlx-lm's KVCache), ``kivi-ref`` (KIVI, MLX-ops quantizer) and ``kivi-kernel`` (KIVI,
 fused Metal/CUDA kernels; only where a GPU backend exists, otherwise skipped with the reason), and,
 when asked for, ``compiled`` / ``compiled-split`` (an fp static KV cache decoded through
-vqpipe.decode_step's compiled step, whole or split around MLX's fused attention: docs/decode.md).
+vqpipe.decode.step's compiled step, whole or split around MLX's fused attention: docs/decode.md).
 KIVI arms are built for ``full`` and ``vqpipe``; ``affine*`` run with the fp caches (roofline arms).
 
 Per prompt length, in one process: warm-up rounds (untimed), a pilot round (untimed: peak memory
@@ -40,15 +40,15 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kivi
-from .. import record
-from ..qlinear import QuantizedLinear
+from ..store import record
+from ..layers.qlinear import QuantizedLinear
 from ..bench import harness, roofline
 from ..bench.env import environment
-from .bench_quality import CORPUS, eval_windows
+from ..text import CORPUS, corpus_windows
 
 WEIGHTS = ("full", "vqpipe", "affine4", "affine8")
 CACHES = ("fp", "kivi-ref", "kivi-kernel", "compiled", "compiled-split")
-# Caches decoded through vqpipe.decode_step (a static fp KV cache, the step compiled), by its mode;
+# Caches decoded through vqpipe.decode.step (a static fp KV cache, the step compiled), by its mode;
 # not run unless asked for (--caches), since mlx-lm users decode eagerly.
 STEP_CACHES = {"compiled": "whole", "compiled-split": "split"}
 FP_CACHES = ("fp", *STEP_CACHES)  # full-precision KV: roofline arms, no KIVI flushes
@@ -120,7 +120,7 @@ def load_models(source, reservoir, weights, dtype, progress=print):
     """``({weights: model}, {weights: precision label}, tokenizer)``; the tokenizer is the source's."""
     from mlx_lm.utils import load
 
-    from ..reservoir import load as load_reservoir_dir
+    from ..store.reservoir import load as load_reservoir_dir
 
     models, precision, tokenizer = {}, {}, None
     for w in weights:
@@ -151,8 +151,8 @@ def load_models(source, reservoir, weights, dtype, progress=print):
 
 
 def build_prompts(tokenizer, n, length):
-    """``n`` distinct windows of ``length`` tokens of the shipped corpus (``quality.eval_windows``)."""
-    windows = eval_windows(tokenizer, n, length)
+    """``n`` distinct windows of ``length`` tokens of the shipped corpus (``text.corpus_windows``)."""
+    windows = corpus_windows(tokenizer, n, length)
     if len({tuple(w.tolist()) for w in windows}) != n:
         raise ValueError(f"the corpus does not give {n} distinct {length}-token windows")
     return windows
@@ -549,7 +549,7 @@ def _call(b, L, name, w, c, k, rnd):
 
 def _call_compiled(b, L, name, model, c, k, n):
     """A generation through decode_step; one Decoder (one trace) per arm and prompt length."""
-    from ..decode_step import Decoder
+    from ..decode.step import Decoder
 
     key = (name.removesuffix(harness.AA_SUFFIX), L.P)
     if key not in b.decoders:
@@ -789,7 +789,7 @@ def _finish(b):
                     else False if any(c.get("conclusive") and not c["identical"] for c in ran) else None),
         "deterministic": [{"context": c["context"], "identical": c["identical"]} for c in checks if c["b"].endswith(harness.AA_SUFFIX)],
     }
-    result["prompts"] = {"corpus": CORPUS.name, "n": b.args.prompts, "how": "quality.eval_windows: distinct windows spread over the corpus"}
+    result["prompts"] = {"corpus": CORPUS.name, "n": b.args.prompts, "how": "text.corpus_windows: distinct windows spread over the corpus"}
     result["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return result
 

@@ -31,7 +31,7 @@ import time
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .. import record
+from ..store import record
 from ..kivi import kernels, quantizer
 from ..bench import env, harness, roofline
 
@@ -251,7 +251,7 @@ def main(argv=None):
         "m4_speedups": {str(k): v for k, v in M4_RATIOS.items()},
         "results": rows,
     }
-    record.write(args.out, "bench-kivi", result)  # stage, kind and the envelope: vqpipe/record.py
+    record.write(args.out, "bench-kivi", result)  # stage, kind and the envelope: vqpipe/store/record.py
     print(f"bench-kivi: wrote {args.out}")
     return 0
 

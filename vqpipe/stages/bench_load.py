@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from .. import record
+from ..store import record
 from ..bench.env import environment
-from ..plain_model import models_only, plain_model
+from ..quant.plain_model import models_only, plain_model
 from ..bench.harness import compare, noise_floor, summarize
 
 CHECK_TOKENS = [[1, 17, 4, 99, 512, 3, 2048, 7, 31, 64, 5, 128, 9, 1000, 42, 8]]
@@ -66,7 +66,7 @@ def requantize(source, bits, rotation, seed=0):
     """(model, seconds): the source loaded and quantized, every parameter evaluated."""
     import mlx.core as mx
 
-    from .quantize import quantize_model
+    from ..quant.quantize import quantize_model
 
     t0 = time.perf_counter()
     model = plain_model(source, weights=True)  # mlx_lm.utils.load_model's model, without transformers
@@ -84,7 +84,7 @@ def _read_all(path, method):
     import mlx.core as mx
     import numpy as np
 
-    from .. import reservoir as R
+    from ..store import reservoir as R
 
     header = R.read_header(path)
     base, blobs = header["_data_offset"], header["blobs"]
@@ -149,11 +149,11 @@ def child(argv):
     # Loading and quantizing need no tokenizer: without mlx_lm's __init__ the child imports no
     # transformers (0.9 of its 1.35 CPU-s for a tiny model, 40 MB of its RSS, none of it timed;
     # quantize and load children alike, so their memory stays comparable). A config that needs
-    # mlx_lm.utils still gets it (vqpipe/plain_model.py).
+    # mlx_lm.utils still gets it (vqpipe/quant/plain_model.py).
     models_only()
     import mlx.core as mx
 
-    from .. import reservoir  # noqa: F401  imported before timing, like the model module below
+    from ..store import reservoir  # noqa: F401  imported before timing, like the model module below
 
     wait = argv[-1] == "wait"
     what = argv[0]
@@ -350,8 +350,9 @@ def _build_arms(result, source, config, bits, rotations, work, progress):
     rotation's state is also saved as safetensors (the mx.load copy path)."""
     import mlx.core as mx
 
-    from .. import reservoir as R
-    from .quantize import copy_model_files, split_state
+    from ..store import reservoir as R
+    from ..quant.quantize import split_state
+    from ..store.quantized import copy_model_files
 
     arms, want_hash, requant = {}, {}, {}
     for rot in rotations:

@@ -8,7 +8,7 @@ Arms at each bit width, all against the same source model:
                  every nn.Linear, from the source's stored dtype: scales and biases in that dtype,
                  as mlx_lm.convert stores them
     mlx-gptq, mlx-awq, mlx-dynamic, mxfp4, nvfp4
-                 what users would pick instead (vqpipe/competitors.py): mlx-lm's own quantizers,
+                 what users would pick instead (vqpipe/bench/competitors.py): mlx-lm's own quantizers,
                  with the calibration tokens vqpipe's calibrated arms use, and MLX's fp4 modes
 On windows of real English text no method saw (vqpipe.text: the Devil's Dictionary's eval split,
 and the Jargon File, another domain): perplexity, KL(source ||
@@ -36,12 +36,15 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from .. import competitors, cpu_eval, text
-from ..fold import unfold_model
-from ..residual_rotation import TiedEmbedding
-from .. import record
-from ..fsutil import atomic_dir, write_json
-from .quantize import load_quantized, quantize_model
+from ..bench import competitors
+from ..quant import cpu_eval
+from .. import text
+from ..layers.fold import unfold_model
+from ..quant.residual_rotation import TiedEmbedding
+from ..store import record
+from ..store.fsutil import atomic_dir, write_json
+from ..quant.quantize import quantize_model
+from ..store.quantized import load_quantized
 from ..bench.env import environment
 from ..bench.harness import summarize
 
@@ -261,7 +264,7 @@ def bits_per_weight(model):
 def window_logprobs(model, tokens, out=None):
     """Log-probabilities [len, vocab] of one window, float32 numpy (into ``out`` if given: a
     window's 100 MB in a fresh array cost more page-fault time than the exponentials). The
-    forward runs with numpy doing the exponentials and the output head (vqpipe/cpu_eval.py:
+    forward runs with numpy doing the exponentials and the output head (vqpipe/quant/cpu_eval.py:
     MLX's CPU exp is ~15x slower, and its logsumexp is off by up to 3e-4 over a 49k vocabulary)."""
     return cpu_eval.window_logprobs(model, tokens, out=out)
 
@@ -658,17 +661,6 @@ def arm_part(path, refdir, bits_list, n_windows=20, length=512, seed=0, rotation
 
 # --- the synthetic presets' own checks (tests/test_download.py) ---------------------------------
 
-CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus.txt"
-
-
-def eval_windows(tokenizer, n_windows, length):
-    """Windows of the shipped corpus the synthetic tokenizers were trained on (not real text)."""
-    ids = tokenizer.encode(CORPUS.read_text())
-    if len(ids) < length + n_windows:
-        raise ValueError(f"corpus has {len(ids)} tokens, too few for {n_windows} windows of {length}")
-    step = (len(ids) - length) // n_windows
-    return [mx.array(ids[i * step : i * step + length], dtype=mx.int32) for i in range(n_windows)]
-
 
 def load_fp32(path):
     return load_source(path)
@@ -693,7 +685,7 @@ def quantize_method(path, method, bits, seed):
 _CHILD = """
 import json, resource, sys, time
 from mlx_lm.utils import load
-from vqpipe.quantize import quantize_model
+from vqpipe.quant.quantize import quantize_model
 model, _ = load(sys.argv[1], lazy=True)
 t0 = time.perf_counter()
 quantize_model(model, int(sys.argv[2]), sys.argv[3], 0)

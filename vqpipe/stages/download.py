@@ -1,11 +1,11 @@
 """Download stage: fetch a model source into a Hugging Face layout directory.
 
 Sources:
-  ``synth:PRESET[-4bit]``  deterministic offline synthetic model (``vqpipe.synth``)
+  ``synth:PRESET[-4bit]``  deterministic offline synthetic model (``vqpipe.sources.synth``)
   ``hf:REPO[@REVISION]``   Hugging Face Hub snapshot (or the local HF cache when offline)
   ``path:DIR``             a local model directory, copied
   ``gguf:FILE``            a llama.cpp GGUF file, converted (``gguf:pkg:PACKAGE/PATH``: a file
-                           shipped in an installed Python package; see ``vqpipe.gguf``)
+                           shipped in an installed Python package; see ``vqpipe.sources.gguf``)
 
 The output directory appears atomically (built next to it, then renamed) and holds
 ``vqpipe-source.json``: the source string, parameter count and sha256 of every file.
@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .. import fsutil, manifest, record
-from ..manifest import sha256_file
+from ..store import fsutil, manifest, record
+from ..sources.spec import check_model_dir, parse_source
+from ..store.manifest import sha256_file
 
-SCHEMES = ("synth", "hf", "path", "gguf")
 SOURCE_FILE = "vqpipe-source.json"
 
 # What mlx_lm fetches from a repo (weights, configs, tokenizers, chat templates), less code: a
@@ -49,15 +49,6 @@ def log(msg):
     print(f"[download] {msg}", flush=True)
 
 
-def parse_source(source):
-    """``'synth:tiny'`` -> ``('synth', 'tiny')``; raises ValueError on a bad scheme or empty value."""
-    scheme, sep, value = str(source).partition(":")
-    if not sep or scheme not in SCHEMES or not value:
-        forms = "synth:PRESET[-4bit], hf:REPO[@REVISION], path:DIR, gguf:FILE, gguf:pkg:PACKAGE/PATH"
-        raise ValueError(f"bad model source {source!r}; expected one of: {forms}")
-    return scheme, value
-
-
 def fetch(source, out_dir, seed=0, dtype="bfloat16"):
     """Write the model named by ``source`` into ``out_dir`` (replacing it) and return its path.
 
@@ -70,11 +61,11 @@ def fetch(source, out_dir, seed=0, dtype="bfloat16"):
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if scheme == "synth":
-        from .. import synth
+        from ..sources import synth
 
         synth.parse_preset(value)  # fail on a bad preset before touching the disk
     if scheme == "gguf":
-        from .. import gguf
+        from ..sources import gguf
 
         gguf.open_reader(gguf.resolve(value))  # fail on a missing or bad file before touching the disk
 
@@ -118,17 +109,6 @@ def replace_dir(src, dst):
 
 # ---------------------------------------------------------------------------------------------
 # path: and hf:
-
-
-def check_model_dir(path):
-    """A model directory needs config.json and at least one *.safetensors file."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path / 'config.json'} is missing; is {path} a model directory?")
-    if not any(path.glob("*.safetensors")):
-        raise FileNotFoundError(f"no *.safetensors weight files in {path}")
 
 
 # Never copied from a source: code, and weight formats that unpickle (run code) when loaded.
@@ -281,7 +261,7 @@ def write_source_json(model_dir, info, out_dir=None):
 
 
 def main(argv=None):
-    from ..synth import PRESETS
+    from ..sources.synth import PRESETS
 
     parser = argparse.ArgumentParser(
         prog="vqpipe download",

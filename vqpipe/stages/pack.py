@@ -14,9 +14,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import manifest, record
-from ..fsutil import atomic_dir
-from ..reservoir import FILE_NAME, sizes, write_reservoir
+from ..store import manifest, record
+from ..store.fsutil import atomic_dir
+from ..store.reservoir import FILE_NAME, sizes, write_reservoir
 
 _NOT_COPIED = ("quantized.json", "reference.json")
 _PERSIST = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}

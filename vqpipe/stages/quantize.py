@@ -13,189 +13,28 @@ The pack stage reads this artifact; no pack option can make quantization run aga
 import argparse
 import json
 import resource
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 
-from .. import __version__
-from ..codebook import BITS
-from .. import manifest, parallel, recipe, record, residual_rotation
-from ..fsutil import atomic_dir, save_safetensors
-from ..fused import fuse_model
-from ..prefault import Prefault
-from ..quantize import (assemble, build_layers, quantize_model, quantized_layers, residual_identity, skeleton,
-                        split_state)
-from ..rotation import KINDS
+from .. import __version__, parallel
+from ..codec.codebook import BITS
+from ..codec.rotation import KINDS
+from ..quant import recipe, residual_rotation
+from ..quant.calibrate import CALIBRATION_TEXTS, auto_calibration, calibration_tokens
+from ..quant.quantize import quantize_model, residual_identity
+from ..store import manifest
+from ..store.calibration import load as load_moments
+from ..store.calibration import load_fisher
+from ..store.quantized import save_quantized
 
-REFERENCE_PROMPTS = (
-    "The quick brown fox jumps over the lazy dog while the river runs north.",
-    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
-    "In 1969 the first people walked on the Moon; the mission lasted eight days.",
-    "Quantized weights keep their row norms; the rotation spreads outliers evenly.",
-)
 DTYPES = {"source": None, "float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-_CONFIG_DROP = ("quantization", "quantization_config")
-PREFAULT_SLACK = 96 << 20  # the reference logits' other buffers taken from the same heap top
-
-
-def copy_model_files(src, dst, extra_config=None):
-    """Copy config and tokenizer files (not weights); drop affine quantization keys from config."""
-    src, dst = Path(src), Path(dst)
-    for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (
-            "model.safetensors.index.json", "config.json", "vqpipe-source.json"
-        ):
-            shutil.copy2(f, dst / f.name)
-    config = json.loads((src / "config.json").read_text())
-    for key in _CONFIG_DROP:
-        config.pop(key, None)
-    if extra_config:
-        config.update(extra_config)
-    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def reference_tokens(tokenizer):
-    return [mx.array(tokenizer.encode(p), dtype=mx.int32) for p in REFERENCE_PROMPTS]
-
-
-class _Tap:
-    """Stands in for a transformer block while the forwards are built: keeps its outputs."""
-
-    def __init__(self, block, outs):
-        self.block, self.outs = block, outs
-
-    def __getattr__(self, name):  # a model may read its blocks' attributes (sliding windows, ...)
-        return getattr(self.block, name)
-
-    def __call__(self, *args, **kwargs):
-        y = self.block(*args, **kwargs)
-        self.outs.append(y)
-        return y
-
-
-def reference_logits(model, tokenizer):
-    """{"tokens.i", "logits.i"}: float32 logits of each reference prompt, one forward each.
-
-    The forwards are built first (MLX is lazy) with each layer's weight decoded once for all of
-    them (dequant.decoded_once), then computed a transformer block at a time, every prompt's
-    block l before any block l + 1, so a block's decoded weights are freed once its last prompt
-    has used them: one block's (and the head's) are alive at a time, not the whole model's.
-    Each prompt runs the same operations on the same values as a forward of its own: the same
-    bytes. (qwen2.5-0.5b, on its own: the whole model's 2 GB of decoded float32 weights were held
-    and faulted in; peak RSS 3.18 -> 1.19 GB, 13.8 -> 4.4 s; docs/results/2026-12-05-logs/quantize.md, "Fifth pass".)"""
-    from ..dequant import decoded_once
-
-    tokens = reference_tokens(tokenizer)
-    inner = getattr(model, "model", None)
-    blocks = getattr(inner, "layers", None)
-    outs = []
-    tapped = isinstance(blocks, list) and len(blocks) > 0
-    if tapped:
-        inner.layers = [_Tap(b, outs) for b in blocks]
-    try:
-        with decoded_once():
-            logits = [model(t[None]).astype(mx.float32) for t in tokens]
-    finally:
-        if tapped:
-            inner.layers = blocks
-    # The largest decoded weight (a tied head's: qwen2.5-0.5b 545 MB of float32) is fresh memory,
-    # whose page faults cost 1-3 s a GB on our VM: a helper thread populates it from the heap while
-    # the blocks are computed (vqpipe/prefault.py; a no-op below 64 MB and on a GPU).
-    biggest = max((m.out_features * m.in_features * 4 for m in quantized_layers(model).values()), default=0)
-    with Prefault(biggest + PREFAULT_SLACK):
-        if tapped and len(outs) == len(blocks) * len(tokens):
-            for l in range(len(blocks)):  # outs: prompt 0's blocks in order, then prompt 1's, ...
-                mx.eval(outs[l::len(blocks)])
-        del outs[:]
-        mx.eval(logits)
-    out = {}
-    for i, (t, y) in enumerate(zip(tokens, logits)):
-        out[f"tokens.{i}"] = t
-        out[f"logits.{i}"] = y[0]
-    return out
-
-
-def environment():
-    from ..bench.env import environment as env
-
-    return env()
-
-
-def save_quantized(model, tokenizer, source_dir, out_dir, info):
-    metas, arrays, params = split_state(model)
-    tensors = {f"layers.{k}": v for k, v in arrays.items()}
-    tensors.update({f"params.{k}": v for k, v in params.items()})
-    with atomic_dir(out_dir, manifest=True) as tmp:
-        save_safetensors(tmp / "quantized.safetensors", tensors)
-        copy_model_files(source_dir, tmp, {"vqpipe": {k: info[k] for k in ("bits", "rotation", "seed")}})
-        ref = reference_logits(model, tokenizer)  # each layer decoded once for the 4 prompts
-        save_safetensors(tmp / "reference.safetensors", ref)
-        env = environment()  # the reference logits' setup: validate compares against it
-        (tmp / "reference.json").write_text(json.dumps(
-            {"prompts": list(REFERENCE_PROMPTS), "environment": env}, indent=2) + "\n")
-        record.write(tmp / "quantized.json", "quantize", {**info, "layers": metas},
-                     model=record.model_name(source_dir), variant=f"b{info['bits']}-{info['rotation']}",
-                     environment=env, inputs={"source": source_dir})
-
-
-def load_quantized(path):
-    """(model, tokenizer) from a quantize-stage artifact."""
-    from mlx_lm.utils import load_tokenizer
-
-    path = Path(path)
-    meta = json.loads((path / "quantized.json").read_text())
-    tensors = mx.load(str(path / "quantized.safetensors"))
-    arrays = {k[len("layers."):]: v for k, v in tensors.items() if k.startswith("layers.")}
-    params = {k[len("params."):]: v for k, v in tensors.items() if k.startswith("params.")}
-    model = assemble(skeleton(path), build_layers(meta["layers"], arrays), params, str(path))
-    residual_rotation.mark(model, meta.get("residual_rotation"))
-    mx.eval(model.parameters())
-    fuse_model(model)
-    return model, load_tokenizer(path)
 
 
 def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-CALIBRATION_TEXTS = ("none", "text", "self")
-
-
-def auto_calibration(source):
-    """The recipe's calibration text for a download-stage ``source``: ``text``, or ``none`` for a
-    synthetic model (random weights: no text says what they compute; as the config's ``auto``)."""
-    path = Path(source) / "vqpipe-source.json"
-    spec = json.loads(path.read_text()).get("source", "") if path.is_file() else ""
-    return "none" if spec.startswith("synth:") else "text"
-
-
-def calibration_tokens(tokenizer, text="none", windows=64, length=512, seed=0, model=None):
-    """(tokens [windows, length] or None, provenance dict or None) for a calibration spec.
-
-    ``text``: ``none`` (data-free quantization), ``text`` (the calibration split of the real
-    English text in vqpipe/text.py, disjoint from the evaluation split) or ``self`` (text the
-    source ``model`` writes itself from a few seed requests, vqpipe/selfgen.py).
-    """
-    if text not in CALIBRATION_TEXTS:
-        raise ValueError(f"unknown calibration text {text!r}; choose one of {', '.join(CALIBRATION_TEXTS)}")
-    if text == "none":
-        return None, None
-    if windows < 1 or length < 2:
-        raise ValueError(f"calibration needs at least 1 window of 2 tokens, got {windows} x {length}")
-    spec = {"text": text, "windows": windows, "length": length, "seed": seed}
-    if text == "self":
-        from .. import selfgen
-
-        if model is None:
-            raise ValueError("self-generated calibration needs the source model")
-        return selfgen.self_tokens(model, tokenizer, windows, length, seed), {**spec, "provenance": selfgen.provenance(tokenizer)}
-    from .. import text as corpus
-
-    tokens = corpus.calibration_tokens(tokenizer, windows, length, seed)
-    return tokens, {**spec, "provenance": corpus.provenance()}
 
 
 def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=True, dtype="source",
@@ -243,11 +82,9 @@ def _quantize(source, bits, rotation, seed, embeddings, lm_head, dtype, progress
     if moments is not None:
         if tokens is not None:
             raise ValueError("--moments and --calibration text both give calibration; choose one")
-        from . import calibrate as mom
-
         ident = residual_identity(model, rotation, seed) if residual else None
-        stored, minfo = mom.load(moments, ident)
-        fisher = mom.load_fisher(moments, ident)
+        stored, minfo = load_moments(moments, ident)
+        fisher = load_fisher(moments, ident)
         calib = {**minfo["calibration"], "moments": str(moments), "sensitivity": minfo.get("sensitivity")}
     elif calib is not None:
         calib["sequential"] = sequential
@@ -260,7 +97,7 @@ def _quantize(source, bits, rotation, seed, embeddings, lm_head, dtype, progress
     total, weights = recipe.model_bits(model)
     allocation = {"budget": recipe.check_budget(budget, bits), "bpw": total / weights,
                   "rules": bool(layer_bits),
-                  # the widths came from vqpipe/recipe.py (quantize_model's condition)
+                  # the widths came from vqpipe/quant/recipe.py (quantize_model's condition)
                   "automatic": calib is not None and not layer_bits and budget != "none" and not sequential
                   and (moments is None or fisher is not None),
                   "widths": {r["name"]: r["bits"] for r in records if r["bits"] != bits}}
@@ -303,7 +140,7 @@ def parser():
                    help="a float16 scale per this many rotated entries of a row (default: one per row)")
     p.add_argument("--calibration", default="auto", choices=("auto",) + CALIBRATION_TEXTS,
                    help="auto (default): text, or none with --moments or for a synth: source; text: GPTQ and the bit allocation from the calibration split of vqpipe/text.py; "
-                   "self: from text the model writes itself (vqpipe/selfgen.py); none: data-free")
+                   "self: from text the model writes itself (vqpipe/quant/selfgen.py); none: data-free")
     p.add_argument("--calib-windows", type=int, default=64, help="calibration windows")
     p.add_argument("--calib-length", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--calib-seed", type=int, default=0, help="seed of the calibration window offsets")
@@ -313,15 +150,15 @@ def parser():
                    "allocation then); default --no-sequential: from the full-precision model, as the calibrate stage")
     p.add_argument("--budget", default="auto", type=_budget, metavar="BPW",
                    help="bits per weight over every quantized matrix for the automatic per-layer widths "
-                   "(vqpipe/recipe.py): auto (default: bits + 0.5, what MLX affine g64 stores), none (every layer "
+                   "(vqpipe/quant/recipe.py): auto (default: bits + 0.5, what MLX affine g64 stores), none (every layer "
                    "at --bits), or a number; --layer-bits rules replace the allocation")
     p.add_argument("--layer-bits", default=None, metavar="JSON",
-                   help='mixed widths (vqpipe/allocate.py): a JSON list of rules {"match": REGEX, "add": N} '
+                   help='mixed widths (vqpipe/codec/allocate.py): a JSON list of rules {"match": REGEX, "add": N} '
                    '(N bits over --bits) or {"match": REGEX, "bits": N} for the layers whose names match')
     p.add_argument("--moments", default=None, metavar="DIR",
                    help="GPTQ with the full-precision moments of a calibrate-stage artifact (no forward pass)")
     p.add_argument("--residual-rotation", action=argparse.BooleanOptionalAction, default=False,
-                   help="fold one rotation of the residual stream into the model first (vqpipe/residual_rotation.py): "
+                   help="fold one rotation of the residual stream into the model first (vqpipe/quant/residual_rotation.py): "
                    "q/k/v, gate/up and the head then need no rotation per token; needs --rotation auto, hadamard or kron")
     p.add_argument("--threads", type=int, default=None,
                    help="threads for the numpy work of GPTQ and group scales (vqpipe/parallel.py; the result "

@@ -2,10 +2,10 @@
 ``plots/*.png`` and ``tables/*.html``.
 
 ``vqpipe report --inputs FILE_OR_DIR ... --out results/report``. Every input is a record
-(vqpipe/record.py) checked against workflow/schemas/record.schema.json; a malformed one stops the
-report with the file and the field named. The work is split in three: vqpipe/summary.py (records ->
-figures, no MLX), vqpipe/plots.py (figures -> PNG) and vqpipe/render.py (figures -> pages, through
-the jinja2 templates in vqpipe/templates/). Snakemake's ``--report`` shows the plots and the
+(vqpipe/store/record.py) checked against workflow/schemas/record.schema.json; a malformed one stops the
+report with the file and the field named. The work is split in three: vqpipe/report/summary.py (records ->
+figures, no MLX), vqpipe/report/plots.py (figures -> PNG) and vqpipe/report/render.py (figures -> pages, through
+the jinja2 templates in vqpipe/report/templates/). Snakemake's ``--report`` shows the plots and the
 tables with the captions of workflow/report/ (workflow/rules/report.smk).
 """
 
@@ -14,11 +14,11 @@ import json
 import sys
 from pathlib import Path
 
-from ..fsutil import write_bytes
-from ..plots import PLOTS, all_plots
-from ..record import RecordError
-from ..render import TABLES, pages
-from ..summary import KINDS, summary as build
+from ..store.fsutil import write_bytes
+from ..report.plots import PLOTS, all_plots
+from ..store.record import RecordError
+from ..report.render import TABLES, pages
+from ..report.summary import KINDS, summary as build
 
 __all__ = ["KINDS", "OUTPUTS", "PLOTS", "TABLES", "main", "make_report"]
 
@@ -44,7 +44,7 @@ def main(argv=None):
     p.add_argument("--inputs", nargs="+", required=True, help="JSON artifacts or directories holding them")
     p.add_argument("--out", default="results/report", help="output directory (default: results/report)")
     args = p.parse_args(argv)
-    from ..manifest import ManifestError, verify
+    from ..store.manifest import ManifestError, verify
 
     try:  # records of a shared cache (quantized.json, pack.json) are checked against their manifest first
         for d in sorted({Path(i).parent for i in args.inputs if Path(i).is_file()}):

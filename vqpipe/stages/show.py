@@ -8,7 +8,7 @@ import json
 import sys
 from collections import Counter
 
-from ..reservoir import CHECKSUM, ReservoirError, _file, read_header, sizes, verify_blobs
+from ..store.reservoir import CHECKSUM, ReservoirError, _file, read_header, sizes, verify_blobs
 
 
 def _mib(n):

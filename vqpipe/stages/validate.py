@@ -69,7 +69,8 @@ def run(reservoir, reference, model_name=None, variant=None, persist_rotation=No
     import mlx.core as mx
 
     from .. import load
-    from .quantize import REFERENCE_PROMPTS, environment, reference_logits
+    from ..bench.env import environment
+    from ..store.quantized import REFERENCE_PROMPTS, reference_logits
 
     reservoir, reference = Path(reservoir), Path(reference)
     guess = _reservoir_labels(reservoir)
@@ -145,7 +146,7 @@ def run(reservoir, reference, model_name=None, variant=None, persist_rotation=No
 
 
 def main(argv=None):
-    from .. import record
+    from ..store import record
 
     p = argparse.ArgumentParser(
         prog="vqpipe validate", description=__doc__.split("\n")[0],
@@ -166,7 +167,7 @@ def main(argv=None):
         if not (Path(args.reference) / name).is_file():
             print(f"vqpipe validate: error: {args.reference} has no {name}", file=sys.stderr)
             return EXIT_USAGE
-    from ..manifest import ManifestError, verify
+    from ..store.manifest import ManifestError, verify
 
     try:  # both may come from a shared cache: a corrupted copy is named, not compared
         verify(args.reservoir)

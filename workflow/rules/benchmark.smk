@@ -93,7 +93,7 @@ rule bench_load:
     input:
         source=SOURCE,
         # It quantizes and packs in-process and loads reservoirs in fresh ones.
-        code=stage_sources("vqpipe.stages.bench_load", "vqpipe.stages.quantize", "vqpipe.reservoir", "vqpipe.kivi.kernels"),
+        code=stage_sources("vqpipe.stages.bench_load", "vqpipe.stages.quantize", "vqpipe.store.reservoir", "vqpipe.kivi.kernels"),
     output:
         BENCH_LOAD,
     params:
@@ -127,7 +127,7 @@ rule bench_decode:
         verdict=decode_artifact(VERDICT),
         # bench-kivi's per-flush times feed the Amdahl prediction.
         kivi_ops=[BENCH_KIVI] if config["benchmarks"]["kivi"]["enabled"] else [],
-        code=stage_sources("vqpipe.stages.bench_decode", "vqpipe.reservoir", data=["corpus.txt"]),
+        code=stage_sources("vqpipe.stages.bench_decode", "vqpipe.store.reservoir", data=["corpus.txt"]),
     output:
         BENCH_DECODE,
     params:

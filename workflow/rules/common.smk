@@ -17,10 +17,10 @@ from snakemake.exceptions import WorkflowError
 ROOT = Path(workflow.basedir).parent
 sys.path.insert(0, str(ROOT))
 from vqpipe import blas as vqblas  # noqa: E402  (does not import mlx)
-from vqpipe import snakecache  # noqa: E402
-from vqpipe import plots as vqplots, render as vqrender  # noqa: E402  (no mlx: matplotlib, jinja2 only)
+from vqpipe.store import snakecache  # noqa: E402
+from vqpipe.report import plots as vqplots, render as vqrender  # noqa: E402  (no mlx: matplotlib, jinja2 only)
 
-# Race-safe, read-only-tolerant storing into the between-workflow cache (vqpipe/snakecache.py).
+# Race-safe, read-only-tolerant storing into the between-workflow cache (vqpipe/store/snakecache.py).
 snakecache.install()
 
 # The interpreter running Snakemake (the project's .venv) runs every stage: its bin/ goes first on
@@ -49,7 +49,7 @@ BENCH_KIVI = "results/bench/kivi.json"
 # The report's plots and tables (one page each in Snakemake's report), as vqpipe names them.
 REPORT_PLOTS = list(vqplots.PLOTS)
 REPORT_TABLES = list(vqrender.TABLES)
-REPORT_TEMPLATES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "vqpipe" / "templates").glob("*.j2"))
+REPORT_TEMPLATES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "vqpipe" / "report" / "templates").glob("*.j2"))
 
 
 wildcard_constraints:
@@ -233,7 +233,7 @@ def source_files(wc):
     source = config["models"][wc.model]["source"]
     if not source.startswith("gguf:"):
         return []
-    from vqpipe.gguf import resolve  # no mlx import
+    from vqpipe.sources.gguf import resolve  # no mlx import
 
     try:
         return [str(resolve(source[len("gguf:"):]))]

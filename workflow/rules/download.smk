@@ -4,7 +4,7 @@
 rule download:
     input:
         model=source_files,
-        code=stage_sources("vqpipe.stages.download", "vqpipe.synth", "vqpipe.gguf", "vqpipe.gguf_tokenizer", data=["corpus.txt"]),
+        code=stage_sources("vqpipe.stages.download", "vqpipe.sources.synth", "vqpipe.sources.gguf", "vqpipe.sources.gguf_tokenizer", data=["corpus.txt"]),
     output:
         directory(SOURCE),
     params:

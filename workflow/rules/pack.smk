@@ -4,7 +4,7 @@
 rule pack:
     input:
         quantized=QUANTIZED,
-        code=stage_sources("vqpipe.stages.pack", "vqpipe.reservoir"),
+        code=stage_sources("vqpipe.stages.pack", "vqpipe.store.reservoir"),
     output:
         directory(RESERVOIR),
     params:

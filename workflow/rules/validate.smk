@@ -8,7 +8,7 @@ rule validate:
     input:
         reservoir=RESERVOIR,
         reference=QUANTIZED,
-        code=stage_sources("vqpipe.stages.validate", "vqpipe.reservoir", "vqpipe.stages.quantize", "vqpipe.bench.env", "vqpipe.kivi.kernels"),
+        code=stage_sources("vqpipe.stages.validate", "vqpipe.store.reservoir", "vqpipe.stages.quantize", "vqpipe.bench.env", "vqpipe.kivi.kernels"),
     output:
         report(
             VERDICT,

@@ -1,0 +1,1 @@
+"""Decoding: a compiled single-token step over a static KV cache (``step``)."""

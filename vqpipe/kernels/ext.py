@@ -1,0 +1,86 @@
+"""The compiled codebook mat-vec (``vqpipe._ext``, built from csrc/ by scripts/build_ext.sh).
+
+``codebook_matvec`` is an MLX primitive computing ``s * (C[q] @ xr) + b`` (or the group-scaled
+form) from the rotated input and the packed codes, without rebuilding the dense weight. On the
+CPU it runs an AVX2/FMA kernel (a portable one elsewhere) over output rows on a small thread pool;
+a CUDA build of it serves eval_gpu where the installed MLX is a CUDA build, but vqpipe routes GPU
+work to vqpipe/kernels/qmv.py and only CPU work here. Decode and small batches take it (M <= MAX_M rows
+of x); prefill-sized inputs keep the dense path (vqpipe/layers/qlinear.py ``dense_forward``).
+
+When the module is missing (not built, or the build failed) everything runs on MLX ops as before,
+with one warning per process naming what is missing.
+"""
+
+import contextlib
+import math
+import warnings
+
+import mlx.core as mx
+
+try:
+    from .. import _ext
+except ImportError as error:  # not built: vqpipe runs on MLX ops
+    _ext, _missing = None, error
+else:
+    _missing = None
+
+# Rows of x (product of the leading dims) up to which the CPU takes the extension; above it the
+# dense path. Measured on SmolLM2's gate|up and down (docs/ext.md, experiments/ext_decode.py
+# --threshold): the extension 2.6-3.1x faster at M = 64, even with the dense path at M = 128.
+MAX_M = 64
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+_warned = False
+_enabled = True  # off only inside ``using(False)`` (benchmarks, tests: the dense arm)
+
+
+def available():
+    """Whether ``vqpipe._ext`` imported."""
+    return _ext is not None
+
+
+def module():
+    return _ext
+
+
+def _warn_missing():
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            f"vqpipe._ext is not built ({_missing}); the CPU decode path rebuilds dense weights "
+            "per token (slow). Build it with scripts/build_ext.sh (scripts/setup.sh does).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def dispatch(x):
+    """Whether a layer's call on ``x`` runs here: the CPU is the default device, 1 <= M <= MAX_M
+    and x is float32/float16/bfloat16. Runs per layer per token, so it is kept cheap."""
+    shape = x.shape
+    if not _enabled or not 0 < math.prod(shape[:-1]) <= MAX_M or x.dtype not in DTYPES:
+        return False
+    if mx.default_device() != mx.cpu:
+        return False
+    if _ext is None:
+        _warn_missing()
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def using(flag):
+    """``with ext.using(False): ...`` runs the block on the dense path (an A/B arm)."""
+    global _enabled
+    previous, _enabled = _enabled, bool(flag)
+    try:
+        yield
+    finally:
+        _enabled = previous
+
+
+def matvec(xr, packed, scales, codebook, bits, bias=None, group_size=None):
+    """``s * (C[q] @ xr) + b`` along xr's last axis, in xr's dtype (float32 accumulation)."""
+    if _ext is None:
+        raise RuntimeError(f"vqpipe._ext is not built ({_missing}); run scripts/build_ext.sh")
+    return _ext.codebook_matvec(xr, packed, scales, codebook, bits, group_size or 0, bias)

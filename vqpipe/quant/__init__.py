@@ -1,0 +1,2 @@
+"""Quantizing a whole mlx-lm model: ``quantize_model`` (``quantize``), calibrated GPTQ (``calibrate``),
+the automatic recipe's widths (``recipe``), the residual rotation, calibration text and evaluation passes."""

@@ -1,0 +1,346 @@
+"""Model-level quantization: every nn.Linear (and, optionally, embedding) of an mlx-lm model
+becomes a QuantizedLinear, in place, one layer at a time; and the inverse bookkeeping
+(split a quantized model into stored state, rebuild it on a config skeleton).
+
+The quantize stage (vqpipe/stages/quantize.py) wraps this in an artifact; bench-quality, the
+reservoir loader and the fuzzers call it directly.
+"""
+
+import contextlib
+import hashlib
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .. import text as corpus
+from ..codec import allocate
+from . import recipe
+from .calibrate import full_precision_moments, quantize_calibrated
+from ..codec.codebook import check_bits
+from ..layers.fused import fuse_model, rotation_owner
+from ..parallel import Pool, check_threads
+from .plain_model import plain_model
+from ..prefault import large_blocks_on_heap
+from ..layers.qlinear import QuantizedEmbedding, QuantizedLinear, dense_weight
+from .residual_rotation import rotate_residual, tied, unrotated
+from ..codec.rotation import KINDS, make_rotation, resolve_kind
+
+
+def layer_seed(seed, name):
+    """A per-layer seed: stable across processes and Python versions (no hash())."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def layer_rotation(rotation, seed, name, in_dim):
+    """The rotation quantize_model gives layer ``name`` (``in_dim`` inputs; ``rotation`` a kind)."""
+    return make_rotation(resolve_kind(rotation, in_dim), in_dim, layer_seed(seed, rotation_owner(name)))
+
+
+def _source_dtype(module):
+    """The dtype a Linear/Embedding's weight has in the source (an affine layer's: its scales')."""
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return module.scales.dtype
+    return module.weight.dtype
+
+
+def _sum_squares(weight, rows=8192):
+    """sum(w^2) in float32, a chunk of rows at a time (no full-size temporaries)."""
+    total = 0.0
+    for start in range(0, weight.shape[0], rows):
+        w = weight[start:start + rows].astype(mx.float32)
+        total += mx.sum(w * w).item()
+    return total
+
+
+def _targets(model, embeddings, lm_head):
+    linear = (nn.Linear, nn.QuantizedLinear)
+    embedding = (nn.Embedding, nn.QuantizedEmbedding)
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, linear) and (lm_head or name.split(".")[-1] != "lm_head"):
+            out.append((name, module, "linear"))
+        elif isinstance(module, embedding):
+            out.append((name, module, "embedding" if embeddings else "dense-embedding"))
+    return out
+
+
+def quantize_model(model, bits, rotation="auto", seed=0, embeddings=True, lm_head=True,
+                   dtype=mx.float32, progress=None, group_size=None, calibration=None, damp=None,
+                   fuse=True, sequential=False, moments=None, layer_bits=None, threads=1, residual=False,
+                   tokenizer=None, fisher=None, budget=None):
+    """Quantize ``model`` in place, one layer at a time; returns per-layer records.
+
+    Every nn.Linear (and affine nn.QuantizedLinear, dequantized first) becomes a QuantizedLinear.
+    Embeddings are quantized when ``embeddings`` is true, otherwise kept (dequantized if needed)
+    in ``dtype``, like every other tensor that is not quantized. ``group_size`` gives each group of
+    that many rotated entries of a row its own scale. ``calibration`` (int tokens [n, length])
+    turns on GPTQ with input second moments collected block by block (vqpipe/quant/calibrate.py).
+    ``moments`` ({name: (key, H)}, vqpipe/store/calibration.py) gives GPTQ stored full-precision moments
+    instead (no forward pass). ``layer_bits`` (rules [{match, add|bits}], vqpipe/codec/allocate.py) gives
+    the layers they match their own width; the others get ``bits``. ``dtype=None`` keeps each tensor that is not quantized in its source dtype.
+    ``threads`` > 1 runs the numpy work of group scales / GPTQ on that many threads, beside the
+    MLX work of the next layers (vqpipe/parallel.py); the result is the same. Linears that read
+    the same activation (q/k/v, gate/up) share one rotation (the seed of the first:
+    vqpipe/layers/fused.py), and with ``fuse`` they are computed as one (rows concatenated), as the
+    loaders do, so the reference logits come from the same code path.
+
+    The recipe (docs/quantize.md, "The automatic recipe"): with calibration data (``tokenizer``:
+    the calibration text's windows, the pipeline's 64 x 512; or ``calibration`` tokens; or
+    ``moments`` and ``fisher`` from a calibrate artifact) and ``sequential`` false, the moments come
+    from the full-precision model and each layer's width from vqpipe/quant/recipe.py: the steps of one
+    or two bits with the largest predicted loss saved per stored bit, within ``budget`` bits per
+    weight over every quantized matrix (None or 'auto': ``bits`` + 0.5, what MLX affine g64
+    stores; 'none': every layer at ``bits``). ``layer_bits`` rules replace the allocation.
+    Without calibration data it is data-free. ``embeddings`` (default true) quantizes the
+    embedding table and so a tied head, as the pipeline does.
+
+    ``residual``: first fold one rotation of the residual stream into the model
+    (vqpipe/quant/residual_rotation.py; its seed from ``seed``, kind from ``rotation``); the layers that
+    read the stream and the embedding are then quantized without a rotation of their own. Needs
+    ``rotation`` auto, hadamard or kron, and, for a tied head, ``embeddings``.
+    """
+    check_bits(bits)
+    if rotation not in KINDS:
+        raise ValueError(f"unknown rotation {rotation!r}; choose one of {', '.join(KINDS)}")
+    if residual:
+        rotate_for_quantize(model, rotation, seed, embeddings)
+    targets = _targets(model, embeddings, lm_head)
+    if not any(kind == "linear" for _, _, kind in targets):
+        raise ValueError(f"model {type(model).__name__} has no nn.Linear layers to quantize")
+    budget = recipe.check_budget(budget, bits)
+    if tokenizer is not None and calibration is None and moments is None:
+        calibration = corpus.calibration_tokens(tokenizer, CALIBRATION_WINDOWS, CALIBRATION_LENGTH, 0)
+    if calibration is not None and not sequential:  # as the calibrate stage: one full-precision pass
+        moments, fisher = calibrate_model(model, calibration, progress, fisher is None and budget is not None and not layer_bits)
+        calibration = None
+    # Keep names only: holding the source modules would keep every evaluated source weight alive.
+    targets = [(name, kind) for name, _, kind in targets]
+
+    def kind_of(name):  # the rotation kind layer ``name`` is quantized with
+        return "none" if residual and unrotated(name) else rotation
+
+    def rotation_of(name, dim):
+        return layer_rotation(kind_of(name), seed, name, dim)
+
+    if layer_bits or fisher is None or moments is None or budget is None:
+        layer_bits = allocate.resolve(layer_bits or [], [n for n, kind in targets if kind != "dense-embedding"], bits)
+    else:
+        layer_bits = _allocate(model, bits, targets, moments, fisher, budget, rotation_of, group_size, damp, progress)
+    pool = Pool(check_threads(threads))
+    quantize_one = _layer_quantizer(model, bits, layer_bits, kind_of, seed, dtype, group_size, damp, pool,
+                                    progress if calibration is None else None, len(targets))
+    # With moments, each block makes and frees d x d matrices of 95 MB (a 4864-wide input): kept
+    # on the heap and reused instead of mapped afresh (vqpipe/prefault.py; the same bytes)
+    heap = large_blocks_on_heap() if calibration is not None or moments is not None else contextlib.nullcontext()
+    with pool, heap:
+        records = _quantize_all(model, targets, quantize_one, moments, calibration, progress, sequential, rotation_of)
+    _cast_rest(model, dtype)
+    mx.eval(model.parameters())
+    if fuse:
+        fuse_model(model)
+    return [r for r in records if r is not None]
+
+
+def _allocate(model, bits, targets, moments, fisher, budget, rotation_of, group_size, damp, progress):
+    """{name: width} of the layers the recipe puts above ``bits`` (vqpipe/quant/recipe.py)."""
+    t0 = time.perf_counter()
+    chosen, tables, weights = recipe.plan(model, bits, targets, moments, fisher, budget, rotation_of, group_size, damp)
+    layer_bits = {n: w for n, w in chosen.items() if w != bits}
+    if progress:
+        spent = sum(tables[n][w][0] for n, w in chosen.items()) / weights
+        progress(f"allocation: {len(layer_bits)} of {len(chosen)} layers above {bits} bits, {spent:.5f} of "
+                 f"{budget} bits per weight, {time.perf_counter() - t0:.1f}s")
+    return layer_bits
+
+
+def _layer_quantizer(model, bits, layer_bits, kind_of, seed, dtype, group_size, damp, pool, progress, n_targets):
+    """``quantize_one(name, kind, hessian, defer=False)``: replaces layer ``name`` of ``model`` and
+    returns its record; with ``defer``, a function that completes the layer and returns its record,
+    while the layer's numpy work runs on ``pool`` meanwhile."""
+    modules = dict(model.named_modules())
+    done = [0]
+
+    def quantize_one(name, kind, hessian, defer=False):
+        t0 = time.perf_counter()
+        module = modules.pop(name)
+        keep = dtype or _source_dtype(module)
+        # In the source dtype: quantize_weight casts row chunks to float32, so a 150k-row embedding
+        # never has a whole float32 copy (nor a squared one) alive at once.
+        weight = dense_weight(module, keep)
+        if kind == "dense-embedding":
+            new = nn.Embedding(*weight.shape)
+            new.weight = weight.astype(keep)
+            mx.eval(new.weight)
+            finish, gs = (lambda: new), None
+        else:
+            in_dim = weight.shape[1]
+            # one seed for the linears reading one activation: they can share its rotation
+            r, r_seed = resolve_kind(kind_of(name), in_dim), layer_seed(seed, rotation_owner(name))
+            given = getattr(hessian, "rotation", None)  # moments rotated already (calibrate.collect)
+            if given is not None and (given.kind, given.dim, given.seed) == (r, in_dim, r_seed):
+                r = given  # the same rotation, not built twice (a mismatch is gptq.rotate_hessian's error)
+            cls = QuantizedEmbedding if kind == "embedding" else QuantizedLinear
+            # an embedding gets group scales only as a calibrated tied head (vqpipe/quant/calibrate.py)
+            gs = group_size if kind == "linear" or hessian is not None else None
+            finish = cls.from_linear(module, layer_bits.get(name, bits), r, r_seed, weight=weight,
+                                     group_size=gs, hessian=hessian, damp=damp, pool=pool)
+
+        def complete():  # MLX from here on: on this (the main) thread
+            new = finish()
+            record = None
+            if kind != "dense-embedding":
+                if kind == "embedding":
+                    new.out_dtype = keep
+                    new.head = getattr(module, "head", None)  # a residual-rotated tied head's input map
+                if "bias" in module:
+                    new.bias = module.bias.astype(dtype or module.bias.dtype)
+                mx.eval(new.parameters())
+                total = _sum_squares(weight)
+                record = {
+                    "name": name, "kind": kind, "shape": list(weight.shape), "bits": new.bits,
+                    "rotation": new.rotation.kind, "group_size": gs, "calibrated": hessian is not None,
+                    "squared_error": new.squared_error, "weight_sq": total,
+                    "rel_mse": new.squared_error / max(total, 1e-30), "seconds": time.perf_counter() - t0,
+                }
+            model.update_modules(tree_unflatten([(name, new)]))
+            done[0] += 1
+            if progress:
+                progress(f"[{done[0]}/{n_targets}] {name} {kind} {time.perf_counter() - t0:.2f}s")
+            return record
+
+        return complete if defer else complete()
+
+    return quantize_one
+
+
+def _cast_rest(model, dtype):
+    """The tensors that are not quantized (norms, biases of other layers) in ``dtype`` (None: kept)."""
+    quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    rest = [(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())
+            if not any(k.startswith(q + ".") for q in quantized) and mx.issubdtype(v.dtype, mx.floating)
+            and dtype is not None and v.dtype != dtype]
+    if rest:
+        model.load_weights(rest, strict=False)
+
+
+CALIBRATION_WINDOWS, CALIBRATION_LENGTH = 64, 512  # the recipe's calibration text: 64 x 512 tokens
+
+
+def calibrate_model(model, tokens, progress=None, sensitivity=True):
+    """({name: (key, H)}, fisher or None): the full-precision moments of ``tokens`` (the calibrate
+    stage's) and, with ``sensitivity``, the output Fisher of its first recipe.FISHER_WINDOWS windows."""
+    names, sums = full_precision_moments(model, tokens, progress)
+    stored = {name: (key, sums[key]) for name, key in names.items()}
+    fisher = None
+    if sensitivity:
+        fisher = recipe.output_fisher(model, tokens[: recipe.FISHER_WINDOWS], recipe.sensitive_layers(model), progress)
+    return stored, fisher
+
+
+def residual_seed(seed):
+    """The residual rotation's seed for quantize seed ``seed`` (the calibrate stage derives it too)."""
+    return layer_seed(seed, "residual stream")
+
+
+def residual_identity(model, rotation, seed):
+    """The identity (vqpipe/quant/residual_rotation.py) of the residual rotation :func:`rotate_for_quantize`
+    folds into ``model``, known before it does."""
+    hidden = int(model.args.hidden_size)
+    return {"kind": resolve_kind(rotation, hidden), "dim": hidden, "seed": residual_seed(seed)}
+
+
+def rotate_for_quantize(model, rotation, seed, embeddings=True):
+    """Fold the residual rotation quantize_model(..., residual=True) uses into ``model``; returns it."""
+    if rotation not in ("auto", "hadamard", "kron"):
+        raise ValueError(f"a residual rotation is folded with rotation auto, hadamard or kron, not {rotation!r}")
+    if tied(model) and not embeddings:
+        raise ValueError("a residual rotation of a model with a tied head needs its embedding quantized "
+                         "(the table's rows are rotated and the head reads them through the stored Head)")
+    return rotate_residual(model, residual_seed(seed), rotation)
+
+
+LOOKAHEAD = 3  # layers prepared (rotated, factorised) while earlier ones' numpy work runs
+
+
+def _quantize_all(model, targets, quantize_one, moments, calibration, progress, sequential, rotation):
+    """Every target's record, in order: with stored ``moments`` or ``calibration`` tokens, or data-free."""
+    if moments is not None:  # {name: (key, H)} from a calibrate artifact (vqpipe/stages/calibrate.py)
+        records, pending = [], []
+
+        def complete_first():
+            key, complete = pending.pop(0)
+            records.append(complete())
+            if key is not None:
+                records[-1]["hessian"] = key
+
+        for name, kind in targets:
+            key, hess = moments.get(name, (None, None)) if kind != "dense-embedding" else (None, None)
+            pending.append((key if hess is not None else None, quantize_one(name, kind, hess, defer=True)))
+            if len(pending) > LOOKAHEAD:
+                complete_first()
+        while pending:
+            complete_first()
+        return records
+    if calibration is None:
+        return [quantize_one(name, kind, None) for name, kind in targets]
+    return quantize_calibrated(model, calibration, quantize_one, targets, progress, sequential, rotation=rotation)
+
+
+def quantized_layers(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+def split_state(model):
+    """(layer metas, layer arrays, other params) for a quantized model."""
+    layers = quantized_layers(model)
+    metas, arrays = {}, {}
+    for name, layer in layers.items():
+        meta, arr = layer.to_state()
+        meta["class"] = type(layer).__name__
+        metas[name] = meta
+        arrays.update({f"{name}.{k}": v for k, v in arr.items()})
+    params = {k: v for k, v in tree_flatten(model.parameters())
+              if not any(k.startswith(n + ".") for n in layers)}
+    return metas, arrays, params
+
+
+def build_layers(metas, arrays):
+    """{name: QuantizedLinear} from stored metas and ``"<name>.<key>"`` arrays."""
+    out = {}
+    for name, meta in metas.items():
+        prefix = name + "."
+        arr = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+        cls = QuantizedEmbedding if meta.get("class") == "QuantizedEmbedding" else QuantizedLinear
+        out[name] = cls.from_state(meta, arr)
+    return out
+
+
+def skeleton(model_dir):
+    """An mlx-lm model object for ``model_dir``'s config.json with no weights read.
+
+    MLX is lazy: the random initial parameters are never computed, since they are replaced.
+    Built without mlx_lm.utils where that gives the same model (vqpipe/quant/plain_model.py).
+    """
+    model = plain_model(model_dir)
+    if model is None:
+        from mlx_lm.utils import load_model
+
+        model, _ = load_model(Path(model_dir), lazy=True, strict=False)
+    return model
+
+
+def assemble(model, layers, params, source="artifact"):
+    """Put quantized layers and plain params into a skeleton; every tensor must be accounted for."""
+    model.update_modules(tree_unflatten(list(layers.items())))
+    expected = {k for k, _ in tree_flatten(model.parameters())
+                if not any(k.startswith(n + ".") for n in layers)}
+    missing, extra = expected - set(params), set(params) - expected
+    if missing or extra:
+        raise ValueError(f"{source} does not match the model config: missing {sorted(missing)[:5]}, "
+                         f"unexpected {sorted(extra)[:5]}")
+    model.load_weights(list(params.items()), strict=False)
+    return model

