@@ -153,7 +153,8 @@ def compiled_generate(model, tokenizer, prompt, max_tokens, mode, cache=None):
 
 def auto_compiled(args, device):
     """The decode path ``--compiled auto`` takes: the split compiled step on CUDA for greedy decoding
-    with the full-precision cache (an H100, 0.5B shape: 261-266 tok/s against 162-172 for the eager
+    with the full-precision cache (main falls back to the eager loop for a model it does not take,
+    decode.step.model_problem) (an H100, 0.5B shape: 261-266 tok/s against 162-172 for the eager
     loop, docs/decode.md), else None (the eager loop: the CPU has no measured gain, sampling and the
     KIVI caches run eagerly)."""
     import mlx.core as mx
@@ -177,7 +178,8 @@ def main(argv=None):
     check_args(p, args)
     import mlx.core as mx
 
-    if args.compiled == "auto":
+    auto = args.compiled == "auto"
+    if auto:
         args.compiled = auto_compiled(args, mx.default_device())
     elif args.compiled == "off":
         args.compiled = None
@@ -192,6 +194,11 @@ def main(argv=None):
     except ValueError as e:
         print(f"vqpipe generate: error: {e}", file=sys.stderr)
         return 2
+    if auto and args.compiled:  # a model the compiled step does not take decodes in mlx-lm's loop
+        from ..decode.step import model_problem
+
+        if model_problem(model, args.compiled):
+            args.compiled = None
     use_template = tokenizer.has_chat_template if args.chat_template is None else args.chat_template
     if use_template and not tokenizer.has_chat_template:
         print(f"vqpipe generate: error: {args.model} has no chat template; use --no-chat-template",
@@ -200,9 +207,13 @@ def main(argv=None):
     mx.random.seed(args.seed)
     text = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n")
     prompt = encode_prompt(tokenizer, text, use_template, args.system_prompt)
-    if args.compiled and args.kv_bits is None:
-        return compiled_generate(model, tokenizer, prompt, args.max_tokens, args.compiled)
-    cache = make_cache(model, args)
+    try:
+        if args.compiled and args.kv_bits is None:
+            return compiled_generate(model, tokenizer, prompt, args.max_tokens, args.compiled)
+        cache = make_cache(model, args)
+    except ValueError as e:  # a model the compiled step or the packed KIVI cache does not take
+        print(f"vqpipe generate: error: {e}", file=sys.stderr)
+        return 2
     if args.compiled:
         compiled_generate(model, tokenizer, prompt, args.max_tokens, args.compiled, cache)
         print(kv_summary(cache))

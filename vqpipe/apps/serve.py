@@ -79,11 +79,14 @@ def kivi_cache_factory(model, bits, group_size, residual, packed=False):
     ``packed``: PackedKIVICache, with the model's attention routed to it."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from ..kivi import KIVICache, PackedKIVICache, install
+    from ..kivi import KIVICache, PackedKIVICache
+    from ..kivi.attention import packed_problem
 
     kind = KIVICache
     if packed:
-        install(model)
+        why = packed_problem(model)  # installs the route
+        if why:
+            raise ValueError(why)
         kind = PackedKIVICache
     n_layers = len(make_prompt_cache(model))
     own = getattr(model, "make_cache", None)
@@ -374,6 +377,13 @@ def serve(args):
     if not (directory / FILE_NAME).is_file():
         raise ValueError(f"{directory} is not a reservoir directory (no {FILE_NAME})")
     context, vocab = context_length(directory, args.context_length)
+    if args.kv_bits_kivi and args.kv_cache == "packed":  # refused before the model loads (a skeleton: no weights)
+        from ..kivi.attention import packed_problem
+        from ..quant.quantize import skeleton
+
+        why = packed_problem(skeleton(directory))
+        if why:
+            raise ValueError(why)
     tokenizer = load_tokenizer(directory, eos_token_ids=load_config(directory).get("eos_token_id"))
     handler = functools.partial(ReservoirHandler, limits=Limits(args, tokenizer, context, vocab))
     _check_port(args.host, args.port)  # before the generation thread starts loading the model

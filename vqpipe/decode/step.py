@@ -73,11 +73,29 @@ class StaticCache:
 
 def check_model(model):
     """Raise ValueError unless every layer of ``model`` uses mlx-lm's plain full-attention KVCache."""
+    why = model_problem(model)
+    if why:
+        raise ValueError(why)
+
+
+def model_problem(model, mode="whole"):
+    """Why ``model`` cannot take the compiled step in ``mode`` (a sentence), or None.
+
+    Every mode needs mlx-lm's plain full-attention ``KVCache`` in every layer (a sliding-window
+    layer's ``RotatingKVCache``, Gemma 3's, has no static form here). ``split`` also needs every
+    decoder block to be one of :data:`SPLIT_MODULES`' (the block :func:`_block_parts` recomputes):
+    mlx-lm's llama (Llama, Mistral), qwen2 and qwen3 blocks."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}
     if kinds != {KVCache.__name__}:
-        raise ValueError(f"compiled decode supports full-attention KVCache layers only; this model uses {sorted(kinds)}")
+        return f"compiled decode supports full-attention KVCache layers only; this model uses {sorted(kinds)}"
+    if mode == "split":
+        other = sorted({type(b).__module__ for b in model.layers} - set(SPLIT_MODULES))
+        if other:
+            return (f"split compiled decode recomputes the decoder blocks of {', '.join(SPLIT_MODULES)}; "
+                    f"this model's blocks are {', '.join(other)} (use mode whole, or the eager loop)")
+    return None
 
 
 class _Probe:
@@ -94,7 +112,8 @@ class _Probe:
 
 
 MODES = ("whole", "split", "eager")
-SPLIT_TYPES = ("llama", "qwen2")  # decoder blocks of mlx-lm's llama.py / qwen2.py layout
+# The mlx-lm modules whose decoder block _block_parts recomputes (model types llama, mistral, qwen2, qwen3)
+SPLIT_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
 
 
 def write_kv(buf, new, pos):
@@ -128,19 +147,19 @@ class Decoder:
     - ``"split"``: per decoder block two compiled functions, before attention (norm, projections,
       rope, cache write) and after it (output projection, MLP, residuals), with MLX's fused SDPA
       called between them, eagerly, on the buffers sliced to the valid length (a host int): no mask,
-      the fast kernel, and nothing else left to Python. mlx-lm's llama/qwen2 block layout only.
+      the fast kernel, and nothing else left to Python. mlx-lm's llama/qwen2/qwen3 blocks only
+      (:data:`SPLIT_MODULES`).
     - ``"eager"``: the whole step uncompiled (tests; what the static cache alone costs).
     """
 
     def __init__(self, model, capacity, mode="whole"):
-        check_model(model)
-        if capacity < 2:
-            raise ValueError(f"static KV cache capacity must be >= 2, got {capacity}")
         if mode not in MODES:
             raise ValueError(f"decode mode must be one of {MODES}, got {mode!r}")
-        if mode == "split" and getattr(model, "model_type", None) not in SPLIT_TYPES:
-            raise ValueError(f"split compiled decode supports model types {SPLIT_TYPES}, "
-                             f"not {getattr(model, 'model_type', None)!r}")
+        why = model_problem(model, mode)
+        if why:
+            raise ValueError(why)
+        if capacity < 2:
+            raise ValueError(f"static KV cache capacity must be >= 2, got {capacity}")
         self.model, self.capacity, self.mode = model, int(capacity), mode
         self._layout = None
         self.traces = 0  # Python runs of the step (whole) or of the blocks' first parts (split): traces when compiled
@@ -269,9 +288,11 @@ class Decoder:
 
 
 def _block_parts(layer, traced):
-    """(before attention, after attention, scale) of one mlx-lm llama/qwen2 decoder block for one
-    token, the first two compiled; the same operations as the block's ``__call__``."""
+    """(before attention, after attention, scale) of one mlx-lm llama/qwen2/qwen3 decoder block for
+    one token, the first two compiled; the same operations as the block's ``__call__`` (qwen3's
+    per-head q/k norms over the last axis, as there)."""
     attn = layer.self_attn
+    qk_norm = "q_norm" in attn
 
     def before(h, pos, kb, vb):
         traced()
@@ -282,6 +303,8 @@ def _block_parts(layer, traced):
         q = q.reshape(1, attn.n_heads, 1, -1)
         k = k.reshape(1, attn.n_kv_heads, 1, -1)
         v = v.reshape(1, attn.n_kv_heads, 1, -1)
+        if qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = attn.rope(q, offset=pos), attn.rope(k, offset=pos)
         return q, write_kv(kb, k, pos), write_kv(vb, v, pos)
 

@@ -149,3 +149,20 @@ def install(model):
         setattr(mod, "scaled_dot_product_attention", _routed(fn))
         patched.append(name)
     return patched
+
+
+def packed_problem(model):
+    """Why ``model``'s attention cannot read a packed KIVI cache (a sentence), or None: every decoder
+    block's module must call mlx-lm's ``scaled_dot_product_attention``, which :func:`install`
+    routes (Gemma 2's blocks compute soft-capped scores themselves). Installs the route."""
+    install(model)
+    other = set()
+    for layer in getattr(model, "layers", None) or []:
+        fn = getattr(sys.modules.get(type(layer).__module__), "scaled_dot_product_attention", None)
+        if not hasattr(fn, "vqpipe_kivi_original"):
+            other.add(type(layer).__module__)
+    if not other:
+        return None
+    return (f"the packed KIVI cache needs attention through mlx-lm's scaled_dot_product_attention; "
+            f"{', '.join(sorted(other))} computes attention itself (use the reference KIVI cache, "
+            "--kv-cache reference, or no --kv-bits)")

@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask, make_prompt_cache
 
 from . import kernels, quantizer
-from .attention import install
+from .attention import packed_problem
 from .store import PackedKIVICache
 
 
@@ -217,7 +217,9 @@ def make_kivi_cache(model, bits=4, group_size=32, residual_length=128, use_kerne
     attention that reads them; the model's attention is routed to it (:func:`vqpipe.kivi.attention.install`)."""
     caches = make_prompt_cache(model)
     if packed:
-        install(model)
+        why = packed_problem(model)  # installs the route
+        if why:
+            raise ValueError(why)
         make = PackedKIVICache
     else:
         make = KIVICache

@@ -9,11 +9,14 @@ gate/up) share one H; layers outside the blocks get theirs from the same pass: a
 the final norm, and so does a tied embedding table (it is the head), which is quantized last with
 that H; an untied embedding (a lookup only) is quantized data-free.
 
-Needs an mlx-lm decoder: ``model.model`` with ``embed_tokens``, ``layers`` and ``norm``, blocks
-called as ``layer(h, mask, cache=None)``. The mask is the plain causal one (calibration windows are
-shorter than any sliding window we meet).
+Needs an mlx-lm decoder: ``model.model`` with ``embed_tokens``, ``layers`` and ``norm``. What enters
+each block comes from the decoder itself (:func:`decoder_inputs`): it runs once over the tokens
+with its blocks standing aside, so block 0's hidden state has whatever the model does to the
+embedding (Gemma's sqrt(hidden) scale) and each block gets the mask the model builds for it (causal,
+or a sliding window's where the window is shorter than the calibration windows).
 """
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -44,17 +47,57 @@ class _Recorder(nn.Module):
         return self.inner(x)
 
 
-def block_forward(layer, mask):
+def block_forward(layer, calls):
     """``run(x)``: the block on x, its attention and SwiGLU exponentials in numpy while the graph
     is built (vqpipe/quant/cpu_eval.py; MLX's CPU exp costs ~15 ns an element, numpy's ~1, and causal
     attention skips the masked half): SmolLM2's moments of 8 x 512 tokens, 32 -> 19 CPU-s, the
-    moments within 6e-7 relative of MLX's forward."""
+    moments within 6e-7 relative of MLX's forward. ``calls``: per batch, in order, the other
+    arguments (args, kwargs) the decoder passes this block (:func:`decoder_inputs`); ``run`` is
+    called once per batch in the same order (and again from the first for another pass)."""
+    order = itertools.cycle(calls)
 
     def run(x):
+        args, kwargs = next(order)
         with numpy_exponentials():
-            return layer(x, mask, cache=None)
+            return layer(x, *args, **kwargs)
 
     return run
+
+
+class _Standin:
+    """Stands in for a decoder block while the decoder runs: records the hidden state and the
+    other arguments it is given (the mask the model builds for this block, cache=None) and returns
+    the hidden state unchanged. Attributes are the block's (a model may read them)."""
+
+    def __init__(self, block, seen):
+        self.block, self.seen = block, seen
+
+    def __getattr__(self, name):
+        return getattr(self.block, name)
+
+    def __call__(self, x, *args, **kwargs):
+        self.seen.append((x, args, kwargs))
+        return x
+
+
+def decoder_inputs(model, batches):
+    """(hidden states entering block 0, one per batch; per block, the [(args, kwargs)] the decoder
+    passes it besides the hidden state, one per batch): the decoder runs on each token batch with
+    every block replaced by a :class:`_Standin` (an embedding lookup and the masks: no block runs)."""
+    inner = decoder(model)
+    blocks = inner.layers
+    seen = [[] for _ in blocks]
+    inner.layers = [_Standin(b, s) for b, s in zip(blocks, seen)]
+    try:
+        for b in batches:
+            inner(b)
+    finally:
+        inner.layers = blocks
+    if not blocks or any(len(s) != len(batches) for s in seen):
+        raise ValueError(f"calibration: {type(inner).__name__} did not call each of its {len(blocks)} blocks once "
+                         "per forward; its blocks' inputs cannot be recorded")
+    first = [x for x, _, _ in seen[0]]
+    return first, [[(args, kwargs) for _, args, kwargs in s] for s in seen]
 
 
 def decoder(model, purpose="calibration"):
@@ -161,9 +204,9 @@ def quantize_calibrated(model, tokens, quantize_one, targets, progress=None, seq
     block_names = [prefix[id(layer)] for layer in inner.layers]
     # float32 activations: the blocks then compute in float32 whatever the stored dtype (a bf16
     # matmul on the CPU is several times slower than a float32 one, and less accurate)
-    h = [inner.embed_tokens(b).astype(mx.float32) for b in _batches(tokens)]
+    h, calls = decoder_inputs(model, _batches(tokens))
+    h = [x.astype(mx.float32) for x in h]
     mx.eval(h)
-    mask = "causal" if tokens.shape[1] > 1 else None
     pending = []  # (name, H key, complete) of the block before
 
     def complete(jobs):
@@ -175,7 +218,7 @@ def quantize_calibrated(model, tokens, quantize_one, targets, progress=None, seq
     for i, (layer, bname) in enumerate(zip(inner.layers, block_names)):
         t0 = time.perf_counter()
         names = [n for n in kinds if kinds[n] == "linear" and n.startswith(bname + ".")]
-        stats, outs = collect(model, names, block_forward(layer, mask), h, rotation)
+        stats, outs = collect(model, names, block_forward(layer, calls[i]), h, rotation)
         jobs = [(name, stats[name][0], quantize_one(name, "linear", stats[name][1], defer=True)) for name in names]
         # Block i's numpy work (vqpipe/parallel.py) runs while block i + 1's forward and factors
         # are computed here; block i - 1's is waited for now, so two blocks at most are in flight.
@@ -184,7 +227,7 @@ def quantize_calibrated(model, tokens, quantize_one, targets, progress=None, seq
         if sequential:  # the next block's input from the quantized block
             complete(pending)
             pending = []
-            run = block_forward(inner.layers[i], mask)
+            run = block_forward(inner.layers[i], calls[i])
             outs = [run(x) for x in h]
             mx.eval(outs)
         h = outs
@@ -244,13 +287,13 @@ def full_precision_moments(model, tokens, progress=None):
     prefix = {id(m): n for n, m in model.named_modules()}
     linears = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
     names, sums = {}, {}
-    h = [inner.embed_tokens(b).astype(mx.float32) for b in _batches(tokens)]
+    h, calls = decoder_inputs(model, _batches(tokens))
+    h = [x.astype(mx.float32) for x in h]
     mx.eval(h)
-    mask = "causal" if tokens.shape[1] > 1 else None
     for i, layer in enumerate(inner.layers):
         t0 = time.perf_counter()
         block = prefix[id(layer)] + "."
-        stats, h = collect(model, [n for n in linears if n.startswith(block)], block_forward(layer, mask), h)
+        stats, h = collect(model, [n for n in linears if n.startswith(block)], block_forward(layer, calls[i]), h)
         for name, (key, hess) in stats.items():
             names[name], sums[key] = key, hess
         if progress:

@@ -115,6 +115,111 @@ PRESETS = {
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 40960,
     },
+    # One small preset per further family of mlx-lm's model classes (docs/models.md, "Families"):
+    # the family's model_type and config keys, its structure (norms, fused projections, caps,
+    # windows) at CI size. Each builds in about a second.
+    # Qwen3: per-head q/k RMSNorm, head_dim 128 wider than hidden / heads (as Qwen3-0.6B..4B), tied.
+    "tiny-qwen3": {
+        "model_type": "qwen3",
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "intermediate_size": 768,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "vocab_size": 8192,
+        "tie_word_embeddings": True,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 40960,
+    },
+    # Mistral: mlx-lm runs model_type mistral with its llama model; GQA 8 / 2, untied.
+    "tiny-mistral": {
+        "model_type": "mistral",
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "intermediate_size": 896,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 8192,
+        "tie_word_embeddings": False,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 32768,
+    },
+    # Phi-3: q|k|v fused into one qkv_proj, gate|up into one gate_up_proj; untied.
+    "tiny-phi3": {
+        "model_type": "phi3",
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "intermediate_size": 704,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 8192,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+    },
+    # Gemma 2: four norms a block (1 + weight), GELU MLP, attention and final logit soft-capping,
+    # the embedding scaled by sqrt(hidden), tied head, a larger vocabulary.
+    "tiny-gemma2": {
+        "model_type": "gemma2",
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "intermediate_size": 1024,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 16384,
+        "tie_word_embeddings": True,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 8192,
+        "query_pre_attn_scalar": 64,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "sliding_window": 4096,
+    },
+    # Gemma 3 (text): Gemma 2's block plus per-head q/k norms, sliding-window layers (a window of
+    # 16 tokens, layer 0 local, layer 1 global), two RoPE bases, one KV head, tied head.
+    "tiny-gemma3": {
+        "model_type": "gemma3_text",
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "intermediate_size": 1024,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "vocab_size": 16384,
+        "tie_word_embeddings": True,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "query_pre_attn_scalar": 64,
+        "sliding_window": 16,
+        "sliding_window_pattern": 2,
+    },
+}
+
+# The families a preset may have, by model_type: the tokenizer style and the block's structure.
+# ``norm_offset``: the norms compute x * (1 + weight) (Gemma); ``qk_norm``: per-head q/k RMSNorm
+# of head_dim weights; ``post_norms``: the block's outputs pass their own norms before the residual
+# add (Gemma); ``fused``: q|k|v and gate|up are one matrix each (Phi-3); ``embed_scale``: the
+# embedding's output is multiplied by sqrt(hidden); ``bias``: q/k/v biases (Qwen2).
+FAMILIES = {
+    "qwen2": {"style": "qwen2", "arch": "Qwen2ForCausalLM", "bias": True},
+    "llama": {"style": "llama", "arch": "LlamaForCausalLM"},
+    "qwen3": {"style": "qwen2", "arch": "Qwen3ForCausalLM", "qk_norm": True},
+    "mistral": {"style": "mistral", "arch": "MistralForCausalLM"},
+    "phi3": {"style": "phi3", "arch": "Phi3ForCausalLM", "fused": True},
+    "gemma2": {"style": "gemma", "arch": "Gemma2ForCausalLM", "norm_offset": True, "post_norms": True,
+               "embed_scale": True},
+    "gemma3_text": {"style": "gemma", "arch": "Gemma3ForCausalLM", "norm_offset": True, "post_norms": True,
+                    "embed_scale": True, "qk_norm": True},
 }
 
 QUANT_SUFFIX = "-4bit"
@@ -147,7 +252,29 @@ LLAMA3_TEMPLATE = (
     "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 
-# Per model_type: tokenizer flavour (special tokens sit at the top of the vocabulary).
+MISTRAL_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{{- '[INST] ' + message['content'] | trim + ' [/INST]' }}"
+    "{%- else %}{{- ' ' + message['content'] | trim + eos_token }}{%- endif %}"
+    "{%- endfor %}"
+)
+PHI3_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
+)
+GEMMA_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else 'user' %}"
+    "{{- '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+)
+
+# Tokenizer flavours (special tokens sit at the top of the vocabulary), named by FAMILIES' style.
 TOKENIZER_STYLES = {
     "qwen2": {
         "regex": QWEN2_REGEX,
@@ -177,7 +304,49 @@ TOKENIZER_STYLES = {
         "chat_template": LLAMA3_TEMPLATE,
         "tokenizer_class": "PreTrainedTokenizerFast",
     },
+    # Mistral, Phi-3 and Gemma ship SentencePiece tokenizers; these presets stand in a byte-level
+    # BPE (the Llama 3 regex) with the family's special tokens, chat template and bos/eos.
+    "mistral": {
+        "regex": LLAMA3_REGEX,
+        "nfc": False,
+        "special": ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"],
+        "bos": "<s>",
+        "eos": "</s>",
+        "pad": None,
+        "stop": ["</s>"],
+        "chat_template": MISTRAL_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    },
+    "phi3": {
+        "regex": LLAMA3_REGEX,
+        "nfc": False,
+        "special": ["<s>", "</s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
+        "bos": None,
+        "eos": "<|endoftext|>",
+        "pad": "<|endoftext|>",
+        "stop": ["<|end|>", "<|endoftext|>"],
+        "chat_template": PHI3_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    },
+    "gemma": {
+        "regex": LLAMA3_REGEX,
+        "nfc": False,
+        "special": ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"],
+        "bos": "<bos>",
+        "eos": "<eos>",
+        "pad": "<pad>",
+        "stop": ["<end_of_turn>", "<eos>"],
+        "chat_template": GEMMA_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    },
 }
+
+
+def family(model_type):
+    """FAMILIES' entry of ``model_type`` (ValueError naming the known ones for any other)."""
+    if model_type not in FAMILIES:
+        raise ValueError(f"synthetic models of model_type {model_type!r} are not built; known: {', '.join(FAMILIES)}")
+    return FAMILIES[model_type]
 
 TOKENIZER_FILES = [
     "tokenizer.json",
@@ -201,12 +370,13 @@ def parse_preset(name):
 
 def make_config(preset):
     p = PRESETS[preset]
-    style = TOKENIZER_STYLES[p["model_type"]]
+    fam = family(p["model_type"])
+    style = TOKENIZER_STYLES[fam["style"]]
     special = special_token_ids(p["vocab_size"], style)
     common = {
-        "architectures": ["Qwen2ForCausalLM" if p["model_type"] == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [fam["arch"]],
         "attention_dropout": 0.0,
-        "hidden_act": "silu",
+        "hidden_act": "gelu_pytorch_tanh" if fam.get("norm_offset") else "silu",
         "initializer_range": 0.02,
         "torch_dtype": "bfloat16",
         "use_cache": True,
@@ -219,8 +389,19 @@ def make_config(preset):
             "sliding_window": p["max_position_embeddings"],
             "use_sliding_window": False,
         }
-    else:
+    elif p["model_type"] == "llama":
         extra = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
+    elif p["model_type"] == "qwen3":
+        extra = {"attention_bias": False, "max_window_layers": p["num_hidden_layers"], "sliding_window": None,
+                 "use_sliding_window": False}
+    elif p["model_type"] == "mistral":
+        extra = {"sliding_window": None}
+    elif p["model_type"] == "phi3":
+        extra = {"embd_pdrop": 0.0, "resid_pdrop": 0.0, "rope_scaling": None, "sliding_window": None,
+                 "pad_token_id": special[style["pad"]]}
+    else:  # gemma2, gemma3_text
+        extra = {"hidden_activation": "gelu_pytorch_tanh", "pad_token_id": special[style["pad"]],
+                 "attention_bias": False}
     return dict(sorted({**common, **extra, **p}.items()))
 
 
@@ -231,12 +412,15 @@ def attention_head_dim(config):
 
 def param_count(config):
     h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    fam = family(config["model_type"])
     head_dim = attention_head_dim(config)
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
     attn = h * q + 2 * h * kv + q * h
-    if config["model_type"] == "qwen2":
+    if fam.get("bias"):
         attn += q + 2 * kv
-    layer = attn + 3 * h * i + 2 * h
+    if fam.get("qk_norm"):
+        attn += 2 * head_dim
+    layer = attn + 3 * h * i + (4 if fam.get("post_norms") else 2) * h
     heads = 1 if config["tie_word_embeddings"] else 2
     return config["num_hidden_layers"] * layer + heads * v * h + h
 
@@ -260,7 +444,7 @@ def _pre_tokenizer(style):
 
 
 @functools.lru_cache(maxsize=None)
-def train_bpe(model_type):
+def train_bpe(style_name):
     """Train the byte-level BPE on the shipped corpus; returns ``(vocab, merges)``.
 
     Training is deterministic (ties between equally frequent pairs break by pair id), and the
@@ -268,7 +452,7 @@ def train_bpe(model_type):
     """
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    style = TOKENIZER_STYLES[model_type]
+    style = TOKENIZER_STYLES[style_name]
     tok = Tokenizer(models.BPE())
     normalizer, tok.pre_tokenizer = _pre_tokenizer(style)
     if normalizer is not None:
@@ -311,8 +495,9 @@ def build_tokenizer(model_type, vocab_size):
     """A ``tokenizers.Tokenizer`` with exactly ``vocab_size`` ids."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
-    style = TOKENIZER_STYLES[model_type]
-    vocab, merges = train_bpe(model_type)
+    style_name = family(model_type)["style"]
+    style = TOKENIZER_STYLES[style_name]
+    vocab, merges = train_bpe(style_name)
     n_regular = vocab_size - len(style["special"])
     if n_regular < len(vocab):
         raise ValueError(f"vocab_size {vocab_size} is smaller than the trained BPE ({len(vocab)})")
@@ -327,7 +512,7 @@ def build_tokenizer(model_type, vocab_size):
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in style["special"]])
     bos = style["bos"]
-    if bos is not None:  # Llama 3 prepends <|begin_of_text|> when encoding
+    if bos is not None:  # Llama 3 prepends <|begin_of_text|> when encoding (Mistral <s>, Gemma <bos>)
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, tok.token_to_id(bos))]
         )
@@ -337,7 +522,7 @@ def build_tokenizer(model_type, vocab_size):
 
 def write_tokenizer(config, out_dir):
     model_type, vocab_size = config["model_type"], config["vocab_size"]
-    style = TOKENIZER_STYLES[model_type]
+    style = TOKENIZER_STYLES[family(model_type)["style"]]
     tok = build_tokenizer(model_type, vocab_size)
     tok.save(str(out_dir / "tokenizer.json"), pretty=True)
     ids = special_token_ids(vocab_size, style)
@@ -363,7 +548,7 @@ def write_tokenizer(config, out_dir):
         "unk_token": None,
         **special_map,
     }
-    if model_type == "qwen2":
+    if family(model_type)["style"] == "qwen2":
         tok_config["errors"] = "replace"
         tok_config["split_special_tokens"] = False
     generation = {
@@ -442,7 +627,8 @@ def linear(rng, out_features, in_features, gain, col_scales):
 
 
 def layer_tensors(config, seed, i, hidden_outliers):
-    """All tensors of decoder layer ``i`` as float32 numpy arrays."""
+    """All tensors of decoder layer ``i`` as float32 numpy arrays, named as the family stores them."""
+    fam = family(config["model_type"])
     h, inter = config["hidden_size"], config["intermediate_size"]
     n_layers = config["num_hidden_layers"]
     head_dim = attention_head_dim(config)
@@ -480,7 +666,7 @@ def layer_tensors(config, seed, i, hidden_outliers):
         w[hidden_outliers] *= rng.uniform(0.05, 0.15, len(hidden_outliers)).astype(np.float32)
         tensors[prefix + name] = w
 
-    if config["model_type"] == "qwen2":
+    if fam.get("bias"):
         # Qwen2 keys carry large per-channel biases: the channel outliers KV-cache quantizers see.
         k_bias = rng.normal(0.0, 0.3, kv_dim).astype(np.float32)
         hot = rng.choice(kv_dim, size=max(2, kv_dim // 32), replace=False)
@@ -488,6 +674,26 @@ def layer_tensors(config, seed, i, hidden_outliers):
         tensors[prefix + "self_attn.q_proj.bias"] = rng.normal(0.0, 0.1, q_dim).astype(np.float32)
         tensors[prefix + "self_attn.k_proj.bias"] = k_bias
         tensors[prefix + "self_attn.v_proj.bias"] = rng.normal(0.0, 0.02, kv_dim).astype(np.float32)
+    if fam.get("qk_norm"):  # per-head q/k RMSNorm over head_dim (Qwen3, Gemma 3)
+        for name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+            tensors[prefix + name] = rng.lognormal(0.0, 0.2, head_dim).astype(np.float32)
+    if fam.get("post_norms"):
+        # Gemma normalises each block's output before the residual add: these norms, not o_proj's and
+        # down_proj's gains, set the update's size. The stream is the embedding times sqrt(hidden)
+        # (model_tensors), so the updates keep the other families' ratio to it (BLOCK_GAIN).
+        # Gemma's MLP reads pre_feedforward_layernorm (the norm drawn above as the other families'
+        # post_attention_layernorm); its post_attention_layernorm is the attention's output norm.
+        stream = EMBED_STD * np.sqrt(h)
+        tensors[prefix + "pre_feedforward_layernorm.weight"] = tensors.pop(prefix + "post_attention_layernorm.weight")
+        for name, gain in (("post_attention_layernorm.weight", out_gain), ("post_feedforward_layernorm.weight", 2.0 * out_gain)):
+            tensors[prefix + name] = (gain * stream * rng.lognormal(0.0, 0.15, h)).astype(np.float32)
+    if fam.get("fused"):  # Phi-3: one qkv_proj and one gate_up_proj, rows in q|k|v and gate|up order
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        tensors[attn + "qkv_proj.weight"] = np.concatenate([tensors.pop(attn + f"{n}_proj.weight") for n in "qkv"])
+        tensors[mlp + "gate_up_proj.weight"] = np.concatenate([tensors.pop(mlp + f"{n}_proj.weight") for n in ("gate", "up")])
+    if fam.get("norm_offset"):  # Gemma's norms compute x * (1 + weight): store weight - 1
+        for name in [n for n in tensors if n.endswith("norm.weight")]:
+            tensors[name] = tensors[name] - np.float32(1.0)
     return tensors
 
 
@@ -523,6 +729,7 @@ def model_tensors(config, seed):
     for i in range(config["num_hidden_layers"]):
         yield from layer_tensors(config, seed, i, hidden_outliers).items()
     head_std = emb_std if config["tie_word_embeddings"] else 1.0 / np.sqrt(h)
+    offset = np.float32(1.0 if family(config["model_type"]).get("norm_offset") else 0.0)
     final = rng.lognormal(0.0, 0.2, h).astype(np.float32)
     final *= np.float32(LOGIT_STD / (head_std * np.sqrt(h)))
     final[hidden_outliers] *= np.float32(0.1)
@@ -532,7 +739,7 @@ def model_tensors(config, seed):
         # would just repeat its input. Negating half of the channels removes that diagonal, so
         # the embedding part of the logits is a random bigram table and the blocks add context.
         final[rng.permutation(h)[: h // 2]] *= np.float32(-1.0)
-    yield "model.norm.weight", final
+    yield "model.norm.weight", final - offset  # Gemma's norm computes x * (1 + weight)
     if not config["tie_word_embeddings"]:
         head = linear(tensor_rng(seed, "lm_head"), v, h, 1.0, np.ones(h, np.float32))
         yield "lm_head.weight", head
@@ -596,7 +803,7 @@ def build(preset, out_dir, seed=0):
         "model_type": config["model_type"],
         "parameters": param_count(config),
         "hidden_outlier_channels": [int(c) for c in hidden_outlier_channels(config, seed)],
-        "tokenizer_bpe_tokens": len(train_bpe(config["model_type"])[0]),
+        "tokenizer_bpe_tokens": len(train_bpe(family(config["model_type"])["style"])[0]),
     }
 
 
