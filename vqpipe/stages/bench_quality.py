@@ -526,20 +526,8 @@ def measure_arms(path, data, bits_list, arms, index, quantized, rotation, seed, 
             unfold_model(dense_copy(model))
             tok = tokenizer()
             evals = loaded[1]
-            per_text = {}
-            for corpus, (refs, windows) in evals.items():
-                lp, per = None, []
-                for r, w in zip(refs, windows):
-                    lp = window_logprobs(model, w, out=lp)  # one buffer for every window
-                    per.append(window_metrics(r, lp, w))
-                kls, top1s, nlls = zip(*per)
-                per_text[corpus] = {"kl": summarize(kls), "kl_mean": sum(kls) / len(kls),
-                                    "top1": summarize(top1s), "top1_mean": sum(top1s) / len(top1s),
-                                    **ppl_record(nlls), "tokens": len(windows) * len(windows[0]),
-                                    "per_window": {"index": index, "kl": list(kls), "top1": list(top1s),
-                                                   "nll": list(nlls)}}
             rec = {"bits": bits, "method": method, "weight_rel_mse": werr, "bpw": bpw,
-                   **with_texts(per_text, list(evals))}
+                   **with_texts(text_metrics(model, evals, index), list(evals))}
             if method in COMPETITORS:
                 rec["settings"] = info
                 rec["build_seconds"] = build_s
@@ -555,13 +543,35 @@ def measure_arms(path, data, bits_list, arms, index, quantized, rotation, seed, 
             records.append(rec)
             if prompts:
                 texts.append({"arm": f"{bits}-bit {method}", "texts": generations(model, tok, prompts, gen_tokens)})
-            progress(f"{bits}-bit {method:11s} bpw {bpw['bpw']:.3f} (matrices {bpw['bpw_matrices']:.3f})  "
-                     f"ppl {rec['ppl']['median']:.2f}  KL {rec['kl']['median']:.4f}  top-1 {rec['top1']['median']:.3f}  "
-                     + "  ".join(f"{c}: KL {r['kl']['median']:.4f} ppl {r['ppl']['median']:.2f}"
-                                 for c, r in list(rec["texts"].items())[1:])
-                     + f"  [build {build_s:.1f}s, all {time.perf_counter() - t0:.1f}s]")
+            progress(arm_line(rec, build_s, time.perf_counter() - t0))
             del model
     return records, texts
+
+
+def text_metrics(model, evals, index):
+    """{text: KL, top-1 and perplexity of ``model`` against the source} over each text's windows."""
+    per_text = {}
+    for corpus, (refs, windows) in evals.items():
+        lp, per = None, []
+        for r, w in zip(refs, windows):
+            lp = window_logprobs(model, w, out=lp)  # one buffer for every window
+            per.append(window_metrics(r, lp, w))
+        kls, top1s, nlls = zip(*per)
+        per_text[corpus] = {"kl": summarize(kls), "kl_mean": sum(kls) / len(kls),
+                            "top1": summarize(top1s), "top1_mean": sum(top1s) / len(top1s),
+                            **ppl_record(nlls), "tokens": len(windows) * len(windows[0]),
+                            "per_window": {"index": index, "kl": list(kls), "top1": list(top1s), "nll": list(nlls)}}
+    return per_text
+
+
+def arm_line(rec, build_s, all_s):
+    """One progress line for an arm's record."""
+    bpw = rec["bpw"]
+    return (f"{rec['bits']}-bit {rec['method']:11s} bpw {bpw['bpw']:.3f} (matrices {bpw['bpw_matrices']:.3f})  "
+            f"ppl {rec['ppl']['median']:.2f}  KL {rec['kl']['median']:.4f}  top-1 {rec['top1']['median']:.3f}  "
+            + "  ".join(f"{c}: KL {r['kl']['median']:.4f} ppl {r['ppl']['median']:.2f}"
+                        for c, r in list(rec["texts"].items())[1:])
+            + f"  [build {build_s:.1f}s, all {all_s:.1f}s]")
 
 
 def dynamic_budget(dynamic_bpw, artifact, bits):
@@ -813,7 +823,7 @@ def artifacts(dirs):
     return out
 
 
-def main(argv=None):
+def parser():
     p = argparse.ArgumentParser(prog="vqpipe bench-quality", description=__doc__.split("\n")[0])
     p.add_argument("--source", help="source model directory")
     p.add_argument("--model", default=None, help="model name recorded in the output")
@@ -859,7 +869,11 @@ def main(argv=None):
     p.add_argument("--dynamic-bpw", type=float, default=None,
                    help="mlx-dynamic's budget (default: the vqpipe artifact's bits per weight over every matrix)")
     p.add_argument("--out", default=None, help="output JSON (required unless --reference-out)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     try:
         if args.out is None and args.reference_out is None:
             raise ValueError("--out is required (unless --reference-out)")
