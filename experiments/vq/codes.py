@@ -81,6 +81,7 @@ def e8p_patterns(seed=0):
     return np.concatenate([base, cand[pick]])
 
 
+TOP = 16  # patterns searched for the parity fix (see E8P._nearest)
 E8P_SCALE = 1.03  # input multiplier before the lattice search; refit by Gaussian MSE below (gauss.py)
 
 
@@ -89,8 +90,8 @@ class E8P:
 
     name = "e8p"
 
-    def __init__(self, scale=None):
-        self.bits, self.group = 2, 8
+    def __init__(self, scale=None, top=TOP):
+        self.bits, self.group, self.top = 2, 8, top
         self.scale = float(scale or E8P_SCALE)
         a = e8p_patterns()
         self.a = a
@@ -105,19 +106,27 @@ class E8P:
         au = np.abs(u)
         neg = (np.count_nonzero(u < 0, axis=1) % 2).astype(bool)
         d0 = (au * au).sum(1, keepdims=True) - 2 * au @ self.a.T + self.a2[None]
-        prod = au[:, None, :] * self.a[None, :, :]  # [n, 256, 8]
-        flip_i = prod.argmin(2)
-        corr = 4 * np.take_along_axis(prod, flip_i[..., None], 2)[..., 0]
-        mism = neg[:, None] != self.par[None, :]
-        tot = d0 + np.where(mism, corr, 0)
-        k = tot.argmin(1)
         rows = np.arange(len(u))
+        # The parity fix only adds to a pattern's distance: the winner is among the patterns
+        # nearest before the fix. Only the ``top`` nearest are searched (256: all of them; gauss.py
+        # counts how often the pruned search differs from the full one).
+        if self.top < len(self.a):
+            cand = np.argpartition(d0, self.top - 1, axis=1)[:, :self.top]
+        else:
+            cand = np.broadcast_to(np.arange(len(self.a)), d0.shape)
+        prod = au[:, None, :] * self.a[cand]  # [n, top, 8]
+        flip = prod.argmin(2)
+        corr = 4 * np.take_along_axis(prod, flip[..., None], 2)[..., 0]
+        mism = neg[:, None] != self.par[cand]
+        tot = np.take_along_axis(d0, cand, 1) + np.where(mism, corr, 0)
+        kk = tot.argmin(1)
+        k = cand[rows, kk]
         sign = np.where(u < 0, -1.0, 1.0).astype(np.float32)
         pt = sign * self.a[k]
-        m = mism[rows, k]
-        fi = flip_i[rows, k]
+        m = mism[rows, kk]
+        fi = flip[rows, kk]
         pt[rows[m], fi[m]] *= -1
-        return tot[rows, k], pt
+        return tot[rows, kk], pt
 
     def quantize(self, x, state=None, chunk=4096):
         rows, g = x.shape
