@@ -48,15 +48,14 @@ def main(argv=None):
     rng = np.random.default_rng(a.seed)
     x = rng.standard_normal((a.rows, a.dim)).astype(np.float32)
     xfit = np.random.default_rng(a.seed + 100).standard_normal((64, a.dim)).astype(np.float32)
+    sc = {8: 1.08, 10: 1.05}  # experiments/vq/smollm2.py SCALES (fitted with --fit, 64 rows, seed 101)
     arms = [("scalar 2b", lambda s: Scalar(2, a.dim)), ("scalar 3b", lambda s: Scalar(3, a.dim))]
-    arms += [("e8p 2b", lambda s: E8P(s))]
+    arms += [("e8p 2b", lambda s: E8P(s or 1.03)), ("e8p 2b full search", lambda s: E8P(s or 1.03, top=256))]
     for L in (6, 8, 10, 12):
         for code in ("1mad", "3inst"):
-            arms.append((f"trellis L{L} {code} 2b g32", lambda s, L=L, code=code: Trellis(L, 2, code, s, 32)))
-    for g in (8, 16, 64, 576):
-        arms.append((f"trellis L8 1mad 2b g{g}", lambda s, g=g: Trellis(8, 2, "1mad", s, g)))
+            arms.append((f"trellis L{L} {code} 2b", lambda s, L=L, code=code: Trellis(L, 2, code, s or sc.get(L, 1.0))))
     for L in (8, 10):
-        arms.append((f"trellis L{L} 1mad 3b g32", lambda s, L=L: Trellis(L, 3, "1mad", s, 32)))
+        arms.append((f"trellis L{L} 1mad 3b", lambda s, L=L: Trellis(L, 3, "1mad", s or 1.0)))
     rows = []
     for name, make in arms:
         scale = None
