@@ -85,9 +85,14 @@ def codebook(bits, dim):
     return _fit(bits, dim)[0]
 
 
-def distortion(bits, dim):
+def distortion(bits, dim, kind="scalar"):
     """The codebook's mean squared error per entry of a rotated unit-variance row (its Lloyd-Max
-    fit's): what one entry of a row with RMS s loses, in units of s^2 (vqpipe/recipe.py)."""
+    fit's): what one entry of a row with RMS s loses, in units of s^2 (vqpipe/recipe.py).
+    ``kind`` "trellis": the bitshift trellis's (vqpipe/trellis.py), measured on Gaussian data."""
+    if kind == "trellis":
+        from .trellis import distortion as trellis_distortion
+
+        return trellis_distortion(bits)
     return _fit(bits, dim)[1]
 
 
