@@ -10,6 +10,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from . import trellis
+
 BITS = (2, 3, 4)  # a model's base width (the pipeline's bits)
 # a single layer's width: a mixed allocation gives sensitive layers more (vqpipe/codec/allocate.py)
 LAYER_BITS = (2, 3, 4, 5, 6, 8)
@@ -85,9 +87,12 @@ def codebook(bits, dim):
     return _fit(bits, dim)[0]
 
 
-def distortion(bits, dim):
+def distortion(bits, dim, kind="scalar"):
     """The codebook's mean squared error per entry of a rotated unit-variance row (its Lloyd-Max
-    fit's): what one entry of a row with RMS s loses, in units of s^2 (vqpipe/quant/recipe.py)."""
+    fit's): what one entry of a row with RMS s loses, in units of s^2 (vqpipe/quant/recipe.py).
+    ``kind`` "trellis": the bitshift trellis's (vqpipe/codec/trellis.py), measured on Gaussian data."""
+    if kind == "trellis":
+        return trellis.distortion(bits)
     return _fit(bits, dim)[1]
 
 

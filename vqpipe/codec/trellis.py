@@ -1,0 +1,109 @@
+"""Bitshift-trellis codes (issue 34, adopted from experiments/vq/README.md): the quantizer's side.
+
+A tile of ``TILE_ROWS`` rows x ``GROUP`` rotated columns of a weight (32 x 8 = 256 weights) is one
+sequence, column-major (down the rows of a column, then the next column). Each weight shifts k
+new bits into an L-bit state, s_i = ((s_{i-1} << k) | b_i) mod 2^L, from s_{-1} = 0, and its
+value is table[s_i] (the 1MAD code, normalised). Only the b_i are stored: exactly k bits per
+weight, ``bitpack``'s little-endian stream (one tile = T*k bits, 16 uint32 words at k = 2), and
+any weight decodes from the L bits before it. Viterbi chooses the b_i with the least squared
+error; LDLQ feeds a block of GROUP columns' error forward (``block_feedback``).
+
+This module is the reference: numpy only (the Viterbi is slow here; the compiled one is the
+experiment's viterbi.c until it moves into csrc/). Not wired into quantize_model yet; the
+recipe's allocator can already ask for its distortion (codebook.distortion(..., kind="trellis")).
+"""
+
+from functools import lru_cache
+
+import numpy as np
+
+from .bitpack import pack, unpack_numpy
+
+L_DEFAULT = 10
+TILE_ROWS, GROUP = 32, 8
+SCALE = 1.05  # code values x this: the Gaussian-MSE fit at L = 10, k = 2 (experiments/vq/gauss.py)
+
+
+def code_1mad(states):
+    """QTIP's 1MAD idea: an LCG of the state, the sum of its four bytes, centred and scaled."""
+    x = (np.asarray(states, dtype=np.uint64) * np.uint64(34038481) + np.uint64(76625530)) & np.uint64(0xFFFFFFFF)
+    y = sum((x >> np.uint64(8 * i)) & np.uint64(255) for i in range(4)).astype(np.float64)
+    return (y - 510.0) / 147.800537109375
+
+
+@lru_cache(maxsize=None)
+def table(L=L_DEFAULT, scale=SCALE):
+    """Value of every L-bit state (float32): 1MAD normalised to zero mean, unit variance over the
+    states, times ``scale``. Read-only."""
+    v = code_1mad(np.arange(1 << L))
+    v = ((v - v.mean()) / v.std() * scale).astype(np.float32)
+    v.setflags(write=False)
+    return v
+
+
+def viterbi(x, L, k, tab):
+    """States [n, T] (int64) of the least-squares path of each sequence x [n, T] from state 0."""
+    x = np.asarray(x, dtype=np.float32)
+    n, T = x.shape
+    S, K = 1 << L, 1 << k
+    if L < k:
+        raise ValueError(f"an L = {L} bit state cannot take k = {k} bits a step")
+    P = S // K
+    cost = np.full((n, S), np.inf, dtype=np.float32)
+    cost[:, 0] = 0
+    back = np.empty((T, n, P), dtype=np.uint8)
+    for i in range(T):
+        c = cost.reshape(n, K, P)  # predecessors of t: top << (L - k) | (t >> k)
+        arg = c.argmin(1)
+        m = np.take_along_axis(c, arg[:, None, :], 1)[:, 0, :]
+        back[i] = arg
+        d = x[:, i][:, None] - tab[None, :]
+        cost = ((d * d).reshape(n, P, K) + m[:, :, None]).reshape(n, S)
+    t = cost.argmin(1)
+    states = np.empty((n, T), dtype=np.int64)
+    rows = np.arange(n)
+    for i in range(T - 1, -1, -1):
+        states[:, i] = t
+        t = (back[i][rows, t >> k].astype(np.int64) << (L - k)) | (t >> k)
+    return states
+
+
+def to_sequences(x, tile_rows=TILE_ROWS):
+    """[rows, g] (one column block) -> [tiles, g * tile_rows], each tile column-major."""
+    rows, g = x.shape
+    if rows % tile_rows:
+        raise ValueError(f"{rows} rows are not a multiple of the tile's {tile_rows}")
+    return x.reshape(rows // tile_rows, tile_rows, g).transpose(0, 2, 1).reshape(rows // tile_rows, g * tile_rows)
+
+
+def from_sequences(s, rows, g, tile_rows=TILE_ROWS):
+    """The inverse of :func:`to_sequences`."""
+    return s.reshape(rows // tile_rows, g, tile_rows).transpose(0, 2, 1).reshape(rows, g)
+
+
+def pack_states(states, k):
+    """The stored codes of state sequences [n, T]: each state's low k bits (what it shifted in),
+    bit-packed (``bitpack.pack``: uint32 [n, words])."""
+    return pack((np.asarray(states) & ((1 << k) - 1)).astype(np.uint8), k)
+
+
+def unpack_states(packed, T, L, k):
+    """States [n, T] (int64) from :func:`pack_states`' words: s_i = the last L stored bits."""
+    b = unpack_numpy(np.asarray(packed), k, T).astype(np.int64)
+    s = np.zeros_like(b)
+    prev = np.zeros(b.shape[0], dtype=np.int64)
+    mask = (1 << L) - 1
+    for i in range(T):
+        prev = ((prev << k) | b[:, i]) & mask
+        s[:, i] = prev
+    return s
+
+
+@lru_cache(maxsize=None)
+def distortion(bits, L=L_DEFAULT, n=64, seed=0):
+    """Mean squared error per entry of unit Gaussian data at ``bits`` bits per weight (the
+    allocator's D_w for this codebook): ``n`` tile-long sequences, seeded, memoised. At k = 2,
+    L = 10: ~0.082 (experiments/vq/README.md), against the scalar Lloyd-Max 0.1175."""
+    x = np.random.default_rng(seed).standard_normal((n, TILE_ROWS * GROUP)).astype(np.float32)
+    tab = table(L)
+    return float(np.mean((x - tab[viterbi(x, L, bits, tab)]) ** 2))
