@@ -158,6 +158,22 @@ def test_competitor_parts_on_both_texts(tiny_llama_source, tmp_path, capsys):
     assert kl[("mxfp4", "devil")]["bpw_matrices"] == recs["mxfp4"]["bpw"]["bpw_matrices"]
     md = (tmp_path / "report" / "report.md").read_text()
     assert "KL (jargon)" in md and "Unsupported bits 3" in md
+    # the pipeline schedules no fp4 job at 2 or 3 bits: the merge records the tool's refusal in
+    # their place (the record a refusing job writes), and fails on an arm neither measured nor refused
+    expect = ["2:affine-g64", "2:mlx-dynamic", "2:mxfp4", "3:mlx-gptq", "3:nvfp4", "4:mxfp4"]
+    assert q.main(["--merge", *map(str, parts), "--expect", *expect, "--out", str(out)]) == 0
+    recs = json.loads(out.read_text())["records"]
+    assert [(r["bits"], r["method"]) for r in recs] == [(int(e[0]), e[2:]) for e in expect]
+    assert recs[2] == {"bits": 2, "method": "mxfp4", "skipped": "MLX's mxfp4 mode stores 4-bit floats only, not 2 bits"}
+    assert recs[4]["skipped"] == "MLX's nvfp4 mode stores 4-bit floats only, not 3 bits"
+    skipped = tmp_path / "b2-nvfp4.json"  # what the job the pipeline no longer runs wrote
+    assert q.main([*common, "--reference", str(ref), "--bits", "2", "--arms", "nvfp4", "--no-embeddings",
+                   "--out", str(skipped)]) == 0
+    assert json.loads(skipped.read_text())["records"] == [{"bits": 2, "method": "nvfp4",
+                                                          "skipped": "MLX's nvfp4 mode stores 4-bit floats only, not 2 bits"}]
+    for bad in (expect + ["3:affine-g64"], expect[1:]):  # not measured nor refused; a part not asked for
+        assert q.main(["--merge", *map(str, parts), "--expect", *bad, "--out", str(tmp_path / "x.json")]) == 2
+    capsys.readouterr()
     # mlx-dynamic needs a budget: the vqpipe artifact of its width, or --dynamic-bpw
     rc = q.main([*common, "--reference", str(ref), "--bits", "2", "--arms", "mlx-dynamic", "--out", str(tmp_path / "x.json")])
     assert rc == 2 and "needs a budget" in capsys.readouterr().err

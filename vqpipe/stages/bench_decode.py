@@ -1,7 +1,8 @@
 """bench-decode: prefill and decode throughput per arm (weights x KV cache), with the roofline.
 
 Arms are ``WEIGHTS/CACHE``: weights ``full`` (the source at the compute dtype), ``vqpipe`` (the
-reservoir), ``affine4``/``affine8`` (MLX ``nn.quantize`` of the source's linear layers, group 64);
+reservoir), ``affine4``/``affine8`` (MLX affine quantization of the source, group 64, as
+``mlx_lm.convert -q`` makes it: every layer it quantizes, the embedding included);
 caches ``fp`` (mlx-lm's KVCache), ``kivi-ref`` (KIVI, MLX-ops quantizer) and ``kivi-kernel`` (KIVI,
 fused Metal/CUDA kernels; only where a GPU backend exists, otherwise skipped with the reason), and,
 when asked for, ``compiled`` / ``compiled-split`` (an fp static KV cache decoded through
@@ -70,14 +71,24 @@ def arm_name(weights, cache):
 
 
 def compute_dtype(name="auto"):
-    """float32 on the CPU (MLX's CPU matmul hands only fp32 to BLAS), bfloat16 on a GPU."""
+    """float32 on the CPU (MLX's CPU matmul hands only fp32 to BLAS), bfloat16 on a GPU; None for
+    "stored": every model as its loader gives it (mlx_lm.load, vqpipe.load), nothing cast, the
+    way a user's ``generate`` runs it."""
+    if name == "stored":
+        return None
     if name == "auto":
         return mx.bfloat16 if mx.default_device().type == mx.gpu else mx.float32
     return getattr(mx, name)
 
 
 def _dtype_name(dtype):
-    return str(dtype).rsplit(".", 1)[-1]
+    return "stored" if dtype is None else str(dtype).rsplit(".", 1)[-1]
+
+
+def _source_dtype(source):
+    """The dtype the source's config names (torch_dtype), float32 if it names none."""
+    config = json.loads((Path(source) / "config.json").read_text())
+    return getattr(mx, config.get("torch_dtype") or "float32", mx.float32)
 
 
 def cast_floating(model, dtype):
@@ -116,6 +127,12 @@ def _vqpipe_bits(model):
     return "/".join(map(str, bits)) or "?"
 
 
+def _weights_dtype(model):
+    from mlx.utils import tree_flatten
+
+    return next((v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)), mx.float32)
+
+
 def load_models(source, reservoir, weights, dtype, progress=print):
     """``({weights: model}, {weights: precision label}, tokenizer)``; the tokenizer is the source's."""
     from mlx_lm.utils import load
@@ -132,13 +149,19 @@ def load_models(source, reservoir, weights, dtype, progress=print):
             model, tok = load(str(source))
             tokenizer = tokenizer or tok
             if w == "full":
-                precision[w] = _DTYPES.get(_dtype_name(dtype), _dtype_name(dtype))
+                stored = _dtype_name(_weights_dtype(model))
+                precision[w] = (f"{_DTYPES.get(stored, stored)} (as stored)" if dtype is None
+                                else _DTYPES.get(_dtype_name(dtype), _dtype_name(dtype)))
             else:
                 bits = int(w.removeprefix("affine"))
                 precision[w] = f"mlx affine {bits}-bit"
-        cast_floating(model, dtype)
+        if dtype is not None:
+            cast_floating(model, dtype)
         if w.startswith("affine"):
-            nn.quantize(model, group_size=AFFINE_GROUP, bits=bits, class_predicate=lambda p, m: isinstance(m, nn.Linear))
+            from mlx_lm.utils import load_config, quantize_model
+
+            # mlx_lm.convert's own quantization: every layer whose width the group divides
+            quantize_model(model, load_config(Path(source)), AFFINE_GROUP, bits)
             mx.eval(model.parameters())
         models[w] = model
         progress(f"loaded {w} ({precision[w]}): {model_bytes(model) / 2**20:.1f} MiB of parameters, "
@@ -484,8 +507,9 @@ def _roofs_and_models(b, dtype, dev, progress):
     progress(f"copy bandwidth ({copy['method']}, {args.copy_mib} MiB): median {copy['median'] / 1e9:.2f} GB/s "
              f"[{copy['min'] / 1e9:.2f}-{copy['max'] / 1e9:.2f}], n={copy['n']}")
     gemm = args.gemm or (8192 if dev.type == mx.gpu else 1024)
-    b.flops = flops = roofline.matmul_flops(gemm, gemm, gemm, _dtype_name(dtype))
-    progress(f"{_dtype_name(dtype)} GEMM {gemm}^3: median {flops['median'] / 1e9:.1f} GFLOP/s "
+    gemm_dtype = _dtype_name(dtype or mx.float32)
+    b.flops = flops = roofline.matmul_flops(gemm, gemm, gemm, gemm_dtype)
+    progress(f"{gemm_dtype} GEMM {gemm}^3: median {flops['median'] / 1e9:.1f} GFLOP/s "
              f"[{flops['min'] / 1e9:.1f}-{flops['max'] / 1e9:.1f}], n={flops['n']}")
 
     b.models, b.precision, b.tokenizer = load_models(args.source, args.reservoir, args.weights, dtype, progress)
@@ -495,7 +519,8 @@ def _roofs_and_models(b, dtype, dev, progress):
     lazy_source, _ = load_model(Path(args.source), lazy=True)  # parameter count only; nothing evaluated
     b.n_matmul = roofline.matmul_params(lazy_source)
     del lazy_source
-    b.kvpp = roofline.kv_bytes_per_position(b.config, dtype.size)
+    # stored: the source's dtype (the KV cache of a float32-computing arm is twice this)
+    b.kvpp = roofline.kv_bytes_per_position(b.config, (dtype or _source_dtype(args.source)).size)
     b.weights_info = {w: {"precision": b.precision[w], "weight_bytes": decode_weight_bytes(m),
                           "rotation_bytes": rotation_bytes(m), "model_bytes": model_bytes(m)} for w, m in b.models.items()}
     b.result["roofline"] = {"copy_bandwidth": copy, "matmul_flops": flops, "matmul_params": b.n_matmul,
@@ -844,8 +869,9 @@ def parse_args(argv):
                    help="weight arms; the first with the fp cache is the baseline (default: all)")
     p.add_argument("--caches", nargs="+", choices=CACHES, default=[c for c in CACHES if c not in STEP_CACHES],
                    help="KV-cache arms (default: all but the compiled-step ones: " + ", ".join(STEP_CACHES) + ")")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="compute dtype (auto: float32 on the CPU, bfloat16 on a GPU)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "stored", "float32", "bfloat16", "float16"),
+                   help="compute dtype (auto: float32 on the CPU, bfloat16 on a GPU; stored: every model as its "
+                   "loader gives it, nothing cast, as a user's generate runs it)")
     p.add_argument("--copy-mib", type=_positive, help="buffer of the copy-bandwidth measurement (default 256)")
     p.add_argument("--gemm", type=_positive, help="n of the n^3 GEMM roof (default 1024 on the CPU, 8192 on a GPU)")
     p.add_argument("--quick", action="store_true",

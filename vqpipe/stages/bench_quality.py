@@ -768,9 +768,35 @@ def merge_shards(docs):
     return out
 
 
-def merge_parts(docs):
+def refusal(method, bits):
+    """Why the tool behind arm ``method`` refuses ``bits`` whatever the model (its own words), or None."""
+    if method in COMPETITORS:
+        try:
+            competitors.check(method, bits)
+        except competitors.Refused as e:
+            return str(e)
+    return None
+
+
+def parse_expect(specs):
+    """[(bits, arm)] of ``BITS:ARM`` strings (--expect)."""
+    out = []
+    for spec in specs or ():
+        bits, sep, arm = spec.partition(":")
+        if not sep or not bits.isdigit() or not arm:
+            raise ValueError(f"--expect {spec!r}: want BITS:ARM, e.g. 4:affine-g64")
+        out.append((int(bits), arm))
+    return out
+
+
+def merge_parts(docs, expect=None):
     """One bench-quality document from arm parts (``--reference``), in the order given: their
-    records and generations concatenated after the one source record they share."""
+    records and generations concatenated after the one source record they share.
+
+    ``expect``: every (bits, arm) the run asks for, in record order. An arm the pipeline did not
+    schedule because its tool refuses that width for any model (MLX's fp4 modes at 2 and 3 bits)
+    has no part: it is recorded as skipped with the tool's reason, asked here (:func:`refusal`);
+    one with neither a part nor a refusal, or a part not expected, is an error."""
     first = docs[0]
     for d in docs[1:]:
         for key in ("model", "windows", "length", "text", "texts", "source"):
@@ -787,6 +813,8 @@ def merge_parts(docs):
     for r in records:  # affine arms were told what the vqpipe artifact of their width does
         if "embeddings" in r and emb.setdefault(r["bits"], r["embeddings"]) != r["embeddings"]:
             raise ValueError(f"{r['bits']}-bit arms disagree on whether the embedding is quantized")
+    if expect is not None:
+        records = _expected_order(records, expect)
     gens = [a for d in docs for a in d["generations"]["arms"] if a["arm"] != "source"]
     source = [a for a in first["generations"]["arms"] if a["arm"] == "source"]
     out = {**first, "records": records, "generations": {**first["generations"], "arms": source + gens}}
@@ -794,13 +822,33 @@ def merge_parts(docs):
     return out
 
 
-def merge(docs):
+def _expected_order(records, expect):
+    """``records`` in the order of ``expect`` [(bits, arm)], the refused arms without a part added."""
+    by = {(r["bits"], r["method"]): r for r in records}
+    extra = sorted(set(by) - set(expect))
+    if extra:
+        raise ValueError(f"parts hold arms the run did not ask for: {extra}")
+    out = []
+    for bits, arm in expect:
+        if (bits, arm) in by:
+            out.append(by[(bits, arm)])
+            continue
+        reason = refusal(arm, bits)
+        if reason is None:
+            raise ValueError(f"no part for the {bits}-bit {arm} arm, and its tool does not refuse {bits} bits")
+        out.append({"bits": bits, "method": arm, "skipped": reason})
+    return out
+
+
+def merge(docs, expect=None):
     """:func:`merge_shards` or :func:`merge_parts`, by what the documents are."""
     kinds = {"shard" if "shard" in d else "part" if "part" in d else None for d in docs}
     if kinds == {"shard"}:
+        if expect:
+            raise ValueError("--expect goes with arm parts (--reference), not window shards")
         return merge_shards(docs)
     if kinds == {"part"}:
-        return merge_parts(docs)
+        return merge_parts(docs, expect)
     raise ValueError("--merge takes either window shards (--shard) or arm parts (--reference), not " +
                      ("both" if kinds >= {"shard", "part"} else "whole runs"))
 
@@ -847,6 +895,9 @@ def parser():
                    help="measure only the I-th of N slices of the windows (0-based); --merge joins them")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="join shard outputs (--shard) or arm parts (--reference) into --out instead of measuring")
+    p.add_argument("--expect", nargs="+", default=None, metavar="BITS:ARM",
+                   help="with --merge of arm parts: every arm the run asks for, in record order; one without a "
+                   "part must be refused by its tool at that width (recorded as skipped, with the reason)")
     p.add_argument("--reference-out", default=None, metavar="DIR",
                    help="only run the source: write its side of every window to DIR, for --reference jobs")
     p.add_argument("--reference", default=None, metavar="DIR",
@@ -878,7 +929,8 @@ def main(argv=None):
         if args.out is None and args.reference_out is None:
             raise ValueError("--out is required (unless --reference-out)")
         if args.merge:
-            record.write(args.out, "bench-quality", merge([record.read(f) for f in args.merge]),
+            record.write(args.out, "bench-quality", merge([record.read(f) for f in args.merge], parse_expect(args.expect)
+                                                          if args.expect else None),
                          inputs={"parts": args.merge})
             return 0
         if not args.source:

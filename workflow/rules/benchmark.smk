@@ -76,17 +76,19 @@ rule bench_quality_arm:
 
 rule bench_quality:
     input:
-        parts=expand(BENCH_QUALITY_PART, model="{model}", bits=BITS, arm=QUALITY_ARMS),
+        parts=quality_parts,
         code=stage_sources("vqpipe.stages.bench_quality", "vqpipe.kivi.kernels"),
     output:
         BENCH_QUALITY,
+    params:
+        expect=quality_expected(),
     log:
         "logs/bench/{model}/quality.log",
     threads: 1
     conda:
         ENV
     shell:
-        vqpipe_cmd("bench-quality --merge {input.parts:q} --out {output:q}")
+        vqpipe_cmd("bench-quality --merge {input.parts:q} --expect {params.expect} --out {output:q}")
 
 
 rule bench_load:

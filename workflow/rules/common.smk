@@ -70,6 +70,22 @@ QUALITY_ROTATION = config["benchmarks"]["quality"].get("rotation") or next(
 # bench-quality's arms, one job each per bit width (records in this order).
 QUALITY_ARMS = ["vqpipe", "unrotated"] + [f"affine-g{g}" for g in config["benchmarks"]["quality"]["affine_groups"]] + \
     list(config["benchmarks"]["quality"]["competitors"])
+# Widths MLX's fp4 modes store (4-bit floats only). Their other widths are not scheduled: a job
+# would only print the refusal. The merge asks the tool (vqpipe.competitors.check) for each arm
+# it gets no part of and records the refusal in the tool's words, so the report still lists it;
+# an arm neither measured nor refused fails the merge.
+FP4_WIDTHS = {"mxfp4": [4], "nvfp4": [4]}
+
+
+def quality_expected():
+    """Every (bits, arm) bench-quality asks for, in record order (BITS:ARM, the merge's --expect)."""
+    return [f"{b}:{a}" for b in BITS for a in QUALITY_ARMS]
+
+
+def quality_parts(wc):
+    """The arm jobs a model's bench-quality merges: every arm at every width but the refused fp4 ones."""
+    return [BENCH_QUALITY_PART.format(model=wc.model, bits=b, arm=a)
+            for b in BITS for a in QUALITY_ARMS if b in FP4_WIDTHS.get(a, [b])]
 
 
 def fan_out(pattern):
