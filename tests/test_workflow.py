@@ -388,8 +388,10 @@ def test_default_config_fans_out(bare):
     assert len(config["models"]) >= 2 and len(config["bits"]) >= 2
     stats = plan(bare)
     quality = config["benchmarks"]["quality"]
-    # bench-quality's unrotated arm: a rotation-none quantize artifact per measured model and bit width.
-    unrotated = len(quality.get("models", config["models"])) * len(config["bits"]) if quality["enabled"] else 0
+    # bench-quality's unrotated arm: a rotation-none quantize artifact per measured model and width of
+    # unrotated_bits (default [4]).
+    widths = [b for b in config["bits"] if b in quality.get("unrotated_bits", [4])]
+    unrotated = len(quality.get("models", config["models"])) * len(widths) if quality["enabled"] else 0
     assert stats["download"] == len(config["models"])
     assert stats["quantize"] == n + unrotated and stats["pack"] == n * persist and stats["validate"] == n * persist
     assert stats["report"] == 1
@@ -452,13 +454,18 @@ def test_full_precision_calibration_runs_once_per_model(bare):
         "models:\n  tiny: {source: 'synth:tiny', quantize: {calibration: {text: text, windows: 2, sequential: false}}}\n"
         "  tiny-llama: {source: 'synth:tiny-llama'}\n"
         "bits: [3, 4]\npersist_rotation: [true]\n"
-        "benchmarks: {quality: {models: [tiny], affine_groups: [32, 64], competitors: [mlx-gptq, mxfp4, nvfp4]},"
+        "benchmarks: {quality: {models: [tiny], affine_groups: [32, 64], competitors: [mlx-gptq, mxfp4, nvfp4],"
+        " unrotated_bits: [3, 4]},"
         " decode: {models: [tiny-llama]}}\n")
     out = smk(bare, "-n", "-p", "--configfile", "config/fp.yaml").stdout
     stats = job_stats(out)
     assert stats["calibrate"] == 1 and stats["quantize"] == 4 + 2  # tiny b3/b4 x auto/none, tiny-llama b3/b4
-    # 2 widths x (vqpipe, unrotated, affine-g32, -g64, mlx-gptq, and the default competitors mxfp4, nvfp4)
-    assert stats["bench_quality_reference"] == 1 and stats["bench_quality_arm"] == 2 * 7 and stats["bench_quality"] == 1
+    # 2 widths x (vqpipe, unrotated, affine-g32, -g64, mlx-gptq) + mxfp4 and nvfp4 at 4 bits only (MLX
+    # refuses 3: no job, the merge records the refusal; --expect lists every arm asked for)
+    assert stats["bench_quality_reference"] == 1 and stats["bench_quality_arm"] == 2 * 5 + 2 and stats["bench_quality"] == 1
+    assert not re.search(r"--bits 3 --arms (mx|nv)fp4", out)
+    merge = next(line for line in out.splitlines() if " --merge " in line)
+    assert "--expect 3:vqpipe 3:unrotated 3:affine-g32 3:affine-g64 3:mlx-gptq 3:mxfp4 3:nvfp4 4:vqpipe" in merge
     commands = [line for line in out.splitlines() if " -m vqpipe quantize " in line and "models/tiny/" in line]
     assert len(commands) == 4 and all("--moments results/calibration/tiny" in c for c in commands)
     assert not any("--calibration" in c for c in commands)

@@ -346,15 +346,48 @@ def _speed_rows(dd_list):
     return weights, kivi
 
 
+def _decode_verdict(d, model, decode, comps):
+    """One sentence: vqpipe's decode tokens/s beside each other weight arm's (fp KV cache, the longest
+    context), with the ratio of the medians and the A/A noise floor (bench-decode's comparisons)."""
+    recs = [r for r in decode if r.get("phase") == "decode" and r.get("cache") == "fp" and _is_stats(r)]
+    if not recs:
+        return
+    context = max(r.get("context") or 0 for r in recs)
+    by = {r.get("weights"): r for r in recs if r.get("context") == context}
+    ours = by.get("vqpipe")
+    if ours is None:
+        return
+    cmp = {c.get("other_arm"): c for c in comps if c.get("kind") == "bench-decode" and c.get("phase") == "decode"
+           and c.get("context") == context and c.get("baseline_arm") == "vqpipe/fp"}
+    parts = []
+    for w, r in by.items():
+        c = cmp.get(f"{w}/fp")
+        if w == "vqpipe" or c is None:
+            continue
+        ratio = c.get("ratio")  # median(other's seconds) / median(vqpipe's): vqpipe's speed over the other's
+        within = c.get("verdict") == "no measurable difference"
+        parts.append(f"{r.get('precision')} (mlx-lm) {_st(r, 4)} tok/s, n = {r.get('n')}: vqpipe "
+                     + ("no measurably different" if within else f"{_g(ratio, 3)}× its speed")
+                     + f" (A/A noise floor {_pct(c.get('floor'))})")
+    tokens = ours.get("tokens")
+    d.p(f"Verdict on speed: {model} decodes at {_st(ours, 4)} tok/s (median [min–max] over n = {ours.get('n')} "
+        f"generations of {tokens} tokens after a {context}-token prompt, greedy) with vqpipe's "
+        f"{ours.get('precision')}"
+        + ("; beside it, interleaved in the same process: " + "; ".join(parts) if parts else "")
+        + ". Measured on this machine's CPU while the pipeline's other jobs ran on its other cores (bench-decode).")
+
+
 def _speed(d, model, variants):
     decode = [r for dd in variants.values() for r in dd.get("decode", [])]
     load = [r for dd in variants.values() for r in dd.get("load", [])]
+    comps = [c for dd in variants.values() for c in dd.get("comparisons", [])]
     weights, kivi = _speed_rows(decode)
     head = ["arm", "weights", "KV cache", "context (tokens)", "decode tok/s median [min–max]", "peak memory"]
     if weights:
-        d.p(f"{model}: decode speed and memory of vqpipe's reservoir beside mlx-lm's own weights (full precision, "
-            "MLX affine), each at the longest context measured; peak memory is the generation's own (MLX's peak "
-            "minus what was allocated before it). From bench-decode.")
+        _decode_verdict(d, model, decode, comps)
+        d.p(f"{model}: decode speed and memory of vqpipe's reservoir beside mlx-lm's own weights (the source as "
+            "stored, MLX affine as mlx_lm.convert -q makes it), each at the longest context measured; peak memory "
+            "is the generation's own (MLX's peak minus what was allocated before it). From bench-decode.")
         d.table(head, weights)
     if load:
         d.p(f"{model}: time to a usable model in a fresh process: re-quantizing the source against loading the "

@@ -143,8 +143,13 @@ def load_models(source, reservoir, weights, dtype, progress=print):
     for w in weights:
         t0 = time.perf_counter()
         if w == "vqpipe":
+            from .. import ext
+
             model, _ = load_reservoir_dir(reservoir)
-            precision[w] = f"vqpipe {_vqpipe_bits(model)}-bit"
+            # the path a CPU decode step takes by default (vqpipe/ext.py): the compiled extension
+            path = "" if mx.default_device().type == mx.gpu else \
+                ", compiled extension" if ext.available() else ", dense path (vqpipe._ext not built)"
+            precision[w] = f"vqpipe {_vqpipe_bits(model)}-bit{path}"
         else:
             model, tok = load(str(source))
             tokenizer = tokenizer or tok

@@ -77,15 +77,24 @@ QUALITY_ARMS = ["vqpipe", "unrotated"] + [f"affine-g{g}" for g in config["benchm
 FP4_WIDTHS = {"mxfp4": [4], "nvfp4": [4]}
 
 
+# Widths of vqpipe's unrotated ablation (the rotation-none quantize artifact: what the rotation
+# buys). Each width costs a quantize job and an arm job of the model (~85 CPU-s for SmolLM2).
+UNROTATED_BITS = [b for b in BITS if b in config["benchmarks"]["quality"]["unrotated_bits"]]
+
+
+def _asked(bits, arm):
+    return arm != "unrotated" or bits in UNROTATED_BITS
+
+
 def quality_expected():
     """Every (bits, arm) bench-quality asks for, in record order (BITS:ARM, the merge's --expect)."""
-    return [f"{b}:{a}" for b in BITS for a in QUALITY_ARMS]
+    return [f"{b}:{a}" for b in BITS for a in QUALITY_ARMS if _asked(b, a)]
 
 
 def quality_parts(wc):
-    """The arm jobs a model's bench-quality merges: every arm at every width but the refused fp4 ones."""
+    """The arm jobs a model's bench-quality merges: every arm asked for but the refused fp4 widths."""
     return [BENCH_QUALITY_PART.format(model=wc.model, bits=b, arm=a)
-            for b in BITS for a in QUALITY_ARMS if b in FP4_WIDTHS.get(a, [b])]
+            for b in BITS for a in QUALITY_ARMS if _asked(b, a) and b in FP4_WIDTHS.get(a, [b])]
 
 
 def fan_out(pattern):
@@ -139,7 +148,7 @@ def decode_options():
     """bench-decode flags for the options the config sets (the others keep the stage's defaults)."""
     c = config["benchmarks"]["decode"]
     flags = ["--quick"] if c["quick"] else []
-    for key in ("prompt_lengths", "gen_tokens", "repeats", "weights", "caches"):
+    for key in ("prompt_lengths", "gen_tokens", "repeats", "weights", "caches", "dtype"):
         if key in c:
             values = c[key] if isinstance(c[key], list) else [c[key]]
             flags.append(f"--{key.replace('_', '-')} " + " ".join(map(str, values)))
