@@ -340,8 +340,9 @@ def _speed_rows(dd_list):
             best[key] = r
     weights, kivi = [], []
     for r in best.values():
-        row = [r.get("arm") or "—", r.get("weights") or "—", r.get("cache") or "—", _g(r.get("context")),
-               _st(r, 4), _bytes(r.get("peak_over_start_bytes", r.get("peak_memory_bytes")))]
+        row = [r.get("arm") or "—", r.get("precision") or r.get("weights") or "—", r.get("cache") or "—",
+               _g(r.get("context")), _st(r, 4), _g(r.get("n")), _bytes(r.get("weight_bytes")),
+               _bytes(r.get("peak_over_start_bytes", r.get("peak_memory_bytes")))]
         (kivi if "kivi" in str(r.get("cache") or r.get("arm")) else weights).append(row)
     return weights, kivi
 
@@ -366,15 +367,14 @@ def _decode_verdict(d, model, decode, comps):
             continue
         ratio = c.get("ratio")  # median(other's seconds) / median(vqpipe's): vqpipe's speed over the other's
         within = c.get("verdict") == "no measurable difference"
-        parts.append(f"{r.get('precision')} (mlx-lm) {_st(r, 4)} tok/s, n = {r.get('n')}: vqpipe "
-                     + ("no measurably different" if within else f"{_g(ratio, 3)}× its speed")
-                     + f" (A/A noise floor {_pct(c.get('floor'))})")
-    tokens = ours.get("tokens")
-    d.p(f"Verdict on speed: {model} decodes at {_st(ours, 4)} tok/s (median [min–max] over n = {ours.get('n')} "
-        f"generations of {tokens} tokens after a {context}-token prompt, greedy) with vqpipe's "
-        f"{ours.get('precision')}"
-        + ("; beside it, interleaved in the same process: " + "; ".join(parts) if parts else "")
-        + ". Measured on this machine's CPU while the pipeline's other jobs ran on its other cores (bench-decode).")
+        parts.append(f"mlx-lm on {r.get('precision')}: {_st(r, 3)} tok/s, n = {r.get('n')} (vqpipe "
+                     + ("not measurably different" if within else f"{_g(ratio, 3)}× its speed")
+                     + f"; A/A noise floor {_pct(c.get('floor'))})")
+    d.p(f"Verdict on speed: on this machine's CPU, {model}'s reservoir ({ours.get('precision')}) decodes at "
+        f"{_st(ours, 3)} tok/s (median [min–max], n = {ours.get('n')} generations of {ours.get('tokens')} greedy "
+        f"tokens after a {context}-token prompt)"
+        + ("; beside it, interleaved in the same process, " + "; ".join(parts) if parts else "")
+        + ". Measured while the pipeline's other jobs ran on the other core (bench-decode).")
 
 
 def _speed(d, model, variants):
@@ -382,7 +382,8 @@ def _speed(d, model, variants):
     load = [r for dd in variants.values() for r in dd.get("load", [])]
     comps = [c for dd in variants.values() for c in dd.get("comparisons", [])]
     weights, kivi = _speed_rows(decode)
-    head = ["arm", "weights", "KV cache", "context (tokens)", "decode tok/s median [min–max]", "peak memory"]
+    head = ["arm", "weights", "KV cache", "context (tokens)", "decode tok/s median [min–max]", "n",
+            "weights read per token", "peak memory (the generation's own)"]
     if weights:
         _decode_verdict(d, model, decode, comps)
         d.p(f"{model}: decode speed and memory of vqpipe's reservoir beside mlx-lm's own weights (the source as "

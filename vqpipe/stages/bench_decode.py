@@ -155,11 +155,11 @@ def load_models(source, reservoir, weights, dtype, progress=print):
             tokenizer = tokenizer or tok
             if w == "full":
                 stored = _dtype_name(_weights_dtype(model))
-                precision[w] = (f"{_DTYPES.get(stored, stored)} (as stored)" if dtype is None
+                precision[w] = (f"the {stored} source (as stored)" if dtype is None
                                 else _DTYPES.get(_dtype_name(dtype), _dtype_name(dtype)))
             else:
                 bits = int(w.removeprefix("affine"))
-                precision[w] = f"mlx affine {bits}-bit"
+                precision[w] = f"mlx affine {bits}-bit" + (f" g{AFFINE_GROUP} (mlx_lm.convert -q)" if dtype is None else "")
         if dtype is not None:
             cast_floating(model, dtype)
         if w.startswith("affine"):
