@@ -143,7 +143,7 @@ def load_models(source, reservoir, weights, dtype, progress=print):
     for w in weights:
         t0 = time.perf_counter()
         if w == "vqpipe":
-            from .. import ext
+            from ..kernels import ext
 
             model, _ = load_reservoir_dir(reservoir)
             # the path a CPU decode step takes by default (vqpipe/ext.py): the compiled extension
