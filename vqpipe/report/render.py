@@ -372,7 +372,7 @@ def _decode_verdict(d, model, decode, comps):
                      + f"; A/A noise floor {_pct(c.get('floor'))})")
     d.p(f"Verdict on speed: on this machine's CPU, {model}'s reservoir ({ours.get('precision')}) decodes at "
         f"{_st(ours, 3)} tok/s (median [min–max], n = {ours.get('n')} generations of {ours.get('tokens')} greedy "
-        f"tokens after a {context}-token prompt)"
+        f"tokens after {context} prompt tokens)"
         + ("; beside it, interleaved in the same process, " + "; ".join(parts) if parts else "")
         + ". Measured while the pipeline's other jobs ran on the other core (bench-decode).")
 
