@@ -129,3 +129,16 @@ def test_second_process_loads_the_kernel_instead_of_compiling(tmp_path):
     assert np.array_equal(np.load(tmp_path / "y1.npy"), np.load(tmp_path / "y2.npy"))
     # NVRTC takes ~1 s per kernel on the H100; loading a cubin takes milliseconds
     assert second < 0.25 < first, (first, second)
+
+
+def test_unwritable_cache_folder_warns_and_leaves_it_to_mlx(tmp_path, monkeypatch):
+    monkeypatch.setitem(cuda_cache._state, "nvrtc", "sm_90a")
+    monkeypatch.setattr(cuda_cache, "_compile", lambda text, expression, arch: (b"cubin", "_Z1kv"))
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    name, text = cuda_cache.kernel_source("k", "", "out[0] = 1;", [], [], ["out"], [mx.float32], [])
+    with pytest.warns(RuntimeWarning, match="cannot write"):
+        assert cuda_cache.ensure_cached(name, text, blocked / "ptx") is None
+    ok = cuda_cache.ensure_cached(name, text, tmp_path / "ptx")
+    assert ok.read_bytes() == b"cubin"
+    assert ok.with_suffix(".txt").read_text() == f"mlx::core::cu::{name}\t_Z1kv\n"

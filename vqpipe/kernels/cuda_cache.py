@@ -169,13 +169,18 @@ def ensure_cached(kname, text, directory=None):
     except RuntimeError as e:
         warnings.warn(f"vqpipe: {kname} left to MLX's compile ({e})", RuntimeWarning, stacklevel=3)
         return None
-    path.parent.mkdir(parents=True, exist_ok=True)
     # the names first, then the code under a temporary name renamed into place: MLX reads the .txt
     # once it sees the .ptx, and a concurrent process never sees half a file
-    path.with_suffix(".txt").write_text(f"{expression}\t{mangled}\n")
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_bytes(cubin)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".txt").write_text(f"{expression}\t{mangled}\n")
+        tmp.write_bytes(cubin)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only or full cache folder: MLX compiles, as without this module
+        warnings.warn(f"vqpipe: cannot write {path} ({e}); {kname} compiles in every process",
+                      RuntimeWarning, stacklevel=3)
+        return None
     return path
 
 
