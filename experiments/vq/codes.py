@@ -247,27 +247,3 @@ class Trellis:
         st = viterbi(seq, self.L, self.bits, self.table)
         c = self.table[st].reshape(rows // tr, g, tr).transpose(0, 2, 1).reshape(rows, g)
         return c, state
-
-
-def viterbi_numpy(x, L, k, tab):
-    """The same search in numpy (reference for viterbi.c; slow)."""
-    n, T = x.shape
-    S, K = 1 << L, 1 << k
-    P = S // K
-    cost = np.full((n, S), np.inf, dtype=np.float32)
-    cost[:, 0] = 0
-    back = np.empty((T, n, P), dtype=np.uint8)
-    for i in range(T):
-        c = cost.reshape(n, K, P)
-        arg = c.argmin(1)
-        m = np.take_along_axis(c, arg[:, None, :], 1)[:, 0, :]
-        back[i] = arg
-        d = x[:, i][:, None] - tab[None, :]
-        cost = ((d * d).reshape(n, P, K) + m[:, :, None]).reshape(n, S)
-    t = cost.argmin(1)
-    states = np.empty((n, T), dtype=np.int64)
-    for i in range(T - 1, -1, -1):
-        states[:, i] = t
-        top = back[i][np.arange(n), t >> k].astype(np.int64)
-        t = (top << (L - k)) | (t >> k)
-    return states
