@@ -16,6 +16,7 @@ the text or the hash differ from MLX's (another MLX version), nothing breaks: ML
 and compiles as before. Where NVRTC or the CUDA headers cannot be found, the same, with one warning.
 """
 
+import contextlib
 import ctypes
 import os
 import tempfile
@@ -178,6 +179,8 @@ def ensure_cached(kname, text, directory=None):
         tmp.write_bytes(cubin)
         os.replace(tmp, path)
     except OSError as e:  # a read-only or full cache folder: MLX compiles, as without this module
+        with contextlib.suppress(OSError):  # no half-written file left behind (MLX reads only the .ptx name)
+            tmp.unlink()
         warnings.warn(f"vqpipe: cannot write {path} ({e}); {kname} compiles in every process",
                       RuntimeWarning, stacklevel=3)
         return None
