@@ -122,7 +122,7 @@ part_ext() {
   mkdir -p /tmp/site
   $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/nanobind-*.whl 2>&1 | tail -n 3
   PYTHONPATH=/tmp/site:$PYTHONPATH VQPIPE_EXT_BUILD=/tmp/ext_build bash scripts/build_ext.sh "$(command -v $PY)" 2>&1 | tail -n 5
-  $PY -c "from vqpipe import ext; m = ext.module(); print('ext', m is not None, 'gpu', m and m.has_gpu())"
+  $PY -c "from vqpipe.kernels import ext; m = ext.module(); print('ext', m is not None, 'gpu', m and m.has_gpu())"
   echo "== bad arguments, one process each $(since)"
   $PY experiments/ext_bad_args.py --each 2>&1 | tee "$1/bad_args.log" | tail -n 20
   if command -v gdb > /dev/null; then

@@ -42,9 +42,36 @@ def run(tiny_source, reservoir, tmp_path_factory):
     rc = bench_decode.main(["--source", str(tiny_source), "--reservoir", str(reservoir), "--model", "tiny", "--quick",
                       "--prompt-lengths", str(P), "--gen-tokens", str(N), "--group-size", str(G),
                       "--residual", str(RES), "--prefill-step", str(STEP), "--repeats", str(REPEATS),
-                      "--copy-mib", "16", "--gemm", "256", "--kivi-ops", str(root / "ops.json"), "--out", str(out)])
+                      "--copy-mib", "16", "--gemm", "256", "--load-repeats", "1", "--kivi-ops", str(root / "ops.json"), "--out", str(out)])
     assert rc == 0
     return json.loads(out.read_text()), out
+
+
+def test_fresh_loads(run):
+    """Every weights arm loaded in fresh processes: the reservoir by vqpipe.load, the source and the
+    affine conversions (saved as mlx_lm.convert would) by mlx_lm.load; each phase timed."""
+    doc, _ = run
+    fl = doc["fresh_load"]
+    assert fl["repeats"] == 1 and fl["noise_floor"] >= 0
+    recs = {r["arm"]: r for r in fl["records"]}
+    assert list(recs) == ["full", "vqpipe", "affine4", "affine8"]
+    assert recs["vqpipe"]["loader"] == "vqpipe" and recs["full"]["loader"] == recs["affine4"]["loader"] == "mlx_lm"
+    for r in recs.values():
+        assert r["n"] == 1 and r["median"] > 0 and r["precision"]
+        phases = r["import_s"]["median"] + r["load_s"]["median"] + r["first_logits_s"]["median"]
+        assert r["median"] == pytest.approx(phases)
+        assert r["import_s"]["median"] > 0 and r["mlx_peak_bytes"]["median"] > 0
+    assert {c["other_arm"] for c in fl["comparisons"]} == {"vqpipe", "affine4", "affine8"}
+    assert all(c["baseline_arm"] == "full" and c["ratio"] > 0 for c in fl["comparisons"])
+
+
+def test_fresh_load_rejects_a_broken_model(tmp_path):
+    from vqpipe.bench import fresh_load
+
+    with pytest.raises(RuntimeError, match="fresh process failed"):
+        fresh_load.sample("vqpipe", tmp_path)
+    with pytest.raises(ValueError, match="unknown loader"):
+        fresh_load.sample("torch", tmp_path)
 
 
 def _records(doc, **kw):
@@ -228,8 +255,9 @@ def test_kivi_equals_fp_cache_without_flush(tiny_source, tmp_path):
     out = tmp_path / "noflush.json"
     assert bench_decode.main(["--source", str(tiny_source), "--model", "tiny", "--weights", "full", "--caches", "fp", "kivi-ref",
                         "--quick", "--prompt-lengths", "40", "--gen-tokens", "6", "--residual", "64", "--repeats", "2",
-                        "--copy-mib", "16", "--gemm", "128", "--out", str(out)]) == 0
+                        "--copy-mib", "16", "--gemm", "128", "--load-repeats", "0", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
+    assert "fresh_load" not in doc
     (chk,) = [c for c in doc["checks"] if c["b"] == "full/kivi-ref"]
     assert chk["a"] == "full/fp" and chk["pairs"] == 3 and chk["identical"] is True
     assert chk["identical_text"] == 3 and chk["token_agreement"]["min"] == 1.0

@@ -5,8 +5,6 @@ The ``gpu`` tests need MLX's Metal or CUDA backend and are skipped cleanly on CP
 """
 
 import itertools
-import os
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -241,12 +239,6 @@ def test_kernel_rounds_half_to_even(kind, bits, dt, layout):
 # --- GPU: compiled kernels stay fixed as the cache grows ----------------------------------------
 
 
-def _ptx_files():
-    d = os.environ.get("MLX_PTX_CACHE_DIR") or Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
-    d = Path(d)
-    return sorted(p.name for p in d.glob("custom_kernel_kivi_*.ptx")) if d.is_dir() else []
-
-
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("layout", kernels.LAYOUTS)
@@ -260,7 +252,9 @@ def test_compiled_kernel_count_fixed_as_cache_grows(layout, monkeypatch):
     off = KIVICache(bits=4, group_size=32, residual_length=64, use_kernels=False)
     chunks = [200] + [1] * 150 + [100, 700, 1500, 33, 65, 300] + [1] * 100
     chunks.append(n - sum(chunks))
-    counts, ptx, flush_sizes, start = [], [], set(), 0
+    # (MLX's PTX folder is not checked: every process on the machine writes there, vqpipe's
+    # kernels/cuda_cache.py included, so under pytest -n its files change with the other tests.)
+    counts, flush_sizes, start = [], set(), 0
     for c in chunks:
         q0 = on.quantized
         a = on.update_and_fetch(k[..., start : start + c, :], v[..., start : start + c, :])
@@ -270,10 +264,8 @@ def test_compiled_kernel_count_fixed_as_cache_grows(layout, monkeypatch):
         if on.quantized > q0:
             flush_sizes.add(on.quantized - q0)
             counts.append(kernels.compiled_kernel_count())
-            ptx.append(_ptx_files())
     assert len(flush_sizes) >= 6  # flushes of many different lengths, 32 to 1504 tokens
-    assert len(set(counts)) == 1, counts
-    assert all(p == ptx[0] for p in ptx)
+    assert len(set(counts)) == 1, counts  # this process built no kernel per flush length
     assert _same_bytes(a[0], b[0]) and _same_bytes(a[1], b[1])
 
 

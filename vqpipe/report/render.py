@@ -377,6 +377,26 @@ def _decode_verdict(d, model, decode, comps):
         + ". Measured while the pipeline's other jobs ran on the other core (bench-decode).")
 
 
+def _fresh_load(d, model, fresh, comps):
+    """bench-decode's fresh-process loads: each weights arm's time to a usable model, phase by phase."""
+    by = {c.get("other_arm"): c for c in comps if c.get("kind") == "fresh-load"}
+    base = next((c.get("baseline_arm") for c in by.values()), None)
+    rows = []
+    for r in fresh:
+        c = by.get(r.get("arm"))
+        vs = "baseline (A/A floor " + _pct(r.get("noise_floor")) + ")" if r.get("arm") == base else \
+            (f"{_g(1 / c['ratio'], 3)}× the baseline's speed" + (" (within the floor)" if c.get("verdict") == "no measurable difference" else "")
+             if c else "—")
+        rows.append([r.get("arm"), r.get("precision") or "—", _st(r, 3), _g(r.get("n")), _med(r.get("import_s")),
+                     _med(r.get("load_s")), _med(r.get("first_logits_s")), _med(r.get("vm_hwm_bytes"), _bytes), vs])
+    d.p(f"{model}: time to a usable model in a fresh process, as `vqpipe generate` or `mlx_lm.generate` pays it "
+        "before its prompt: its imports, loading (vqpipe.load of the reservoir; mlx_lm.load of the source and "
+        "of the affine conversion) and the logits of one token, each phase timed apart. Fresh processes, "
+        "interleaved, warm page cache. From bench-decode.")
+    d.table(["arm", "weights", "imports + load + first logits (s) median [min–max]", "n", "imports (s, median)",
+             "load (s, median)", "first logits (s, median)", "peak RSS (median)", "against the baseline"], rows)
+
+
 def _speed(d, model, variants):
     decode = [r for dd in variants.values() for r in dd.get("decode", [])]
     load = [r for dd in variants.values() for r in dd.get("load", [])]
@@ -390,6 +410,9 @@ def _speed(d, model, variants):
             "stored, MLX affine as mlx_lm.convert -q makes it), each at the longest context measured; peak memory "
             "is the generation's own (MLX's peak minus what was allocated before it). From bench-decode.")
         d.table(head, weights)
+    fresh = [r for dd in variants.values() for r in dd.get("fresh_load", [])]
+    if fresh:
+        _fresh_load(d, model, fresh, comps)
     if load:
         d.p(f"{model}: time to a usable model in a fresh process: re-quantizing the source against loading the "
             "reservoir (persist_rotation on: rotations stored as matrices; off: as seeds, regenerated at load). "

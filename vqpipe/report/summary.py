@@ -292,6 +292,13 @@ def _bench(models, a):
     for t in timing:
         _slot(models, a["model"], f"b{t['bits']}-{t['rotation']}").setdefault("quantize_timing", []).append(
             {**t, "environment": env})
+    fresh = doc.get("fresh_load") or {}
+    for rec in fresh.get("records") or []:  # bench-decode's fresh-process loads, per weights arm
+        _slot(models, a["model"], rec["arm"]).setdefault("fresh_load", []).append(
+            {**rec, "noise_floor": fresh.get("noise_floor"), "environment": env, "run": run})
+    for c in fresh.get("comparisons") or []:
+        _slot(models, a["model"], c["other_arm"]).setdefault("comparisons", []).append(
+            {**c, "environment": env, "run": run})
 
 
 def _kernels(arts):

@@ -139,7 +139,7 @@ def load_models(source, reservoir, weights, dtype, progress=print):
 
     from ..store.reservoir import load as load_reservoir_dir
 
-    models, precision, tokenizer = {}, {}, None
+    models, precision, configs, tokenizer = {}, {}, {}, None
     for w in weights:
         t0 = time.perf_counter()
         if w == "vqpipe":
@@ -166,7 +166,7 @@ def load_models(source, reservoir, weights, dtype, progress=print):
             from mlx_lm.utils import load_config, quantize_model
 
             # mlx_lm.convert's own quantization: every layer whose width the group divides
-            quantize_model(model, load_config(Path(source)), AFFINE_GROUP, bits)
+            model, configs[w] = quantize_model(model, load_config(Path(source)), AFFINE_GROUP, bits)
             mx.eval(model.parameters())
         models[w] = model
         progress(f"loaded {w} ({precision[w]}): {model_bytes(model) / 2**20:.1f} MiB of parameters, "
@@ -175,7 +175,35 @@ def load_models(source, reservoir, weights, dtype, progress=print):
         from mlx_lm.utils import load_tokenizer
 
         tokenizer = load_tokenizer(Path(source))
-    return models, precision, tokenizer
+    return models, precision, configs, tokenizer
+
+
+def fresh_loads(b, progress):
+    """Time to a usable model in a fresh process per weights arm (vqpipe/bench/fresh_load.py): the
+    reservoir through vqpipe.load, the source and the affine arms (saved as mlx_lm.convert would)
+    through mlx_lm.load. Sets ``result["fresh_load"]``."""
+    import tempfile
+
+    from mlx_lm.utils import save
+
+    from ..bench import fresh_load
+
+    with tempfile.TemporaryDirectory(prefix="vqpipe-fresh-load-") as tmp:
+        arms = {}
+        for w in b.args.weights:
+            if w == "vqpipe":
+                arms[w] = ("vqpipe", b.args.reservoir)
+            elif w == "full":
+                arms[w] = ("mlx_lm", b.args.source)
+            else:
+                save(Path(tmp) / w, b.args.source, b.models[w], b.tokenizer, b.configs[w], donate_model=False)
+                arms[w] = ("mlx_lm", Path(tmp) / w)
+        records, comparisons, floor = fresh_load.measure(arms, b.args.load_repeats, progress)
+    for r in records:
+        r["precision"] = b.precision[r["arm"]]
+        r["path"] = r["path"] if r["arm"] in ("vqpipe", "full") else f"(mlx_lm.convert -q of the source, {r['arm']})"
+    b.result["fresh_load"] = {"records": records, "comparisons": comparisons, "noise_floor": floor,
+                              "repeats": b.args.load_repeats}
 
 
 def build_prompts(tokenizer, n, length):
@@ -455,6 +483,8 @@ def run(args, progress=None):
     b = _setup(args, progress)
     for P in args.prompt_lengths:
         _bench_length(b, P, progress)
+    if args.load_repeats:
+        fresh_loads(b, progress)
     result = _finish(b)
     result["wall_s"] = time.perf_counter() - t_start
     _print_roofline(result, progress)
@@ -517,7 +547,7 @@ def _roofs_and_models(b, dtype, dev, progress):
     progress(f"{gemm_dtype} GEMM {gemm}^3: median {flops['median'] / 1e9:.1f} GFLOP/s "
              f"[{flops['min'] / 1e9:.1f}-{flops['max'] / 1e9:.1f}], n={flops['n']}")
 
-    b.models, b.precision, b.tokenizer = load_models(args.source, args.reservoir, args.weights, dtype, progress)
+    b.models, b.precision, b.configs, b.tokenizer = load_models(args.source, args.reservoir, args.weights, dtype, progress)
     from mlx_lm.utils import load_config, load_model
 
     b.config = load_config(Path(args.source))
@@ -879,6 +909,9 @@ def parse_args(argv):
                    "loader gives it, nothing cast, as a user's generate runs it)")
     p.add_argument("--copy-mib", type=_positive, help="buffer of the copy-bandwidth measurement (default 256)")
     p.add_argument("--gemm", type=_positive, help="n of the n^3 GEMM roof (default 1024 on the CPU, 8192 on a GPU)")
+    p.add_argument("--load-repeats", type=int, default=3,
+                   help="fresh-process loads per weights arm, interleaved, after one untimed round (0: none; "
+                   "vqpipe/bench/fresh_load.py)")
     p.add_argument("--quick", action="store_true",
                    help="CPU/CI smoke settings for any option not given: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
     args = p.parse_args(argv)
@@ -887,8 +920,8 @@ def parse_args(argv):
             setattr(args, k, v)
     if args.prompts < 20:
         p.error("--prompts must be >= 20 (distinct prompts rotate through the rounds)")
-    if args.warmup < 0 or args.residual < 0:
-        p.error("--warmup and --residual must be >= 0")
+    if args.warmup < 0 or args.residual < 0 or args.load_repeats < 0:
+        p.error("--warmup, --residual and --load-repeats must be >= 0")
     if min(args.prompt_lengths) < 2:
         p.error("--prompt-lengths must be >= 2")
     if "vqpipe" in args.weights and not args.reservoir:

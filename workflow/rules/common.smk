@@ -148,7 +148,7 @@ def decode_options():
     """bench-decode flags for the options the config sets (the others keep the stage's defaults)."""
     c = config["benchmarks"]["decode"]
     flags = ["--quick"] if c["quick"] else []
-    for key in ("prompt_lengths", "gen_tokens", "repeats", "weights", "caches", "dtype"):
+    for key in ("prompt_lengths", "gen_tokens", "repeats", "load_repeats", "weights", "caches", "dtype"):
         if key in c:
             values = c[key] if isinstance(c[key], list) else [c[key]]
             flags.append(f"--{key.replace('_', '-')} " + " ".join(map(str, values)))
