@@ -25,19 +25,22 @@ CALIB_TEXTS = ("auto",) + CALIBRATION_TEXTS
 class QuantizeConfig:
     """How to quantize a model (vqpipe/quant/quantize.py ``quantize_model``).
 
-    ``bits``: the model's width; ``rotation``: a kind of vqpipe/codec/rotation.py, its seeds from
-    ``seed``; ``embeddings``: quantize the embedding table (and so a tied head); ``lm_head``: quantize
-    an untied head; ``dtype``: of the tensors that stay unquantized, a name or an mx dtype, kept by
-    name (None: as the source stores each);
-    ``group_size``: a scale per that many rotated entries of a row (None: one per row); ``damp``: GPTQ
-    damping (None: vqpipe/codec/gptq.py's); ``fuse``: q/k/v and gate/up computed as one, as the loaders
-    do; ``sequential``: each block's moments from the already quantized blocks (no allocation then);
-    ``layer_bits``: rules [{match, add|bits}] that replace the allocation; ``residual``: fold one
-    rotation of the residual stream first; ``budget``: bits per weight for the per-layer widths
-    ('auto': bits + 0.5, 'none': every layer at ``bits``, or a number); ``threads``: for the numpy
-    work (the result does not depend on it). ``calib_text``: what calibration text a tokenizer
-    makes ('auto': the shipped text, 'text' the same, 'self' the model's own, 'none' data-free),
-    ``calib_windows`` x ``calib_length`` tokens at offsets from ``calib_seed``.
+    - ``bits``: the model's width; ``rotation``: a kind of vqpipe/codec/rotation.py, seeded by ``seed``.
+    - ``embeddings``: quantize the embedding table (and so a tied head); ``lm_head``: an untied head.
+    - ``dtype``: of the tensors that stay unquantized, a name or an mx dtype, kept by name (None:
+      each as the source stores it).
+    - ``group_size``: a scale per that many rotated entries of a row (None: one per row);
+      ``damp``: GPTQ damping (None: vqpipe/codec/gptq.py's).
+    - ``fuse``: q/k/v and gate/up computed as one, as the loaders do.
+    - ``sequential``: each block's moments from the already quantized blocks (no allocation then).
+    - ``layer_bits``: rules [{match, add|bits}] (vqpipe/codec/allocate.py) that replace the allocation.
+    - ``residual``: fold one rotation of the residual stream into the model first.
+    - ``budget``: bits per weight for the per-layer widths ('auto': bits + 0.5, 'none': every
+      layer at ``bits``, or a number).
+    - ``threads``: for the numpy work; the result does not depend on it.
+    - ``calib_text``: the calibration text a tokenizer makes ('auto' and 'text': the shipped text,
+      'self': the model's own, 'none': data-free), ``calib_windows`` x ``calib_length`` tokens at
+      offsets from ``calib_seed``.
     """
 
     bits: int = 4

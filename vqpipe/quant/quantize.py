@@ -80,16 +80,14 @@ def quantize_model(model, config=None, *, tokenizer=None, calibration=None, mome
     the numpy work of group scales / GPTQ on that many threads, beside the MLX work of the next
     layers (vqpipe/parallel.py); the result is the same.
 
-    Calibration data, the first of:
-    - ``moments`` ({name: (key, H)}) and ``fisher`` from a calibrate artifact
-      (vqpipe/store/calibration.py ``load`` / ``load_fisher``): no forward pass;
-    - ``calibration``: int tokens [n, length];
-    - ``tokenizer``: ``config.calib_text`` through it, ``calib_windows`` x ``calib_length`` tokens
-      (vqpipe/quant/calibrate.py ``calibration_tokens``; 'auto' is the shipped text, as the CLI
-      for a model that is not synthetic);
-    - none, when ``config.calib_text`` is 'none': data-free, every layer at ``config.bits``.
-    With the default text ('auto') and no data, ValueError: a model quantized data-free by
-    accident loses much of its quality, so a data-free run is asked for by name.
+    Calibration data: ``calibration`` (int tokens [n, length]), or ``moments`` ({name: (key, H)})
+    and ``fisher`` from a calibrate artifact (vqpipe/store/calibration.py ``load`` / ``load_fisher``:
+    no forward pass). Without either, ``config.calib_text`` says where tokens come from: 'auto' (the
+    default, as the CLI for a model that is not synthetic) and 'text' the shipped text, 'self' text
+    the model writes, each ``calib_windows`` x ``calib_length`` through ``tokenizer``
+    (vqpipe/quant/calibrate.py ``calibration_tokens``); 'none' is data-free, every layer at
+    ``config.bits``. A text with no tokenizer is a ValueError, not a silent data-free run: the CLI
+    always has the tokenizer, and data-free costs much of the quality, so it is asked for by name.
 
     The recipe (docs/quantize.md, "The automatic recipe"): with calibration data and not
     ``config.sequential``, the moments come from the full-precision model and each layer's width
