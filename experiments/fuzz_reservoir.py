@@ -97,6 +97,7 @@ def _build(name, directory):
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
+    from vqpipe.quant.config import QuantizeConfig
     from vqpipe.quant.quantize import quantize_model
 
     arch, bits, rotation, embeddings, persist = BASES[name]
@@ -107,7 +108,7 @@ def _build(name, directory):
     norms = [(k, mx.random.uniform(0.5, 1.5, v.shape)) for k, v in tree_flatten(model.parameters()) if "norm" in k]
     model.load_weights(norms, strict=False)
     mx.eval(model.parameters())
-    quantize_model(model, bits, rotation, seed=3, embeddings=embeddings)
+    quantize_model(model, QuantizeConfig(bits, rotation, 3, embeddings, dtype="float32", threads=1, calib_text="none"))
     path = Path(directory) / f"base-{name}.vqres"
     R.save_reservoir(model, path, persist_rotation=persist, config=config)
     return model, path

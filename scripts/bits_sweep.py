@@ -43,6 +43,7 @@ def stored_bits(layer):
 
 
 def cache(args):
+    from vqpipe.quant.config import QuantizeConfig
     from vqpipe.quant.quantize import quantize_model
     from vqpipe.store import calibration
 
@@ -56,8 +57,9 @@ def cache(args):
         layer_bits = None
         if bits not in (2, 3, 4):  # a width only a layer may have: every layer gets it
             layer_bits = [{"match": ".", "bits": bits}]
-        records = quantize_model(model, 4 if layer_bits else bits, "auto", 0, embeddings=True, group_size=args.group_size,
-                                 moments=stored, fuse=False, layer_bits=layer_bits)
+        config = QuantizeConfig(4 if layer_bits else bits, dtype="float32", group_size=args.group_size, fuse=False,
+                                layer_bits=layer_bits, threads=1)
+        records = quantize_model(model, config, moments=stored)
         modules = dict(model.named_modules())
         weights, info = {}, {}
         for r in records:

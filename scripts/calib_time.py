@@ -73,6 +73,7 @@ def main():
     from vqpipe.quant import calibrate
     from vqpipe.codec import gptq
     from vqpipe.layers import qlinear
+    from vqpipe.quant.config import QuantizeConfig
     from vqpipe.quant.quantize import quantize_model
     from vqpipe.quant.calibrate import calibration_tokens
 
@@ -90,9 +91,9 @@ def main():
     load_cpu = cpu() - c0
     layers = []
     t1, c1 = time.perf_counter(), cpu()
-    records = quantize_model(model, args.bits, args.rotation, 0, embeddings=True, dtype=None,
-                             group_size=args.group_size or None, calibration=tokens, sequential=args.sequential,
-                             progress=layers.append, threads=args.threads)
+    config = QuantizeConfig(args.bits, args.rotation, group_size=args.group_size or None, sequential=args.sequential,
+                            threads=args.threads)
+    records = quantize_model(model, config, calibration=tokens, progress=layers.append)
     wall, cpus = time.perf_counter() - t1, cpu() - c1
     head = [r for r in records if r["kind"] == "embedding"]
     out = {"source": args.source, "bits": args.bits, "calibration_tokens": int(tokens.size), "threads": args.threads,

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vqpipe.bench.harness import summarize  # noqa: E402
 from vqpipe.stages.bench_quality import dense_copy, load_fp32  # noqa: E402
 from vqpipe.layers.qlinear import QuantizedLinear  # noqa: E402
+from vqpipe.quant.config import QuantizeConfig  # noqa: E402
 from vqpipe.quant.quantize import quantize_model  # noqa: E402
 
 
@@ -103,9 +104,9 @@ def build(source, arm, bits, calib, seed):
         mx.eval(model.parameters())
         bpw, n = affine_bpw(model, bits, group or 64)
     else:
-        quantize_model(model, bits, "auto", seed, embeddings=emb, group_size=group,
-                       calibration=calib if kind == "gptq" else None, progress=PROGRESS,
-                       sequential="fp" not in flags)
+        config = QuantizeConfig(bits, "auto", seed, emb, dtype="float32", group_size=group, sequential="fp" not in flags,
+                                threads=1, calib_text="none")
+        quantize_model(model, config, calibration=calib if kind == "gptq" else None, progress=PROGRESS)
         bpw, n = vq_bpw(model)
     total = bpw_all(bpw, n, dense_embedding_weights(model))
     # Evaluate as dense float32 layers holding the dequantized weights: the same weights, and

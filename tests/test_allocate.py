@@ -12,6 +12,7 @@ from vqpipe.store import reservoir as R
 from vqpipe.codec.codebook import codebook
 from vqpipe.layers.fused import fused_groups, unfuse_model
 from vqpipe.layers.qlinear import QuantizedLinear
+from vqpipe.quant.config import QuantizeConfig
 from vqpipe.quant.quantize import quantize_model
 from vqpipe.stages import bench_quality as q
 
@@ -67,8 +68,8 @@ RULES = [{"match": "v_proj", "add": 1}, {"match": "down_proj", "add": 2}, {"matc
 @pytest.fixture(scope="module")
 def mixed():
     model, config = make_model(TIED)
-    records = quantize_model(model, 3, "auto", 1, embeddings=True, group_size=16, calibration=CALIB,
-                             sequential=False, layer_bits=RULES)
+    settings = QuantizeConfig(3, seed=1, group_size=16, layer_bits=RULES, dtype="float32", threads=1, calib_text="none")
+    records = quantize_model(model, settings, calibration=CALIB)
     return model, config, records
 
 
@@ -125,7 +126,9 @@ def test_a_wide_layer_in_an_older_version_file_is_refused(mixed, tmp_path):
 
 def test_uniform_widths_still_write_the_old_versions(tmp_path):
     model, config = make_model(TIED)
-    quantize_model(model, 4, "auto", 1, embeddings=True, layer_bits=[{"match": "v_proj", "add": 0}])
+    settings = QuantizeConfig(seed=1, layer_bits=[{"match": "v_proj", "add": 0}], dtype="float32", threads=1,
+                              calib_text="none")
+    quantize_model(model, settings)
     path = tmp_path / R.FILE_NAME
     (tmp_path / "config.json").write_text(json.dumps(config))
     R.save_reservoir(model, path, persist_rotation=True)

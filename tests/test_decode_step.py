@@ -7,6 +7,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import RotatingKVCache
 
 from vqpipe.decode.step import Decoder, StaticCache, check_model, write_kv
+from vqpipe.quant.config import QuantizeConfig
 from vqpipe.quant.quantize import quantize_model
 from vqpipe.stages.bench_decode import cast_floating, generate_once, make_cache
 
@@ -63,7 +64,7 @@ def test_affine_matches_eager(tiny_4bit_source, mode):
 def tiny_llama_vq3(tiny_llama_source):
     # quantized once for both modes: a decode leaves the model's weights as they were
     model, _ = load(str(tiny_llama_source))
-    quantize_model(model, 3, embeddings=True, dtype=mx.float32)
+    quantize_model(model, QuantizeConfig(3, dtype=mx.float32, threads=1, calib_text="none"))
     return model
 
 
@@ -154,7 +155,7 @@ def test_kernel_inside_compiled_step_same_tokens(tiny_llama_source, rot, mode):
     from experiments.decode_shapes import graph_ops
 
     model, _ = load(str(tiny_llama_source))
-    quantize_model(model, 4, embeddings=True, dtype=mx.float32)
+    quantize_model(model, QuantizeConfig(4, dtype=mx.float32, threads=1, calib_text="none"))
     with qmv.enabled(True), qmv.rotating_in_kernel(rot):
         dec = _same_as_eager(model, 8192, mode=mode)
         out = dec.step(*dec.start(_prompts(8192)[2], 8))

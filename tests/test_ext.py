@@ -15,6 +15,7 @@ from vqpipe.layers import fused
 from vqpipe.codec.bitpack import pack
 from vqpipe.codec.codebook import LAYER_BITS
 from vqpipe.layers.qlinear import QuantizedLinear, dense_forward
+from vqpipe.quant.config import QuantizeConfig
 from vqpipe.quant.quantize import quantize_model
 
 from test_fused import _greedy
@@ -209,7 +210,7 @@ def test_greedy_tokens_equal_the_dense_path(tiny_llama_source, bits, group_size)
     """tiny-llama (hidden 512, intermediate 1472) quantized with its tied head and fused siblings:
     greedy decode through the extension gives the dense path's tokens."""
     model, tok = load(str(tiny_llama_source))
-    quantize_model(model, bits, embeddings=True, dtype=mx.float32, group_size=group_size)
+    quantize_model(model, QuantizeConfig(bits, dtype=mx.float32, group_size=group_size, threads=1, calib_text="none"))
     assert fused.fused_groups(model)
     for text in ("The rotation spreads the outliers", "Lloyd-Max levels for a sphere", "a b c d e f g"):
         prompt = tok.encode(text)

@@ -1,6 +1,8 @@
 """Siblings computed as one (vqpipe/layers/fused.py), shared rotations, dtypes of unquantized tensors, and
 per-group scales on the dense path (CPU)."""
 
+from dataclasses import replace
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -13,7 +15,10 @@ from vqpipe.layers import fused
 from vqpipe.stages.download import fetch
 from vqpipe.codec.bitpack import unpack_numpy
 from vqpipe.layers.qlinear import QuantizedEmbedding, QuantizedLinear
+from vqpipe.quant.config import QuantizeConfig
 from vqpipe.quant.quantize import layer_seed, quantize_model, split_state
+
+FLOAT32 = QuantizeConfig(dtype=mx.float32, threads=1, calib_text="none")  # data-free, every tensor in float32
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +50,8 @@ def test_rotation_owner():
 def test_fused_equals_unfused_in_float32(sources, preset):
     ref, tok = load(str(sources[preset]))
     got, _ = load(str(sources[preset]))
-    quantize_model(ref, 3, embeddings=True, dtype=mx.float32, fuse=False)
-    quantize_model(got, 3, embeddings=True, dtype=mx.float32)
+    quantize_model(ref, replace(FLOAT32, bits=3, fuse=False))
+    quantize_model(got, replace(FLOAT32, bits=3))
     layers = ref.model.layers
     assert fused.fused_groups(ref) == {}
     assert len(fused.fused_groups(got)) == 2 * len(layers)  # q|k|v and gate|up per layer
@@ -68,7 +73,7 @@ def test_fused_equals_unfused_in_float32(sources, preset):
 
 def test_fused_state_is_unchanged_and_views(sources):
     model, _ = load(str(sources["tiny"]))
-    quantize_model(model, 4, embeddings=True, dtype=mx.float32, fuse=False)
+    quantize_model(model, replace(FLOAT32, fuse=False))
     before = {k: np.array(v) for k, v in split_state(model)[1].items()}
     assert fused.fuse_model(model) == 4
     assert fused.fuse_model(model) == 0  # idempotent
@@ -84,7 +89,7 @@ def test_fused_state_is_unchanged_and_views(sources):
 
 def test_group_serves_each_sibling_then_holds_nothing(sources):
     model, _ = load(str(sources["tiny-llama"]))
-    quantize_model(model, 4, embeddings=True, dtype=mx.float32)
+    quantize_model(model, FLOAT32)
     mlp = model.model.layers[1].mlp
     group = mlp.gate_proj.__dict__["_fused"]
     x, x2 = (mx.random.normal((1, 3, 512), key=mx.random.key(k)) for k in (1, 2))
@@ -104,7 +109,7 @@ def test_group_serves_each_sibling_then_holds_nothing(sources):
 
 def test_source_dtype_kept_and_cpu_computes_in_float32(sources):
     model, tok = load(str(sources["tiny"]))  # the synthetic checkpoint is bfloat16
-    quantize_model(model, 4, embeddings=True, dtype=None)
+    quantize_model(model, replace(FLOAT32, dtype=None))
     emb = model.model.embed_tokens
     assert isinstance(emb, QuantizedEmbedding) and emb.out_dtype == mx.bfloat16
     assert model.model.norm.weight.dtype == mx.bfloat16
@@ -149,8 +154,8 @@ def test_fused_kernel_decode_same_tokens_in_float32(sources, preset):
 
     ref, tok = load(str(sources[preset]))
     got, _ = load(str(sources[preset]))
-    quantize_model(ref, 4, embeddings=True, dtype=mx.float32, fuse=False)
-    quantize_model(got, 4, embeddings=True, dtype=mx.float32)
+    quantize_model(ref, replace(FLOAT32, fuse=False))
+    quantize_model(got, FLOAT32)
     prompt = tok.encode("The rotation spreads the outliers over every coordinate")
     with qmv.enabled(True):
         a, b = _greedy(ref, prompt, 12), _greedy(got, prompt, 12)

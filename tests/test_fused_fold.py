@@ -1,6 +1,8 @@
 """Rotation signs folded into the layers before them (vqpipe/layers/fold.py): exact, out of the stored
 state, three primitives fewer per decoder layer (CPU, float32)."""
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from vqpipe.layers import fold, fused
 from vqpipe.store import reservoir as R
 from experiments.decode_shapes import graph_ops
 from vqpipe.decode.step import Decoder
+from vqpipe.quant.config import QuantizeConfig
 from vqpipe.quant.quantize import quantize_model, split_state
 from vqpipe.codec.rotation import make_rotation
 
@@ -29,8 +32,9 @@ def _pair(source, bits, fresh=False):
         return _PAIRS[(source, bits)]
     ref, _ = load(str(source))
     got, _ = load(str(source))
-    quantize_model(ref, bits, embeddings=True, dtype=mx.float32, fuse=False)
-    quantize_model(got, bits, embeddings=True, dtype=mx.float32)
+    config = QuantizeConfig(bits, dtype=mx.float32, threads=1, calib_text="none")
+    quantize_model(ref, replace(config, fuse=False))
+    quantize_model(got, config)
     fused.fuse_model(ref, fold=False)
     return ref, got
 

@@ -9,6 +9,7 @@ from mlx_lm import load
 from vqpipe.kernels import dequant, ext
 from vqpipe.codec.bitpack import pack, unpack
 from vqpipe.layers.qlinear import QuantizedLinear
+from vqpipe.quant.config import QuantizeConfig
 from vqpipe.quant.quantize import quantize_model
 from vqpipe.codec.rotation import make_rotation
 
@@ -86,7 +87,7 @@ def test_group_scales_and_bias_same_as_before():
 def test_prefill_logits_and_tokens_unchanged(tiny_llama_source, tiny_source, bits):
     for source in (tiny_source, tiny_llama_source):
         model, _ = load(str(source))
-        quantize_model(model, bits, embeddings=True, dtype=mx.float32)
+        quantize_model(model, QuantizeConfig(bits, dtype=mx.float32, threads=1, calib_text="none"))
         x = mx.random.randint(0, 8000, (1, 40), key=mx.random.key(bits))
         got = np.array(model(x))
         with dequant.using_tables(False):

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -13,6 +14,7 @@ from vqpipe.codec import gptq
 from vqpipe.store import reservoir as R
 from vqpipe.codec.bitpack import unpack
 from vqpipe.layers.qlinear import QuantizedLinear, quantize_weight
+from vqpipe.quant.config import QuantizeConfig
 from vqpipe.quant.quantize import quantize_model, quantized_layers, split_state
 from vqpipe.codec.rotation import make_rotation
 
@@ -21,6 +23,7 @@ from test_reservoir import make_model
 ARCH = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "tie_word_embeddings": False}
 CALIB = mx.array(np.random.default_rng(3).integers(0, 256, (4, 16)), dtype=mx.int32)
+SEED1 = QuantizeConfig(seed=1, dtype="float32", threads=1, calib_text="none")
 TOKENS = mx.array([[1, 5, 9, 2, 77, 31, 4, 100]], dtype=mx.int32)
 
 
@@ -96,7 +99,8 @@ def test_data_free_path_unchanged(bits, kind):
 
 def calibrated(group_size=16, bits=3, seed=0):
     model, config = make_model(ARCH, seed=seed)
-    records = quantize_model(model, bits, "auto", 1, group_size=group_size, calibration=CALIB, embeddings=False)
+    settings = replace(SEED1, bits=bits, group_size=group_size, embeddings=False)
+    records = quantize_model(model, settings, calibration=CALIB)
     return model, config, records
 
 
@@ -123,7 +127,7 @@ def test_calibration_lowers_logit_error():
     errs = {}
     for calib in (None, CALIB):
         model, _ = make_model(ARCH)
-        quantize_model(model, 2, "auto", 1, group_size=16, calibration=calib)
+        quantize_model(model, replace(SEED1, bits=2, group_size=16), calibration=calib)
         errs[calib is None] = mx.mean((model(CALIB).astype(mx.float32) - ref) ** 2).item()
     assert errs[False] < errs[True]  # measured on the calibration tokens themselves
 
@@ -156,7 +160,7 @@ def test_group_state_round_trip_and_reservoir(tmp_path):
 
 def test_per_row_reservoir_stays_version_1(tmp_path):
     model, config = make_model(ARCH)
-    quantize_model(model, 4, "auto", 1)
+    quantize_model(model, SEED1)
     (tmp_path / "config.json").write_text(json.dumps(config))
     path = tmp_path / R.FILE_NAME
     R.save_reservoir(model, path)
@@ -166,7 +170,7 @@ def test_per_row_reservoir_stays_version_1(tmp_path):
 def test_bad_group_size():
     model, _ = make_model(ARCH)
     with pytest.raises(ValueError, match="group size 48"):
-        quantize_model(model, 4, "auto", 1, group_size=48)
+        quantize_model(model, replace(SEED1, group_size=48))
 
 
 def test_shared_rotation_factorises_once(monkeypatch):

@@ -6,6 +6,7 @@ import pytest
 
 from vqpipe import blas, parallel
 from vqpipe.layers import qlinear
+from vqpipe.quant.config import QuantizeConfig
 from vqpipe.quant.quantize import quantize_model, split_state
 
 from test_reservoir import make_model
@@ -22,13 +23,15 @@ def _state(model, records):
     return metas, arrays, records
 
 
-def _quantize(threads, **kw):
+def _quantize(threads, sequential=False, **data):
     model, _ = make_model(TIED)
-    records = quantize_model(model, 3, "auto", 1, embeddings=True, group_size=16, threads=threads, **kw)
+    config = QuantizeConfig(3, seed=1, group_size=16, sequential=sequential, threads=threads, dtype="float32",
+                            calib_text="none")
+    records = quantize_model(model, config, **data)
     return _state(model, records)
 
 
-@pytest.mark.parametrize("kw", [{"calibration": CALIB, "sequential": False}, {"calibration": CALIB},
+@pytest.mark.parametrize("kw", [{"calibration": CALIB}, {"calibration": CALIB, "sequential": True},
                                 {}], ids=["full-precision", "sequential", "data-free"])
 def test_threads_give_the_same_bytes(monkeypatch, kw):
     # Uneven row jobs of a few rows (the real ones are >= 1024 rows: these layers would be one job),

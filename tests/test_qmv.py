@@ -560,6 +560,7 @@ def test_generation_kernel_on_off(dt, embeddings, tmp_path_factory, monkeypatch)
     from mlx_lm import load
 
     from vqpipe.stages.download import fetch
+    from vqpipe.quant.config import QuantizeConfig
     from vqpipe.quant.quantize import quantize_model
 
     path = fetch("synth:tiny", tmp_path_factory.mktemp("qmv") / "tiny", seed=0)
@@ -567,7 +568,7 @@ def test_generation_kernel_on_off(dt, embeddings, tmp_path_factory, monkeypatch)
     # float32: every linear and the tied head (QuantizedEmbedding.as_linear) quantized; the
     # quantized embedding yields float32 activations. bfloat16: the embedding (and tied head) kept
     # dense in bf16, so the quantized linears see bf16 activations.
-    quantize_model(model, 4, embeddings=embeddings, dtype=getattr(mx, dt))
+    quantize_model(model, QuantizeConfig(embeddings=embeddings, dtype=dt, threads=1, calib_text="none"))
     launches = []
     real = qmv.launch
 

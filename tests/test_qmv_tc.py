@@ -320,12 +320,14 @@ def test_gpu_generation_tensor_core_against_revision_6(tmp_path_factory, monkeyp
     from mlx_lm import load
 
     from test_qmv import _decode
+    from vqpipe.quant.config import QuantizeConfig
     from vqpipe.quant.quantize import quantize_model
     from vqpipe.stages.download import fetch
 
     path = fetch("synth:tiny", tmp_path_factory.mktemp("qmvtc") / "tiny", seed=0)
     model, tok = load(str(path))
-    quantize_model(model, 4, embeddings=False, dtype=mx.bfloat16)  # bf16 activations into every linear
+    config = QuantizeConfig(embeddings=False, dtype=mx.bfloat16, threads=1, calib_text="none")
+    quantize_model(model, config)  # bf16 activations into every linear
     calls = []
     real = qmv_tc.launch
     monkeypatch.setattr(qmv_tc, "launch", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))

@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -8,9 +9,12 @@ from mlx_lm import generate
 from mlx_lm.utils import load
 
 from vqpipe.layers.qlinear import QuantizedEmbedding, QuantizedLinear
+from vqpipe.quant.config import QuantizeConfig
 from vqpipe.quant.quantize import quantize_model, quantized_layers
 from vqpipe.stages.quantize import main, run
 from vqpipe.store.quantized import load_quantized
+
+DATA_FREE = QuantizeConfig(dtype="float32", threads=1, calib_text="none")
 
 
 def _logits(model, tokens):
@@ -30,7 +34,7 @@ def test_every_linear_becomes_quantized(fixture, request):
     else:
         ref_model = model
     ref = _logits(ref_model, tokens)
-    records = quantize_model(model, 4, embeddings=False)  # the embedding: test_quantized_embeddings
+    records = quantize_model(model, replace(DATA_FREE, embeddings=False))  # the embedding: test_quantized_embeddings
     layers = quantized_layers(model)
     assert len(layers) == len(records) == n_linear
     assert not any(isinstance(m, (nn.Linear, nn.QuantizedLinear, nn.QuantizedEmbedding))
@@ -48,7 +52,7 @@ def test_rotation_kinds_and_error_ordering(tiny_source):
     errors = {}
     for rotation in ("auto", "kron", "none"):
         model, _ = load(str(tiny_source))
-        records = quantize_model(model, 3, rotation)
+        records = quantize_model(model, replace(DATA_FREE, bits=3, rotation=rotation))
         kinds = {r["rotation"] for r in records}
         errors[rotation] = np.mean([r["rel_mse"] for r in records])
         if rotation == "auto":
@@ -73,7 +77,7 @@ def test_measured_error_matches_reconstruction(tiny_source):
 
 def test_no_dense_weight_resident(tiny_source):
     model, _ = load(str(tiny_source))
-    quantize_model(model, 4)
+    quantize_model(model, DATA_FREE)
     layer = model.model.layers[0].mlp.down_proj
     names = set(dict(layer.parameters()))
     assert names == {"packed", "scales", "codebook"}
@@ -83,7 +87,7 @@ def test_no_dense_weight_resident(tiny_source):
 
 def test_quantized_embeddings(tiny_source):
     model, tok = load(str(tiny_source))
-    quantize_model(model, 4, embeddings=True)
+    quantize_model(model, DATA_FREE)
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
     text = generate(model, tok, "hello", max_tokens=4)
     assert isinstance(text, str)
@@ -112,9 +116,10 @@ def test_artifact_round_trip_and_generate(tiny_source, tmp_path):
         (["--rotation", "givens"], "unknown rotation 'givens'"),
         (["--dtype", "int8"], "unknown dtype 'int8'"),
         (["--group-size", "48"], "group size 48 must be a positive integer dividing in_features 256"),
-        (["--group-size", "0"], "group size must be a positive integer"),
-        (["--calibration", "text", "--calib-windows", "0"], "at least 1 window"),
-        (["--calibration", "text", "--damp", "2"], "damping must be in (0, 1)"),
+        (["--group-size", "0"], "group_size must be a positive integer"),
+        (["--calibration", "text", "--calib-windows", "0"], "calib_windows must be an integer of at least 1"),
+        (["--calibration", "text", "--damp", "2"], "damp must be in (0, 1)"),
+        (["--budget", "1"], "budget must be auto, none or bits per weight"),
     ],
 )
 def test_cli_bad_input(tiny_source, tmp_path, capsys, args, message):
@@ -152,4 +157,31 @@ def test_model_without_linear_layers():
             self.norm = nn.RMSNorm(8)
 
     with pytest.raises(ValueError, match="no nn.Linear layers"):
-        quantize_model(NoLinear(), 4)
+        quantize_model(NoLinear(), DATA_FREE)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("bits", 5), ("rotation", "givens"), ("dtype", "int8"), ("dtype", mx.int32), ("group_size", 0),
+    ("group_size", 1.5), ("damp", 1.0), ("budget", "half"), ("budget", 2.0), ("threads", 0),
+    ("layer_bits", [{"match": "v_proj"}]), ("calib_text", "wiki"), ("calib_windows", 0), ("calib_length", 1),
+])
+def test_config_bad_value_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        QuantizeConfig(**{field: value})
+
+
+def test_config_keeps_dtype_by_name():
+    assert QuantizeConfig(dtype=mx.bfloat16) == QuantizeConfig(dtype="bfloat16")
+    assert QuantizeConfig(dtype=mx.bfloat16).dtype == "bfloat16" and QuantizeConfig().dtype is None
+
+
+def test_default_config_needs_calibration_data(tiny_source):
+    """The default (the CLI's: calibrated on the shipped text) with no data asks for it; the model is untouched."""
+    model, _ = load(str(tiny_source))
+    with pytest.raises(ValueError, match="pass tokenizer="):
+        quantize_model(model)
+    with pytest.raises(ValueError, match="calib_text 'self' needs the model's tokenizer"):
+        quantize_model(model, QuantizeConfig(calib_text="self"))
+    assert not quantized_layers(model)
+    with pytest.raises(TypeError, match="QuantizeConfig"):
+        quantize_model(model, 4)

@@ -1,6 +1,7 @@
 """The automatic recipe: the bit allocation (vqpipe/quant/recipe.py) and its defaults everywhere."""
 
 import inspect
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -9,14 +10,10 @@ import pytest
 import yaml
 from mlx.utils import tree_flatten
 
+from vqpipe import parallel
 from vqpipe.quant import recipe
-from vqpipe.quant.quantize import (
-    CALIBRATION_WINDOWS,
-    _targets,
-    calibrate_model,
-    layer_rotation,
-    quantize_model,
-)
+from vqpipe.quant.config import QuantizeConfig
+from vqpipe.quant.quantize import _targets, calibrate_model, layer_rotation, quantize_model
 from vqpipe.stages import bench_quality
 from vqpipe.quant.calibrate import auto_calibration
 from vqpipe.stages import quantize as stage
@@ -27,6 +24,8 @@ TIED = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num
         "num_key_value_heads": 2, "tie_word_embeddings": True}
 CALIB = mx.array(np.random.default_rng(5).integers(0, 256, (4, 32)), dtype=mx.int32)
 ROOT = Path(__file__).resolve().parent.parent
+# the settings these tests had as quantize_model's defaults before QuantizeConfig
+BASE = QuantizeConfig(3, dtype="float32", threads=1, calib_text="none")
 
 
 def random_tables(seed, n=40):
@@ -104,7 +103,7 @@ def test_stored_bits_as_bench_quality_counts():
     assert len(set(choice.values())) > 1  # a mixed allocation
     spent = sum(tables[n][w][0] for n, w in choice.items())
     model2, _ = make_model(TIED)
-    quantize_model(model2, 3, calibration=CALIB, sequential=False, fuse=False, budget=4.2)
+    quantize_model(model2, replace(BASE, fuse=False, budget=4.2), calibration=CALIB)
     total, counted = recipe.model_bits(model2)
     assert counted == weights and total == spent and total <= 4.2 * weights
     assert bench_quality.bits_per_weight(model2)["bpw"] == pytest.approx(total / weights, rel=1e-12)
@@ -114,10 +113,10 @@ def test_stored_bits_as_bench_quality_counts():
 
 def test_budget_none_and_rules_override():
     model, _ = make_model(TIED)
-    quantize_model(model, 3, calibration=CALIB, budget="none", fuse=False)
+    quantize_model(model, replace(BASE, budget="none", fuse=False), calibration=CALIB)
     assert {m.bits for _, m in model.named_modules() if hasattr(m, "to_state")} == {3}
     model, _ = make_model(TIED)
-    quantize_model(model, 3, calibration=CALIB, layer_bits=[{"match": "v_proj", "add": 1}], fuse=False)
+    quantize_model(model, replace(BASE, layer_bits=[{"match": "v_proj", "add": 1}], fuse=False), calibration=CALIB)
     widths = {n: m.bits for n, m in model.named_modules() if hasattr(m, "to_state")}
     assert all(w == (4 if "v_proj" in n else 3) for n, w in widths.items())
 
@@ -135,26 +134,40 @@ def test_budget_monotone_on_a_model():
     assert errs == sorted(errs, reverse=True) and errs[-1] < errs[0]
 
 
+def test_config_defaults_are_the_clis():
+    """QuantizeConfig() (quantize_model's default) is what the quantize CLI does with no option."""
+    args = vars(stage.parser().parse_args(["--source", "s", "--out", "o"]))
+    for data in ("source", "out", "moments"):  # data, not settings: quantize_model's keywords
+        del args[data]
+    # the CLI's names and spellings of the same settings
+    args["calib_text"], args["residual"] = args.pop("calibration"), args.pop("residual_rotation")
+    args["dtype"] = None if args["dtype"] == "source" else args["dtype"]
+    args["threads"] = args["threads"] or parallel.default_threads()
+    args["fuse"] = True  # the artifact's layers are always fused
+    assert asdict(QuantizeConfig()) == args
+    assert inspect.signature(quantize_model).parameters["config"].default is None
+
+
 def test_defaults_agree():
     """quantize_model, the quantize CLI and the pipeline's config give the same recipe."""
-    api = inspect.signature(quantize_model).parameters
+    api = QuantizeConfig()
     cli = stage.parser().parse_args(["--source", "s", "--out", "o"])
     schema = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())
     cal = schema["$defs"]["calibration"]["properties"]
     config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     q = schema["properties"]["quantize"]["properties"]
-    assert api["embeddings"].default is True and cli.embeddings is True and q["embeddings"]["default"] is True
+    assert api.embeddings is True and cli.embeddings is True and q["embeddings"]["default"] is True
     assert config["quantize"]["embeddings"] is True
-    assert api["sequential"].default is False and cli.sequential is False and cal["sequential"]["default"] is False
+    assert api.sequential is False and cli.sequential is False and cal["sequential"]["default"] is False
     assert config["quantize"]["calibration"]["sequential"] is False
     assert cli.calibration == "auto" and cli.moments is None  # text, or none for a synth: source (stage.run)
     assert inspect.signature(stage.run).parameters["calibration"].default is None
-    assert cal["text"]["default"] == "auto"
+    assert api.calib_text == cal["text"]["default"] == "auto"
     assert auto_calibration(Path("/nonexistent")) == "text" and config["quantize"]["calibration"]["text"] == "auto"
-    assert CALIBRATION_WINDOWS == cli.calib_windows == cal["windows"]["default"] == config["quantize"]["calibration"]["windows"]
-    assert api["budget"].default is None and cli.budget == "auto" and q["budget"]["default"] == "auto"
+    assert api.calib_windows == cli.calib_windows == cal["windows"]["default"] == config["quantize"]["calibration"]["windows"]
+    assert api.budget == cli.budget == q["budget"]["default"] == "auto"
     assert config["quantize"]["budget"] == "auto" and config["quantize"]["layer_bits"] == []
-    assert api["group_size"].default is None and cli.group_size is None and config["quantize"]["group_size"] is None
+    assert api.group_size is None and cli.group_size is None and config["quantize"]["group_size"] is None
     # no model of the default config carries hand-made widths
     assert not any(m.get("quantize", {}).get("layer_bits") for m in config["models"].values())
 
@@ -177,16 +190,13 @@ def test_self_generated_calibration_deterministic(tiny_llama_source):
         calibration_tokens(tok, "self", 3, 40)
 
 
-def test_api_recipe_with_tokenizer(tiny_llama_source, monkeypatch):
-    """quantize_model(model, bits, tokenizer=tok): the calibrate stage's moments and the allocation."""
+def test_api_recipe_with_tokenizer(tiny_llama_source):
+    """quantize_model(model, config, tokenizer=tok): the calibrate stage's moments and the allocation."""
     from mlx_lm.utils import load
 
-    import vqpipe.quant.quantize
-
-    monkeypatch.setattr(vqpipe.quant.quantize, "CALIBRATION_WINDOWS", 4)  # the recipe's 64 x 512, smaller
-    monkeypatch.setattr(vqpipe.quant.quantize, "CALIBRATION_LENGTH", 64)
     model, tok = load(str(tiny_llama_source))
-    records = quantize_model(model, 4, tokenizer=tok, budget=6.0, fuse=False)
+    config = QuantizeConfig(calib_windows=4, calib_length=64, budget=6.0, fuse=False)  # the recipe's 64 x 512, smaller
+    records = quantize_model(model, config, tokenizer=tok)
     assert all(r["calibrated"] for r in records if r["kind"] == "linear")
     total, weights = recipe.model_bits(model)
     assert total <= 6.0 * weights and len({r["bits"] for r in records}) > 1

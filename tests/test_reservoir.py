@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 from vqpipe import prefault
 from vqpipe.store import zerocopy
 from vqpipe.store import reservoir as R
+from vqpipe.quant.config import QuantizeConfig
 from vqpipe.quant.quantize import quantize_model, quantized_layers
 
 TOKENS = mx.array([[1, 5, 9, 2, 77, 31, 4, 100]], dtype=mx.int32)
@@ -71,7 +72,9 @@ def build(name, directory, persist):
     """Quantize MODELS[name], save it to ``directory`` (with config.json); (model, reservoir file)."""
     arch, rotation, embeddings = MODELS[name]
     model, config = make_model(arch)
-    quantize_model(model, 4 if name != "in50" else 3, rotation, seed=1, embeddings=embeddings)
+    settings = QuantizeConfig(4 if name != "in50" else 3, rotation, 1, embeddings, dtype="float32", threads=1,
+                              calib_text="none")
+    quantize_model(model, settings)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
     path = directory / R.FILE_NAME
@@ -438,7 +441,7 @@ KILL_SCRIPT = textwrap.dedent("""
     from vqpipe.store import reservoir as R
     point, target = sys.argv[1], sys.argv[2]
     model, _ = T.make_model(T.MODELS["qr"][0], seed=5)
-    T.quantize_model(model, 4, "qr", seed=9)
+    T.quantize_model(model, T.QuantizeConfig(4, "qr", 9, dtype="float32", threads=1, calib_text="none"))
     die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
     if point == "mid-blobs":
         calls = [0]

@@ -16,6 +16,7 @@ from vqpipe.quant import residual_rotation as rr
 from experiments.decode_shapes import graph_ops
 from vqpipe.decode.step import Decoder
 from vqpipe.layers.qlinear import QuantizedEmbedding, QuantizedLinear
+from vqpipe.quant.config import QuantizeConfig
 from vqpipe.quant.quantize import quantize_model, residual_seed
 from vqpipe.stages.bench_decode import cast_floating
 
@@ -40,7 +41,7 @@ def _quantized(source, residual, bits=4):
     key = (source, residual, bits)
     if key not in _Q:
         model = _load(source)
-        quantize_model(model, bits, embeddings=True, dtype=mx.float32, residual=residual)
+        quantize_model(model, QuantizeConfig(bits, dtype=mx.float32, residual=residual, threads=1, calib_text="none"))
         _Q[key] = model
     return _Q[key]
 
@@ -136,7 +137,7 @@ def test_calibrated_quantize_reads_the_head_through_its_map(tiny_source):
 
     model = _load(tiny_source)
     tokens = mx.array(np.arange(4 * 32).reshape(4, 32) % 1000 + 3, mx.int32)
-    quantize_model(model, 3, embeddings=True, dtype=mx.float32, calibration=tokens, residual=True)
+    quantize_model(model, QuantizeConfig(3, dtype=mx.float32, residual=True, threads=1), calibration=tokens)
     emb = model.model.embed_tokens
     assert isinstance(emb, QuantizedEmbedding) and emb.head is not None
     ys = [mx.random.normal((2, 5, emb.in_features), key=mx.random.key(1))]
@@ -179,9 +180,9 @@ def test_stages_pass_the_rotation_on(tiny_source, tmp_path):
 
 def test_bad_requests_name_the_problem(tiny_source, tiny_llama_source, tmp_path):
     with pytest.raises(ValueError, match="rotation auto, hadamard or kron, not 'none'"):
-        quantize_model(_load(tiny_source), 4, "none", residual=True)
+        quantize_model(_load(tiny_source), QuantizeConfig(rotation="none", residual=True, calib_text="none"))
     with pytest.raises(ValueError, match="tied head needs its embedding quantized"):
-        quantize_model(_load(tiny_source), 4, embeddings=False, residual=True)
+        quantize_model(_load(tiny_source), QuantizeConfig(embeddings=False, residual=True, calib_text="none"))
     model = _load(tiny_llama_source)
     model.model.layers[1].input_layernorm = nn.LayerNorm(512)
     with pytest.raises(ValueError, match="block 1's input_layernorm is LayerNorm"):
@@ -225,7 +226,7 @@ def test_dense_copy_keeps_the_tied_head_map(tiny_source):
     from vqpipe.stages.bench_quality import dense_copy
 
     model = _load(tiny_source)
-    quantize_model(model, 4, embeddings=True, dtype=mx.float32, residual=True)
+    quantize_model(model, QuantizeConfig(dtype=mx.float32, residual=True, threads=1, calib_text="none"))
     x = mx.array(PROMPT)[None]
     want = model(x)
     got = dense_copy(model)(x)

@@ -1,6 +1,7 @@
 """Calibration of a tied embedding/head, and full-precision (non-sequential) second moments."""
 
 import json
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -12,6 +13,7 @@ from vqpipe.store import reservoir as R
 from vqpipe.stages import bench_quality as q
 from vqpipe.quant.calibrate import tied_head
 from vqpipe.layers.qlinear import QuantizedEmbedding, QuantizedLinear
+from vqpipe.quant.config import QuantizeConfig
 from vqpipe.quant.quantize import quantize_model
 
 from test_reservoir import make_model
@@ -19,6 +21,7 @@ from test_reservoir import make_model
 TIED = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "tie_word_embeddings": True}
 CALIB = mx.array(np.random.default_rng(5).integers(0, 256, (4, 32)), dtype=mx.int32)
+GROUPED = QuantizeConfig(3, seed=1, group_size=16, dtype="float32", threads=1, calib_text="none")
 TOKENS = mx.array([[1, 5, 9, 2, 77, 31, 4, 100]], dtype=mx.int32)
 LDL_FACTOR = gptq.ldl_factor
 
@@ -43,7 +46,7 @@ def test_tied_head_detection():
 
 def test_tied_head_is_calibrated_with_group_scales(tmp_path):
     model, config = make_model(TIED)
-    records = quantize_model(model, 3, "auto", 1, embeddings=True, group_size=16, calibration=CALIB)
+    records = quantize_model(model, GROUPED, calibration=CALIB)
     rec = next(r for r in records if r["kind"] == "embedding")
     assert rec["calibrated"] and rec["hessian"] == "final norm" and rec["group_size"] == 16
     emb = model.model.embed_tokens
@@ -60,7 +63,7 @@ def test_calibrated_tied_head_lowers_head_error():
     x = np.array(source.model(CALIB).reshape(-1, 64), dtype=np.float32)  # the final norm's output
     model, _ = make_model(TIED)
     # Full-precision moments: the head's H is exactly x^T x of the source's final norm.
-    quantize_model(model, 2, "auto", 1, embeddings=True, group_size=16, calibration=CALIB, sequential=False)
+    quantize_model(model, replace(GROUPED, bits=2), calibration=CALIB)
     cal = np.array(model.model.embed_tokens.dequantized_weight())
     lin = nn.Linear(64, 256, bias=False)
     lin.weight = mx.array(w)
@@ -76,7 +79,7 @@ def _moments(monkeypatch, bits, sequential):
     seen = []
     monkeypatch.setattr(gptq, "ldl_factor", lambda h, d: seen.append(np.array(h)) or LDL_FACTOR(h, d))
     model, _ = make_model(TIED)
-    quantize_model(model, bits, "auto", 1, group_size=16, calibration=CALIB, sequential=sequential)
+    quantize_model(model, replace(GROUPED, bits=bits, sequential=sequential), calibration=CALIB)
     return seen
 
 
@@ -113,7 +116,7 @@ def test_stored_moments_quantize_as_in_process():
     from vqpipe.quant.calibrate import full_precision_moments
 
     inproc, _ = make_model(TIED)
-    rin = quantize_model(inproc, 3, "auto", 1, embeddings=True, group_size=16, calibration=CALIB, sequential=False)
+    rin = quantize_model(inproc, GROUPED, calibration=CALIB)
     source, _ = make_model(TIED)
     names, sums = full_precision_moments(source, CALIB)
     assert names["model.embed_tokens"] == "final norm" and len(set(names.values())) == 2 * 4 + 1
@@ -128,8 +131,7 @@ def test_stored_moments_quantize_as_in_process():
         want = np.array(gptq.rotate_hessian(sums[key], h.rotation))
         assert np.abs(np.array(h.h) - want).max() <= 1e-5 * np.abs(want).max(), name
     stored, _ = make_model(TIED)
-    rst = quantize_model(stored, 3, "auto", 1, embeddings=True, group_size=16,
-                         moments={n: (k, sums[k]) for n, k in names.items()})
+    rst = quantize_model(stored, GROUPED, moments={n: (k, sums[k]) for n, k in names.items()})
     assert all(r["calibrated"] for r in rst)
     (ma, xa, pa), (mb, xb, pb) = split_state(inproc), split_state(stored)
     assert ma == mb and xa.keys() == xb.keys() and pa.keys() == pb.keys()

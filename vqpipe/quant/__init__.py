@@ -1,2 +1,3 @@
-"""Quantizing a whole mlx-lm model: ``quantize_model`` (``quantize``), calibrated GPTQ (``calibrate``),
-the automatic recipe's widths (``recipe``), the residual rotation, calibration text and evaluation passes."""
+"""Quantizing a whole mlx-lm model: ``quantize_model`` (``quantize``) and its settings (``config``),
+calibrated GPTQ (``calibrate``), the automatic recipe's widths (``recipe``), the residual rotation,
+calibration text and evaluation passes."""

@@ -15,18 +15,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .. import text as corpus
 from ..codec import allocate
 from . import recipe
-from .calibrate import full_precision_moments, quantize_calibrated
-from ..codec.codebook import check_bits
+from .calibrate import calibration_tokens, full_precision_moments, quantize_calibrated
+from .config import QuantizeConfig
 from ..layers.fused import fuse_model, rotation_owner
-from ..parallel import Pool, check_threads
+from ..parallel import Pool
 from .plain_model import plain_model
 from ..prefault import large_blocks_on_heap
 from ..layers.qlinear import QuantizedEmbedding, QuantizedLinear, dense_weight
 from .residual_rotation import rotate_residual, tied, unrotated
-from ..codec.rotation import KINDS, make_rotation, resolve_kind
+from ..codec.rotation import make_rotation, resolve_kind
 
 
 def layer_seed(seed, name):
@@ -68,60 +67,60 @@ def _targets(model, embeddings, lm_head):
     return out
 
 
-def quantize_model(model, bits, rotation="auto", seed=0, embeddings=True, lm_head=True,
-                   dtype=mx.float32, progress=None, group_size=None, calibration=None, damp=None,
-                   fuse=True, sequential=False, moments=None, layer_bits=None, threads=1, residual=False,
-                   tokenizer=None, fisher=None, budget=None):
-    """Quantize ``model`` in place, one layer at a time; returns per-layer records.
+def quantize_model(model, config=None, *, tokenizer=None, calibration=None, moments=None, fisher=None,
+                   progress=None):
+    """Quantize ``model`` in place, one layer at a time, as ``config`` (a QuantizeConfig; None: its
+    defaults, the quantize CLI's) says; returns per-layer records.
 
-    Every nn.Linear (and affine nn.QuantizedLinear, dequantized first) becomes a QuantizedLinear.
-    Embeddings are quantized when ``embeddings`` is true, otherwise kept (dequantized if needed)
-    in ``dtype``, like every other tensor that is not quantized. ``group_size`` gives each group of
-    that many rotated entries of a row its own scale. ``calibration`` (int tokens [n, length])
-    turns on GPTQ with input second moments collected block by block (vqpipe/quant/calibrate.py).
-    ``moments`` ({name: (key, H)}, vqpipe/store/calibration.py) gives GPTQ stored full-precision moments
-    instead (no forward pass). ``layer_bits`` (rules [{match, add|bits}], vqpipe/codec/allocate.py) gives
-    the layers they match their own width; the others get ``bits``. ``dtype=None`` keeps each tensor that is not quantized in its source dtype.
-    ``threads`` > 1 runs the numpy work of group scales / GPTQ on that many threads, beside the
-    MLX work of the next layers (vqpipe/parallel.py); the result is the same. Linears that read
-    the same activation (q/k/v, gate/up) share one rotation (the seed of the first:
-    vqpipe/layers/fused.py), and with ``fuse`` they are computed as one (rows concatenated), as the
-    loaders do, so the reference logits come from the same code path.
+    Every nn.Linear (and affine nn.QuantizedLinear, dequantized first) becomes a QuantizedLinear;
+    the embedding too with ``config.embeddings``, otherwise it is kept (dequantized if needed) in
+    ``config.dtype``, like every other tensor that is not quantized. Linears that read the same
+    activation (q/k/v, gate/up) share one rotation (the seed of the first: vqpipe/layers/fused.py),
+    and with ``config.fuse`` they are computed as one, as the loaders do. ``config.threads`` > 1 runs
+    the numpy work of group scales / GPTQ on that many threads, beside the MLX work of the next
+    layers (vqpipe/parallel.py); the result is the same.
 
-    The recipe (docs/quantize.md, "The automatic recipe"): with calibration data (``tokenizer``:
-    the calibration text's windows, the pipeline's 64 x 512; or ``calibration`` tokens; or
-    ``moments`` and ``fisher`` from a calibrate artifact) and ``sequential`` false, the moments come
-    from the full-precision model and each layer's width from vqpipe/quant/recipe.py: the steps of one
-    or two bits with the largest predicted loss saved per stored bit, within ``budget`` bits per
-    weight over every quantized matrix (None or 'auto': ``bits`` + 0.5, what MLX affine g64
-    stores; 'none': every layer at ``bits``). ``layer_bits`` rules replace the allocation.
-    Without calibration data it is data-free. ``embeddings`` (default true) quantizes the
-    embedding table and so a tied head, as the pipeline does.
+    Calibration data: ``calibration`` (int tokens [n, length]), or ``moments`` ({name: (key, H)})
+    and ``fisher`` from a calibrate artifact (vqpipe/store/calibration.py ``load`` / ``load_fisher``:
+    no forward pass). Without either, ``config.calib_text`` says where tokens come from: 'auto' (the
+    default, as the CLI for a model that is not synthetic) and 'text' the shipped text, 'self' text
+    the model writes, each ``calib_windows`` x ``calib_length`` through ``tokenizer``
+    (vqpipe/quant/calibrate.py ``calibration_tokens``); 'none' is data-free, every layer at
+    ``config.bits``. A text with no tokenizer is a ValueError, not a silent data-free run: the CLI
+    always has the tokenizer, and data-free costs much of the quality, so it is asked for by name.
 
-    ``residual``: first fold one rotation of the residual stream into the model
-    (vqpipe/quant/residual_rotation.py; its seed from ``seed``, kind from ``rotation``); the layers that
-    read the stream and the embedding are then quantized without a rotation of their own. Needs
-    ``rotation`` auto, hadamard or kron, and, for a tied head, ``embeddings``.
+    The recipe (docs/quantize.md, "The automatic recipe"): with calibration data and not
+    ``config.sequential``, the moments come from the full-precision model and each layer's width
+    from vqpipe/quant/recipe.py: the steps of one or two bits with the largest predicted loss saved
+    per stored bit, within ``config.budget`` bits per weight over every quantized matrix ('auto':
+    ``bits`` + 0.5, what MLX affine g64 stores; 'none': every layer at ``bits``).
+    ``config.layer_bits`` rules (vqpipe/codec/allocate.py) replace the allocation.
+
+    ``config.residual``: first fold one rotation of the residual stream into the model
+    (vqpipe/quant/residual_rotation.py; its seed from ``config.seed``, kind from ``config.rotation``);
+    the layers that read the stream and the embedding are then quantized without a rotation of
+    their own. Needs rotation auto, hadamard or kron, and, for a tied head, ``embeddings``.
     """
-    check_bits(bits)
-    if rotation not in KINDS:
-        raise ValueError(f"unknown rotation {rotation!r}; choose one of {', '.join(KINDS)}")
-    if residual:
-        rotate_for_quantize(model, rotation, seed, embeddings)
-    targets = _targets(model, embeddings, lm_head)
+    config = QuantizeConfig() if config is None else config
+    if not isinstance(config, QuantizeConfig):
+        raise TypeError(f"config must be a QuantizeConfig, got {type(config).__name__}")
+    bits, rotation, seed, dtype = config.bits, config.rotation, config.seed, _mx_dtype(config.dtype)
+    if calibration is None and moments is None:  # from the model before a residual rotation, as the stage
+        calibration = _calibration_tokens(model, tokenizer, config)
+    if config.residual:
+        rotate_for_quantize(model, rotation, seed, config.embeddings)
+    targets = _targets(model, config.embeddings, config.lm_head)
     if not any(kind == "linear" for _, _, kind in targets):
         raise ValueError(f"model {type(model).__name__} has no nn.Linear layers to quantize")
-    budget = recipe.check_budget(budget, bits)
-    if tokenizer is not None and calibration is None and moments is None:
-        calibration = corpus.calibration_tokens(tokenizer, CALIBRATION_WINDOWS, CALIBRATION_LENGTH, 0)
-    if calibration is not None and not sequential:  # as the calibrate stage: one full-precision pass
+    budget, layer_bits = recipe.check_budget(config.budget, bits), config.layer_bits
+    if calibration is not None and not config.sequential:  # as the calibrate stage: one full-precision pass
         moments, fisher = calibrate_model(model, calibration, progress, fisher is None and budget is not None and not layer_bits)
         calibration = None
     # Keep names only: holding the source modules would keep every evaluated source weight alive.
     targets = [(name, kind) for name, _, kind in targets]
 
     def kind_of(name):  # the rotation kind layer ``name`` is quantized with
-        return "none" if residual and unrotated(name) else rotation
+        return "none" if config.residual and unrotated(name) else rotation
 
     def rotation_of(name, dim):
         return layer_rotation(kind_of(name), seed, name, dim)
@@ -129,20 +128,40 @@ def quantize_model(model, bits, rotation="auto", seed=0, embeddings=True, lm_hea
     if layer_bits or fisher is None or moments is None or budget is None:
         layer_bits = allocate.resolve(layer_bits or [], [n for n, kind in targets if kind != "dense-embedding"], bits)
     else:
-        layer_bits = _allocate(model, bits, targets, moments, fisher, budget, rotation_of, group_size, damp, progress)
-    pool = Pool(check_threads(threads))
-    quantize_one = _layer_quantizer(model, bits, layer_bits, kind_of, seed, dtype, group_size, damp, pool,
-                                    progress if calibration is None else None, len(targets))
+        layer_bits = _allocate(model, bits, targets, moments, fisher, budget, rotation_of, config.group_size,
+                               config.damp, progress)
+    pool = Pool(config.threads)
+    quantize_one = _layer_quantizer(model, bits, layer_bits, kind_of, seed, dtype, config.group_size, config.damp,
+                                    pool, progress if calibration is None else None, len(targets))
     # With moments, each block makes and frees d x d matrices of 95 MB (a 4864-wide input): kept
     # on the heap and reused instead of mapped afresh (vqpipe/prefault.py; the same bytes)
     heap = large_blocks_on_heap() if calibration is not None or moments is not None else contextlib.nullcontext()
     with pool, heap:
-        records = _quantize_all(model, targets, quantize_one, moments, calibration, progress, sequential, rotation_of)
+        records = _quantize_all(model, targets, quantize_one, moments, calibration, progress, config.sequential,
+                                rotation_of)
     _cast_rest(model, dtype)
     mx.eval(model.parameters())
-    if fuse:
+    if config.fuse:
         fuse_model(model)
     return [r for r in records if r is not None]
+
+
+def _mx_dtype(name):
+    return None if name is None else getattr(mx, name)
+
+
+def _calibration_tokens(model, tokenizer, config):
+    """The tokens ``config``'s calibration text makes through ``tokenizer`` (None: data-free)."""
+    text = config.calib_text
+    if text == "none":
+        return None
+    if tokenizer is None:
+        raise ValueError(f"calib_text {text!r} needs the model's tokenizer: pass tokenizer= (the quantize CLI "
+                         "calibrates on the shipped text), calibration= tokens or moments=, or set "
+                         "QuantizeConfig(calib_text='none') for data-free quantization")
+    text = "text" if text == "auto" else text
+    tokens, _ = calibration_tokens(tokenizer, text, config.calib_windows, config.calib_length, config.calib_seed, model)
+    return tokens
 
 
 def _allocate(model, bits, targets, moments, fisher, budget, rotation_of, group_size, damp, progress):
@@ -227,9 +246,6 @@ def _cast_rest(model, dtype):
         model.load_weights(rest, strict=False)
 
 
-CALIBRATION_WINDOWS, CALIBRATION_LENGTH = 64, 512  # the recipe's calibration text: 64 x 512 tokens
-
-
 def calibrate_model(model, tokens, progress=None, sensitivity=True):
     """({name: (key, H)}, fisher or None): the full-precision moments of ``tokens`` (the calibrate
     stage's) and, with ``sensitivity``, the output Fisher of its first recipe.FISHER_WINDOWS windows."""
@@ -254,7 +270,7 @@ def residual_identity(model, rotation, seed):
 
 
 def rotate_for_quantize(model, rotation, seed, embeddings=True):
-    """Fold the residual rotation quantize_model(..., residual=True) uses into ``model``; returns it."""
+    """Fold the residual rotation quantize_model uses with ``residual`` into ``model``; returns it."""
     if rotation not in ("auto", "hadamard", "kron"):
         raise ValueError(f"a residual rotation is folded with rotation auto, hadamard or kron, not {rotation!r}")
     if tied(model) and not embeddings:

@@ -66,6 +66,7 @@ def requantize(source, bits, rotation, seed=0):
     """(model, seconds): the source loaded and quantized, every parameter evaluated."""
     import mlx.core as mx
 
+    from ..quant.config import QuantizeConfig
     from ..quant.quantize import quantize_model
 
     t0 = time.perf_counter()
@@ -74,7 +75,7 @@ def requantize(source, bits, rotation, seed=0):
         from mlx_lm.utils import load_model
 
         model, _ = load_model(Path(source), lazy=True)
-    quantize_model(model, bits, rotation, seed)
+    quantize_model(model, QuantizeConfig(bits, rotation, seed, dtype="float32", threads=1, calib_text="none"))
     mx.eval(model.parameters())
     return model, time.perf_counter() - t0
 

@@ -43,6 +43,7 @@ from ..layers.fold import unfold_model
 from ..quant.residual_rotation import TiedEmbedding
 from ..store import record
 from ..store.fsutil import atomic_dir, write_json
+from ..quant.config import QuantizeConfig
 from ..quant.quantize import quantize_model
 from ..store.quantized import load_quantized
 from ..bench.env import environment
@@ -149,7 +150,8 @@ def vqpipe_arm(path, bits, rotation, seed, quantized=None, embeddings=False):
         records = json.loads((Path(quantized) / "quantized.json").read_text())["records"]
     else:
         model, _ = load_source(path)
-        records = quantize_model(model, bits, rotation, seed, embeddings=bool(embeddings))
+        config = QuantizeConfig(bits, rotation, seed, bool(embeddings), dtype="float32", threads=1, calib_text="none")
+        records = quantize_model(model, config)
     err = sum(r["squared_error"] for r in records) / sum(r["weight_sq"] for r in records)
     bpw = bits_per_weight(model)  # before the cast: float16 group scales count 16 bits, as stored
     return _fp32(model), err, bpw
@@ -695,10 +697,11 @@ def quantize_method(path, method, bits, seed):
 _CHILD = """
 import json, resource, sys, time
 from mlx_lm.utils import load
+from vqpipe.quant.config import QuantizeConfig
 from vqpipe.quant.quantize import quantize_model
 model, _ = load(sys.argv[1], lazy=True)
 t0 = time.perf_counter()
-quantize_model(model, int(sys.argv[2]), sys.argv[3], 0)
+quantize_model(model, QuantizeConfig(int(sys.argv[2]), sys.argv[3], dtype="float32", threads=1, calib_text="none"))
 dt = time.perf_counter() - t0
 print(json.dumps({"seconds": dt, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """

@@ -17,38 +17,45 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
-
-from .. import __version__, parallel
+from .. import __version__
+from ..parallel import default_threads
 from ..codec.codebook import BITS
 from ..codec.rotation import KINDS
 from ..quant import recipe, residual_rotation
-from ..quant.calibrate import CALIBRATION_TEXTS, auto_calibration, calibration_tokens
+from ..quant.calibrate import auto_calibration, calibration_tokens
+from ..quant.config import CALIB_TEXTS, QuantizeConfig
+from ..quant.config import DTYPES as FLOAT_DTYPES
 from ..quant.quantize import quantize_model, residual_identity
 from ..store import manifest
 from ..store.calibration import load as load_moments
 from ..store.calibration import load_fisher
 from ..store.quantized import save_quantized
 
-DTYPES = {"source": None, "float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+DTYPES = ("source",) + FLOAT_DTYPES  # source: each tensor as the source stores it
 
 
 def peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=True, dtype="source",
+def run(source, out, bits=4, rotation="auto", seed=0, embeddings=True, lm_head=True, dtype="source",
         progress=print, group_size=None, calibration=None, calib_windows=64, calib_length=512,
-        calib_seed=0, damp=None, moments=None, sequential=False, layer_bits=None, threads=1, residual=False,
+        calib_seed=0, damp=None, moments=None, sequential=False, layer_bits=None, threads=None, residual=False,
         budget="auto"):
+    """Quantize ``source`` into the artifact ``out``; the arguments are the CLI's (threads None:
+    every core this process may run on). Returns the record quantized.json holds."""
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if calibration in (None, "auto"):
         calibration = "none" if moments is not None else auto_calibration(source)
-    if group_size is not None and group_size < 1:
-        raise ValueError(f"group size must be a positive integer, got {group_size}")
-    if damp is not None and not 0 < damp < 1:
-        raise ValueError(f"damping must be in (0, 1), got {damp}")
+    elif moments is not None and calibration != "none":
+        raise ValueError("--moments and --calibration text both give calibration; choose one")
+    config = QuantizeConfig(
+        bits=bits, rotation=rotation, seed=seed, embeddings=embeddings, lm_head=lm_head,
+        dtype=None if dtype == "source" else dtype, group_size=group_size, damp=damp, sequential=sequential,
+        layer_bits=layer_bits, residual=residual, budget=budget,
+        threads=default_threads() if threads is None else threads, calib_text=calibration,
+        calib_windows=calib_windows, calib_length=calib_length, calib_seed=calib_seed)
     source = Path(source)
     if not (source / "config.json").is_file():
         raise ValueError(f"source model directory {source} has no config.json")
@@ -57,9 +64,7 @@ def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=Tru
     # such even where the damage made the quantization itself fail first.
     check = manifest.Background(source)
     try:
-        info = _quantize(source, bits, rotation, seed, embeddings, lm_head, dtype, progress, group_size,
-                         calibration, calib_windows, calib_length, calib_seed, damp, moments, sequential,
-                         layer_bits, threads, residual, budget)
+        info = _quantize(source, config, moments, progress)
     except BaseException:
         check.result()
         raise
@@ -70,42 +75,37 @@ def run(source, out, bits, rotation="auto", seed=0, embeddings=True, lm_head=Tru
     return info
 
 
-def _quantize(source, bits, rotation, seed, embeddings, lm_head, dtype, progress, group_size,
-              calibration, calib_windows, calib_length, calib_seed, damp, moments, sequential, layer_bits,
-              threads, residual=False, budget="auto"):
+def _quantize(source, config, moments=None, progress=print):
     """The quantized model, its tokenizer and the record's fields (run's work before saving)."""
     from mlx_lm.utils import load
 
     model, tokenizer = load(str(source), lazy=True)
-    tokens, calib = calibration_tokens(tokenizer, calibration, calib_windows, calib_length, calib_seed, model)
+    tokens, calib = calibration_tokens(tokenizer, config.calib_text, config.calib_windows, config.calib_length,
+                                       config.calib_seed, model)
     stored = fisher = None
     if moments is not None:
-        if tokens is not None:
-            raise ValueError("--moments and --calibration text both give calibration; choose one")
-        ident = residual_identity(model, rotation, seed) if residual else None
+        ident = residual_identity(model, config.rotation, config.seed) if config.residual else None
         stored, minfo = load_moments(moments, ident)
         fisher = load_fisher(moments, ident)
         calib = {**minfo["calibration"], "moments": str(moments), "sensitivity": minfo.get("sensitivity")}
     elif calib is not None:
-        calib["sequential"] = sequential
+        calib["sequential"] = config.sequential
     t0 = time.perf_counter()
-    records = quantize_model(model, bits, rotation, seed, embeddings, lm_head, DTYPES[dtype], progress,
-                             group_size, tokens, damp, moments=stored, sequential=sequential,
-                             layer_bits=layer_bits, threads=threads, residual=residual, fisher=fisher,
-                             budget=budget)
+    records = quantize_model(model, config, calibration=tokens, moments=stored, fisher=fisher, progress=progress)
     seconds = time.perf_counter() - t0
     total, weights = recipe.model_bits(model)
-    allocation = {"budget": recipe.check_budget(budget, bits), "bpw": total / weights,
+    bits, layer_bits = config.bits, config.layer_bits
+    allocation = {"budget": recipe.check_budget(config.budget, bits), "bpw": total / weights,
                   "rules": bool(layer_bits),
                   # the widths came from vqpipe/quant/recipe.py (quantize_model's condition)
-                  "automatic": calib is not None and not layer_bits and budget != "none" and not sequential
-                  and (moments is None or fisher is not None),
+                  "automatic": calib is not None and not layer_bits and config.budget != "none"
+                  and not config.sequential and (moments is None or fisher is not None),
                   "widths": {r["name"]: r["bits"] for r in records if r["bits"] != bits}}
     info = {
-        "vqpipe_version": __version__, "source": str(source), "bits": bits, "rotation": rotation,
-        "seed": seed, "embeddings": embeddings, "lm_head": lm_head, "dtype": dtype,
-        "group_size": group_size, "calibration": calib, "damp": damp, "layer_bits": layer_bits or [],
-        "allocation": allocation,
+        "vqpipe_version": __version__, "source": str(source), "bits": bits, "rotation": config.rotation,
+        "seed": config.seed, "embeddings": config.embeddings, "lm_head": config.lm_head,
+        "dtype": config.dtype or "source", "group_size": config.group_size, "calibration": calib,
+        "damp": config.damp, "layer_bits": layer_bits or [], "allocation": allocation,
         "residual_rotation": residual_rotation.of(model),
         "quantize_seconds": seconds, "peak_rss_bytes": peak_rss_bytes(), "records": records,
         "model": model, "tokenizer": tokenizer,
@@ -138,7 +138,7 @@ def parser():
                    "each tensor as the source stores it)")
     p.add_argument("--group-size", type=int, default=None,
                    help="a float16 scale per this many rotated entries of a row (default: one per row)")
-    p.add_argument("--calibration", default="auto", choices=("auto",) + CALIBRATION_TEXTS,
+    p.add_argument("--calibration", default="auto", choices=CALIB_TEXTS,
                    help="auto (default): text, or none with --moments or for a synth: source; text: GPTQ and the bit allocation from the calibration split of vqpipe/text.py; "
                    "self: from text the model writes itself (vqpipe/quant/selfgen.py); none: data-free")
     p.add_argument("--calib-windows", type=int, default=64, help="calibration windows")
@@ -178,7 +178,7 @@ def main(argv=None):
             group_size=args.group_size, calibration=args.calibration, calib_windows=args.calib_windows,
             calib_length=args.calib_length, calib_seed=args.calib_seed, damp=args.damp, moments=args.moments,
             sequential=args.sequential, layer_bits=layer_bits, residual=args.residual_rotation, budget=args.budget,
-            threads=parallel.default_threads() if args.threads is None else args.threads)
+            threads=args.threads)
     except (ValueError, OSError) as e:  # OSError: e.g. disk full, named with its path
         where = "" if isinstance(e, ValueError) or e.filename else f"writing {args.out}: "
         print(f"vqpipe quantize: error: {where}{e}", file=sys.stderr)

@@ -1,0 +1,90 @@
+"""The settings of a quantization: what ``quantize_model`` does, apart from the data it is given.
+
+Its defaults are the quantize CLI's and the pipeline's (tests/test_recipe.py checks they agree):
+4 bits, the automatic rotation, the embedding quantized, tensors that stay unquantized in their
+source dtype, calibrated on the shipped text (64 windows x 512 tokens) with per-layer widths to
+bits + 0.5 bits per weight, on every core this process may run on.
+"""
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..codec import allocate
+from ..codec.codebook import check_bits
+from ..codec.rotation import KINDS
+from ..parallel import check_threads, default_threads
+from . import recipe
+from .calibrate import CALIBRATION_TEXTS
+
+DTYPES = ("float32", "bfloat16", "float16")
+CALIB_TEXTS = ("auto",) + CALIBRATION_TEXTS
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    """How to quantize a model (vqpipe/quant/quantize.py ``quantize_model``).
+
+    - ``bits``: the model's width; ``rotation``: a kind of vqpipe/codec/rotation.py, seeded by ``seed``.
+    - ``embeddings``: quantize the embedding table (and so a tied head); ``lm_head``: an untied head.
+    - ``dtype``: of the tensors that stay unquantized, a name or an mx dtype, kept by name (None:
+      each as the source stores it).
+    - ``group_size``: a scale per that many rotated entries of a row (None: one per row);
+      ``damp``: GPTQ damping (None: vqpipe/codec/gptq.py's).
+    - ``fuse``: q/k/v and gate/up computed as one, as the loaders do.
+    - ``sequential``: each block's moments from the already quantized blocks (no allocation then).
+    - ``layer_bits``: rules [{match, add|bits}] (vqpipe/codec/allocate.py) that replace the allocation.
+    - ``residual``: fold one rotation of the residual stream into the model first.
+    - ``budget``: bits per weight for the per-layer widths ('auto': bits + 0.5, 'none': every
+      layer at ``bits``, or a number).
+    - ``threads``: for the numpy work; the result does not depend on it.
+    - ``calib_text``: the calibration text a tokenizer makes ('auto' and 'text': the shipped text,
+      'self': the model's own, 'none': data-free), ``calib_windows`` x ``calib_length`` tokens at
+      offsets from ``calib_seed``.
+    """
+
+    bits: int = 4
+    rotation: str = "auto"
+    seed: int = 0
+    embeddings: bool = True
+    lm_head: bool = True
+    dtype: str | None = None
+    group_size: int | None = None
+    damp: float | None = None
+    fuse: bool = True
+    sequential: bool = False
+    layer_bits: list | None = None
+    residual: bool = False
+    budget: str | float = "auto"
+    threads: int = field(default_factory=default_threads)
+    calib_text: str = "auto"
+    calib_windows: int = 64
+    calib_length: int = 512
+    calib_seed: int = 0
+
+    def __post_init__(self):
+        check_bits(self.bits)
+        if self.rotation not in KINDS:
+            raise ValueError(f"unknown rotation {self.rotation!r}; choose one of {', '.join(KINDS)}")
+        if isinstance(self.dtype, mx.Dtype):  # kept by name: comparable, and printed as the CLI's
+            object.__setattr__(self, "dtype", str(self.dtype).rsplit(".", 1)[-1])
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of None (the source's), {', '.join(DTYPES)}")
+        if self.group_size is not None and not (_integer(self.group_size) and self.group_size >= 1):
+            raise ValueError(f"group_size must be a positive integer or None, got {self.group_size!r}")
+        if self.damp is not None and not (isinstance(self.damp, (int, float)) and 0 < self.damp < 1):
+            raise ValueError(f"damp must be in (0, 1), got {self.damp!r}")
+        if self.layer_bits is not None:
+            allocate.check_rules(self.layer_bits)
+        recipe.check_budget(self.budget, self.bits)
+        check_threads(self.threads)
+        if self.calib_text not in CALIB_TEXTS:
+            raise ValueError(f"unknown calib_text {self.calib_text!r}; choose one of {', '.join(CALIB_TEXTS)}")
+        if not (_integer(self.calib_windows) and self.calib_windows >= 1):
+            raise ValueError(f"calib_windows must be an integer of at least 1, got {self.calib_windows!r}")
+        if not (_integer(self.calib_length) and self.calib_length >= 2):
+            raise ValueError(f"calib_length must be an integer of at least 2, got {self.calib_length!r}")
+
+
+def _integer(value):
+    return isinstance(value, int) and not isinstance(value, bool)
