@@ -1,0 +1,304 @@
+#include "trellis.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "kernel.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define VQ_X86 1
+#include <immintrin.h>
+#endif
+
+// Built with -ffp-contract=off (CMakeLists.txt): the Viterbi's (x - t)^2 + cost must round twice,
+// as numpy does, or a tie could break differently from the reference.
+
+namespace vqpipe {
+
+namespace {
+
+// ---- Viterbi --------------------------------------------------------------------------------
+
+struct Buffers {
+  std::vector<float> cost, next;
+  std::vector<uint8_t> back; // [T, P]: the chosen predecessor's top k bits, per step and low state
+};
+
+// The path ending in the cheapest final state (the lowest on ties), read back through `back`.
+void traceback(const float* cost, const uint8_t* back, int T, int L, int k, int32_t* out) {
+  const int S = 1 << L, P = S >> k;
+  int t = 0;
+  for (int u = 1; u < S; ++u) {
+    if (cost[u] < cost[t]) t = u;
+  }
+  for (int i = T - 1; i >= 0; --i) {
+    out[i] = t;
+    t = (back[static_cast<size_t>(i) * P + (t >> k)] << (L - k)) | (t >> k);
+  }
+}
+
+// State t's predecessors are top << (L - k) | t >> k: their costs, for t >> k = j, are
+// cost[top * P + j], contiguous in j. The first minimum (strict <, top ascending) is numpy's argmin.
+void viterbi_portable(const float* x, int T, int L, int k, const float* table, int32_t* out, Buffers& b) {
+  const int S = 1 << L, K = 1 << k, P = S >> k;
+  float *cost = b.cost.data(), *next = b.next.data();
+  std::vector<float> m(P);
+  std::fill(cost, cost + S, std::numeric_limits<float>::infinity());
+  cost[0] = 0.0f;
+  for (int i = 0; i < T; ++i) {
+    uint8_t* bk = b.back.data() + static_cast<size_t>(i) * P;
+    for (int j = 0; j < P; ++j) {
+      m[j] = cost[j];
+      bk[j] = 0;
+    }
+    for (int top = 1; top < K; ++top) {
+      const float* c = cost + top * P;
+      for (int j = 0; j < P; ++j) {
+        if (c[j] < m[j]) {
+          m[j] = c[j];
+          bk[j] = static_cast<uint8_t>(top);
+        }
+      }
+    }
+    const float xi = x[i];
+    for (int t = 0; t < S; ++t) {
+      const float d = xi - table[t];
+      next[t] = d * d + m[t >> k];
+    }
+    std::swap(cost, next);
+  }
+  traceback(cost, b.back.data(), T, L, k, out);
+}
+
+#ifdef VQ_X86
+
+// Eight low states j at a time: the min over the K predecessor rows (min_ps keeps the earlier on
+// ties, as strict < does), then their K * 8 successors t = j * K + b, each (x - table[t])^2 + m[j].
+template <int k>
+__attribute__((target("avx2"))) void viterbi_avx2(
+    const float* x, int T, int L, const float* table, int32_t* out, Buffers& b) {
+  constexpr int K = 1 << k;
+  const int S = 1 << L, P = S >> k;
+  float *cost = b.cost.data(), *next = b.next.data();
+  std::fill(cost, cost + S, std::numeric_limits<float>::infinity());
+  cost[0] = 0.0f;
+  // byte 0 of each 32-bit lane to the low 4 bytes of its 128-bit half
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i halves = _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0);
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int i = 0; i < T; ++i) {
+    uint8_t* bk = b.back.data() + static_cast<size_t>(i) * P;
+    const __m256 xv = _mm256_set1_ps(x[i]);
+    for (int j = 0; j < P; j += 8) {
+      __m256 m = _mm256_loadu_ps(cost + j);
+      __m256 arg = _mm256_setzero_ps();
+      for (int top = 1; top < K; ++top) {
+        const __m256 c = _mm256_loadu_ps(cost + top * P + j);
+        const __m256 lt = _mm256_cmp_ps(c, m, _CMP_LT_OQ);
+        m = _mm256_min_ps(c, m);
+        arg = _mm256_blendv_ps(arg, _mm256_castsi256_ps(_mm256_set1_epi32(top)), lt);
+      }
+      const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(_mm256_castps_si256(arg), pick), halves);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(bk + j), _mm256_castsi256_si128(bytes));
+      float* nt = next + j * K;
+      const float* tb = table + j * K;
+      for (int v = 0; v < K; ++v) {
+        // successor 8v + l of this block comes from low state (8v + l) >> k
+        const __m256i from = _mm256_srli_epi32(_mm256_add_epi32(iota, _mm256_set1_epi32(8 * v)), k);
+        const __m256 d = _mm256_sub_ps(xv, _mm256_loadu_ps(tb + 8 * v));
+        _mm256_storeu_ps(nt + 8 * v, _mm256_add_ps(_mm256_mul_ps(d, d), _mm256_permutevar8x32_ps(m, from)));
+      }
+    }
+    std::swap(cost, next);
+  }
+  traceback(cost, b.back.data(), T, L, k, out);
+}
+
+bool viterbi_fast(const float* x, int T, int L, int k, const float* table, int32_t* out, Buffers& b) {
+  if (!has_avx2() || (L - k) < 3) return false; // needs 8 low states per block
+  switch (k) {
+    case 1: viterbi_avx2<1>(x, T, L, table, out, b); return true;
+    case 2: viterbi_avx2<2>(x, T, L, table, out, b); return true;
+    case 3: viterbi_avx2<3>(x, T, L, table, out, b); return true;
+    case 4: viterbi_avx2<4>(x, T, L, table, out, b); return true;
+    case 5: viterbi_avx2<5>(x, T, L, table, out, b); return true;
+    case 6: viterbi_avx2<6>(x, T, L, table, out, b); return true;
+    default: return false;
+  }
+}
+
+#endif // VQ_X86
+
+} // namespace
+
+void trellis_viterbi(const float* x, int64_t s0, int64_t s1, int T, int L, int k, const float* table,
+                     int32_t* states) {
+  const int S = 1 << L;
+  Buffers b;
+  b.cost.resize(S);
+  b.next.resize(S);
+  b.back.resize(static_cast<size_t>(T) * (S >> k));
+  for (int64_t s = s0; s < s1; ++s) {
+    const float* xs = x + s * T;
+    int32_t* out = states + s * T;
+#ifdef VQ_X86
+    if (viterbi_fast(xs, T, L, k, table, out, b)) continue;
+#endif
+    viterbi_portable(xs, T, L, k, table, out, b);
+  }
+}
+
+// ---- mat-vec --------------------------------------------------------------------------------
+
+int trellis_window(int L, int k) {
+  return (L + k - 1) / k * k;
+}
+
+// Window bits: step q of the window's n = window / k steps at bits [kq, kq + k), the newest on top
+// (bitpack's stream order); the state holds the newest step in its low bits.
+void trellis_window_table(const float* table, int L, int k, float* out) {
+  const int W = trellis_window(L, k), n = W / k;
+  const uint32_t step = (1u << k) - 1, mask = (1u << L) - 1;
+  for (uint32_t w = 0; w < (1u << W); ++w) {
+    uint32_t s = 0;
+    for (int j = 0; j < n; ++j) s |= ((w >> (k * (n - 1 - j))) & step) << (k * j);
+    out[w] = table[s & mask];
+  }
+}
+
+namespace {
+
+constexpr int kMaxM = 4; // rows of x per pass
+
+// A tile's stream shifted through a window register, one weight at a time.
+void blocks_portable(const TrellisArgs& a, int b0, int b1, int m0, int mc) {
+  const int k = a.k, W = a.window, words = 8 * k, tiles = a.cols / kTileCols;
+  const uint32_t mask = (1u << W) - 1;
+  float acc[kMaxM][kTileRows];
+  for (int rb = b0; rb < b1; ++rb) {
+    std::fill(&acc[0][0], &acc[0][0] + kMaxM * kTileRows, 0.0f);
+    for (int cb = 0; cb < tiles; ++cb) {
+      const uint32_t* tile = a.packed + (static_cast<size_t>(rb) * tiles + cb) * words;
+      uint32_t w = 0;
+      for (int i = 0; i < kTileRows * kTileCols; ++i) {
+        const int bit = k * i, word = bit >> 5, shift = bit & 31;
+        uint32_t q = tile[word] >> shift;
+        if (shift + k > 32) q |= tile[word + 1] << (32 - shift);
+        w = ((w >> k) | ((q & ((1u << k) - 1)) << (W - k))) & mask;
+        const float v = a.table[w];
+        const int col = cb * kTileCols + i / kTileRows;
+        for (int mm = 0; mm < mc; ++mm) acc[mm][i % kTileRows] += v * a.x[static_cast<size_t>(m0 + mm) * a.cols + col];
+      }
+    }
+    for (int mm = 0; mm < mc; ++mm) {
+      for (int r = 0; r < kTileRows; ++r) {
+        const int row = rb * kTileRows + r;
+        float y = acc[mm][r] * a.row_scales[row];
+        if (a.bias) y += a.bias[row];
+        a.y[static_cast<size_t>(m0 + mm) * a.rows + row] = y;
+      }
+    }
+  }
+}
+
+#ifdef VQ_X86
+
+// Weights 8G..8G+7 of a tile (rows 8(G % 4).. of column G / 4): 64 stream bits from byte kG - 2
+// hold all eight windows (k <= 6); two 32-bit pieces, four windows each, shifted apart in lanes,
+// then the window table. The tile's first and last groups read inside the tile only.
+template <int k>
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 values8(
+    const uint8_t* tile, int G, int W, __m256i shifts, __m256i mask, const float* table) {
+  constexpr int bytes = 32 * k;
+  const int at = G * k - 2, o = std::clamp(at, 0, bytes - 8);
+  uint64_t u;
+  std::memcpy(&u, tile + o, 8);
+  u = at >= o ? u >> (8 * (at - o)) : u << (8 * (o - at)); // bit 0 = stream bit 8kG - 16
+  const int s0 = 16 + k - W;
+  const uint32_t lo = static_cast<uint32_t>(u >> s0), hi = static_cast<uint32_t>(u >> (s0 + 4 * k));
+  __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32(static_cast<int>(lo))),
+                                      _mm_set1_epi32(static_cast<int>(hi)), 1);
+  w = _mm256_and_si256(_mm256_srlv_epi32(w, shifts), mask);
+  return _mm256_i32gather_ps(table, w, 4);
+}
+
+template <int k, int M>
+__attribute__((target("avx2,fma"))) void blocks_avx2(const TrellisArgs& a, int b0, int b1, int m0) {
+  const int tiles = a.cols / kTileCols;
+  const __m256i shifts = _mm256_setr_epi32(0, k, 2 * k, 3 * k, 0, k, 2 * k, 3 * k);
+  const __m256i mask = _mm256_set1_epi32((1 << a.window) - 1);
+  const float* x = a.x + static_cast<size_t>(m0) * a.cols;
+  for (int rb = b0; rb < b1; ++rb) {
+    __m256 acc[M][4];
+    for (int mm = 0; mm < M; ++mm) {
+      for (int g = 0; g < 4; ++g) acc[mm][g] = _mm256_setzero_ps();
+    }
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(a.packed + static_cast<size_t>(rb) * tiles * 8 * k);
+    for (int cb = 0; cb < tiles; ++cb) {
+      const uint8_t* tile = row + cb * 32 * k;
+#pragma GCC unroll 8
+      for (int c = 0; c < kTileCols; ++c) {
+        __m256 xb[M];
+        for (int mm = 0; mm < M; ++mm) xb[mm] = _mm256_broadcast_ss(x + static_cast<size_t>(mm) * a.cols + cb * kTileCols + c);
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g) {
+          const __m256 v = values8<k>(tile, 4 * c + g, a.window, shifts, mask, a.table);
+          for (int mm = 0; mm < M; ++mm) acc[mm][g] = _mm256_fmadd_ps(v, xb[mm], acc[mm][g]);
+        }
+      }
+    }
+    const int r0 = rb * kTileRows;
+    for (int g = 0; g < 4; ++g) {
+      const __m256 s = _mm256_loadu_ps(a.row_scales + r0 + 8 * g);
+      const __m256 bias = a.bias ? _mm256_loadu_ps(a.bias + r0 + 8 * g) : _mm256_setzero_ps();
+      for (int mm = 0; mm < M; ++mm) {
+        _mm256_storeu_ps(a.y + static_cast<size_t>(m0 + mm) * a.rows + r0 + 8 * g,
+                         _mm256_add_ps(_mm256_mul_ps(acc[mm][g], s), bias));
+      }
+    }
+  }
+}
+
+template <int k>
+void blocks_avx2_m(const TrellisArgs& a, int b0, int b1, int m0, int mc) {
+  switch (mc) {
+    case 1: return blocks_avx2<k, 1>(a, b0, b1, m0);
+    case 2: return blocks_avx2<k, 2>(a, b0, b1, m0);
+    case 3: return blocks_avx2<k, 3>(a, b0, b1, m0);
+    default: return blocks_avx2<k, 4>(a, b0, b1, m0);
+  }
+}
+
+bool blocks_fast(const TrellisArgs& a, int b0, int b1, int m0, int mc) {
+  // eight windows in 64 bits from byte kG - 2, four in each 32-bit piece
+  if (!has_avx2() || 16 + a.k < a.window || 3 * a.k + a.window > 32) return false;
+  switch (a.k) {
+    case 1: blocks_avx2_m<1>(a, b0, b1, m0, mc); return true;
+    case 2: blocks_avx2_m<2>(a, b0, b1, m0, mc); return true;
+    case 3: blocks_avx2_m<3>(a, b0, b1, m0, mc); return true;
+    case 4: blocks_avx2_m<4>(a, b0, b1, m0, mc); return true;
+    case 5: blocks_avx2_m<5>(a, b0, b1, m0, mc); return true;
+    case 6: blocks_avx2_m<6>(a, b0, b1, m0, mc); return true;
+    default: return false;
+  }
+}
+
+#endif // VQ_X86
+
+} // namespace
+
+void trellis_matvec_blocks(const TrellisArgs& a, int b0, int b1) {
+  for (int m0 = 0; m0 < a.m; m0 += kMaxM) {
+    const int mc = std::min(kMaxM, a.m - m0);
+#ifdef VQ_X86
+    if (blocks_fast(a, b0, b1, m0, mc)) continue;
+#endif
+    blocks_portable(a, b0, b1, m0, mc);
+  }
+}
+
+} // namespace vqpipe
