@@ -83,13 +83,16 @@ NB_MODULE(_ext, m) {
       "x"_a,
       "packed"_a,
       "scales"_a,
-      "table"_a,
       "k"_a,
+      "L"_a,
+      "a"_a,
+      "b"_a,
       "bias"_a = nb::none(),
       nb::kw_only(),
       "stream"_a = nb::none(),
-      "y[..., r] = s_r * sum_c table[state_rc] x[..., c] + b_r from the rotated input x and the "
-      "trellis codes (tiles of 32 rows x 8 columns, vqpipe.codec.trellis), in x's dtype; CPU.");
+      "y[..., r] = s_r * sum_c code(state_rc) x[..., c] + bias_r from the rotated input x and the "
+      "trellis codes (tiles of 32 rows x 8 columns, vqpipe.codec.trellis), code(s) = fma(a, 1MAD "
+      "byte sum of s, b) over L-bit states; in x's dtype; CPU.");
   m.def("has_avx2", &vqpipe::has_avx2, "Whether the CPU kernel uses AVX2/FMA here.");
   m.def("set_portable", &vqpipe::set_portable, "flag"_a,
         "Take the portable kernel even where AVX2 is there (tests); returns the previous setting.");

@@ -1,6 +1,7 @@
 #include "trellis.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -154,42 +155,34 @@ void trellis_viterbi(const float* x, int64_t s0, int64_t s1, int T, int L, int k
 
 // ---- mat-vec --------------------------------------------------------------------------------
 
-int trellis_window(int L, int k) {
-  return (L + k - 1) / k * k;
-}
-
-// Window bits: step q of the window's n = window / k steps at bits [kq, kq + k), the newest on top
-// (bitpack's stream order); the state holds the newest step in its low bits.
-void trellis_window_table(const float* table, int L, int k, float* out) {
-  const int W = trellis_window(L, k), n = W / k;
-  const uint32_t step = (1u << k) - 1, mask = (1u << L) - 1;
-  for (uint32_t w = 0; w < (1u << W); ++w) {
-    uint32_t s = 0;
-    for (int j = 0; j < n; ++j) s |= ((w >> (k * (n - 1 - j))) & step) << (k * j);
-    out[w] = table[s & mask];
-  }
+float trellis_code(uint32_t state, float a, float b) {
+  const uint32_t h = state * kLcgMul + kLcgAdd;
+  const int sum = (h & 255) + ((h >> 8) & 255) + ((h >> 16) & 255) + (h >> 24);
+  return std::fma(a, static_cast<float>(sum), b);
 }
 
 namespace {
 
 constexpr int kMaxM = 4; // rows of x per pass
 
-// A tile's stream shifted through a window register, one weight at a time.
+// Each tile's states in sequence (s = (s << k | b) mod 2^L), values from a table of the code.
 void blocks_portable(const TrellisArgs& a, int b0, int b1, int m0, int mc) {
-  const int k = a.k, W = a.window, words = 8 * k, tiles = a.cols / kTileCols;
-  const uint32_t mask = (1u << W) - 1;
+  const int k = a.k, words = 8 * k, tiles = a.cols / kTileCols;
+  const uint32_t mask = (1u << a.L) - 1;
+  std::vector<float> table(size_t{1} << a.L);
+  for (uint32_t t = 0; t <= mask; ++t) table[t] = trellis_code(t, a.a, a.b);
   float acc[kMaxM][kTileRows];
   for (int rb = b0; rb < b1; ++rb) {
     std::fill(&acc[0][0], &acc[0][0] + kMaxM * kTileRows, 0.0f);
     for (int cb = 0; cb < tiles; ++cb) {
       const uint32_t* tile = a.packed + (static_cast<size_t>(rb) * tiles + cb) * words;
-      uint32_t w = 0;
+      uint32_t s = 0;
       for (int i = 0; i < kTileRows * kTileCols; ++i) {
         const int bit = k * i, word = bit >> 5, shift = bit & 31;
         uint32_t q = tile[word] >> shift;
         if (shift + k > 32) q |= tile[word + 1] << (32 - shift);
-        w = ((w >> k) | ((q & ((1u << k) - 1)) << (W - k))) & mask;
-        const float v = a.table[w];
+        s = ((s << k) | (q & ((1u << k) - 1))) & mask;
+        const float v = table[s];
         const int col = cb * kTileCols + i / kTileRows;
         for (int mm = 0; mm < mc; ++mm) acc[mm][i % kTileRows] += v * a.x[static_cast<size_t>(m0 + mm) * a.cols + col];
       }
@@ -207,46 +200,108 @@ void blocks_portable(const TrellisArgs& a, int b0, int b1, int m0, int mc) {
 
 #ifdef VQ_X86
 
-// Weights 8G..8G+7 of a tile (rows 8(G % 4).. of column G / 4): 64 stream bits from byte kG - 2
-// hold all eight windows (k <= 6); two 32-bit pieces, four windows each, shifted apart in lanes,
-// then the window table. The tile's first and last groups read inside the tile only.
+// Widths that divide 8: a tile's stream with its k-bit steps reversed (the byte order, then the
+// steps inside each byte), so a state is a plain bit field: weight i's at bit k(255 - i), the newest
+// step lowest, older ones above it and zeros above the tile's first step (rev[4k] = 0).
 template <int k>
-__attribute__((target("avx2,fma"), always_inline)) inline __m256 values8(
-    const uint8_t* tile, int G, int W, __m256i shifts, __m256i mask, const float* table) {
-  constexpr int bytes = 32 * k;
-  const int at = G * k - 2, o = std::clamp(at, 0, bytes - 8);
-  uint64_t u;
-  std::memcpy(&u, tile + o, 8);
-  u = at >= o ? u >> (8 * (at - o)) : u << (8 * (o - at)); // bit 0 = stream bit 8kG - 16
-  const int s0 = 16 + k - W;
-  const uint32_t lo = static_cast<uint32_t>(u >> s0), hi = static_cast<uint32_t>(u >> (s0 + 4 * k));
-  __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32(static_cast<int>(lo))),
-                                      _mm_set1_epi32(static_cast<int>(hi)), 1);
-  w = _mm256_and_si256(_mm256_srlv_epi32(w, shifts), mask);
-  return _mm256_i32gather_ps(table, w, 4);
+inline void reverse_steps(const uint8_t* tile, uint64_t* rev) {
+  constexpr int n = 4 * k; // 64-bit words in a tile
+  for (int j = 0; j < n; ++j) {
+    uint64_t x;
+    std::memcpy(&x, tile + 8 * (n - 1 - j), 8);
+    x = __builtin_bswap64(x);
+    if constexpr (k <= 4) x = ((x >> 4) & 0x0F0F0F0F0F0F0F0Full) | ((x & 0x0F0F0F0F0F0F0F0Full) << 4);
+    if constexpr (k <= 2) x = ((x >> 2) & 0x3333333333333333ull) | ((x & 0x3333333333333333ull) << 2);
+    if constexpr (k == 1) x = ((x >> 1) & 0x5555555555555555ull) | ((x & 0x5555555555555555ull) << 1);
+    rev[j] = x;
+  }
+  rev[n] = 0;
+}
+
+template <int k>
+constexpr bool kReversed = 8 % k == 0;
+
+// The states of weights 8G..8G+7 of a tile (rows 8(G % 4).. of column G / 4) as int32 lanes.
+// Reversed widths: one 64-bit load of the reversed stream. Others: the eight natural windows of
+// ceil(L / k) steps from 64 stream bits at byte kG - 2 (bitpack's order, the newest step on top),
+// then each window's steps reversed in the lanes.
+template <int k>
+__attribute__((target("avx2,fma"), always_inline)) inline __m256i states8(
+    const uint8_t* tile, const uint64_t* rev, int G, int L, __m256i mask) {
+  if constexpr (kReversed<k>) {
+    const int bit = k * (248 - 8 * G); // lane 7's state; lane l's is k(7 - l) bits above
+    uint64_t u;
+    std::memcpy(&u, reinterpret_cast<const uint8_t*>(rev) + bit / 8, 8);
+    __m256i w;
+    if constexpr (7 * k + 16 <= 32) {
+      w = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(u)),
+                            _mm256_setr_epi32(7 * k, 6 * k, 5 * k, 4 * k, 3 * k, 2 * k, k, 0));
+    } else {
+      const __m256i both = _mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_set1_epi32(static_cast<int>(u >> (4 * k)))), _mm_set1_epi32(static_cast<int>(u)), 1);
+      w = _mm256_srlv_epi32(both, _mm256_setr_epi32(3 * k, 2 * k, k, 0, 3 * k, 2 * k, k, 0));
+    }
+    return _mm256_and_si256(w, mask);
+  } else {
+    constexpr int bytes = 32 * k;
+    const int n = (L + k - 1) / k, W = n * k;
+    const int at = G * k - 2, o = std::clamp(at, 0, bytes - 8);
+    uint64_t u;
+    std::memcpy(&u, tile + o, 8);
+    u = at >= o ? u >> (8 * (at - o)) : u << (8 * (o - at)); // bit 0 = stream bit 8kG - 16
+    const int s0 = 16 + k - W; // lane 0's window; lane l's k l bits above
+    const uint32_t lo = static_cast<uint32_t>(u >> s0), hi = static_cast<uint32_t>(u >> (s0 + 4 * k));
+    __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32(static_cast<int>(lo))),
+                                        _mm_set1_epi32(static_cast<int>(hi)), 1);
+    w = _mm256_srlv_epi32(w, _mm256_setr_epi32(0, k, 2 * k, 3 * k, 0, k, 2 * k, 3 * k));
+    // step j of the window (bits kj..) is step n - 1 - j of the state
+    __m256i s = _mm256_setzero_si256();
+    for (int j = 0; j < n; ++j) {
+      const int d = k * (n - 1 - 2 * j); // up by d bits
+      const __m256i part = d >= 0 ? _mm256_slli_epi32(w, d) : _mm256_srli_epi32(w, -d);
+      s = _mm256_or_si256(s, _mm256_and_si256(part, _mm256_set1_epi32(((1 << k) - 1) << (k * (n - 1 - j)))));
+    }
+    return _mm256_and_si256(s, mask);
+  }
+}
+
+// 1MAD of eight states: the LCG, the sum of its four bytes, one fused multiply-add.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 code8(__m256i s, __m256 a, __m256 b) {
+  const __m256i h = _mm256_add_epi32(_mm256_mullo_epi32(s, _mm256_set1_epi32(static_cast<int>(kLcgMul))),
+                                     _mm256_set1_epi32(static_cast<int>(kLcgAdd)));
+  const __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(h, _mm256_set1_epi8(1)), _mm256_set1_epi16(1));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), a, b);
 }
 
 template <int k, int M>
 __attribute__((target("avx2,fma"))) void blocks_avx2(const TrellisArgs& a, int b0, int b1, int m0) {
   const int tiles = a.cols / kTileCols;
-  const __m256i shifts = _mm256_setr_epi32(0, k, 2 * k, 3 * k, 0, k, 2 * k, 3 * k);
-  const __m256i mask = _mm256_set1_epi32((1 << a.window) - 1);
+  const __m256i mask = _mm256_set1_epi32((1 << a.L) - 1);
+  const __m256 ca = _mm256_set1_ps(a.a), cb_ = _mm256_set1_ps(a.b);
   const float* x = a.x + static_cast<size_t>(m0) * a.cols;
+  // two buffers: a tile's reversed stream is written one tile ahead of its reads, so its loads
+  // (at byte offsets that straddle the stores) do not wait on store forwarding
+  uint64_t revs[2][4 * 4 + 1];
   for (int rb = b0; rb < b1; ++rb) {
     __m256 acc[M][4];
     for (int mm = 0; mm < M; ++mm) {
       for (int g = 0; g < 4; ++g) acc[mm][g] = _mm256_setzero_ps();
     }
     const uint8_t* row = reinterpret_cast<const uint8_t*>(a.packed + static_cast<size_t>(rb) * tiles * 8 * k);
+    if constexpr (kReversed<k>) reverse_steps<k>(row, revs[0]);
     for (int cb = 0; cb < tiles; ++cb) {
       const uint8_t* tile = row + cb * 32 * k;
+      const uint64_t* rev = revs[cb & 1];
+      if constexpr (kReversed<k>) {
+        if (cb + 1 < tiles) reverse_steps<k>(tile + 32 * k, revs[(cb + 1) & 1]);
+      }
 #pragma GCC unroll 8
       for (int c = 0; c < kTileCols; ++c) {
         __m256 xb[M];
         for (int mm = 0; mm < M; ++mm) xb[mm] = _mm256_broadcast_ss(x + static_cast<size_t>(mm) * a.cols + cb * kTileCols + c);
 #pragma GCC unroll 4
         for (int g = 0; g < 4; ++g) {
-          const __m256 v = values8<k>(tile, 4 * c + g, a.window, shifts, mask, a.table);
+          const __m256 v = code8(states8<k>(tile, rev, 4 * c + g, a.L, mask), ca, cb_);
           for (int mm = 0; mm < M; ++mm) acc[mm][g] = _mm256_fmadd_ps(v, xb[mm], acc[mm][g]);
         }
       }
@@ -274,8 +329,8 @@ void blocks_avx2_m(const TrellisArgs& a, int b0, int b1, int m0, int mc) {
 }
 
 bool blocks_fast(const TrellisArgs& a, int b0, int b1, int m0, int mc) {
-  // eight windows in 64 bits from byte kG - 2, four in each 32-bit piece
-  if (!has_avx2() || 16 + a.k < a.window || 3 * a.k + a.window > 32) return false;
+  // the windows of eight weights in 64 bits (k <= 6, L <= 16), four in 32 bits (3k + W <= 32)
+  if (!has_avx2() || a.L > 16 || 3 * a.k + (a.L + a.k - 1) / a.k * a.k > 32) return false;
   switch (a.k) {
     case 1: blocks_avx2_m<1>(a, b0, b1, m0, mc); return true;
     case 2: blocks_avx2_m<2>(a, b0, b1, m0, mc); return true;

@@ -14,21 +14,19 @@ namespace vqpipe {
 void trellis_viterbi(const float* x, int64_t s0, int64_t s1, int T, int L, int k, const float* table,
                      int32_t* states);
 
-// Bits of the window a weight's value is read from: the last ceil(L / k) * k stream bits
-// (whole k-bit steps), and the table over those windows (window_table).
-int trellis_window(int L, int k);
-
-// table [2^L] -> by window [2^trellis_window(L, k)]: the value of the state a window ends in.
-void trellis_window_table(const float* table, int L, int k, float* out);
+// The 1MAD code: value(s) = a * (the sum of the four bytes of s * kLcgMul + kLcgAdd mod 2^32) + b,
+// one float32 fused multiply-add (vqpipe.codec.trellis.table is defined by the same rounding).
+constexpr uint32_t kLcgMul = 34038481u, kLcgAdd = 76625530u;
+float trellis_code(uint32_t state, float a, float b);
 
 struct TrellisArgs {
   const uint32_t* packed; // [rows / 32, cols / 8 * 8k]: tile (rb, cb) at row rb, words cb*8k..
   const float* x; // [m, cols] float32
-  const float* table; // window table [2^window] (trellis_window_table)
+  float a, b; // the code's affine map (trellis_code)
   const float* row_scales; // [rows]
   const float* bias; // [rows] or null
   float* y; // [m, rows] float32
-  int k, window, m, rows, cols;
+  int k, L, m, rows, cols;
 };
 
 constexpr int kTileRows = 32, kTileCols = 8;

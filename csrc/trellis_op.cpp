@@ -8,10 +8,13 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 
+#include "operands.h"
 #include "pool.h"
 #include "trellis.h"
 
 namespace mlx::core {
+
+using namespace operands;
 
 namespace {
 
@@ -22,30 +25,16 @@ constexpr size_t kSerialWeights = 1 << 17;
   throw std::invalid_argument("trellis_matvec: " + msg);
 }
 
-std::string shape_str(const Shape& s) {
-  std::string out = "(";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + (s.size() == 1 ? ",)" : ")");
-}
-
-bool is_float(Dtype t) {
-  return t == float32 || t == float16 || t == bfloat16;
-}
-
-int log2_exact(size_t n) {
-  int L = 0;
-  while ((size_t{1} << L) < n) ++L;
-  return (size_t{1} << L) == n ? L : -1;
-}
-
 } // namespace
 
 array trellis_matvec(
     const array& x,
     const array& packed,
     const array& scales,
-    const array& table,
     int k,
+    int L,
+    float a,
+    float b,
     const std::optional<array>& bias,
     StreamOrDevice s) {
   if (k < 1 || k > 6) fail("k must be 1..6 bits per weight, got " + std::to_string(k));
@@ -56,10 +45,7 @@ array trellis_matvec(
     fail("x has " + std::to_string(cols) + " columns: a trellis weight's columns are a multiple of " +
          std::to_string(vqpipe::kTileCols) + " (x shape " + shape_str(x.shape()) + ")");
   }
-  const int L = log2_exact(table.size());
-  if (table.dtype() != float32 || table.ndim() != 1 || L < k || L > 16) {
-    fail("table must be float32 [2^L] with k <= L <= 16, got " + shape_str(table.shape()));
-  }
+  if (L < k || L > 16) fail("the state needs k <= L <= 16 bits, got L = " + std::to_string(L));
   const int words = cols / vqpipe::kTileCols * 8 * k;
   if (packed.dtype() != uint32 || packed.ndim() != 2 || packed.shape(0) < 1 || packed.shape(1) != words) {
     fail("packed must be uint32 [rows / 32, " + std::to_string(words) + "] for " + std::to_string(cols) +
@@ -75,15 +61,12 @@ array trellis_matvec(
   }
   auto stream = to_stream(s);
   if (stream.device != Device::cpu) fail("CPU only (no GPU kernel yet)");
-  // the kernel reads row-major float32 operands; these are no-ops where they already are
-  auto f32 = [&](const array& a) { return contiguous(astype(a, float32, stream), false, stream); };
-  std::vector<array> inputs = {f32(x), contiguous(packed, false, stream), f32(scales), f32(table)};
-  if (bias) inputs.push_back(f32(*bias));
+  std::vector<array> inputs = {x, packed, scales};
+  if (bias) inputs.push_back(*bias);
   Shape shape = x.shape();
   shape.back() = rows;
-  auto y = array(std::move(shape), float32, std::make_shared<TrellisMatvec>(stream, k, L, bias.has_value()),
-                 std::move(inputs));
-  return x.dtype() == float32 ? y : astype(y, x.dtype(), stream);
+  return array(std::move(shape), x.dtype(), std::make_shared<TrellisMatvec>(stream, k, L, a, b, bias.has_value()),
+               std::move(inputs));
 }
 
 std::vector<Shape> TrellisMatvec::output_shapes(const std::vector<array>& inputs) {
@@ -94,7 +77,7 @@ std::vector<Shape> TrellisMatvec::output_shapes(const std::vector<array>& inputs
 
 bool TrellisMatvec::is_equivalent(const Primitive& other) const {
   auto& o = static_cast<const TrellisMatvec&>(other);
-  return k_ == o.k_ && L_ == o.L_ && has_bias_ == o.has_bias_;
+  return k_ == o.k_ && L_ == o.L_ && a_ == o.a_ && b_ == o.b_ && has_bias_ == o.has_bias_;
 }
 
 void TrellisMatvec::eval_cpu(const std::vector<array>& inputs, array& out) {
@@ -105,25 +88,39 @@ void TrellisMatvec::eval_cpu(const std::vector<array>& inputs, array& out) {
   encoder.dispatch([x = array::unsafe_weak_copy(inputs[0]),
                     packed = array::unsafe_weak_copy(inputs[1]),
                     scales = array::unsafe_weak_copy(inputs[2]),
-                    table = array::unsafe_weak_copy(inputs[3]),
-                    bias = has_bias_ ? std::optional<array>(array::unsafe_weak_copy(inputs[4])) : std::nullopt,
+                    bias = has_bias_ ? std::optional<array>(array::unsafe_weak_copy(inputs[3])) : std::nullopt,
                     out = array::unsafe_weak_copy(out),
                     k = k_,
-                    L = L_]() mutable {
-    const int window = vqpipe::trellis_window(L, k);
-    std::vector<float> by_window(size_t{1} << window);
-    vqpipe::trellis_window_table(table.data<float>(), L, k, by_window.data());
+                    L = L_,
+                    code_a = a_,
+                    code_b = b_]() mutable {
+    const int cols = x.shape(-1), m = static_cast<int>(x.size() / cols);
+    // x and the per-row operands as float32 copies (small); the codes in place unless strided
+    std::vector<float> xf(x.size()), row_scales = floats(scales), bias_f;
+    for (size_t i = 0; i < x.size(); ++i) xf[i] = read_float(x, i);
+    if (bias) bias_f = floats(*bias);
+    std::vector<uint32_t> packed_copy;
+    const uint32_t* packed_ptr = packed.data<uint32_t>();
+    if (!packed.flags().row_contiguous) {
+      packed_copy.resize(packed.size());
+      for (size_t i = 0; i < packed.size(); ++i) packed_copy[i] = packed.data<uint32_t>()[location(packed, i)];
+      packed_ptr = packed_copy.data();
+    }
+    const bool direct = out.dtype() == float32;
+    std::vector<float> y;
+    if (!direct) y.resize(out.size());
     vqpipe::TrellisArgs a{};
-    a.packed = packed.data<uint32_t>();
-    a.x = x.data<float>();
-    a.table = by_window.data();
-    a.row_scales = scales.data<float>();
-    a.bias = bias ? bias->data<float>() : nullptr;
-    a.y = out.data<float>();
+    a.packed = packed_ptr;
+    a.x = xf.data();
+    a.a = code_a;
+    a.b = code_b;
+    a.row_scales = row_scales.data();
+    a.bias = bias ? bias_f.data() : nullptr;
+    a.y = direct ? out.data<float>() : y.data();
     a.k = k;
-    a.window = window;
-    a.cols = x.shape(-1);
-    a.m = static_cast<int>(x.size() / a.cols);
+    a.L = L;
+    a.cols = cols;
+    a.m = m;
     a.rows = packed.shape(0) * vqpipe::kTileRows;
     const int blocks = packed.shape(0);
     auto& pool = vqpipe::Pool::get();
@@ -135,6 +132,11 @@ void TrellisMatvec::eval_cpu(const std::vector<array>& inputs, array& out) {
       const int b1 = static_cast<int>(static_cast<long long>(blocks) * (t + 1) / tasks);
       vqpipe::trellis_matvec_blocks(a, b0, b1);
     });
+    if (out.dtype() == float16) {
+      store<float16_t>(y, out);
+    } else if (out.dtype() == bfloat16) {
+      store<bfloat16_t>(y, out);
+    }
   });
 }
 

@@ -10,21 +10,24 @@
 namespace mlx::core {
 
 // x [..., cols] (float32/float16/bfloat16), packed uint32 [rows / 32, cols / 8 * 8k] (tile (rb, cb)
-// of 32 rows x 8 columns, column-major inside, at row rb, words cb*8k..), scales float32 [rows]
-// (per row, applied to the output), table float32 [2^L], bias [rows] -> [..., rows] in x's dtype.
+// of 32 rows x 8 columns, column-major inside, at row rb, words cb*8k..), scales [rows] (per row,
+// applied to the output), the code's state bits L and affine map (a, b) (trellis.h), bias [rows]
+// -> [..., rows] in x's dtype.
 array trellis_matvec(
     const array& x,
     const array& packed,
     const array& scales,
-    const array& table,
     int k,
+    int L,
+    float a,
+    float b,
     const std::optional<array>& bias,
     StreamOrDevice s = {});
 
 class TrellisMatvec : public UnaryPrimitive {
  public:
-  TrellisMatvec(Stream stream, int k, int L, bool has_bias)
-      : UnaryPrimitive(stream), k_(k), L_(L), has_bias_(has_bias) {}
+  TrellisMatvec(Stream stream, int k, int L, float a, float b, bool has_bias)
+      : UnaryPrimitive(stream), k_(k), L_(L), a_(a), b_(b), has_bias_(has_bias) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override;
   void eval_gpu(const std::vector<array>& inputs, array& out) override;
@@ -37,6 +40,7 @@ class TrellisMatvec : public UnaryPrimitive {
 
  private:
   int k_, L_;
+  float a_, b_;
   bool has_bias_;
 };
 

@@ -89,6 +89,26 @@ def test_matvec_is_the_dense_product(k, rows, cols, portable):
         assert np.all(np.abs(np.array(y) - ref) <= bound), (k, rows, cols, m)
 
 
+@pytest.mark.parametrize("k,L", [(1, 10), (2, 10), (3, 10), (4, 10), (5, 10), (6, 10), (2, 8), (3, 12), (4, 16)])
+def test_matvec_computes_the_table_to_the_bit(k, L, portable):
+    """One-hot inputs read single weights: the kernel's computed 1MAD code is the table's value."""
+    rng = np.random.default_rng(k + 10 * L)
+    rows, cols = 64, 48
+    packed, _, _ = _layer(rng, rows, cols, k)
+    eye = mx.array(np.eye(cols, dtype=np.float32))
+    y = trellis.matvec(eye, mx.array(packed), mx.ones((rows,)), k, L)
+    assert np.array_equal(np.array(y).T, trellis.decode(packed, rows, cols, k, L))
+
+
+def test_table_is_the_normalised_1mad_code():
+    """table() is the experiment's normalised 1MAD code to an ulp or two, rounded once from
+    a * byte_sum + b (the FMA the kernel computes: test above)."""
+    t = trellis.table(10, 1.05)
+    v = trellis.code_1mad(np.arange(1024))
+    assert np.max(np.abs(t - (v - v.mean()) / v.std() * 1.05)) < 1e-6
+    assert abs(float(t.mean())) < 1e-5 and abs(float(t.std()) - 1.05) < 1e-5
+
+
 def test_matvec_of_quantized_blocks_and_dtypes():
     """quantize's blocks, concatenated, decode to the values it chose; half inputs give their dtype."""
     rng = np.random.default_rng(11)
@@ -112,12 +132,15 @@ def test_matvec_rejects_shapes_that_are_not_tiles():
     p, s = mx.array(packed), mx.array(scales)
     with pytest.raises(ValueError, match=r"\(64, 60\)"):
         trellis.matvec(mx.zeros((1, 60)), p, s, 2)
+    a, b = map(float, trellis.code_affine())
     with pytest.raises(ValueError, match="multiple of 8"):
-        _ext.trellis_matvec(mx.zeros((1, 60)), p, s, mx.array(trellis.table()), 2)
-    with pytest.raises(ValueError, match="words|uint32"):
-        _ext.trellis_matvec(mx.zeros((1, 64)), p, s, mx.array(trellis.table()), 3)
+        _ext.trellis_matvec(mx.zeros((1, 60)), p, s, 2, 10, a, b)
+    with pytest.raises(ValueError, match="uint32"):
+        _ext.trellis_matvec(mx.zeros((1, 64)), p, s, 3, 10, a, b)
     with pytest.raises(ValueError, match="scales"):
-        _ext.trellis_matvec(mx.zeros((1, 64)), p, s[:40], mx.array(trellis.table()), 2)
+        _ext.trellis_matvec(mx.zeros((1, 64)), p, s[:40], 2, 10, a, b)
+    with pytest.raises(ValueError, match="L = 20"):
+        _ext.trellis_matvec(mx.zeros((1, 64)), p, s, 2, 20, a, b)
     with pytest.raises(ValueError, match=r"\(40, 64\)"):
         trellis.decode(packed, 40, 64, 2)
     with pytest.raises(ValueError, match=r"\(33, 8\)"):

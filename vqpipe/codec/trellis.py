@@ -29,19 +29,35 @@ TILE_ROWS, GROUP = 32, 8
 SCALE = 1.05  # code values x this: the Gaussian-MSE fit at L = 10, k = 2 (experiments/vq/gauss.py)
 
 
+LCG = (34038481, 76625530)  # 1MAD's x -> x * LCG[0] + LCG[1] mod 2^32
+
+
+def byte_sum(states):
+    """1MAD's integer part (QTIP): the LCG of the state, the sum of its four bytes (0..1020)."""
+    x = (np.asarray(states, dtype=np.uint64) * np.uint64(LCG[0]) + np.uint64(LCG[1])) & np.uint64(0xFFFFFFFF)
+    return sum((x >> np.uint64(8 * i)) & np.uint64(255) for i in range(4)).astype(np.int64)
+
+
 def code_1mad(states):
-    """QTIP's 1MAD idea: an LCG of the state, the sum of its four bytes, centred and scaled."""
-    x = (np.asarray(states, dtype=np.uint64) * np.uint64(34038481) + np.uint64(76625530)) & np.uint64(0xFFFFFFFF)
-    y = sum((x >> np.uint64(8 * i)) & np.uint64(255) for i in range(4)).astype(np.float64)
-    return (y - 510.0) / 147.800537109375
+    """QTIP's 1MAD idea: the byte sum, centred and scaled to about unit variance."""
+    return (byte_sum(states) - 510.0) / 147.800537109375
+
+
+@lru_cache(maxsize=None)
+def code_affine(L=L_DEFAULT, scale=SCALE):
+    """(a, b), float32: a state's value is a * byte_sum(state) + b, normalised to zero mean and
+    variance ``scale``^2 over the 2^L states."""
+    y = byte_sum(np.arange(1 << L)).astype(np.float64)
+    return np.float32(scale / y.std()), np.float32(-y.mean() * scale / y.std())
 
 
 @lru_cache(maxsize=None)
 def table(L=L_DEFAULT, scale=SCALE):
-    """Value of every L-bit state (float32): 1MAD normalised to zero mean, unit variance over the
-    states, times ``scale``. Read-only."""
-    v = code_1mad(np.arange(1 << L))
-    v = ((v - v.mean()) / v.std() * scale).astype(np.float32)
+    """Value of every L-bit state (float32): ``code_affine``'s map of the byte sum, rounded once
+    (a * y + b is exact in float64 here: a float32 fused multiply-add's value, so decode kernels
+    compute the code rather than look it up, to the bit). Read-only."""
+    a, b = code_affine(L, scale)
+    v = (np.float64(a) * byte_sum(np.arange(1 << L)) + np.float64(b)).astype(np.float32)
     v.setflags(write=False)
     return v
 
@@ -154,18 +170,19 @@ def decode(packed, rows, cols, k, L=L_DEFAULT, tab=None):
     return v.transpose(0, 3, 1, 2).reshape(rows, cols)
 
 
-def matvec(x, packed, scales, k, L=L_DEFAULT, tab=None, bias=None):
+def matvec(x, packed, scales, k, L=L_DEFAULT, scale=SCALE, bias=None):
     """y = x @ (scales[:, None] * decode(...)).T + bias for the rotated input x [..., cols] (MLX),
-    in x's dtype: the compiled mat-vec on the CPU where it is built, else the dense reference."""
+    in x's dtype: the compiled mat-vec on the CPU where it is built (it computes the 1MAD code of
+    each state), else the dense reference."""
     import mlx.core as mx
 
-    tab = table(L) if tab is None else tab
     fn = _compiled("trellis_matvec")
     rows, cols = packed.shape[0] * TILE_ROWS, x.shape[-1]
     check_shape(rows, cols)
     if fn is not None and mx.default_device() == mx.cpu:
-        return fn(x, packed, scales, mx.array(tab), k, bias)
-    w = mx.array(decode(np.array(packed), rows, cols, k, L, tab)) * scales.astype(mx.float32)[:, None]
+        a, b = code_affine(L, scale)
+        return fn(x, packed, scales, k, L, float(a), float(b), bias)
+    w = mx.array(decode(np.array(packed), rows, cols, k, L, table(L, scale))) * scales.astype(mx.float32)[:, None]
     y = x.astype(mx.float32) @ w.T
     return (y if bias is None else y + bias).astype(x.dtype)
 
