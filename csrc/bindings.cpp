@@ -3,15 +3,15 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/variant.h>
 
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
 #include "kernel.h"
 #include "matvec.h"
 #include "pool.h"
 #include "trellis.h"
 #include "trellis_op.h"
-
-#include <cmath>
-#include <stdexcept>
-#include <string>
 
 namespace nb = nanobind;
 using namespace nb::literals;

@@ -24,6 +24,11 @@ import numpy as np
 
 from .bitpack import pack, unpack_numpy
 
+try:  # the compiled kernels; vqpipe/kernels/ext.py says when the extension is missing
+    from .. import _ext
+except ImportError:
+    _ext = None
+
 L_DEFAULT = 10
 TILE_ROWS, GROUP = 32, 8
 SCALE = 1.05  # code values x this: the Gaussian-MSE fit at L = 10, k = 2 (experiments/vq/gauss.py)
@@ -74,9 +79,9 @@ def viterbi(x, L, k, tab):
 
 
 def _compiled(name):
-    from ..kernels import ext
-
-    return getattr(ext.module(), name, None)
+    """The compiled kernel ``name`` (csrc/trellis.cpp), or None where vqpipe._ext is not built (or
+    is an older build without it)."""
+    return getattr(_ext, name, None)
 
 
 def _viterbi_numpy(x, L, k, tab):
