@@ -200,9 +200,9 @@ void blocks_portable(const TrellisArgs& a, int b0, int b1, int m0, int mc) {
 
 #ifdef VQ_X86
 
-// Widths that divide 8: a tile's stream with its k-bit steps reversed (the byte order, then the
-// steps inside each byte), so a state is a plain bit field: weight i's at bit k(255 - i), the newest
-// step lowest, older ones above it and zeros above the tile's first step (rev[4k] = 0).
+// A tile's stream with its k-bit steps reversed, so that a state is a plain bit field: weight i's
+// at bit k(255 - i), the newest step lowest, older ones above it and zeros above the tile's first
+// step (rev[4k] = 0). Widths that divide 8: the byte order, then the steps inside each byte.
 template <int k>
 inline void reverse_steps(const uint8_t* tile, uint64_t* rev) {
   constexpr int n = 4 * k; // 64-bit words in a tile
@@ -218,8 +218,35 @@ inline void reverse_steps(const uint8_t* tile, uint64_t* rev) {
   rev[n] = 0;
 }
 
+// Four 3-bit steps (12 bits) in reverse order: reverse_steps<3>'s table (8 KB).
+const uint16_t* reverse12() {
+  static const auto table = [] {
+    std::vector<uint16_t> t(4096);
+    for (uint32_t v = 0; v < 4096; ++v) {
+      t[v] = static_cast<uint16_t>((v >> 9) | ((v >> 3) & 0x38) | ((v << 3) & 0x1C0) | ((v & 7) << 9));
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// k = 3: the tile's 32 units of 3 bytes (8 steps each) in reverse order, each through the table.
+// Scalar work, beside the vector work of the tile before.
+template <>
+inline void reverse_steps<3>(const uint8_t* tile, uint64_t* rev) {
+  const uint16_t* t = reverse12();
+  auto* out = reinterpret_cast<uint8_t*>(rev);
+  for (int p = 0; p < 32; ++p) {
+    const uint8_t* in = tile + 3 * (31 - p);
+    const uint32_t u = in[0] | (in[1] << 8) | (in[2] << 16);
+    const uint32_t r = t[u >> 12] | (static_cast<uint32_t>(t[u & 4095]) << 12);
+    std::memcpy(out + 3 * p, &r, 4); // its fourth byte is the next unit's first (or padding)
+  }
+  rev[12] = 0;
+}
+
 template <int k>
-constexpr bool kReversed = 8 % k == 0;
+constexpr bool kReversed = 8 % k == 0 || k == 3;
 
 // The states of weights 8G..8G+7 of a tile (rows 8(G % 4).. of column G / 4) as int32 lanes.
 // Reversed widths: one 64-bit load of the reversed stream. Others: the eight natural windows of
@@ -232,8 +259,9 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256i states8(
     const int bit = k * (248 - 8 * G); // lane 7's state; lane l's is k(7 - l) bits above
     uint64_t u;
     std::memcpy(&u, reinterpret_cast<const uint8_t*>(rev) + bit / 8, 8);
+    u >>= bit % 8;
     __m256i w;
-    if constexpr (7 * k + 16 <= 32) {
+    if (7 * k + L <= 32) {
       w = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(u)),
                             _mm256_setr_epi32(7 * k, 6 * k, 5 * k, 4 * k, 3 * k, 2 * k, k, 0));
     } else {
