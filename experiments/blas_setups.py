@@ -2,7 +2,7 @@
 
 ``python -m experiments.blas_setups --runs 3 --repeats 5`` measures every setup (vqpipe/blas.py) in fresh
 processes, interleaved (reference, OpenBLAS, reference, ...), and checks each is deterministic.
-Figures: docs/benchmarking.md.
+Figures: docs/blas.md.
 """
 
 import argparse

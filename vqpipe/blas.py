@@ -3,7 +3,7 @@
 MLX's Linux CPU wheel bundles the Netlib reference BLAS (``mlx_cpu.libs/libblas-*.so``), whose fp32
 GEMM runs at a few GFLOP/s. libmlx binds ``cblas_sgemm`` & co. through the global symbol scope first,
 so preloading Debian's OpenBLAS (package ``libopenblas0-pthread``) makes every MLX matmul run on
-OpenBLAS instead; see docs/benchmarking.md for the measured difference.
+OpenBLAS instead; see docs/blas.md for the measured difference.
 
 Policy, from the environment variable ``VQPIPE_BLAS``:
 

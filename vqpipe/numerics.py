@@ -2,7 +2,7 @@
 
 Logits computed on another backend, device, BLAS or MLX version differ in the last bits for reasons
 that have nothing to do with an artifact. OpenBLAS's thread count is part of it too: some GEMM
-shapes round differently with 1 and 2 threads (docs/benchmarking.md). This is the one definition
+shapes round differently with 1 and 2 threads (docs/blas.md). This is the one definition
 of "the same setup" that validate, the report and ``vqpipe.load`` use.
 """
 

@@ -20,7 +20,7 @@ A generation is ``mlx_lm.generate.generate_step`` with greedy sampling, prefill 
 ``--prefill-step`` chunks (mlx-lm's 2048 by default). Prefill time: from the call to the first
 token evaluated (mlx-lm's ``prompt_progress_callback(total, total)`` fires right after
 ``mx.eval`` of it); decode time: from there to the end of ``--gen-tokens`` decode steps, closed by
-``mx.synchronize()``. See docs/benchmarking.md ("Decode and prefill").
+``mx.synchronize()``. See docs/bench-decode.md.
 
     vqpipe bench-decode --source SRC --reservoir RES --model NAME --out FILE.json
 """

@@ -164,7 +164,7 @@ rule bench_kivi:
     log:
         "logs/bench/kivi.log",
     # bench-decode waits for it: at the default priority it ran among the last short jobs and
-    # bench-decode (~27 s) became the run's tail, one core idle (docs/workflow.md).
+    # bench-decode (~27 s) became the run's tail, one core idle (docs/run-time.md).
     priority: PRIORITY["source_only"] if config["benchmarks"]["decode"]["enabled"] else PRIORITY["rest"]
     benchmark:
         "results/benchmarks/bench_kivi.tsv"

@@ -195,7 +195,7 @@ def vqpipe_cmd(args):
 
 # --- scheduling ---------------------------------------------------------------------------------
 # On a few cores a run takes as long as its longest chain: a calibrated model's download ->
-# calibrate -> quantize -> bench-quality's vqpipe and unrotated arms (docs/workflow.md measures
+# calibrate -> quantize -> bench-quality's vqpipe and unrotated arms (docs/run-time.md measures
 # it). Its jobs go first; then the long jobs that need only a source (bench-quality's reference
 # and affine arms, bench-load) and bench-decode with the few jobs making its reservoir, which
 # fill the other cores while the chain runs; everything else (short jobs: the synthetic models'
