@@ -167,7 +167,7 @@ def plan(args):
     on the head (``head``), each against the arm ``all{base}``. A (type, block) layer's gain is
     modelled as separable, G_type * B_block / sum(B): the per-type and per-block measurements are
     its margins (37 arms instead of 210). A second extra bit is worth ``decay`` times the first
-    (KL falls about 3.8x per bit, measured: docs/quality.md). Greedy on gain per bit."""
+    (KL falls about 3.8x per bit, measured: docs/results/2026-12-05-logs/quality-history.md). Greedy on gain per bit."""
     from vqpipe.codec import allocate
 
     saved = {}  # arm -> KL saved against the all{base} arm of the same file (same windows)

@@ -8,8 +8,8 @@ say "+1 bit for these layers", not "5 bits".
 
 Which layers: the ones where a bit buys the most. :func:`greedy` picks, from measured gains (the KL
 to the source saved by one more bit on a group of layers, others unchanged; KL is close to
-additive over layers, docs/quality.md) and costs (the group's weights), the groups with the best
-gain per bit until a budget of extra bits per weight is spent. ``scripts/bits_sweep.py`` measures
+additive over layers, docs/results/2026-12-05-logs/quality-history.md) and costs (the group's
+weights), the groups with the best gain per bit until a budget of extra bits per weight is spent. ``scripts/bits_sweep.py`` measures
 the gains on the calibration text and prints the rules.
 """
 

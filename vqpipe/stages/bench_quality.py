@@ -51,7 +51,7 @@ from ..bench.harness import summarize
 
 AFFINE_GROUPS = (32, 64, 128)
 COMPETITORS = ("mlx-gptq", "mlx-awq", "mlx-dynamic", "mxfp4", "nvfp4")
-COSTLY = ("mlx-awq", "mlx-dynamic")  # run when asked for (--arms): their CPU cost (docs/quality.md)
+COSTLY = ("mlx-awq", "mlx-dynamic")  # run when asked for (--arms): their CPU cost (docs/quality-smollm2.md)
 TEXTS = ("devil", "jargon")  # evaluation texts (vqpipe/text.py); the first is the records' top level
 PROMPTS = (
     "What is the capital of France?",
