@@ -3,7 +3,7 @@
 A preset fixes the architecture; the seed fixes the weights. The tokenizer is a byte-level BPE
 trained on ``vqpipe/data/corpus.txt`` and padded with never-merged entries up to the model's
 vocab size, so every id the model can emit decodes. The weights carry the structure that makes
-rotations matter in real checkpoints (see docs/models.md): heavy tails, outlier input channels,
+rotations matter in real checkpoints (see docs/synth.md): heavy tails, outlier input channels,
 per-row and per-layer scale variation, non-trivial RMSNorm weights and Qwen-style key biases.
 """
 
