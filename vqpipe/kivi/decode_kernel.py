@@ -23,7 +23,7 @@ needs no clearing between launches. In float32 throughout; codes become floats e
 
 Versions (:data:`VERSIONS`; the default :data:`DEFAULT`, "auto", is v4 where it serves, v3 elsewhere): "v3" does the above with all of a chunk's global loads
 issued before its arithmetic (optionally a chunk ahead); "v2" (the same arithmetic, loads next to
-their use: one round trip per token-word in its values loop, docs/kivi.md) is kept to be timed
+their use: one round trip per token-word in its values loop, docs/tried.md) is kept to be timed
 side by side (the kernel of H200 run 2, equal to v2 at 4 bits, was removed when v3 beat both).
 "v4" (CUDA only, 2 and 4 bits, :func:`v4_unsupported`) does the dot products of the quantized
 chunks on tensor cores (``mma.sync.m16n8k16`` bf16 -> f32: the codes exact in bf16, the folded
@@ -31,7 +31,7 @@ query and p times the value scale as bf16 hi + lo in the mma's rows 0-7 and 8-15
 chunks staged in shared memory by cp.async, double buffered; the residual chunks through the same
 mma path and running state (their keys and values as bf16 hi + lo: exact for float16 and bfloat16),
 then a final merge whose loads of all splits are in flight together. Its bound is the float32 one
-plus 2^-16 of the score and value magnitudes (twice that with a float32 residual; docs/kivi.md).
+plus 2^-16 of the score and value magnitudes (twice that with a float32 residual; docs/kivi-packed.md).
 "v4r" (the first v4: the residual on CUDA cores with its own partial, v3's final merge) and "v4m"
 (v4r with v4's merge) are kept to be timed against it.
 """
@@ -1665,8 +1665,8 @@ def multiprocessors():
 def fill_splits(chunks, warps, heads, per_sm):
     """Splits per KV head for latency: one wave of resident blocks over the whole GPU
     (SMs x ``per_sm`` / heads), each warp keeping at least one chunk. A decode step's layers run
-    one after another, so a layer's time is its longest block: the fifth H200 window found the
-    throughput-picked shape launching 64 blocks for 132 SMs at 8k (docs/kivi.md)."""
+    one after another, so a layer's time is its longest block: a throughput-picked shape launches
+    64 blocks for 132 SMs at 8k on the H200 (docs/results/2026-12-05-logs/kivi.md, "Fifth window")."""
     want = -(-multiprocessors() * per_sm // heads)
     return max(1, min(NSMAX, want, -(-chunks // warps)))
 
