@@ -63,3 +63,17 @@ def test_allocator_distortion_hook():
     d2 = distortion(2, 576, kind="trellis")
     assert 0.07 < d2 < 0.09 and distortion(3, 576, kind="trellis") < 0.3 * d2 + 0.005
     assert distortion(2, 576) == distortion(2, 576, kind="scalar")
+
+
+def test_without_the_extension_the_reference_runs(monkeypatch):
+    """No vqpipe._ext: viterbi is the numpy reference, matvec the dense product of decode."""
+    import mlx.core as mx
+
+    monkeypatch.setattr(trellis, "_ext", None)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    assert np.array_equal(trellis.viterbi(x, 10, 2, trellis.table()), trellis._viterbi_numpy(x, 10, 2, trellis.table()))
+    packed, values = trellis.quantize(rng.standard_normal((64, 8)).astype(np.float32), 3)
+    v = rng.standard_normal((2, 8)).astype(np.float32)
+    y = trellis.matvec(mx.array(v), mx.array(packed), mx.full((64,), 2.0), 3, bias=mx.ones((64,)))
+    assert np.allclose(np.array(y), 2 * v @ values.T + 1, atol=1e-5)

@@ -6,11 +6,16 @@ new bits into an L-bit state, s_i = ((s_{i-1} << k) | b_i) mod 2^L, from s_{-1} 
 value is table[s_i] (the 1MAD code, normalised). Only the b_i are stored: exactly k bits per
 weight, ``bitpack``'s little-endian stream (one tile = T*k bits, 16 uint32 words at k = 2), and
 any weight decodes from the L bits before it. Viterbi chooses the b_i with the least squared
-error; LDLQ feeds a block of GROUP columns' error forward (``block_feedback``).
+error; LDLQ feeds a block of GROUP columns' error forward.
 
-This module is the reference: numpy only (the Viterbi is slow here; the compiled one is the
-experiment's viterbi.c until it moves into csrc/). Not wired into quantize_model yet; the
-recipe's allocator can already ask for its distortion (codebook.distortion(..., kind="trellis")).
+A layer's codes: uint32 [rows / 32, cols / 8 * 8k], tile (rb, cb) (rows 32 rb.., columns 8 cb..)
+at row rb, words 8k cb.. (row-block-major: ``quantize``'s blocks concatenated along axis 1), with
+one float32 scale per row; ``decode`` is the dense reference, ``matvec`` the decode mat-vec.
+
+The numpy code here is the reference. ``viterbi`` and ``matvec`` take the compiled kernels
+(vqpipe._ext, csrc/trellis.cpp) where they are built: the same states, and the same mat-vec to
+float32 rounding. Not wired into quantize_model yet; the recipe's allocator can already ask for
+its distortion (codebook.distortion(..., kind="trellis")).
 """
 
 from functools import lru_cache
@@ -19,30 +24,68 @@ import numpy as np
 
 from .bitpack import pack, unpack_numpy
 
+try:  # the compiled kernels; vqpipe/kernels/ext.py says when the extension is missing
+    from .. import _ext
+except ImportError:
+    _ext = None
+
 L_DEFAULT = 10
 TILE_ROWS, GROUP = 32, 8
 SCALE = 1.05  # code values x this: the Gaussian-MSE fit at L = 10, k = 2 (experiments/vq/gauss.py)
 
 
+LCG = (34038481, 76625530)  # 1MAD's x -> x * LCG[0] + LCG[1] mod 2^32
+
+
+def byte_sum(states):
+    """1MAD's integer part (QTIP): the LCG of the state, the sum of its four bytes (0..1020)."""
+    x = (np.asarray(states, dtype=np.uint64) * np.uint64(LCG[0]) + np.uint64(LCG[1])) & np.uint64(0xFFFFFFFF)
+    return sum((x >> np.uint64(8 * i)) & np.uint64(255) for i in range(4)).astype(np.int64)
+
+
 def code_1mad(states):
-    """QTIP's 1MAD idea: an LCG of the state, the sum of its four bytes, centred and scaled."""
-    x = (np.asarray(states, dtype=np.uint64) * np.uint64(34038481) + np.uint64(76625530)) & np.uint64(0xFFFFFFFF)
-    y = sum((x >> np.uint64(8 * i)) & np.uint64(255) for i in range(4)).astype(np.float64)
-    return (y - 510.0) / 147.800537109375
+    """QTIP's 1MAD idea: the byte sum, centred and scaled to about unit variance."""
+    return (byte_sum(states) - 510.0) / 147.800537109375
+
+
+@lru_cache(maxsize=None)
+def code_affine(L=L_DEFAULT, scale=SCALE):
+    """(a, b), float32: a state's value is a * byte_sum(state) + b, normalised to zero mean and
+    variance ``scale``^2 over the 2^L states."""
+    y = byte_sum(np.arange(1 << L)).astype(np.float64)
+    return np.float32(scale / y.std()), np.float32(-y.mean() * scale / y.std())
 
 
 @lru_cache(maxsize=None)
 def table(L=L_DEFAULT, scale=SCALE):
-    """Value of every L-bit state (float32): 1MAD normalised to zero mean, unit variance over the
-    states, times ``scale``. Read-only."""
-    v = code_1mad(np.arange(1 << L))
-    v = ((v - v.mean()) / v.std() * scale).astype(np.float32)
+    """Value of every L-bit state (float32): ``code_affine``'s map of the byte sum, rounded once
+    (a * y + b is exact in float64 here: a float32 fused multiply-add's value, so decode kernels
+    compute the code rather than look it up, to the bit). Read-only."""
+    a, b = code_affine(L, scale)
+    v = (np.float64(a) * byte_sum(np.arange(1 << L)) + np.float64(b)).astype(np.float32)
     v.setflags(write=False)
     return v
 
 
 def viterbi(x, L, k, tab):
-    """States [n, T] (int64) of the least-squares path of each sequence x [n, T] from state 0."""
+    """States [n, T] (int64) of the least-squares path of each sequence x [n, T] from state 0:
+    the compiled kernel (vqpipe._ext) where it is built, else the numpy reference (same states)."""
+    fn = _compiled("trellis_viterbi")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    tab = np.ascontiguousarray(tab, dtype=np.float32)
+    if fn is None or len(tab) != 1 << L or not k <= L <= 16 or k > 8 or not np.isfinite(x).all():
+        return _viterbi_numpy(x, L, k, tab)
+    return fn(x, tab, k).astype(np.int64)
+
+
+def _compiled(name):
+    """The compiled kernel ``name`` (csrc/trellis.cpp), or None where vqpipe._ext is not built (or
+    is an older build without it)."""
+    return getattr(_ext, name, None)
+
+
+def _viterbi_numpy(x, L, k, tab):
+    """The reference: numpy over all n sequences at once, one step at a time."""
     x = np.asarray(x, dtype=np.float32)
     n, T = x.shape
     S, K = 1 << L, 1 << k
@@ -97,6 +140,56 @@ def unpack_states(packed, T, L, k):
         prev = ((prev << k) | b[:, i]) & mask
         s[:, i] = prev
     return s
+
+
+def check_shape(rows, cols):
+    """A trellis weight is whole tiles of TILE_ROWS x GROUP."""
+    if rows < 1 or cols < 1 or rows % TILE_ROWS or cols % GROUP:
+        raise ValueError(
+            f"a trellis weight is tiles of {TILE_ROWS} rows x {GROUP} columns: shape ({rows}, {cols}) is not")
+
+
+def quantize(x, k, L=L_DEFAULT, tab=None):
+    """One block of GROUP rotated columns x [rows, GROUP] (in the table's units) -> (codes uint32
+    [rows / TILE_ROWS, 8k], the chosen values float32 [rows, GROUP])."""
+    x = np.asarray(x, dtype=np.float32)
+    rows, g = x.shape
+    check_shape(rows, g)
+    if g != GROUP:
+        raise ValueError(f"quantize takes one block of {GROUP} columns, got shape {x.shape}")
+    tab = table(L) if tab is None else tab
+    states = viterbi(to_sequences(x), L, k, tab)
+    return pack_states(states, k), from_sequences(tab[states], rows, g)
+
+
+def decode(packed, rows, cols, k, L=L_DEFAULT, tab=None):
+    """Code values float32 [rows, cols] (no row scales) of a layer's codes (module docstring)."""
+    check_shape(rows, cols)
+    tab = table(L) if tab is None else tab
+    nb, ncb, words = rows // TILE_ROWS, cols // GROUP, GROUP * k
+    packed = np.asarray(packed)
+    if packed.shape != (nb, ncb * words):
+        raise ValueError(f"codes of a ({rows}, {cols}) weight at k = {k} are uint32 ({nb}, {ncb * words}), got {packed.shape}")
+    states = unpack_states(packed.reshape(nb * ncb, words), TILE_ROWS * GROUP, L, k)
+    v = tab[states].reshape(nb, ncb, GROUP, TILE_ROWS)  # a tile is column-major
+    return v.transpose(0, 3, 1, 2).reshape(rows, cols)
+
+
+def matvec(x, packed, scales, k, L=L_DEFAULT, scale=SCALE, bias=None):
+    """y = x @ (scales[:, None] * decode(...)).T + bias for the rotated input x [..., cols] (MLX),
+    in x's dtype: the compiled mat-vec on the CPU where it is built (it computes the 1MAD code of
+    each state), else the dense reference."""
+    import mlx.core as mx
+
+    fn = _compiled("trellis_matvec")
+    rows, cols = packed.shape[0] * TILE_ROWS, x.shape[-1]
+    check_shape(rows, cols)
+    if fn is not None and mx.default_device() == mx.cpu:
+        a, b = code_affine(L, scale)
+        return fn(x, packed, scales, k, L, float(a), float(b), bias)
+    w = mx.array(decode(np.array(packed), rows, cols, k, L, table(L, scale))) * scales.astype(mx.float32)[:, None]
+    y = x.astype(mx.float32) @ w.T
+    return (y if bias is None else y + bias).astype(x.dtype)
 
 
 @lru_cache(maxsize=None)

@@ -1,0 +1,147 @@
+#include "trellis_op.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+#include "operands.h"
+#include "pool.h"
+#include "trellis.h"
+
+namespace mlx::core {
+
+using namespace operands;
+
+namespace {
+
+// Below this many weights a call runs on one thread (waking the pool costs more).
+constexpr size_t kSerialWeights = 1 << 17;
+
+[[noreturn]] void fail(const std::string& msg) {
+  throw std::invalid_argument("trellis_matvec: " + msg);
+}
+
+} // namespace
+
+array trellis_matvec(
+    const array& x,
+    const array& packed,
+    const array& scales,
+    int k,
+    int L,
+    float a,
+    float b,
+    const std::optional<array>& bias,
+    StreamOrDevice s) {
+  if (k < 1 || k > 6) fail("k must be 1..6 bits per weight, got " + std::to_string(k));
+  if (!is_float(x.dtype())) fail("x must be float32, float16 or bfloat16");
+  if (x.ndim() < 1 || x.shape(-1) < 1) fail("x must have a non-empty last dimension");
+  const int cols = x.shape(-1);
+  if (cols % vqpipe::kTileCols) {
+    fail("x has " + std::to_string(cols) + " columns: a trellis weight's columns are a multiple of " +
+         std::to_string(vqpipe::kTileCols) + " (x shape " + shape_str(x.shape()) + ")");
+  }
+  if (L < k || L > 16) fail("the state needs k <= L <= 16 bits, got L = " + std::to_string(L));
+  const int words = cols / vqpipe::kTileCols * 8 * k;
+  if (packed.dtype() != uint32 || packed.ndim() != 2 || packed.shape(0) < 1 || packed.shape(1) != words) {
+    fail("packed must be uint32 [rows / 32, " + std::to_string(words) + "] for " + std::to_string(cols) +
+         " columns at k = " + std::to_string(k) + ", got " + shape_str(packed.shape()));
+  }
+  const int rows = packed.shape(0) * vqpipe::kTileRows;
+  if (scales.shape() != Shape{rows} || !is_float(scales.dtype())) {
+    fail("scales must be float of shape (" + std::to_string(rows) + ",) (32 rows per tile row of packed), got " +
+         shape_str(scales.shape()));
+  }
+  if (bias && (bias->shape() != Shape{rows} || !is_float(bias->dtype()))) {
+    fail("bias must be float of shape (" + std::to_string(rows) + ",), got " + shape_str(bias->shape()));
+  }
+  auto stream = to_stream(s);
+  if (stream.device != Device::cpu) fail("CPU only (no GPU kernel yet)");
+  std::vector<array> inputs = {x, packed, scales};
+  if (bias) inputs.push_back(*bias);
+  Shape shape = x.shape();
+  shape.back() = rows;
+  return array(std::move(shape), x.dtype(), std::make_shared<TrellisMatvec>(stream, k, L, a, b, bias.has_value()),
+               std::move(inputs));
+}
+
+std::vector<Shape> TrellisMatvec::output_shapes(const std::vector<array>& inputs) {
+  Shape shape = inputs[0].shape();
+  shape.back() = inputs[1].shape(0) * vqpipe::kTileRows;
+  return {shape};
+}
+
+bool TrellisMatvec::is_equivalent(const Primitive& other) const {
+  auto& o = static_cast<const TrellisMatvec&>(other);
+  return k_ == o.k_ && L_ == o.L_ && a_ == o.a_ && b_ == o.b_ && has_bias_ == o.has_bias_;
+}
+
+void TrellisMatvec::eval_cpu(const std::vector<array>& inputs, array& out) {
+  out.set_data(allocator::malloc(out.nbytes()));
+  auto& encoder = cpu::get_command_encoder(stream());
+  for (auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  encoder.dispatch([x = array::unsafe_weak_copy(inputs[0]),
+                    packed = array::unsafe_weak_copy(inputs[1]),
+                    scales = array::unsafe_weak_copy(inputs[2]),
+                    bias = has_bias_ ? std::optional<array>(array::unsafe_weak_copy(inputs[3])) : std::nullopt,
+                    out = array::unsafe_weak_copy(out),
+                    k = k_,
+                    L = L_,
+                    code_a = a_,
+                    code_b = b_]() mutable {
+    const int cols = x.shape(-1), m = static_cast<int>(x.size() / cols);
+    // x and the per-row operands as float32 copies (small); the codes in place unless strided
+    std::vector<float> xf(x.size()), row_scales = floats(scales), bias_f;
+    for (size_t i = 0; i < x.size(); ++i) xf[i] = read_float(x, i);
+    if (bias) bias_f = floats(*bias);
+    std::vector<uint32_t> packed_copy;
+    const uint32_t* packed_ptr = packed.data<uint32_t>();
+    if (!packed.flags().row_contiguous) {
+      packed_copy.resize(packed.size());
+      for (size_t i = 0; i < packed.size(); ++i) packed_copy[i] = packed.data<uint32_t>()[location(packed, i)];
+      packed_ptr = packed_copy.data();
+    }
+    const bool direct = out.dtype() == float32;
+    std::vector<float> y;
+    if (!direct) y.resize(out.size());
+    vqpipe::TrellisArgs a{};
+    a.packed = packed_ptr;
+    a.x = xf.data();
+    a.a = code_a;
+    a.b = code_b;
+    a.row_scales = row_scales.data();
+    a.bias = bias ? bias_f.data() : nullptr;
+    a.y = direct ? out.data<float>() : y.data();
+    a.k = k;
+    a.L = L;
+    a.cols = cols;
+    a.m = m;
+    a.rows = packed.shape(0) * vqpipe::kTileRows;
+    const int blocks = packed.shape(0);
+    auto& pool = vqpipe::Pool::get();
+    const size_t work = static_cast<size_t>(a.rows) * a.cols * std::max(1, a.m / 4);
+    // a few tasks per thread: a thread that starts late (a busy machine) leaves its share to the others
+    const int tasks = work < kSerialWeights ? 1 : std::min(4 * pool.size(), blocks);
+    pool.run(tasks, [&](int t) {
+      const int b0 = static_cast<int>(static_cast<long long>(blocks) * t / tasks);
+      const int b1 = static_cast<int>(static_cast<long long>(blocks) * (t + 1) / tasks);
+      vqpipe::trellis_matvec_blocks(a, b0, b1);
+    });
+    if (out.dtype() == float16) {
+      store<float16_t>(y, out);
+    } else if (out.dtype() == bfloat16) {
+      store<bfloat16_t>(y, out);
+    }
+  });
+}
+
+void TrellisMatvec::eval_gpu(const std::vector<array>&, array&) {
+  throw std::runtime_error("trellis_matvec: no GPU kernel yet (CPU only)");
+}
+
+} // namespace mlx::core

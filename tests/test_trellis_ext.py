@@ -1,0 +1,147 @@
+"""The compiled trellis kernels (csrc/trellis.cpp, vqpipe._ext) against vqpipe.codec.trellis's numpy
+reference: the Viterbi gives exactly the reference's states (ties included), the mat-vec the dense
+reconstruction's product to float32 accumulation."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from vqpipe.codec import trellis
+from vqpipe.kernels import ext
+
+_ext = ext.module()
+pytestmark = pytest.mark.skipif(
+    not hasattr(_ext, "trellis_viterbi"), reason=f"vqpipe._ext is not built with the trellis kernels ({ext._missing})")
+
+U32 = 2.0**-24
+
+
+@pytest.fixture(params=[False, True], ids=["avx2", "portable"])
+def portable(request):
+    if not request.param and not _ext.has_avx2():
+        pytest.skip("no AVX2 here")
+    previous = _ext.set_portable(request.param)
+    yield request.param
+    _ext.set_portable(previous)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6, 8])
+def test_viterbi_is_the_reference(k, portable):
+    L, T = 10, trellis.TILE_ROWS * trellis.GROUP
+    tab = trellis.table(L)
+    x = np.random.default_rng(k).standard_normal((6, T)).astype(np.float32) * 1.3
+    ref = trellis._viterbi_numpy(x, L, k, tab)
+    assert np.array_equal(_ext.trellis_viterbi(x, tab, k), ref)
+    assert np.array_equal(_ext.trellis_viterbi(x, tab, k, 1), ref)  # one thread: the same
+    got = trellis.viterbi(x, L, k, tab)  # the public function takes the kernel
+    assert got.dtype == np.int64 and np.array_equal(got, ref)
+
+
+@pytest.mark.parametrize("L,k", [(4, 2), (6, 3), (12, 2), (8, 1)])
+def test_viterbi_other_state_sizes(L, k, portable):
+    tab = trellis.table(L)
+    x = np.random.default_rng(L).standard_normal((5, 64)).astype(np.float32)
+    assert np.array_equal(_ext.trellis_viterbi(x, tab, k), trellis._viterbi_numpy(x, L, k, tab))
+
+
+def test_viterbi_ties_break_as_the_reference(portable):
+    """A table of few distinct values and inputs on them: many equal-cost paths; the first
+    predecessor and the lowest final state win, as numpy's argmin."""
+    L, k = 10, 2
+    tab = np.round(trellis.table(L) * 2) / 2  # a handful of levels, many states on each
+    rng = np.random.default_rng(3)
+    x = rng.choice(np.unique(tab), (8, 256)).astype(np.float32)
+    ref = trellis._viterbi_numpy(x, L, k, tab)
+    assert np.array_equal(_ext.trellis_viterbi(x, tab, k), ref)
+
+
+def test_viterbi_rejects_bad_arguments():
+    tab = trellis.table(10)
+    x = np.zeros((2, 256), np.float32)
+    with pytest.raises(ValueError, match="2\\^L"):
+        _ext.trellis_viterbi(x, tab[:1000], 2)
+    with pytest.raises(ValueError, match="non-finite"):
+        _ext.trellis_viterbi(np.full((1, 8), np.nan, np.float32), tab, 2)
+    nan = np.zeros((1, 256), np.float32)
+    nan[0, 3] = np.inf  # the public function keeps the reference's behaviour there
+    assert np.array_equal(trellis.viterbi(nan, 10, 2, tab), trellis._viterbi_numpy(nan, 10, 2, tab))
+
+
+def _layer(rng, rows, cols, k):
+    packed = rng.integers(0, 1 << 32, (rows // 32, cols // 8 * 8 * k), dtype=np.uint64).astype(np.uint32)
+    scales = (rng.random(rows) + 0.5).astype(np.float32)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    return packed, scales, bias
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("rows,cols", [(32, 8), (96, 576), (576, 200), (1024, 64)])
+def test_matvec_is_the_dense_product(k, rows, cols, portable):
+    rng = np.random.default_rng(k * 7 + rows + cols)
+    packed, scales, bias = _layer(rng, rows, cols, k)
+    w = scales[:, None].astype(np.float64) * trellis.decode(packed, rows, cols, k)
+    for m, b in ((1, None), (2, bias), (5, bias)):
+        x = rng.standard_normal((m, cols)).astype(np.float32)
+        y = trellis.matvec(mx.array(x), mx.array(packed), mx.array(scales), k, bias=None if b is None else mx.array(b))
+        ref = x @ w.T + (0 if b is None else b)
+        bound = (cols + 2) * U32 * (np.abs(x) @ np.abs(w).T) + (0 if b is None else U32 * np.abs(b))
+        assert y.shape == (m, rows) and y.dtype == mx.float32
+        assert np.all(np.abs(np.array(y) - ref) <= bound), (k, rows, cols, m)
+
+
+@pytest.mark.parametrize("k,L", [(1, 10), (2, 10), (3, 10), (4, 10), (5, 10), (6, 10), (2, 8), (3, 12), (4, 16)])
+def test_matvec_computes_the_table_to_the_bit(k, L, portable):
+    """One-hot inputs read single weights: the kernel's computed 1MAD code is the table's value."""
+    rng = np.random.default_rng(k + 10 * L)
+    rows, cols = 64, 48
+    packed, _, _ = _layer(rng, rows, cols, k)
+    eye = mx.array(np.eye(cols, dtype=np.float32))
+    y = trellis.matvec(eye, mx.array(packed), mx.ones((rows,)), k, L)
+    assert np.array_equal(np.array(y).T, trellis.decode(packed, rows, cols, k, L))
+
+
+def test_table_is_the_normalised_1mad_code():
+    """table() is the experiment's normalised 1MAD code to an ulp or two, rounded once from
+    a * byte_sum + b (the FMA the kernel computes: test above)."""
+    t = trellis.table(10, 1.05)
+    v = trellis.code_1mad(np.arange(1024))
+    assert np.max(np.abs(t - (v - v.mean()) / v.std() * 1.05)) < 1e-6
+    assert abs(float(t.mean())) < 1e-5 and abs(float(t.std()) - 1.05) < 1e-5
+
+
+def test_matvec_of_quantized_blocks_and_dtypes():
+    """quantize's blocks, concatenated, decode to the values it chose; half inputs give their dtype."""
+    rng = np.random.default_rng(11)
+    rows, cols, k = 64, 32, 2
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    blocks = [trellis.quantize(w[:, c:c + 8], k) for c in range(0, cols, 8)]
+    packed = np.concatenate([p for p, _ in blocks], axis=1)
+    values = np.concatenate([v for _, v in blocks], axis=1)
+    assert np.array_equal(trellis.decode(packed, rows, cols, k), values)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    scales = np.ones(rows, np.float32)
+    y = trellis.matvec(mx.array(x).astype(mx.bfloat16), mx.array(packed), mx.array(scales), k)
+    assert y.dtype == mx.bfloat16 and y.shape == (3, rows)
+    ref = np.array(mx.array(x).astype(mx.bfloat16).astype(mx.float32)) @ values.T
+    assert np.allclose(np.array(y.astype(mx.float32)), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_matvec_rejects_shapes_that_are_not_tiles():
+    rng = np.random.default_rng(0)
+    packed, scales, _ = _layer(rng, 64, 64, 2)
+    p, s = mx.array(packed), mx.array(scales)
+    with pytest.raises(ValueError, match=r"\(64, 60\)"):
+        trellis.matvec(mx.zeros((1, 60)), p, s, 2)
+    a, b = map(float, trellis.code_affine())
+    with pytest.raises(ValueError, match="multiple of 8"):
+        _ext.trellis_matvec(mx.zeros((1, 60)), p, s, 2, 10, a, b)
+    with pytest.raises(ValueError, match="uint32"):
+        _ext.trellis_matvec(mx.zeros((1, 64)), p, s, 3, 10, a, b)
+    with pytest.raises(ValueError, match="scales"):
+        _ext.trellis_matvec(mx.zeros((1, 64)), p, s[:40], 2, 10, a, b)
+    with pytest.raises(ValueError, match="L = 20"):
+        _ext.trellis_matvec(mx.zeros((1, 64)), p, s, 2, 20, a, b)
+    with pytest.raises(ValueError, match=r"\(40, 64\)"):
+        trellis.decode(packed, 40, 64, 2)
+    with pytest.raises(ValueError, match=r"\(33, 8\)"):
+        trellis.quantize(np.zeros((33, 8), np.float32), 2)
