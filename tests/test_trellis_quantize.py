@@ -179,3 +179,17 @@ def test_malformed_codes_rejected(trellis_model, tmp_path):
     path.write_bytes(rewrite_header(data, bad))
     with pytest.raises(R.ReservoirError, match="codes"):
         R.read_header(path)
+
+
+def test_recipe_tables_take_the_trellis_distortion():
+    from vqpipe.codec.codebook import distortion
+    from vqpipe.codec.rotation import make_rotation
+    from vqpipe.quant import recipe
+
+    r = make_rotation("hadamard", 64, 0)
+    scalar = recipe.layer_table((96, 64), [2, 3, 6], None, r, 1.0)
+    tr = recipe.layer_table((96, 64), [2, 3, 6], None, r, 1.0, "trellis")
+    assert tr[2][1] == distortion(2, 64, "trellis") < scalar[2][1] and tr[6] == scalar[6]  # 6 bits: scalar
+    assert tr[2][0] == 96 * 64 * 2 + 96 * 32 + 1024 * 32 + 64 * 32  # codes, scales, table, signs
+    odd = recipe.layer_table((48, 64), [2], None, r, 1.0, "trellis")  # 48 rows do not tile
+    assert odd[2][1] == distortion(2, 64)
