@@ -106,7 +106,12 @@ def trellis_model(tiny_llama_source):
 
 
 def test_model_greedy_tokens_ext_equal_dense(trellis_model):
+    from vqpipe.quant import recipe
+
     model, records = trellis_model
+    per_layer = [m.to_state()[1] for m in model.modules() if isinstance(m, QuantizedLinear)]
+    rest = sum(v.nbytes * 8 for a in per_layer for k, v in a.items() if k not in ("bias", "codebook"))
+    assert recipe.model_bits(model)[0] == rest + 1024 * 32  # one trellis table per model
     assert {r["codes"] for r in records} == {"trellis"}  # every tiny-llama matrix tiles, the embedding too
     prompt = [1, 17, 300, 42, 7]
     # the cached decode runs one token a step: the ext mat-vec at M = 1 against the dense path
@@ -190,6 +195,6 @@ def test_recipe_tables_take_the_trellis_distortion():
     scalar = recipe.layer_table((96, 64), [2, 3, 6], None, r, 1.0)
     tr = recipe.layer_table((96, 64), [2, 3, 6], None, r, 1.0, "trellis")
     assert tr[2][1] == distortion(2, 64, "trellis") < scalar[2][1] and tr[6] == scalar[6]  # 6 bits: scalar
-    assert tr[2][0] == 96 * 64 * 2 + 96 * 32 + 1024 * 32 + 64 * 32  # codes, scales, table, signs
+    assert tr[2][0] == 96 * 64 * 2 + 96 * 32 + 64 * 32  # codes, scales, signs (the table: once per model)
     odd = recipe.layer_table((48, 64), [2], None, r, 1.0, "trellis")  # 48 rows do not tile
     assert odd[2][1] == distortion(2, 64)

@@ -18,6 +18,7 @@ the layer stores (codes, scales, codebook, rotation state), the way bench-qualit
 """
 
 import heapq
+import json
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -166,11 +167,12 @@ def pivot_sum(h, rotation, damp):
 
 def stored_bits(out_features, in_features, width, group_size, rotation, codes="scalar"):
     """Bits a quantized layer of this shape stores at ``width``, as bench-quality counts them:
-    packed codes, scales (float32 per row or float16 per group), codebook (a trellis's: its 2^L
-    state values), rotation state."""
+    packed codes, scales (float32 per row or float16 per group), codebook, rotation state. A trellis
+    layer's codebook (the 2^L state values) is one blob for every trellis layer of a file: counted
+    once per model (:func:`model_bits`), not here."""
     if codes == "trellis":
         state = sum(v.nbytes for v in rotation.to_state()[1].values()) * 8
-        return out_features * in_features * width + out_features * 32 + (1 << trellis.L_DEFAULT) * 32 + state
+        return out_features * in_features * width + out_features * 32 + state
     codes = out_features * words_per_row(in_features, width) * 32
     scales = out_features * 32 if group_size is None else out_features * (in_features // group_size) * 16
     state = sum(v.nbytes for v in rotation.to_state()[1].values()) * 8
@@ -258,11 +260,17 @@ def plan(model, bits, targets, moments, fisher, budget, rotation_of, group_size=
 
 def model_bits(model):
     """(stored bits, weights) of every vqpipe-quantized layer of ``model``, as bench-quality's
-    bits_per_weight counts them: every array of to_state() but the bias."""
+    bits_per_weight counts them: every array of to_state() but the bias (the trellis table, one
+    blob in a file, once per model)."""
     total = weights = 0
+    tables = {}
     for _, m in model.named_modules():
         if hasattr(m, "to_state"):
             meta, arrays = m.to_state()
             weights += meta["in_features"] * meta["out_features"]
-            total += sum(v.nbytes * 8 for k, v in arrays.items() if k != "bias")
+            shared = "codes" in meta
+            total += sum(v.nbytes * 8 for k, v in arrays.items() if k != "bias" and not (shared and k == "codebook"))
+            if shared:
+                tables[json.dumps(meta["codes"], sort_keys=True)] = arrays["codebook"].nbytes * 8
+    total += sum(tables.values())
     return total, weights
