@@ -95,7 +95,8 @@ NB_MODULE(_ext, m) {
       "byte sum of s, b) over L-bit states; in x's dtype; CPU.");
   m.def("has_avx2", &vqpipe::has_avx2, "Whether the CPU kernel uses AVX2/FMA here.");
   m.def("set_portable", &vqpipe::set_portable, "flag"_a,
-        "Take the portable kernel even where AVX2 is there (tests); returns the previous setting.");
+        "Take the portable kernel even where AVX2 or NEON is there (tests); returns the previous setting.");
+  m.def("has_neon", &vqpipe::has_neon, "Whether the CPU kernel uses NEON here (arm64).");
   m.def("threads", [] { return vqpipe::Pool::get().size(); }, "Threads of the CPU kernel's pool.");
   m.def("has_gpu", &codebook_matvec_has_gpu, "Whether this build has a GPU (CUDA) kernel.");
 }

@@ -12,6 +12,10 @@
 #define VQ_X86 1
 #include <immintrin.h>
 #endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#define VQ_NEON 1
+#include <arm_neon.h>
+#endif
 
 namespace vqpipe {
 
@@ -292,12 +296,152 @@ void rows_avx2_any(const MatvecArgs& a, int r0, int r1, int m0, int mc) {
 
 #endif // VQ_X86
 
+#ifdef VQ_NEON
+
+// The 32 codes of a block as bytes: vector nibble/crumb splits at 2 and 4 bits, a 64-bit window
+// elsewhere.
+template <int B>
+inline void codes32(const uint32_t* w, uint8_t* q) {
+  if constexpr (B == 4) {
+    const uint8x16_t b = vld1q_u8(reinterpret_cast<const uint8_t*>(w));
+    const uint8x16_t lo = vandq_u8(b, vdupq_n_u8(15)), hi = vshrq_n_u8(b, 4);
+    vst1q_u8(q, vzip1q_u8(lo, hi));
+    vst1q_u8(q + 16, vzip2q_u8(lo, hi));
+  } else if constexpr (B == 2) {
+    const uint8x8_t b = vld1_u8(reinterpret_cast<const uint8_t*>(w));
+    const uint8x8_t m = vdup_n_u8(3);
+    const uint8x8_t c0 = vand_u8(b, m), c1 = vand_u8(vshr_n_u8(b, 2), m);
+    const uint8x8_t c2 = vand_u8(vshr_n_u8(b, 4), m), c3 = vshr_n_u8(b, 6);
+    // byte i holds codes 4i..4i+3 in (c0, c1, c2, c3)
+    const uint8x8x4_t t = {{c0, c1, c2, c3}};
+    vst4_u8(q, t);
+  } else if constexpr (B == 8) {
+    std::memcpy(q, w, 32);
+  } else {
+    const uint32_t mask = (1u << B) - 1;
+    for (int j = 0; j < 32; ++j) {
+      const int bit = j * B, word = bit >> 5, shift = bit & 31;
+      uint64_t window = w[word];
+      if (shift + B > 32) window |= static_cast<uint64_t>(w[word + 1]) << 32;
+      q[j] = static_cast<uint8_t>((window >> shift) & mask);
+    }
+  }
+}
+
+// Codebook values of 16 codes (bytes): a byte-table lookup of the float bytes up to 16 levels,
+// loads above.
+template <int B>
+inline void lookup16(const uint8_t* q, const uint8x16x4_t& cb, const float* table, float32x4_t* v) {
+  if constexpr (B <= 4) {
+    static const uint8_t rep[4][16] = {
+        {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}, {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7},
+        {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11},
+        {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15}};
+    static const uint8_t lane[16] = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
+    const uint8x16_t idx = vld1q_u8(q), off = vld1q_u8(lane);
+    for (int g = 0; g < 4; ++g) {
+      const uint8x16_t byte = vaddq_u8(vshlq_n_u8(vqtbl1q_u8(idx, vld1q_u8(rep[g])), 2), off);
+      v[g] = vreinterpretq_f32_u8(vqtbl4q_u8(cb, byte));
+    }
+  } else {
+    for (int g = 0; g < 4; ++g) {
+      const float t[4] = {table[q[4 * g]], table[q[4 * g + 1]], table[q[4 * g + 2]], table[q[4 * g + 3]]};
+      v[g] = vld1q_f32(t);
+    }
+  }
+}
+
+template <int B, int M>
+void rows_neon(const MatvecArgs& a, int r0, int r1, int m0) {
+  const int blocks = a.padded / 32, words = B * blocks;
+  const bool whole = a.group_size % 32 == 0;
+  alignas(16) float table[256] = {};
+  std::memcpy(table, a.codebook, sizeof(float) << B);
+  uint8x16x4_t cb;
+  cb.val[0] = vld1q_u8(reinterpret_cast<const uint8_t*>(table));
+  cb.val[1] = vld1q_u8(reinterpret_cast<const uint8_t*>(table + 4));
+  cb.val[2] = vld1q_u8(reinterpret_cast<const uint8_t*>(table + 8));
+  cb.val[3] = vld1q_u8(reinterpret_cast<const uint8_t*>(table + 12));
+  const float* x = a.x + static_cast<size_t>(m0) * a.padded;
+  alignas(16) float s[32];
+  alignas(16) uint8_t q[32];
+  for (int r = r0; r < r1; ++r) {
+    const uint32_t* w = a.packed + static_cast<size_t>(r) * words;
+    float32x4_t acc[M][2];
+    for (int mm = 0; mm < M; ++mm) acc[mm][0] = acc[mm][1] = vdupq_n_f32(0.0f);
+    for (int k = 0; k < blocks; ++k, w += B) {
+      float32x4_t v[8];
+      codes32<B>(w, q);
+      lookup16<B>(q, cb, table, v);
+      lookup16<B>(q + 16, cb, table, v + 4);
+      if (a.group_scales) {
+        if (whole) {
+          const float32x4_t sg = vdupq_n_f32(scale_at(a, r, k * 32 / a.group_size));
+          for (int g = 0; g < 8; ++g) v[g] = vmulq_f32(v[g], sg);
+        } else {
+          block_scales(a, r, k, s);
+          for (int g = 0; g < 8; ++g) v[g] = vmulq_f32(v[g], vld1q_f32(s + 4 * g));
+        }
+      }
+      const float* xk = x + k * 32;
+      for (int mm = 0; mm < M; ++mm) {
+        const float* xm = xk + static_cast<size_t>(mm) * a.padded;
+        for (int g = 0; g < 8; g += 2) {
+          acc[mm][0] = vfmaq_f32(acc[mm][0], v[g], vld1q_f32(xm + 4 * g));
+          acc[mm][1] = vfmaq_f32(acc[mm][1], v[g + 1], vld1q_f32(xm + 4 * g + 4));
+        }
+      }
+    }
+    for (int mm = 0; mm < M; ++mm) {
+      float y = vaddvq_f32(vaddq_f32(acc[mm][0], acc[mm][1]));
+      if (a.row_scales) y *= a.row_scales[r];
+      if (a.bias) y += a.bias[r];
+      a.y[static_cast<size_t>(m0 + mm) * a.rows + r] = y;
+    }
+  }
+}
+
+template <int B>
+void rows_neon_m(const MatvecArgs& a, int r0, int r1, int m0, int mc) {
+  switch (mc) {
+    case 1: return rows_neon<B, 1>(a, r0, r1, m0);
+    case 2: return rows_neon<B, 2>(a, r0, r1, m0);
+    case 3: return rows_neon<B, 3>(a, r0, r1, m0);
+    case 4: return rows_neon<B, 4>(a, r0, r1, m0);
+    case 5: return rows_neon<B, 5>(a, r0, r1, m0);
+    case 6: return rows_neon<B, 6>(a, r0, r1, m0);
+    case 7: return rows_neon<B, 7>(a, r0, r1, m0);
+    default: return rows_neon<B, 8>(a, r0, r1, m0);
+  }
+}
+
+void rows_neon_any(const MatvecArgs& a, int r0, int r1, int m0, int mc) {
+  switch (a.bits) {
+    case 2: return rows_neon_m<2>(a, r0, r1, m0, mc);
+    case 3: return rows_neon_m<3>(a, r0, r1, m0, mc);
+    case 4: return rows_neon_m<4>(a, r0, r1, m0, mc);
+    case 5: return rows_neon_m<5>(a, r0, r1, m0, mc);
+    case 6: return rows_neon_m<6>(a, r0, r1, m0, mc);
+    default: return rows_neon_m<8>(a, r0, r1, m0, mc);
+  }
+}
+
+#endif // VQ_NEON
+
 } // namespace
 
 bool has_avx2() {
 #ifdef VQ_X86
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return yes && !portable.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
+bool has_neon() {
+#ifdef VQ_NEON
+  return !portable.load(std::memory_order_relaxed);
 #else
   return false;
 #endif
@@ -320,6 +464,12 @@ void matvec_rows(const MatvecArgs& a, int r0, int r1) {
 #ifdef VQ_X86
     if (has_avx2()) {
       rows_avx2_any(a, r0, r1, m0, mc);
+      continue;
+    }
+#endif
+#ifdef VQ_NEON
+    if (has_neon()) {
+      rows_neon_any(a, r0, r1, m0, mc);
       continue;
     }
 #endif

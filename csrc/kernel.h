@@ -24,7 +24,10 @@ void matvec_rows(const MatvecArgs& a, int r0, int r1);
 // Whether the AVX2/FMA kernel runs on this machine (else the portable one).
 bool has_avx2();
 
-// Take the portable kernel even where AVX2 is there (tests); returns the previous setting.
+// Whether the NEON kernel runs on this machine (arm64; else the portable one).
+bool has_neon();
+
+// Take the portable kernel even where AVX2 or NEON is there (tests); returns the previous setting.
 bool set_portable(bool flag);
 
 } // namespace vqpipe

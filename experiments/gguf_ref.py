@@ -2,7 +2,8 @@
 
 It shares no code with the converter (vqpipe/sources/gguf.py): weights are dequantized by the ``gguf``
 package (not MLX), Q/K stay in llama.cpp's permuted row order and RoPE rotates adjacent pairs
-(llama.cpp's "normal" mode) for llama, halves ("neox" mode) for qwen2. If the converted model's
+(llama.cpp's "normal" mode) for llama, halves ("neox" mode) for qwen2 and qwen3 (which also
+normalises each head of q and k by its own RMSNorm before RoPE). If the converted model's
 logits match these, the permutation was undone correctly.
 
     python -m experiments.gguf_ref FILE CONVERTED_DIR   # compares the two on a chat prompt
@@ -12,7 +13,7 @@ import sys
 
 import numpy as np
 
-NEOX_ARCHS = ("qwen2",)
+NEOX_ARCHS = ("qwen2", "qwen3")
 
 
 def read(path):
@@ -78,6 +79,8 @@ def logits(path, tokens):
         q = linear(w, b + "attn_q", h).reshape(len(tokens), heads, -1)
         k = linear(w, b + "attn_k", h).reshape(len(tokens), kv, -1)
         v = linear(w, b + "attn_v", h).reshape(len(tokens), kv, -1)
+        if b + "attn_q_norm.weight" in w:  # qwen3
+            q, k = rms_norm(q, w[b + "attn_q_norm.weight"], eps), rms_norm(k, w[b + "attn_k_norm.weight"], eps)
         q, k = rope(q, base, arch in NEOX_ARCHS), rope(k, base, arch in NEOX_ARCHS)
         x = x + linear(w, b + "attn_output", attention(q, k, v))
         h = rms_norm(x, w[b + "ffn_norm.weight"], eps)

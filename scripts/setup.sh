@@ -32,6 +32,12 @@ need_deb=()
 command -v rsync >/dev/null || need_deb+=(rsync)
 if [ "$(uname -s)" = Linux ] && ! ls /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 >/dev/null 2>&1 \
    && [ "$(uname -m)" = x86_64 ]; then need_deb+=(libopenblas0-pthread); fi
+# The CPU mat-vec's NEON kernel is checked on x86-64 by a cross build run under qemu
+# (tests/test_kernel_simd.py).
+if [ "$(uname -s)" = Linux ] && [ "$(uname -m)" = x86_64 ]; then
+  command -v aarch64-linux-gnu-g++ >/dev/null || need_deb+=(g++-aarch64-linux-gnu)
+  command -v qemu-aarch64 >/dev/null || need_deb+=(qemu-user)
+fi
 # Headless Chromium: tests/test_report_summary.py opens the report in it (skipped without it).
 if [ "$(uname -s)" = Linux ] && ! command -v chromium >/dev/null; then need_deb+=(chromium); fi
 if [ -z "${VQPIPE_NO_CLUSTER:-}" ] && [ "$(uname -s)" = Linux ]; then

@@ -161,6 +161,33 @@ def test_calibration_moments_are_the_models_own_block_inputs(built):
         assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max(), name
 
 
+def test_untied_gemma3_loads_with_its_own_head(tmp_path):
+    """mlx-lm's gemma3_text ties or not by the weights it gets, not by config.json: a reservoir of a
+    checkpoint that stores lm_head.weight loads with that head, and generates as the quantized model did."""
+    from vqpipe.quant.quantize import QuantizeConfig, quantize_model
+    from vqpipe.store import manifest
+
+    source = fetch("synth:tiny-gemma3", tmp_path / "source")
+    weights = mx.load(str(source / "model.safetensors"))
+    embed = weights["model.embed_tokens.weight"]
+    weights["lm_head.weight"] = (mx.random.normal(embed.shape, key=mx.random.key(3)) * 0.02).astype(embed.dtype)
+    mx.save_safetensors(str(source / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    manifest.write(source)  # the download's checksums were of the tied files
+    info = quantize.run(source, tmp_path / "q", bits=4, calibration="none", progress=quiet)
+    assert "lm_head" in {r["name"] for r in info["records"]}
+    pack.run(tmp_path / "q", tmp_path / "r", False, progress=quiet)
+    assert validate.run(tmp_path / "r", tmp_path / "q", progress=quiet)["bit_exact"] is True
+    model, tokenizer = vqpipe.load(tmp_path / "r")
+    assert model.tie_word_embeddings is False and "lm_head" in model
+    from mlx_lm.utils import load
+
+    fresh, _ = load(str(source))
+    quantize_model(fresh, QuantizeConfig(bits=4, calib_text="none"), progress=quiet)
+    assert greedy(model, tokenizer) == greedy(fresh, tokenizer)
+
+
 def test_unknown_family_is_one_clear_error():
     with pytest.raises(ValueError, match="model_type 'gpt2' are not built; known: qwen2, llama, qwen3"):
         synth.family("gpt2")

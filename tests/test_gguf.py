@@ -34,8 +34,13 @@ def permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def head_dim(arch):
+    """qwen3's head_dim is its own (here twice hidden / heads); the others derive it."""
+    return 2 * DIMS["hidden"] // DIMS["heads"] if arch == "qwen3" else DIMS["hidden"] // DIMS["heads"]
+
+
 def hf_weights(arch, vocab, rng):
-    h, ff, d = DIMS["hidden"], DIMS["ff"], DIMS["hidden"] // DIMS["heads"]
+    h, ff, d = DIMS["hidden"], DIMS["ff"], head_dim(arch)
     r = lambda *s: (rng.standard_normal(s) * 0.3).astype(np.float32)  # noqa: E731
     w = {"token_embd.weight": r(vocab, h), "output_norm.weight": 1 + r(h) * 0.1, "output.weight": r(vocab, h)}
     for i in range(DIMS["layers"]):
@@ -47,6 +52,8 @@ def hf_weights(arch, vocab, rng):
         if arch == "qwen2":
             w |= {b + "attn_q.bias": r(DIMS["heads"] * d), b + "attn_k.bias": r(DIMS["kv"] * d),
                   b + "attn_v.bias": r(DIMS["kv"] * d)}
+        if arch == "qwen3":
+            w |= {b + "attn_q_norm.weight": 1 + r(d) * 0.1, b + "attn_k_norm.weight": 1 + r(d) * 0.1}
     return w
 
 
@@ -63,7 +70,10 @@ def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0):
     w.add_head_count_kv(DIMS["kv"])
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(DIMS["hidden"] // DIMS["heads"])
+    w.add_rope_dimension_count(head_dim(arch))
+    if arch == "qwen3":
+        w.add_key_length(head_dim(arch))
+        w.add_value_length(head_dim(arch))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens)
@@ -98,7 +108,7 @@ def fp32_model(out):
     return model, tok
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_logits_match_independent_evaluation(tmp_path, arch):
     path = tmp_path / "m.gguf"
     write_gguf(path, arch)

@@ -12,47 +12,36 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 from .harness import AA_SUFFIX, compare, noise_floor, summarize
 
-_CHILD = "import sys; from vqpipe.bench.fresh_load import child; child(sys.argv[1:])"
+# The child is a program of its own: nothing of vqpipe or MLX is imported before its clock starts.
+_CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+import mlx.core as mx
+kind, path = sys.argv[1:]
+if kind == "vqpipe":
+    import vqpipe  # its loader's own modules are imported by vqpipe.load: "load" counts them
+    loader = vqpipe.load
+else:
+    from mlx_lm.utils import load as loader
+t1 = time.perf_counter()
+model, _ = loader(path)
+mx.eval(model.parameters())
+t2 = time.perf_counter()
+mx.eval(model(mx.array([[1]], dtype=mx.int32)))
+mx.synchronize()
+t3 = time.perf_counter()
+hwm = None
+try:
+    hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+except (OSError, StopIteration):
+    pass
+print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "first_logits_s": t3 - t2, "seconds": t3 - t0,
+                  "mlx_peak_bytes": mx.get_peak_memory(), "vm_hwm_bytes": hwm}))
+"""
 KINDS = ("vqpipe", "mlx_lm")
-
-
-def _vm_hwm():
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def child(argv):
-    """``KIND PATH``: import, load, evaluate the parameters and one token's logits; print one JSON line."""
-    kind, path = argv
-    t0 = time.perf_counter()
-    import mlx.core as mx
-
-    if kind == "vqpipe":
-        import vqpipe
-        import vqpipe.store.reservoir  # noqa: F401  (vqpipe.load imports it lazily: count it as import)
-
-        loader = vqpipe.load
-    else:
-        from mlx_lm.utils import load as loader
-    t1 = time.perf_counter()
-    model, _ = loader(path)
-    mx.eval(model.parameters())
-    t2 = time.perf_counter()
-    mx.eval(model(mx.array([[1]], dtype=mx.int32)))
-    mx.synchronize()
-    t3 = time.perf_counter()
-    print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "first_logits_s": t3 - t2,
-                      "seconds": t3 - t0, "mlx_peak_bytes": mx.get_peak_memory(), "vm_hwm_bytes": _vm_hwm()}))
 
 
 def sample(kind, path, timeout=600):

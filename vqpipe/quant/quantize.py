@@ -353,8 +353,23 @@ def skeleton(model_dir):
     return model
 
 
+def restore_head(model, has_head):
+    """Give back the lm_head a skeleton dropped, where the artifact ``has_head``. Some mlx-lm models decide tying by the weights they
+    are given, not by config.json (gemma3_text's ``sanitize`` pops ``lm_head`` when no
+    ``lm_head.weight`` comes): built without weights, they are tied; an artifact that holds a head
+    unties them."""
+    if not has_head or "lm_head" in model:
+        return
+    if getattr(model, "tie_word_embeddings", None) is not True:
+        return
+    vocab, hidden = model.model.embed_tokens.weight.shape
+    model.lm_head = nn.Linear(hidden, vocab, bias=False)  # lazy: replaced before it is computed
+    model.tie_word_embeddings = False
+
+
 def assemble(model, layers, params, source="artifact"):
     """Put quantized layers and plain params into a skeleton; every tensor must be accounted for."""
+    restore_head(model, "lm_head" in layers or "lm_head.weight" in params)
     model.update_modules(tree_unflatten(list(layers.items())))
     expected = {k for k, _ in tree_flatten(model.parameters())
                 if not any(k.startswith(n + ".") for n in layers)}

@@ -32,6 +32,9 @@ DTYPES = ("bfloat16", "float16", "float32")
 ARCHS = {
     "llama": {"architectures": ["LlamaForCausalLM"], "permuted_qk": True},
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "permuted_qk": False},
+    # qwen3: qwen2 without the q/k/v biases, with per-head RMSNorms of q and k before RoPE and a
+    # head_dim of its own (attention.key_length); llama.cpp does not permute its Q/K rows.
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "permuted_qk": False},
 }
 TOP_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -45,6 +48,8 @@ BLOCK_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -137,6 +142,10 @@ def make_config(reader, dtype):
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in names
         config["mlp_bias"] = False
+    has_norms = "blk.0.attn_q_norm.weight" in names
+    if has_norms != (arch == "qwen3"):
+        raise ValueError(f"GGUF {arch} file {'with' if has_norms else 'without'} attn_q_norm tensors: "
+                         "only qwen3 has per-head q/k norms")
     return config
 
 
@@ -147,7 +156,7 @@ def hf_name(name):
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in BLOCK_TENSORS and parts[3] in ("weight", "bias"):
         return f"model.layers.{parts[1]}.{BLOCK_TENSORS[parts[2]]}.{parts[3]}"
-    raise ValueError(f"GGUF tensor {name!r} has no counterpart in the llama/qwen2 layout")
+    raise ValueError(f"GGUF tensor {name!r} has no counterpart in the llama/qwen2/qwen3 layout")
 
 
 def tensor_types(reader):

@@ -37,7 +37,7 @@ from ..codec.rotation import hadamard_supported, regenerate
 from ..layers.fused import fuse_model
 from ..codec import trellis
 from ..layers.qlinear import TRELLIS_BITS, QuantizedEmbedding, trellis_params
-from ..quant.quantize import build_layers, skeleton, split_state
+from ..quant.quantize import build_layers, restore_head, skeleton, split_state
 
 FILE_NAME = "model.vqres"
 MAGIC = b"\x89VQRES\r\n"
@@ -744,6 +744,7 @@ def _load_once(path, model_dir):
     header = read_header(path)
     with _prefault_for(header) as prefault:  # starts now: the skeleton and checks overlap it
         model = _skeleton(path, header, model_dir)
+        restore_head(model, "lm_head" in header["layers"] or "lm_head.weight" in header["params"])
         _check_targets(path, model, header["layers"])
         _check_params(path, model, header)
         read, close = _reader(path, header, prefault)
