@@ -14,8 +14,9 @@ one float32 scale per row; ``decode`` is the dense reference, ``matvec`` the dec
 
 The numpy code here is the reference. ``viterbi`` and ``matvec`` take the compiled kernels
 (vqpipe._ext, csrc/trellis.cpp) where they are built: the same states, and the same mat-vec to
-float32 rounding. Not wired into quantize_model yet; the recipe's allocator can already ask for
-its distortion (codebook.distortion(..., kind="trellis")).
+float32 rounding. quantize_model takes it with QuantizeConfig(codes="trellis") (block LDLQ:
+vqpipe/codec/ldlq.py; the layer: vqpipe/layers/qlinear.py), and the recipe's allocator with
+codebook.distortion(..., kind="trellis").
 """
 
 from functools import lru_cache

@@ -20,6 +20,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
+from ..codec import trellis
 from ..codec.bitpack import unpack
 
 FIELD_BITS = {2: 8, 4: 8, 8: 8, 3: 12, 6: 12, 5: 10}
@@ -151,4 +152,29 @@ def dense_forward(xr, packed, scales, codebook, bits, bias=None, group_size=None
         y = (xr @ codes_to_values(packed, codebook, bits, n, dt).T) * scales.astype(dt)
     else:  # the same products as w * repeat(scales), without a weight-sized repeat of the scales
         y = xr @ scaled_values(packed, codebook, bits, n, dt, scales, group_size).T
+    return y if bias is None else y + bias.astype(dt)
+
+
+def trellis_values(packed, table, bits, rows, cols, L, dtype=mx.float32):
+    """The code values [rows, cols] (no scales) of a trellis layer's codes (vqpipe/codec/trellis.py:
+    tiles of 32 rows x 8 columns, each a column-major stream of k-bit steps from state 0), with
+    MLX ops: each state is the last L bits of its tile's stream, then one gather from ``table``."""
+    tr, g = trellis.TILE_ROWS, trellis.GROUP
+    nb, ncb, n = rows // tr, cols // g, tr * g
+    steps = unpack(packed.reshape(nb * ncb, g * bits), bits, n)
+    states = steps
+    for j in range(1, -(-L // bits)):  # the older steps still inside the L-bit window
+        older = mx.pad(steps[:, : n - j], [(0, 0), (j, 0)])
+        states = states | (older << (j * bits))
+    states = states & ((1 << L) - 1)
+    v = table.astype(dtype)[states].reshape(nb, ncb, g, tr)
+    return v.transpose(0, 3, 1, 2).reshape(rows, cols)
+
+
+def trellis_forward(xr, packed, scales, table, bits, L, bias=None):
+    """The dense path of a trellis layer from the rotated input: decode, one matmul, row scales, bias
+    (the scalar path's order: per-row scales multiply the matmul's output)."""
+    dt = xr.dtype
+    w = trellis_values(packed, table, bits, packed.shape[0] * trellis.TILE_ROWS, xr.shape[-1], L, dt)
+    y = (xr @ w.T) * scales.astype(dt)
     return y if bias is None else y + bias.astype(dt)

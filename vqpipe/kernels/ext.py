@@ -17,6 +17,8 @@ import warnings
 
 import mlx.core as mx
 
+from ..codec import trellis
+
 try:
     from .. import _ext
 except ImportError as error:  # not built: vqpipe runs on MLX ops
@@ -84,3 +86,12 @@ def matvec(xr, packed, scales, codebook, bits, bias=None, group_size=None):
     if _ext is None:
         raise RuntimeError(f"vqpipe._ext is not built ({_missing}); run scripts/build_ext.sh")
     return _ext.codebook_matvec(xr, packed, scales, codebook, bits, group_size or 0, bias)
+
+
+def trellis_matvec(xr, packed, scales, bits, L, code_scale, bias=None):
+    """``s * (C @ xr) + b`` of a trellis layer (vqpipe/codec/trellis.py) along xr's last axis, in
+    xr's dtype: the compiled mat-vec, which computes each state's 1MAD value (the table's, to the bit)."""
+    if _ext is None:
+        raise RuntimeError(f"vqpipe._ext is not built ({_missing}); run scripts/build_ext.sh")
+    a, b = trellis.code_affine(L, code_scale)
+    return _ext.trellis_matvec(xr, packed, scales, bits, L, float(a), float(b), bias)

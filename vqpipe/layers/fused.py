@@ -26,7 +26,7 @@ from . import fold as fold_signs
 from ..kernels import dispatch, ext, qmv
 from ..kernels.dequant import dense_forward
 from .fold import fused_groups  # noqa: F401  (part of this module's interface)
-from .qlinear import QuantizedEmbedding, QuantizedLinear
+from .qlinear import QuantizedEmbedding, QuantizedLinear, trellis_forward
 
 # Sibling names that read the same input in mlx-lm's decoder layers (Llama, Qwen2/3, Mistral, Gemma,
 # ...): the first of each tuple owns the rotation seed.
@@ -44,7 +44,7 @@ def rotation_owner(name):
 
 def _signature(layer):
     r = layer.rotation
-    return (type(layer), r.kind, r.dim, r.seed, layer.bits, layer.in_features, layer.group_size,
+    return (type(layer), layer.trellis, r.kind, r.dim, r.seed, layer.bits, layer.in_features, layer.group_size,
             layer.scales.ndim, layer.scales.dtype, layer.packed.dtype, layer.codebook.dtype, "bias" in layer,
             layer.bias.dtype if "bias" in layer else None)
 
@@ -60,7 +60,7 @@ class FusedGroup:
     def __init__(self, layers):
         first = layers[0]
         self.rotation, self.bits, self.group_size = first.rotation, first.bits, first.group_size
-        self.codebook = first.codebook
+        self.codebook, self.trellis = first.codebook, first.trellis
         self.splits, end = [], 0
         for layer in layers[:-1]:
             end += layer.out_features
@@ -73,7 +73,8 @@ class FusedGroup:
         start = 0
         for layer in layers:
             stop = start + layer.out_features
-            layer.packed, layer.scales = self.packed[start:stop], self.scales[start:stop]
+            per = 1 if self.trellis is None else 32  # a trellis layer's packed rows are blocks of 32 rows
+            layer.packed, layer.scales = self.packed[start // per : stop // per], self.scales[start:stop]
             if self.bias is not None:
                 layer.bias = self.bias[start:stop]
             layer.codebook = self.codebook
@@ -96,6 +97,9 @@ class FusedGroup:
         times the signs folded into ``flipped``."""
         rotation = self.unsigned if self.norm is not None and self.norm.made(x) else self.rotation
         scales, bias = self.flipped if flip else (self.scales, self.bias)
+        if self.trellis is not None:  # row blocks of 32 concatenate like rows
+            y = trellis_forward(x, rotation, self.packed, scales, self.codebook, self.bits, self.trellis, bias)
+            return mx.split(y, self.splits, axis=-1)
         dialect = qmv.dispatch(x) if self.bits in qmv.BITS else None  # 5/6-bit groups run dense
         if dialect is not None:  # one launch: rotation in its prologue, one output per sibling
             return dispatch.launch(dialect, x, self.packed, scales, self.codebook, self.bits, bias,

@@ -10,6 +10,12 @@ token for Hadamard rotations), and the weights are dequantized on the fly, never
 With ``group_size`` g, ``scales`` is [out, in / g] (float16): entry i of a rotated row is scaled by
 scales[o, i // g]. With calibration second moments H (``hessian``), the codes come from GPTQ error
 feedback in the rotated basis and the scales from an H-weighted least-squares fit (vqpipe/codec/gptq.py).
+
+With ``codes`` "trellis" (issue 34) the rotated weight is bitshift-trellis codes instead
+(vqpipe/codec/trellis.py, tiles of 32 rows x 8 columns, block LDLQ: vqpipe/codec/ldlq.py): packed
+holds the tiles' k-bit streams, codebook the value of each of the 2^L states, scales one float32
+per row. Decode on the CPU takes the compiled trellis mat-vec; everything else decodes the states
+and runs the dense path.
 """
 
 import math
@@ -21,7 +27,7 @@ import numpy as np
 from ..kernels import dequant, dispatch, ext, qmv
 from ..kernels.dequant import dense_forward
 from .head import Head
-from ..codec import gptq
+from ..codec import gptq, ldlq, trellis
 from ..codec import rotation as rot
 from ..codec.codebook import LAYER_BITS, boundaries, check_bits, codebook
 from ..codec.bitpack import pack, unpack
@@ -29,6 +35,51 @@ from ..parallel import Pool
 
 _ROW_CHUNK = 8192  # rows quantized at a time: bounds temporaries for 150k-row embeddings
 _JOB_PARTS = 2  # pool jobs per layer (_job_rows)
+CODES = ("scalar", "trellis")
+TRELLIS_BITS = (2, 3, 4, 5)  # trellis widths: at 6 and 8 the Viterbi is 2^k-way for little gain
+
+
+def trellis_fits(bits, out_features, in_features, group_size=None):
+    """Whether a layer of this shape and width can take trellis codes (else it stays scalar)."""
+    return (bits in TRELLIS_BITS and group_size is None and out_features % trellis.TILE_ROWS == 0
+            and in_features % trellis.GROUP == 0)
+
+
+def quantize_trellis(weight, bits, rotation, hessian=None, damp=None, pool=None):
+    """Trellis codes of ``weight`` (out x in) -> (packed, scales, table, squared_error), as
+    quantize_weight returns; with ``pool``, a function that gives them. The MLX part (rotation, the
+    factors of H) runs here, block LDLQ (numpy and the compiled Viterbi) on ``pool``."""
+    h = m = None
+    if hessian is not None:
+        h, n = _rotated_factors(hessian, rotation, gptq.DAMP if damp is None else damp)
+        m = _feedback(n)
+    w = rotation.apply(weight.astype(mx.float32))
+    mx.eval(w)
+    job = (pool or Pool(1)).submit(_trellis_rows, np.asarray(w), bits, h, m)
+
+    def finish():
+        packed, scales, error = job.result()
+        return mx.array(packed), mx.array(scales), mx.array(trellis.table()), error
+
+    return finish if pool is not None else finish()
+
+
+def _trellis_rows(w, bits, h, m):
+    packed, scales, c = ldlq.ldlq(w, bits, h, m)
+    e = w - c * scales[:, None]
+    return packed, scales, float(np.einsum("ij,ij->", e, e, dtype=np.float64))
+
+
+_FEEDBACK = []  # [(n, m)]: the last few block feedback matrices (siblings share one factor n)
+
+
+def _feedback(n):
+    for n_, m in _FEEDBACK:
+        if n_ is n:
+            return m
+    m = ldlq.block_feedback(n)
+    _FEEDBACK[:] = [(n, m)] + _FEEDBACK[: _KEEP - 1]
+    return m
 
 
 def quantize_weight(weight, bits, rotation, group_size=None, hessian=None, damp=None, pool=None):
@@ -207,10 +258,15 @@ def dense_weight(module, dtype):
 
 class QuantizedLinear(nn.Module):
     group_size = None  # None: one scale per row; else scales [out, in // group_size] (rotated index)
+    codes = "scalar"  # or "trellis": then ``trellis`` is (L, code scale)
+    trellis = None
 
     def __init__(self, in_features, out_features, bits, rotation, packed, scales, codebook, bias=None,
-                 group_size=None):
+                 group_size=None, trellis=None):
         super().__init__()
+        if trellis is not None:
+            self.codes = "trellis"
+            object.__setattr__(self, "trellis", (int(trellis[0]), float(trellis[1])))  # not a parameter tree
         self.in_features = in_features
         self.out_features = out_features
         self.bits = bits
@@ -225,20 +281,31 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear, bits, rotation="auto", seed=0, weight=None, group_size=None, hessian=None,
-                    damp=None, pool=None):
+                    damp=None, pool=None, codes="scalar"):
         """Quantize an ``nn.Linear`` (or a dequantized ``weight`` of another layer); ``hessian`` is
         the input second moments X^T X (in x in) from calibration, for GPTQ. With ``pool``
         (vqpipe/parallel.py) the numpy work runs there and this returns a function that gives
-        the layer (call it on the thread that uses MLX)."""
+        the layer (call it on the thread that uses MLX). ``codes`` "trellis": trellis codes
+        (the caller checks :func:`trellis_fits`)."""
         weight = linear.weight if weight is None else weight
         out_features, in_features = weight.shape
         r = rotation if isinstance(rotation, rot.Rotation) else rot.make_rotation(rotation, in_features, seed)
-        pending = quantize_weight(weight, bits, r, group_size, hessian, damp, pool)
+        tr = None
+        if codes == "trellis":
+            if not trellis_fits(bits, out_features, in_features, group_size):
+                raise ValueError(f"a ({out_features}, {in_features}) layer at {bits} bits (group size {group_size}) "
+                                 "cannot take trellis codes")
+            tr = (trellis.L_DEFAULT, trellis.SCALE)
+            pending = quantize_trellis(weight, bits, r, hessian, damp, pool)
+        elif codes != "scalar":
+            raise ValueError(f"unknown codes {codes!r}; choose one of {', '.join(CODES)}")
+        else:
+            pending = quantize_weight(weight, bits, r, group_size, hessian, damp, pool)
         bias = linear.get("bias") if isinstance(linear, nn.Module) else None
 
         def layer():
             packed, scales, levels, error = pending() if pool is not None else pending
-            new = cls(in_features, out_features, bits, r, packed, scales, levels, bias, group_size)
+            new = cls(in_features, out_features, bits, r, packed, scales, levels, bias, group_size, tr)
             new.squared_error = error
             return new
 
@@ -246,15 +313,24 @@ class QuantizedLinear(nn.Module):
 
     def dequantized_weight(self, dtype=mx.float32):
         """W_hat (out x in) in the original basis: (s * C[q]) R. For analysis, not the forward."""
+        if self.trellis is not None:
+            return self.rotation.apply_transpose(self.trellis_values(dtype)) * self.scales.astype(dtype)[:, None]
         w = dequant.codes_to_values(self.packed, self.codebook, self.bits, self.in_features, dtype)
         s = expand_scales(self.scales.astype(dtype), self.group_size, self.in_features)
         if self.scales.ndim == 1:  # per row: scaling commutes with R
             return self.rotation.apply_transpose(w) * s
         return self.rotation.apply_transpose(w * s)
 
+    def trellis_values(self, dtype=mx.float32):
+        """A trellis layer's code values [out, in] in the rotated basis (no scales)."""
+        return dequant.trellis_values(self.packed, self.codebook, self.bits, self.out_features, self.in_features,
+                                      self.trellis[0], dtype)
+
     def rotated_weight(self, dtype):
         """C[q] in the rotated basis; with group scales already multiplied in (per-row scales are
         applied to the output instead)."""
+        if self.trellis is not None:
+            return self.trellis_values(dtype)
         w = self.codebook.astype(dtype)[unpack(self.packed, self.bits, self.in_features)]
         if self.group_size is None:
             return w
@@ -271,6 +347,9 @@ class QuantizedLinear(nn.Module):
     def forward(self, x, rotation):
         """y for ``x`` rotated by ``rotation`` (the layer's own, or vqpipe/layers/fold.py's copy of it
         without the signs, for an ``x`` that carries them already)."""
+        if self.trellis is not None:
+            return trellis_forward(x, rotation, self["packed"], self["scales"], self["codebook"], self.bits,
+                                   self.trellis, self.get("bias"))
         # Decode (a few rows of x) on a GPU: the fused mat-vec reads the packed weights once
         # (vqpipe/kernels/qmv.py); on the CPU the compiled one (vqpipe/kernels/ext.py). Deterministic, but not
         # bit-identical to the dense path below, which runs for prefill and where neither does.
@@ -300,6 +379,8 @@ class QuantizedLinear(nn.Module):
         }
         if self.group_size is not None:  # absent = per-row scales (what older artifacts hold)
             meta["group_size"] = self.group_size
+        if self.trellis is not None:  # absent = scalar codes
+            meta["codes"] = trellis_meta(*self.trellis)
         arrays = {"packed": self.packed, "scales": self.scales, "codebook": self.codebook}
         if "bias" in self:
             arrays["bias"] = self.bias
@@ -321,12 +402,14 @@ class QuantizedLinear(nn.Module):
             arrays["codebook"],
             arrays.get("bias") if meta.get("has_bias") else None,
             None if meta.get("group_size") is None else int(meta["group_size"]),
+            trellis_params(meta),
         )
 
     def _extra_repr(self):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
             f"rotation={self.rotation.kind}" + (f", group_size={self.group_size}" if self.group_size else "")
+            + (f", codes=trellis L={self.trellis[0]}" if self.trellis else "")
         )
 
 
@@ -353,11 +436,25 @@ class QuantizedEmbedding(QuantizedLinear):
 
     def __call__(self, ids):
         flat = ids.reshape(-1)
+        if self.trellis is not None:
+            return self._trellis_lookup(ids, flat)
         rows = dequant.codes_to_values(self.packed[flat], self.codebook, self.bits, self.in_features, self.codebook.dtype)
         if self.group_size is None:
             rows = self.rotation.apply_transpose(rows) * self.scales[flat][:, None]
         else:  # group scales live in the rotated basis: scale, then rotate back
             rows = self.rotation.apply_transpose(rows * expand_scales(self.scales[flat], self.group_size, self.in_features))
+        rows = rows.reshape(*ids.shape, self.in_features)
+        dt = self.lookup_dtype()
+        return rows if rows.dtype == dt else rows.astype(dt)
+
+    def _trellis_lookup(self, ids, flat):
+        """Rows of a trellis table: each token's block of 32 rows decoded, its row taken."""
+        block = self.packed[flat // trellis.TILE_ROWS]
+        n = flat.shape[0]
+        v = dequant.trellis_values(block, self.codebook, self.bits, n * trellis.TILE_ROWS, self.in_features,
+                                   self.trellis[0])
+        rows = v.reshape(n, trellis.TILE_ROWS, -1)[mx.arange(n), flat % trellis.TILE_ROWS]
+        rows = self.rotation.apply_transpose(rows) * self.scales[flat][:, None]
         rows = rows.reshape(*ids.shape, self.in_features)
         dt = self.lookup_dtype()
         return rows if rows.dtype == dt else rows.astype(dt)
@@ -383,3 +480,28 @@ class QuantizedEmbedding(QuantizedLinear):
 
     def as_linear(self, x):
         return QuantizedLinear.__call__(self, x if self.head is None else self.head(x))
+
+
+def trellis_forward(x, rotation, packed, scales, table, bits, params, bias=None):
+    """y of a trellis layer (or fused group) for ``x``: the compiled mat-vec for CPU decode (the
+    rule of ext.dispatch), else the dense reconstruction (vqpipe/kernels/dequant.py)."""
+    xr = rotation.apply(x)
+    if ext.dispatch(x):
+        return ext.trellis_matvec(xr, packed, scales, bits, params[0], params[1], bias)
+    return dequant.trellis_forward(xr, packed, scales, table, bits, params[0], bias)
+
+
+def trellis_meta(L, scale):
+    """A trellis layer's ``codes`` header entry (docs/reservoir-format.md)."""
+    return {"kind": "trellis", "L": L, "code": "1mad", "scale": scale, "tile": [trellis.TILE_ROWS, trellis.GROUP]}
+
+
+def trellis_params(meta):
+    """(L, code scale) of a stored layer's meta, None for scalar codes."""
+    codes = meta.get("codes")
+    if codes is None:
+        return None
+    if codes.get("kind") != "trellis" or codes.get("code") != "1mad" or codes.get("tile") != [trellis.TILE_ROWS, trellis.GROUP]:
+        raise ValueError(f"unknown codes {codes!r}: this vqpipe decodes 1mad trellis codes in tiles of "
+                         f"{trellis.TILE_ROWS} x {trellis.GROUP}")
+    return int(codes["L"]), float(codes["scale"])

@@ -13,6 +13,7 @@ import mlx.core as mx
 from ..codec import allocate
 from ..codec.codebook import check_bits
 from ..codec.rotation import KINDS
+from ..layers.qlinear import CODES
 from ..parallel import check_threads, default_threads
 from . import recipe
 from .calibrate import CALIBRATION_TEXTS
@@ -41,6 +42,10 @@ class QuantizeConfig:
     - ``calib_text``: the calibration text a tokenizer makes ('auto' and 'text': the shipped text,
       'self': the model's own, 'none': data-free), ``calib_windows`` x ``calib_length`` tokens at
       offsets from ``calib_seed``.
+    - ``codes``: "scalar" (the Lloyd-Max codebook) or "trellis" (bitshift-trellis codes, issue 34,
+      vqpipe/codec/ldlq.py) for every layer that can take them (vqpipe/layers/qlinear.py
+      ``trellis_fits``: widths 2-5, rows a multiple of 32, inputs of 8, per-row scales); the
+      others stay scalar.
     """
 
     bits: int = 4
@@ -61,6 +66,7 @@ class QuantizeConfig:
     calib_windows: int = 64
     calib_length: int = 512
     calib_seed: int = 0
+    codes: str = "scalar"
 
     def __post_init__(self):
         check_bits(self.bits)
@@ -84,6 +90,10 @@ class QuantizeConfig:
             raise ValueError(f"calib_windows must be an integer of at least 1, got {self.calib_windows!r}")
         if not (_integer(self.calib_length) and self.calib_length >= 2):
             raise ValueError(f"calib_length must be an integer of at least 2, got {self.calib_length!r}")
+        if self.codes not in CODES:
+            raise ValueError(f"unknown codes {self.codes!r}; choose one of {', '.join(CODES)}")
+        if self.codes == "trellis" and self.group_size is not None:
+            raise ValueError("trellis codes have one scale per row: set group_size None or codes 'scalar'")
 
 
 def _integer(value):

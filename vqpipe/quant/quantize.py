@@ -23,7 +23,7 @@ from ..layers.fused import fuse_model, rotation_owner
 from ..parallel import Pool
 from .plain_model import plain_model
 from ..prefault import large_blocks_on_heap
-from ..layers.qlinear import QuantizedEmbedding, QuantizedLinear, dense_weight
+from ..layers.qlinear import QuantizedEmbedding, QuantizedLinear, dense_weight, trellis_fits
 from .residual_rotation import rotate_residual, tied, unrotated
 from ..codec.rotation import make_rotation, resolve_kind
 
@@ -129,10 +129,10 @@ def quantize_model(model, config=None, *, tokenizer=None, calibration=None, mome
         layer_bits = allocate.resolve(layer_bits or [], [n for n, kind in targets if kind != "dense-embedding"], bits)
     else:
         layer_bits = _allocate(model, bits, targets, moments, fisher, budget, rotation_of, config.group_size,
-                               config.damp, progress)
+                               config.damp, progress, config.codes)
     pool = Pool(config.threads)
     quantize_one = _layer_quantizer(model, bits, layer_bits, kind_of, seed, dtype, config.group_size, config.damp,
-                                    pool, progress if calibration is None else None, len(targets))
+                                    pool, progress if calibration is None else None, len(targets), config.codes)
     # With moments, each block makes and frees d x d matrices of 95 MB (a 4864-wide input): kept
     # on the heap and reused instead of mapped afresh (vqpipe/prefault.py; the same bytes)
     heap = large_blocks_on_heap() if calibration is not None or moments is not None else contextlib.nullcontext()
@@ -164,10 +164,11 @@ def _calibration_tokens(model, tokenizer, config):
     return tokens
 
 
-def _allocate(model, bits, targets, moments, fisher, budget, rotation_of, group_size, damp, progress):
+def _allocate(model, bits, targets, moments, fisher, budget, rotation_of, group_size, damp, progress, codes="scalar"):
     """{name: width} of the layers the recipe puts above ``bits`` (vqpipe/quant/recipe.py)."""
     t0 = time.perf_counter()
-    chosen, tables, weights = recipe.plan(model, bits, targets, moments, fisher, budget, rotation_of, group_size, damp)
+    chosen, tables, weights = recipe.plan(model, bits, targets, moments, fisher, budget, rotation_of, group_size, damp,
+                                          codes)
     layer_bits = {n: w for n, w in chosen.items() if w != bits}
     if progress:
         spent = sum(tables[n][w][0] for n, w in chosen.items()) / weights
@@ -176,7 +177,8 @@ def _allocate(model, bits, targets, moments, fisher, budget, rotation_of, group_
     return layer_bits
 
 
-def _layer_quantizer(model, bits, layer_bits, kind_of, seed, dtype, group_size, damp, pool, progress, n_targets):
+def _layer_quantizer(model, bits, layer_bits, kind_of, seed, dtype, group_size, damp, pool, progress, n_targets,
+                     codes="scalar"):
     """``quantize_one(name, kind, hessian, defer=False)``: replaces layer ``name`` of ``model`` and
     returns its record; with ``defer``, a function that completes the layer and returns its record,
     while the layer's numpy work runs on ``pool`` meanwhile."""
@@ -205,8 +207,10 @@ def _layer_quantizer(model, bits, layer_bits, kind_of, seed, dtype, group_size, 
             cls = QuantizedEmbedding if kind == "embedding" else QuantizedLinear
             # an embedding gets group scales only as a calibrated tied head (vqpipe/quant/calibrate.py)
             gs = group_size if kind == "linear" or hessian is not None else None
-            finish = cls.from_linear(module, layer_bits.get(name, bits), r, r_seed, weight=weight,
-                                     group_size=gs, hessian=hessian, damp=damp, pool=pool)
+            width = layer_bits.get(name, bits)
+            layer_codes = "trellis" if codes == "trellis" and trellis_fits(width, *weight.shape, gs) else "scalar"
+            finish = cls.from_linear(module, width, r, r_seed, weight=weight, group_size=gs, hessian=hessian,
+                                     damp=damp, pool=pool, codes=layer_codes)
 
         def complete():  # MLX from here on: on this (the main) thread
             new = finish()
@@ -220,7 +224,7 @@ def _layer_quantizer(model, bits, layer_bits, kind_of, seed, dtype, group_size, 
                 mx.eval(new.parameters())
                 total = _sum_squares(weight)
                 record = {
-                    "name": name, "kind": kind, "shape": list(weight.shape), "bits": new.bits,
+                    "name": name, "kind": kind, "shape": list(weight.shape), "bits": new.bits, "codes": new.codes,
                     "rotation": new.rotation.kind, "group_size": gs, "calibrated": hessian is not None,
                     "squared_error": new.squared_error, "weight_sq": total,
                     "rel_mse": new.squared_error / max(total, 1e-30), "seconds": time.perf_counter() - t0,

@@ -18,6 +18,7 @@ the layer stores (codes, scales, codebook, rotation state), the way bench-qualit
 """
 
 import heapq
+import json
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,8 +26,9 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..codec.bitpack import words_per_row
+from ..codec import trellis
 from ..codec.codebook import LAYER_BITS, distortion
-from ..layers.qlinear import dense_weight
+from ..layers.qlinear import dense_weight, trellis_fits
 from ..codec.gptq import DAMP, rotate_hessian
 from .calibrate import tied_head
 
@@ -163,21 +165,31 @@ def pivot_sum(h, rotation, damp):
     return float(mx.sum(mx.diagonal(low).astype(mx.float32) ** 2).item())
 
 
-def stored_bits(out_features, in_features, width, group_size, rotation):
+def stored_bits(out_features, in_features, width, group_size, rotation, codes="scalar"):
     """Bits a quantized layer of this shape stores at ``width``, as bench-quality counts them:
-    packed codes, scales (float32 per row or float16 per group), codebook, rotation state."""
+    packed codes, scales (float32 per row or float16 per group), codebook, rotation state. A trellis
+    layer's codebook (the 2^L state values) is one blob for every trellis layer of a file: counted
+    once per model (:func:`model_bits`), not here."""
+    if codes == "trellis":
+        state = sum(v.nbytes for v in rotation.to_state()[1].values()) * 8
+        return out_features * in_features * width + out_features * 32 + state
     codes = out_features * words_per_row(in_features, width) * 32
     scales = out_features * 32 if group_size is None else out_features * (in_features // group_size) * 16
     state = sum(v.nbytes for v in rotation.to_state()[1].values()) * 8
     return codes + scales + (1 << width) * 32 + state
 
 
-def layer_table(shape, width_range, group_size, rotation, sensitivity):
+def layer_table(shape, width_range, group_size, rotation, sensitivity, codes="scalar"):
     """{width: (stored bits, predicted loss increase)} of one layer of ``shape`` [out, in]:
     ``sensitivity`` is the loss increase per unit of codebook distortion (sum over its outputs and
-    lookups of g times the error variance of a unit-distortion codebook)."""
+    lookups of g times the error variance of a unit-distortion codebook). ``codes`` "trellis": the
+    trellis's distortion at the widths where the layer takes trellis codes."""
     out_features, d = shape
-    return {w: (stored_bits(out_features, d, w, group_size, rotation), distortion(w, d) * sensitivity)
+
+    def kind(w):
+        return "trellis" if codes == "trellis" and trellis_fits(w, out_features, d, group_size) else "scalar"
+
+    return {w: (stored_bits(out_features, d, w, group_size, rotation, kind(w)), distortion(w, d, kind(w)) * sensitivity)
             for w in width_range}
 
 
@@ -217,7 +229,7 @@ def allocate(tables, budget_bits):
     return choice, spent
 
 
-def plan(model, bits, targets, moments, fisher, budget, rotation_of, group_size=None, damp=None):
+def plan(model, bits, targets, moments, fisher, budget, rotation_of, group_size=None, damp=None, codes="scalar"):
     """({name: width}, tables, weights): the widths of ``targets`` [(name, kind)] of ``model`` (before
     quantization) within ``budget`` bits per weight over every quantized matrix. ``moments``
     {name: (key, H)}, ``fisher`` from :func:`output_fisher`, ``rotation_of(name, dim)`` the
@@ -240,7 +252,7 @@ def plan(model, bits, targets, moments, fisher, budget, rotation_of, group_size=
             sens += float(np.dot(fisher[name].astype(np.float64), rows)) / d * spreads[ident]
         sens += float(fisher.get(name + LOOKUP, 0.0))
         gs = group_size if kind == "linear" or h is not None else None
-        tables[name] = layer_table((out_features, d), widths(bits), gs, r, sens)
+        tables[name] = layer_table((out_features, d), widths(bits), gs, r, sens, codes)
         weights += out_features * d
     choice, _ = allocate(tables, budget * weights)
     return choice, tables, weights
@@ -248,11 +260,17 @@ def plan(model, bits, targets, moments, fisher, budget, rotation_of, group_size=
 
 def model_bits(model):
     """(stored bits, weights) of every vqpipe-quantized layer of ``model``, as bench-quality's
-    bits_per_weight counts them: every array of to_state() but the bias."""
+    bits_per_weight counts them: every array of to_state() but the bias (the trellis table, one
+    blob in a file, once per model)."""
     total = weights = 0
+    tables = {}
     for _, m in model.named_modules():
         if hasattr(m, "to_state"):
             meta, arrays = m.to_state()
             weights += meta["in_features"] * meta["out_features"]
-            total += sum(v.nbytes * 8 for k, v in arrays.items() if k != "bias")
+            shared = "codes" in meta
+            total += sum(v.nbytes * 8 for k, v in arrays.items() if k != "bias" and not (shared and k == "codebook"))
+            if shared:
+                tables[json.dumps(meta["codes"], sort_keys=True)] = arrays["codebook"].nbytes * 8
+    total += sum(tables.values())
     return total, weights

@@ -23,6 +23,7 @@ from ..codec.codebook import BITS
 from ..codec.rotation import KINDS
 from ..quant import recipe, residual_rotation
 from ..quant.calibrate import auto_calibration, calibration_tokens
+from ..layers.qlinear import CODES
 from ..quant.config import CALIB_TEXTS, QuantizeConfig
 from ..quant.config import DTYPES as FLOAT_DTYPES
 from ..quant.quantize import quantize_model, residual_identity
@@ -41,7 +42,7 @@ def peak_rss_bytes():
 def run(source, out, bits=4, rotation="auto", seed=0, embeddings=True, lm_head=True, dtype="source",
         progress=print, group_size=None, calibration=None, calib_windows=64, calib_length=512,
         calib_seed=0, damp=None, moments=None, sequential=False, layer_bits=None, threads=None, residual=False,
-        budget="auto"):
+        budget="auto", codes="scalar"):
     """Quantize ``source`` into the artifact ``out``; the arguments are the CLI's (threads None:
     every core this process may run on). Returns the record quantized.json holds."""
     if dtype not in DTYPES:
@@ -55,7 +56,7 @@ def run(source, out, bits=4, rotation="auto", seed=0, embeddings=True, lm_head=T
         dtype=None if dtype == "source" else dtype, group_size=group_size, damp=damp, sequential=sequential,
         layer_bits=layer_bits, residual=residual, budget=budget,
         threads=default_threads() if threads is None else threads, calib_text=calibration,
-        calib_windows=calib_windows, calib_length=calib_length, calib_seed=calib_seed)
+        calib_windows=calib_windows, calib_length=calib_length, calib_seed=calib_seed, codes=codes)
     source = Path(source)
     if not (source / "config.json").is_file():
         raise ValueError(f"source model directory {source} has no config.json")
@@ -105,7 +106,7 @@ def _quantize(source, config, moments=None, progress=print):
         "vqpipe_version": __version__, "source": str(source), "bits": bits, "rotation": config.rotation,
         "seed": config.seed, "embeddings": config.embeddings, "lm_head": config.lm_head,
         "dtype": config.dtype or "source", "group_size": config.group_size, "calibration": calib,
-        "damp": config.damp, "layer_bits": layer_bits or [], "allocation": allocation,
+        "damp": config.damp, "layer_bits": layer_bits or [], "allocation": allocation, "codes": config.codes,
         "residual_rotation": residual_rotation.of(model),
         "quantize_seconds": seconds, "peak_rss_bytes": peak_rss_bytes(), "records": records,
         "model": model, "tokenizer": tokenizer,
@@ -163,6 +164,10 @@ def parser():
     p.add_argument("--threads", type=int, default=None,
                    help="threads for the numpy work of GPTQ and group scales (vqpipe/parallel.py; the result "
                    "does not depend on it); default: the cores this process may run on")
+    p.add_argument("--codes", default="scalar", choices=CODES,
+                   help="scalar (default): the Lloyd-Max codebook; trellis: bitshift-trellis codes (block LDLQ, "
+                   "vqpipe/codec/ldlq.py) for every layer at 2-5 bits whose shape tiles (32 rows x 8 inputs), "
+                   "the others scalar")
     return p
 
 
@@ -178,7 +183,7 @@ def main(argv=None):
             group_size=args.group_size, calibration=args.calibration, calib_windows=args.calib_windows,
             calib_length=args.calib_length, calib_seed=args.calib_seed, damp=args.damp, moments=args.moments,
             sequential=args.sequential, layer_bits=layer_bits, residual=args.residual_rotation, budget=args.budget,
-            threads=args.threads)
+            threads=args.threads, codes=args.codes)
     except (ValueError, OSError) as e:  # OSError: e.g. disk full, named with its path
         where = "" if isinstance(e, ValueError) or e.filename else f"writing {args.out}: "
         print(f"vqpipe quantize: error: {where}{e}", file=sys.stderr)

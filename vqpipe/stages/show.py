@@ -25,6 +25,11 @@ def _rotation_mode(rot):
     return f"{rot['kind']} (seed only)" if rot.get("regenerate") else f"{rot['kind']} (stored)"
 
 
+def _codes(meta):
+    """A layer's code kind: "scalar" (the Lloyd-Max codebook) or "trellis" (its entry's kind)."""
+    return (meta.get("codes") or {}).get("kind", "scalar")
+
+
 def blob_users(header):
     """{blob index: ["layer.key" or "param name", ...]}."""
     users = {}
@@ -49,6 +54,7 @@ def summary(path, verify=True):
         "classes": dict(Counter(m["class"] for m in layers.values())),
         "bits": {str(k): v for k, v in Counter(m["bits"] for m in layers.values()).items()},
         "rotations": dict(Counter(_rotation_mode(m["rotation"]) for m in layers.values())),
+        "codes": dict(Counter(_codes(m) for m in layers.values())),
         "residual_rotation": header.get("residual_rotation"),
         "n_params": len(header["params"]),
         **sizes(header),
@@ -82,6 +88,7 @@ def render(header, s, show_layers=False):
         f"{s['n_params']} unquantized tensors",
         f"bits        {_counts(Counter({int(k): v for k, v in s['bits'].items()}))}",
         f"rotations   {_counts(Counter(s['rotations']))}",
+        f"codes       {_counts(Counter(s['codes']))}",
         "residual    " + ("none" if not s["residual_rotation"] else
                           "{kind} rotation of the {dim}-wide stream, seed {seed}, folded into the weights".format(**s["residual_rotation"])),
         "bytes       " + ", ".join(f"{k} {_mib(v)}" for k, v in s["blob_bytes"].items() if v),
@@ -101,10 +108,10 @@ def render(header, s, show_layers=False):
         lines.append("checksums   not verified (--no-verify)")
     if show_layers:
         lines.append("")
-        lines.append(f"{'layer':48s} {'class':18s} {'in':>6s} {'out':>7s} {'bits':>4s}  rotation")
+        lines.append(f"{'layer':48s} {'class':18s} {'in':>6s} {'out':>7s} {'bits':>4s} {'codes':8s} rotation")
         for name, m in header["layers"].items():
             lines.append(f"{name:48s} {m['class']:18s} {m['in_features']:6d} {m['out_features']:7d} "
-                         f"{m['bits']:4d}  {_rotation_mode(m['rotation'])}")
+                         f"{m['bits']:4d} {_codes(m):8s} {_rotation_mode(m['rotation'])}")
     return "\n".join(lines)
 
 

@@ -35,19 +35,22 @@ from ..codec.bitpack import words_per_row
 from ..prefault import Prefault
 from ..codec.rotation import hadamard_supported, regenerate
 from ..layers.fused import fuse_model
-from ..layers.qlinear import QuantizedEmbedding
+from ..codec import trellis
+from ..layers.qlinear import TRELLIS_BITS, QuantizedEmbedding, trellis_params
 from ..quant.quantize import build_layers, restore_head, skeleton, split_state
 
 FILE_NAME = "model.vqres"
 MAGIC = b"\x89VQRES\r\n"
-VERSION = 4
+VERSION = 5
 # Version 2 adds per-group scales (a layer's "group_size"); a file is written as version 1 when no
 # layer has them, so per-row reservoirs are byte-identical to what earlier vqpipe wrote.
 # Version 3 adds layer widths beyond the model widths 2/3/4 (codebook.LAYER_BITS: a mixed
 # allocation, vqpipe/codec/allocate.py); written only when a layer has one, so nothing else changes.
 # Version 4 adds a QuantizedEmbedding's "head" (a residual-rotated tied head's input map,
 # vqpipe/quant/residual_rotation.py: its gain and rotation); written only when a layer has one.
-READS = (1, 2, 3, 4)
+# Version 5 adds trellis codes (a layer's "codes" entry, vqpipe/codec/trellis.py: packed holds
+# tiles of 32 rows x 8 columns, codebook the 2^L state values); written only when a layer has them.
+READS = (1, 2, 3, 4, 5)
 # magic, version, flags, header length, header xxh3, data offset, file size, prefix xxh3 (of bytes 0-47).
 _PREFIX = struct.Struct("<8sIIQQQQQ")
 PREFIX_SIZE = 64
@@ -190,6 +193,8 @@ def build_header(metas, arrays, params, persist_rotation, config=None, residual=
 
 
 def _version_for(metas):
+    if any("codes" in m for m in metas.values()):
+        return 5
     if any("head" in m for m in metas.values()):
         return 4
     if any(m.get("bits") not in BITS for m in metas.values()):
@@ -304,6 +309,9 @@ def _expected_layer_tensors(meta):
         "scales": ([n_out], None) if meta.get("group_size") is None else ([n_out, n_in // meta["group_size"]], None),
         "codebook": ([1 << bits], None),
     }
+    if "codes" in meta:  # trellis: tiles of 32 rows x 8 columns, k bits a weight; the 2^L state values
+        out["packed"] = ([n_out // trellis.TILE_ROWS, n_in // trellis.GROUP * trellis.GROUP * bits], "uint32")
+        out["codebook"] = ([1 << meta["codes"]["L"]], None)
     if meta["has_bias"]:
         out["bias"] = ([n_out], None)
     out.update(_rotation_tensors(rot, "rotation."))
@@ -338,6 +346,8 @@ def _check_layer(path, name, meta, blobs):
         _fail(path, f"malformed header: {where} group_size {gs!r} does not divide in_features {meta['in_features']}")
     if "dtype" in meta and meta["dtype"] not in _FLOATS:  # a QuantizedEmbedding's lookup dtype
         _fail(path, f"malformed header: {where} has dtype {meta['dtype']!r}, expected one of {', '.join(_FLOATS)}")
+    if "codes" in meta:
+        _check_codes(path, where, meta)
     rot = meta.get("rotation")
     _check_rotation(path, where, rot, meta["in_features"])
     if "head" in meta:
@@ -368,6 +378,18 @@ def _check_layer(path, name, meta, blobs):
         if spec["shape"] != shape or not dtype_ok:
             _fail(path, f"malformed header: {where} tensor {key!r} is {spec['dtype']}{spec['shape']}, "
                         f"expected {dtype or 'a float'}{shape}")
+
+
+def _check_codes(path, where, meta):
+    try:
+        L, _ = trellis_params(meta)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        _fail(path, f"malformed header: {where} has codes {meta['codes']!r} ({e})")
+    if not (_is_int(L, 1) and meta["bits"] <= L <= 16 and meta["bits"] in TRELLIS_BITS
+            and meta.get("group_size") is None and not meta["out_features"] % trellis.TILE_ROWS
+            and not meta["in_features"] % trellis.GROUP):
+        _fail(path, f"malformed header: {where} has trellis codes at {meta['bits']} bits, L {L}, shape "
+                    f"({meta['out_features']}, {meta['in_features']}), group size {meta.get('group_size')}: not decodable")
 
 
 def _check_rotation(path, where, rot, dim):
