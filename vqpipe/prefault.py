@@ -8,7 +8,7 @@ be the ones MLX's allocator (malloc) will hand out next: for the duration of the
 mallocs are kept out of mmap (M_MMAP_MAX = 0) and on the heap, which is grown by the bytes about to
 be read and not trimmed (M_TRIM_THRESHOLD); MLX's buffers are then carved from those pages in
 order. This only changes *where* the buffers live, never their contents; afterwards malloc gets
-_GLIBC_AFTER. See docs/reservoir-format.md ("The load path") for measurements, the side effects,
+_GLIBC_AFTER. See docs/loading.md for measurements, the side effects,
 and why transparent huge pages are not used. VQPIPE_PREFAULT=0 turns it off.
 """
 

@@ -55,7 +55,7 @@ def rotate_hessian(h, rotation):
 
 def ldl_factor(h, damp=DAMP):
     """Strictly upper N with (H + damp * mean(diag H) I) = (I + N) D (I + N)^T, D diagonal (numpy
-    float32): the error feedback of GPTQ in LDL form (below, and docs/quantize.md).
+    float32): the error feedback of GPTQ in LDL form (below, and docs/gptq.md).
 
     Dead inputs (zero diagonal) get a unit diagonal; their weights are multiplied by zero anyway.
     If the damped H is still not positive definite in float32, the damping grows tenfold.

@@ -126,7 +126,7 @@ def collect(model, names, run, inputs, rotation=None):
     ``rotation(name, dim)`` (optional) gives the rotation a linear is quantized in; its H is then
     R X^T X R^T, summed from the rotated activations X R^T, and comes as gptq.Rotated. That is
     cheaper than rotating a d x d H on both sides afterwards (a 4864-wide input of 1,024 tokens:
-    1.30 -> 0.33 CPU-s, moments included; docs/quantize.md). Linears sharing an input share its
+    1.30 -> 0.33 CPU-s, moments included; docs/gptq.md). Linears sharing an input share its
     rotation (vqpipe/layers/fused.py: one seed per input), which gptq.rotate_hessian checks.
     """
     modules = dict(model.named_modules())

@@ -13,7 +13,7 @@ Full precision (non-sequential) moments depend on neither the bit width nor the 
 one artifact serves every quantize job of a model (``quantize --moments DIR``): the forward
 passes over the calibration text run once per model instead of twice per block per job. What
 is given up is GPTQ's sequential variant, where block l's moments come from the already
-quantized blocks 0..l-1 (docs/quantize.md measures the difference).
+quantized blocks 0..l-1 (docs/gptq.md measures the difference).
 """
 
 import argparse

@@ -1,6 +1,6 @@
 # calibrate: each linear's input second moments H = X^T X from the full-precision model on the
 # calibration text, once per model; every quantize job of that model (all bits, all rotations)
-# reads them when calibration.sequential is false (docs/quantize.md).
+# reads them when calibration.sequential is false (docs/gptq.md).
 
 
 rule calibrate:
