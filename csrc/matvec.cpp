@@ -22,7 +22,7 @@ constexpr int kWidths[] = {2, 3, 4, 5, 6, 8};
 constexpr size_t kSerialWords = 16384;
 
 [[noreturn]] void fail(const std::string& msg) {
-  throw std::invalid_argument("codebook_matvec: " + msg);
+  operands::fail("codebook_matvec", msg);
 }
 
 } // namespace
@@ -122,14 +122,8 @@ void CodebookMatvec::eval_cpu(const std::vector<array>& inputs, array& out) {
         xf[static_cast<size_t>(r) * padded + i] = read_float(x, static_cast<size_t>(r) * in + i);
       }
     }
-    // Large operands are read in place; a (rare) strided one is copied first.
     std::vector<uint32_t> packed_copy;
-    const uint32_t* packed_ptr = packed.data<uint32_t>();
-    if (!packed.flags().row_contiguous) {
-      packed_copy.resize(packed.size());
-      for (size_t k = 0; k < packed.size(); ++k) packed_copy[k] = packed.data<uint32_t>()[location(packed, k)];
-      packed_ptr = packed_copy.data();
-    }
+    const uint32_t* packed_ptr = row_major_codes(packed, packed_copy);
     std::vector<float> cb = floats(codebook), row_scales, bias_f, group_f;
     vqpipe::MatvecArgs a{};
     a.packed = packed_ptr;
@@ -169,11 +163,7 @@ void CodebookMatvec::eval_cpu(const std::vector<array>& inputs, array& out) {
       const int r1 = static_cast<int>(static_cast<long long>(rows) * (t + 1) / tasks);
       vqpipe::matvec_rows(a, r0, r1);
     });
-    if (out.dtype() == float16) {
-      store<float16_t>(y, out);
-    } else if (out.dtype() == bfloat16) {
-      store<bfloat16_t>(y, out);
-    }
+    store_back(y, out);
   });
 }
 

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -61,6 +63,28 @@ template <typename T>
 inline void store(const std::vector<float>& y, array& out) {
   T* o = out.data<T>();
   for (size_t k = 0; k < y.size(); ++k) o[k] = static_cast<T>(y[k]);
+}
+
+// float32 results y into out where out is float16/bfloat16 (a float32 out was written directly).
+inline void store_back(const std::vector<float>& y, array& out) {
+  if (out.dtype() == float16) {
+    store<float16_t>(y, out);
+  } else if (out.dtype() == bfloat16) {
+    store<bfloat16_t>(y, out);
+  }
+}
+
+// The packed codes in row-major order: read in place, or (rarely: a strided view) copied into `copy`.
+inline const uint32_t* row_major_codes(const array& packed, std::vector<uint32_t>& copy) {
+  if (packed.flags().row_contiguous) return packed.data<uint32_t>();
+  copy.resize(packed.size());
+  for (size_t k = 0; k < packed.size(); ++k) copy[k] = packed.data<uint32_t>()[location(packed, k)];
+  return copy.data();
+}
+
+// The invalid_argument every bad operand of the op `name` raises, the op named first.
+[[noreturn]] inline void fail(const char* name, const std::string& msg) {
+  throw std::invalid_argument(std::string(name) + ": " + msg);
 }
 
 } // namespace mlx::core::operands

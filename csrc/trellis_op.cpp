@@ -22,7 +22,7 @@ namespace {
 constexpr size_t kSerialWeights = 1 << 17;
 
 [[noreturn]] void fail(const std::string& msg) {
-  throw std::invalid_argument("trellis_matvec: " + msg);
+  operands::fail("trellis_matvec", msg);
 }
 
 } // namespace
@@ -100,12 +100,7 @@ void TrellisMatvec::eval_cpu(const std::vector<array>& inputs, array& out) {
     for (size_t i = 0; i < x.size(); ++i) xf[i] = read_float(x, i);
     if (bias) bias_f = floats(*bias);
     std::vector<uint32_t> packed_copy;
-    const uint32_t* packed_ptr = packed.data<uint32_t>();
-    if (!packed.flags().row_contiguous) {
-      packed_copy.resize(packed.size());
-      for (size_t i = 0; i < packed.size(); ++i) packed_copy[i] = packed.data<uint32_t>()[location(packed, i)];
-      packed_ptr = packed_copy.data();
-    }
+    const uint32_t* packed_ptr = row_major_codes(packed, packed_copy);
     const bool direct = out.dtype() == float32;
     std::vector<float> y;
     if (!direct) y.resize(out.size());
@@ -132,11 +127,7 @@ void TrellisMatvec::eval_cpu(const std::vector<array>& inputs, array& out) {
       const int b1 = static_cast<int>(static_cast<long long>(blocks) * (t + 1) / tasks);
       vqpipe::trellis_matvec_blocks(a, b0, b1);
     });
-    if (out.dtype() == float16) {
-      store<float16_t>(y, out);
-    } else if (out.dtype() == bfloat16) {
-      store<bfloat16_t>(y, out);
-    }
+    store_back(y, out);
   });
 }
 
