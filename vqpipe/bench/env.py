@@ -38,23 +38,14 @@ def _cpu_model():
     return platform.processor() or None
 
 
-def proc_bytes(path, key):
-    """The ``key:`` line of a /proc file given in kB (``/proc/meminfo``, ``/proc/self/status``), in
-    bytes; None where the file or the key is missing (not Linux)."""
+def _memory_bytes():
     try:
-        with open(path) as f:
+        with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith(key + ":"):
+                if line.startswith("MemTotal:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return None
-
-
-def _memory_bytes():
-    total = proc_bytes("/proc/meminfo", "MemTotal")
-    if total is not None:
-        return total
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

@@ -381,12 +381,18 @@ def _fresh_load(d, model, fresh, comps):
     """bench-decode's fresh-process loads: each weights arm's time to a usable model, phase by phase."""
     by = {c.get("other_arm"): c for c in comps if c.get("kind") == "fresh-load"}
     base = next((c.get("baseline_arm") for c in by.values()), None)
+    def against(r):
+        c = by.get(r.get("arm"))
+        if r.get("arm") == base:
+            return f"baseline (A/A floor {_pct(r.get('noise_floor'))})"
+        if c is None:
+            return "—"
+        within = " (within the floor)" if c.get("verdict") == "no measurable difference" else ""
+        return f"{_g(c['speedup'], 3)}× the baseline's speed{within}"
+
     rows = []
     for r in fresh:
-        c = by.get(r.get("arm"))
-        vs = "baseline (A/A floor " + _pct(r.get("noise_floor")) + ")" if r.get("arm") == base else \
-            (f"{_g(1 / c['ratio'], 3)}× the baseline's speed" + (" (within the floor)" if c.get("verdict") == "no measurable difference" else "")
-             if c else "—")
+        vs = against(r)
         rows.append([r.get("arm"), r.get("precision") or "—", _st(r, 3), _g(r.get("n")), _med(r.get("import_s")),
                      _med(r.get("load_s")), _med(r.get("first_logits_s")), _med(r.get("vm_hwm_bytes"), _bytes), vs])
     d.p(f"{model}: time to a usable model in a fresh process, as `vqpipe generate` or `mlx_lm.generate` pays it "

@@ -33,6 +33,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -43,7 +44,7 @@ import mlx.nn as nn
 from .. import kivi
 from ..store import record
 from ..layers.qlinear import QuantizedLinear
-from ..bench import harness, roofline
+from ..bench import fresh_load, harness, roofline
 from ..bench.env import environment
 from ..text import CORPUS, corpus_windows
 
@@ -182,11 +183,7 @@ def fresh_loads(b, progress):
     """Time to a usable model in a fresh process per weights arm (vqpipe/bench/fresh_load.py): the
     reservoir through vqpipe.load, the source and the affine arms (saved as mlx_lm.convert would)
     through mlx_lm.load. Sets ``result["fresh_load"]``."""
-    import tempfile
-
     from mlx_lm.utils import save
-
-    from ..bench import fresh_load
 
     with tempfile.TemporaryDirectory(prefix="vqpipe-fresh-load-") as tmp:
         arms = {}
