@@ -92,7 +92,7 @@ NB_MODULE(_ext, m) {
       "stream"_a = nb::none(),
       "y[..., r] = s_r * sum_c code(state_rc) x[..., c] + bias_r from the rotated input x and the "
       "trellis codes (tiles of 32 rows x 8 columns, vqpipe.codec.trellis), code(s) = fma(a, 1MAD "
-      "byte sum of s, b) over L-bit states; in x's dtype; CPU.");
+      "byte sum of s, b) over L-bit states; in x's dtype; CPU, and GPU in a CUDA build.");
   m.def("has_avx2", &vqpipe::has_avx2, "Whether the CPU kernel uses AVX2/FMA here.");
   m.def("set_portable", &vqpipe::set_portable, "flag"_a,
         "Take the portable kernel even where AVX2 or NEON is there (tests); returns the previous setting.");

@@ -60,9 +60,15 @@ array trellis_matvec(
     fail("bias must be float of shape (" + std::to_string(rows) + ",), got " + shape_str(bias->shape()));
   }
   auto stream = to_stream(s);
-  if (stream.device != Device::cpu) fail("CPU only (no GPU kernel yet)");
   std::vector<array> inputs = {x, packed, scales};
   if (bias) inputs.push_back(*bias);
+  if (stream.device != Device::cpu) {
+    if (!trellis_matvec_has_gpu()) fail("this build of vqpipe._ext has no GPU kernel (built against a CPU-only MLX)");
+    // the GPU kernel reads float32 per-row operands (no cast where they are float32 already)
+    for (size_t i = 2; i < inputs.size(); ++i) {
+      if (inputs[i].dtype() != float32) inputs[i] = astype(inputs[i], float32, stream);
+    }
+  }
   Shape shape = x.shape();
   shape.back() = rows;
   return array(std::move(shape), x.dtype(), std::make_shared<TrellisMatvec>(stream, k, L, a, b, bias.has_value()),
@@ -131,8 +137,14 @@ void TrellisMatvec::eval_cpu(const std::vector<array>& inputs, array& out) {
   });
 }
 
+#ifndef VQPIPE_CUDA
 void TrellisMatvec::eval_gpu(const std::vector<array>&, array&) {
-  throw std::runtime_error("trellis_matvec: no GPU kernel yet (CPU only)");
+  throw std::runtime_error("trellis_matvec: this build of vqpipe._ext has no GPU kernel (built against a CPU-only MLX)");
 }
+
+bool trellis_matvec_has_gpu() {
+  return false;
+}
+#endif
 
 } // namespace mlx::core

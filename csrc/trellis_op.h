@@ -1,5 +1,6 @@
 // trellis_matvec: the mat-vec of a bitshift-trellis weight from its rotated input, as one MLX
-// primitive that decodes the codes on the fly (no dense weight). CPU only.
+// primitive that decodes the codes on the fly (no dense weight). CPU (trellis.cpp) and, in a CUDA
+// build, GPU (trellis.cu).
 #pragma once
 
 #include <optional>
@@ -23,6 +24,9 @@ array trellis_matvec(
     float b,
     const std::optional<array>& bias,
     StreamOrDevice s = {});
+
+// Whether this build has the CUDA kernel (the same build flag as codebook_matvec's).
+bool trellis_matvec_has_gpu();
 
 class TrellisMatvec : public UnaryPrimitive {
  public:

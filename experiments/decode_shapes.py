@@ -19,6 +19,11 @@ memory from the preset's config:
   (vqpipe/quant/residual_rotation.py): q/k/v, gate/up, the embedding and an untied head without rotations
   of their own, a tied head reading its input map: the decode cost of that structure (its text
   differs: the codes mean another function);
+- ``vqpipe-bN+x`` / ``vqpipe-bN+xa`` (``--ext-bits N``): the same model with the decode mat-vec of
+  the layers of at most ``--ext-max-weights`` weights (``+x``) or of every layer (``+xa``) through
+  the compiled extension's primitive (vqpipe/kernels/ext.py, csrc/matvec.cu; the rotation as MLX
+  ops before it) instead of ``mx.fast.cuda_kernel``'s launch: the host cost of a C++ primitive
+  against a run-time kernel's, and the kernel's speed on small layers;
 - ``ARM+c`` (``--compiled``): every arm above once more, decoding through vqpipe.decode.step (one
   compiled step over a static KV cache) instead of mlx-lm's eager ``generate_step``: the same
   weights, so ``X+c`` vs ``X`` is what compilation buys and ``vqpipe-bN+c`` vs ``bf16+c`` what the
@@ -44,6 +49,7 @@ in the same process.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -57,7 +63,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from vqpipe.kernels import dequant, qmv
+from vqpipe.kernels import dequant, dispatch, ext, qmv
 from vqpipe.sources import synth
 from vqpipe.decode.step import Decoder
 from vqpipe.codec.codebook import codebook
@@ -80,7 +86,37 @@ NOFOLD = "-nofold"  # arm suffix: rotation signs not folded (vqpipe/layers/fold.
 RES = "-res"  # arm suffix: laid out as a residual-rotated model (vqpipe/quant/residual_rotation.py)
 COMPILED = "+c"  # arm suffix: decode through vqpipe.decode.step, the whole step compiled
 SPLIT = "+s"  # arm suffix: decode_step's split mode (compiled blocks around MLX's fused SDPA)
+EXT = "+x"  # arm suffix: small layers' decode mat-vec through the extension's primitive
+EXT_ALL = "+xa"  # arm suffix: every layer's decode mat-vec through the extension's primitive
 MODES = {COMPILED: "whole", SPLIT: "split"}
+
+
+@contextlib.contextmanager
+def ext_routing(max_weights):
+    """Inside the block, a layer's GPU decode mat-vec with at most ``max_weights`` weights (None:
+    none) runs as the extension's primitive on the rotated input instead of dispatch.launch's kernel."""
+    if max_weights is None:
+        yield
+        return
+    original = dispatch.launch
+
+    def launch(dialect, x, packed, scales, codebook, bits, bias=None, group_size=None, rotation=None, splits=None,
+               owner=None):
+        if dialect == "cuda" and packed.shape[0] * x.shape[-1] <= max_weights:
+            xr = x if rotation is None else rotation.apply(x)
+            return ext.matvec(xr, packed, scales, codebook, bits, bias, group_size)
+        return original(dialect, x, packed, scales, codebook, bits, bias, group_size, rotation, splits, owner)
+
+    dispatch.launch = launch
+    try:
+        yield
+    finally:
+        dispatch.launch = original
+
+
+def ext_weights(arm, args):
+    """The ext routing's weight limit for a model arm (None: not routed)."""
+    return math.inf if arm.endswith(EXT_ALL) else args.ext_max_weights if arm.endswith(EXT) else None
 
 
 def decode_mode(name):
@@ -226,13 +262,13 @@ def _compiled_step(model, prompt, steps, mode, **options):
     return step
 
 
-def step_profile(model, vocab, rot=False, context=64, steps=8, mode=None, tables=True, **options):
+def step_profile(model, vocab, rot=False, context=64, steps=8, mode=None, tables=True, ext_max=None, **options):
     """One decode step, unpipelined: host time to build its graph (Python; for a compiled step, the
     C++ replay of its trace), to encode it (``mx.async_eval`` returns once the kernels are queued)
     and the whole step to ``mx.synchronize``, median over ``steps``; plus the graph's primitives
     (:func:`graph_ops`). Where build + encode exceeds what the GPU needs, decode is bound by the
     host (docs/decode.md)."""
-    with qmv.rotating_in_kernel(rot), dequant.using_tables(tables):
+    with qmv.rotating_in_kernel(rot), dequant.using_tables(tables), ext_routing(ext_max):
         prompt = mx.random.randint(0, vocab - 16, (context,), key=mx.random.key(7))
         step = _compiled_step(model, prompt, steps, mode, **options) if mode else _eager_step(model, prompt)
         build, encode, total = [], [], []
@@ -264,6 +300,9 @@ def run(args, progress=print):
         models[f"vqpipe-b{b}{ROT}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
     for b in args.unpack_bits:  # the same model object: only the dense path's weight rebuild differs
         models[f"vqpipe-b{b}{UNPACK}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
+    for b in args.ext_bits:  # the same model object: only the decode mat-vec's kernel differs
+        models[f"vqpipe-b{b}{EXT}"] = models.get(f"vqpipe-b{b}") or random_vqpipe(args.preset, b)
+        models[f"vqpipe-b{b}{EXT_ALL}"] = models[f"vqpipe-b{b}{EXT}"]
     for b in args.unfolded_bits:
         models[f"vqpipe-b{b}{NOFOLD}"] = random_vqpipe(args.preset, b, fold=False)
     for b in args.residual_bits:
@@ -283,7 +322,8 @@ def run(args, progress=print):
         m = models[model_arm(name)]
         try:
             profiles[name] = p = step_profile(m, config["vocab_size"], model_arm(name).endswith(ROT), mode=decode_mode(name),
-                                              tables=not model_arm(name).endswith(UNPACK))
+                                              tables=not model_arm(name).endswith(UNPACK),
+                                              ext_max=ext_weights(model_arm(name), args))
         except Exception as e:  # a compiled arm that cannot trace is reported, not fatal to the eager arms
             if not is_compiled(name):
                 raise
@@ -320,7 +360,8 @@ def run(args, progress=print):
         def call(name, k, n_tokens):
             model = models[model_arm(name)]
             arm = model_arm(name)
-            with qmv.rotating_in_kernel(arm.endswith(ROT)), dequant.using_tables(not arm.endswith(UNPACK)):
+            with qmv.rotating_in_kernel(arm.endswith(ROT)), dequant.using_tables(not arm.endswith(UNPACK)), \
+                    ext_routing(ext_weights(arm, args)):
                 if is_compiled(name):
                     out = decoders[name.removesuffix(harness.AA_SUFFIX)].generate(prompts[k], n_tokens, args.prefill_step)
                 else:
@@ -352,7 +393,7 @@ def run(args, progress=print):
                             f"{rec['achieved']['median']['percent_of_peak']:.1f}% of copy" if phase == "decode" else ""))
             for phase in ("prefill", "decode"):
                 arm = model_arm(name)
-                bases = [baseline, "affine4"] + [arm.removesuffix(sfx) for sfx in (ROT, UNPACK, NOFOLD, RES) if arm.endswith(sfx)]
+                bases = [baseline, "affine4"] + [arm.removesuffix(sfx) for sfx in (ROT, UNPACK, NOFOLD, RES, EXT, EXT_ALL) if arm.endswith(sfx)]
                 if is_compiled(name):  # against its eager self, and the baselines in the same mode
                     sfx = name[len(model_arm(name)):]
                     bases += [model_arm(name), baseline + sfx, "bf16" + sfx, "affine4" + sfx]
@@ -392,6 +433,10 @@ def parse_args(argv):
                    help=f"add a vqpipe-bN{ROT} arm per N: the rotation in the kernel's prologue")
     p.add_argument("--unpack-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
                    help=f"add a vqpipe-bN{UNPACK} arm per N: the old dense-path weight rebuild (prefill A/B)")
+    p.add_argument("--ext-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
+                   help=f"add vqpipe-bN{EXT} and vqpipe-bN{EXT_ALL} arms per N: decode mat-vecs through the extension")
+    p.add_argument("--ext-max-weights", type=int, default=1 << 21,
+                   help=f"the largest layer (out x in weights) the {EXT} arm routes to the extension")
     p.add_argument("--unfolded-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),
                    help=f"add a vqpipe-bN{NOFOLD} arm per N: rotation signs not folded (decode A/B)")
     p.add_argument("--residual-bits", type=int, nargs="*", default=[], choices=(2, 3, 4),

@@ -145,3 +145,95 @@ def test_matvec_rejects_shapes_that_are_not_tiles():
         trellis.decode(packed, 40, 64, 2)
     with pytest.raises(ValueError, match=r"\(33, 8\)"):
         trellis.quantize(np.zeros((33, 8), np.float32), 2)
+
+
+# ---- the CUDA kernel (csrc/trellis.cu): on a CUDA build only ----------------------------------------
+
+gpu = pytest.mark.skipif(not (_ext is not None and _ext.has_gpu() and mx.default_device() != mx.cpu),
+                         reason="needs vqpipe._ext built against a CUDA MLX, on a GPU")
+
+
+def _gpu_and_cpu(x, packed, scales, k, L, bias):
+    a, b = map(float, trellis.code_affine(L))
+    args = (mx.array(packed), mx.array(scales), k, L, a, b, None if bias is None else mx.array(bias))
+    y_gpu = _ext.trellis_matvec(x, *args, stream=mx.gpu)
+    y_cpu = _ext.trellis_matvec(x, *args, stream=mx.cpu)
+    return y_gpu, y_cpu
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("k,L", [(1, 10), (2, 10), (3, 10), (4, 10), (5, 10), (6, 10), (2, 8), (3, 12), (4, 16), (6, 16)])
+def test_gpu_matvec_computes_the_table_to_the_bit(k, L):
+    """One-hot inputs read single weights: every state the CUDA kernel forms (the window before each
+    lane's first weight included) gives the table's value, in every row and column of a tile."""
+    rng = np.random.default_rng(k + 10 * L)
+    rows, cols = 96, 48
+    packed, _, _ = _layer(rng, rows, cols, k)
+    eye = mx.eye(cols)
+    values = trellis.decode(packed, rows, cols, k, L)
+    for m0 in (0, 8, 40):  # one launch takes at most 8 rows of x
+        y, _ = _gpu_and_cpu(eye[m0:m0 + 8], packed, np.ones(rows, np.float32), k, L, None)
+        assert np.array_equal(np.array(y).T, values[:, m0:m0 + 8]), (k, L, m0)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("rows,cols", [(32, 8), (96, 576), (576, 200), (64, 1544)])
+def test_gpu_matvec_is_the_dense_product(k, rows, cols):
+    """Against the float64 product within float32 accumulation's bound, for 1 to 17 rows of x (three
+    launches), with and without bias, float16 scales cast by the op; the same bits on a second run."""
+    rng = np.random.default_rng(k * 7 + rows + cols)
+    packed, scales, bias = _layer(rng, rows, cols, k)
+    w = scales[:, None].astype(np.float64) * trellis.decode(packed, rows, cols, k)
+    for m, b in ((1, None), (3, bias), (8, bias), (17, None)):
+        x = rng.standard_normal((m, cols)).astype(np.float32)
+        y, y_cpu = _gpu_and_cpu(mx.array(x), packed, scales, k, 10, b)
+        ref = x @ w.T + (0 if b is None else b)
+        bound = (cols + 2) * U32 * (np.abs(x) @ np.abs(w).T) + (0 if b is None else U32 * np.abs(b))
+        assert y.shape == (m, rows) and y.dtype == mx.float32
+        assert np.all(np.abs(np.array(y) - ref) <= bound), (k, rows, cols, m)
+        assert np.all(np.abs(np.array(y_cpu) - ref) <= bound)
+        again, _ = _gpu_and_cpu(mx.array(x), packed, scales, k, 10, b)
+        assert np.array_equal(np.array(again), np.array(y))  # a fixed order of sums
+    half = _ext.trellis_matvec(mx.array(x), mx.array(packed), mx.array(scales).astype(mx.float16), k, 10,
+                               *map(float, trellis.code_affine(10)), stream=mx.gpu)
+    w16 = np.array(mx.array(scales).astype(mx.float16).astype(mx.float32))[:, None] * trellis.decode(packed, rows, cols, k)
+    assert np.allclose(np.array(half), x @ w16.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_gpu_matvec_half_inputs(dtype):
+    rng = np.random.default_rng(5)
+    rows, cols, k = 128, 256, 2
+    packed, scales, bias = _layer(rng, rows, cols, k)
+    x = mx.array(rng.standard_normal((2, cols)).astype(np.float32)).astype(dtype)
+    y, y_cpu = _gpu_and_cpu(x, packed, scales, k, 10, bias)
+    assert y.dtype == dtype and y.shape == (2, rows)
+    assert np.allclose(np.array(y.astype(mx.float32)), np.array(y_cpu.astype(mx.float32)), rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_trellis_layer_decodes_through_the_kernel():
+    """A trellis QuantizedLinear on the GPU: decode rows (M <= ext.GPU_MAX_M) take the kernel, a
+    prefill-sized input the dense reconstruction; both the same function of x."""
+    import mlx.nn as nn
+
+    from vqpipe.layers.qlinear import QuantizedLinear
+
+    rng = np.random.default_rng(2)
+    rows, cols = 192, 320
+    lin = nn.Linear(cols, rows)
+    lin.weight = mx.array(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05)
+    with mx.stream(mx.cpu):
+        layer = QuantizedLinear.from_linear(lin, 2, "auto", 0, codes="trellis")
+    assert ext.gpu_dispatch(mx.zeros((1, cols)))
+    assert not ext.gpu_dispatch(mx.zeros((ext.GPU_MAX_M + 1, cols)))
+    x = mx.array(rng.standard_normal((ext.GPU_MAX_M + 1, cols)).astype(np.float32))
+    dense = layer(x)
+    rows_by_kernel = mx.concatenate([layer(x[i:i + 1]) for i in range(x.shape[0])])
+    assert np.allclose(np.array(rows_by_kernel), np.array(dense), rtol=1e-4, atol=1e-4)

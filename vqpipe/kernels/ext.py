@@ -3,8 +3,9 @@
 ``codebook_matvec`` is an MLX primitive computing ``s * (C[q] @ xr) + b`` (or the group-scaled
 form) from the rotated input and the packed codes, without rebuilding the dense weight. On the
 CPU it runs an AVX2/FMA kernel (a portable one elsewhere) over output rows on a small thread pool;
-a CUDA build of it serves eval_gpu where the installed MLX is a CUDA build, but vqpipe routes GPU
-work to vqpipe/kernels/qmv.py and only CPU work here. Decode and small batches take it (M <= MAX_M rows
+a CUDA build of it serves eval_gpu where the installed MLX is a CUDA build, but vqpipe routes
+scalar-code GPU work to vqpipe/kernels/qmv.py and only CPU work here. ``trellis_matvec`` (trellis
+codes) runs here on both: its CUDA kernel (csrc/trellis.cu) is the only GPU kernel for them. Decode and small batches take it (M <= MAX_M rows
 of x); prefill-sized inputs keep the dense path (vqpipe/layers/qlinear.py ``dense_forward``).
 
 When the module is missing (not built, or the build failed) everything runs on MLX ops as before,
@@ -31,6 +32,10 @@ else:
 # --threshold): the extension 2.6-3.1x faster at M = 64, even with the dense path at M = 128.
 MAX_M = 64
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+# Rows of x up to which a trellis layer on the GPU takes the CUDA kernel (one launch per 8 rows,
+# each decoding every code again); above it the dense reconstruction and a matmul (prefill).
+GPU_MAX_M = 8
+_has_gpu = _ext is not None and _ext.has_gpu()
 _warned = False
 _enabled = True  # off only inside ``using(False)`` (benchmarks, tests: the dense arm)
 
@@ -68,6 +73,15 @@ def dispatch(x):
         _warn_missing()
         return False
     return True
+
+
+def gpu_dispatch(x):
+    """Whether a trellis layer's call on ``x`` runs the extension's CUDA kernel (csrc/trellis.cu):
+    a GPU default device, a CUDA build of the module, 1 <= M <= GPU_MAX_M, a float dtype. (Scalar
+    codes on the GPU go to vqpipe/kernels/qmv.py instead.)"""
+    if not _has_gpu or not _enabled or not 0 < math.prod(x.shape[:-1]) <= GPU_MAX_M or x.dtype not in DTYPES:
+        return False
+    return mx.default_device() != mx.cpu
 
 
 @contextlib.contextmanager

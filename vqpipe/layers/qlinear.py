@@ -483,10 +483,11 @@ class QuantizedEmbedding(QuantizedLinear):
 
 
 def trellis_forward(x, rotation, packed, scales, table, bits, params, bias=None):
-    """y of a trellis layer (or fused group) for ``x``: the compiled mat-vec for CPU decode (the
-    rule of ext.dispatch), else the dense reconstruction (vqpipe/kernels/dequant.py)."""
+    """y of a trellis layer (or fused group) for ``x``: the compiled mat-vec for decode on the CPU
+    (the rule of ext.dispatch) or a CUDA GPU (ext.gpu_dispatch), else the dense reconstruction
+    (vqpipe/kernels/dequant.py)."""
     xr = rotation.apply(x)
-    if ext.dispatch(x):
+    if ext.dispatch(x) or ext.gpu_dispatch(x):
         return ext.trellis_matvec(xr, packed, scales, bits, params[0], params[1], bias)
     return dequant.trellis_forward(xr, packed, scales, table, bits, params[0], bias)
 

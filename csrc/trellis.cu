@@ -1,0 +1,199 @@
+// eval_gpu of TrellisMatvec for a CUDA build of MLX: the bitshift-trellis mat-vec (trellis.h) with
+// each weight's 1MAD value computed in registers from its L-bit state, never a dense weight.
+//
+// A block owns one row block (32 rows); its warps take chunks of kChunk consecutive tiles of it in
+// turn. A warp copies a chunk's words to shared memory (coalesced), then lane l decodes weights
+// 8l..8l+7 of each tile (column l / 4, rows 8(l % 4)..+7): one 64-bit window of the stream holds
+// the n = ceil(L / k) steps before its first weight and its eight own, so the states run in
+// sequence from there. Sums: over the lanes of one row group by shuffles, over the warps through
+// shared memory, in a fixed order (repeated launches give the same bits).
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cuda/device.h"
+#include "mlx/backend/cuda/utils.h"
+
+#include "trellis.h"
+#include "trellis_op.h"
+
+namespace mlx::core {
+
+namespace {
+
+constexpr int kMaxM = 8; // rows of x per launch; more are done in launches of 8
+constexpr int kWarps = 8; // warps per block (one row block)
+constexpr int kChunk = 4; // tiles a warp decodes per pass
+
+__device__ inline float to_float(float v) { return v; }
+__device__ inline float to_float(__half v) { return __half2float(v); }
+__device__ inline float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ inline T from_float(float v);
+template <>
+__device__ inline float from_float<float>(float v) { return v; }
+template <>
+__device__ inline __half from_float<__half>(float v) { return __float2half(v); }
+template <>
+__device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+
+// 1MAD: the four bytes of the LCG's output summed (dp4a with ones), one fused multiply-add;
+// the same rounding as trellis_code on the CPU.
+__device__ inline float code(uint32_t s, float a, float b) {
+  const uint32_t h = s * vqpipe::kLcgMul + vqpipe::kLcgAdd;
+  return fmaf(a, static_cast<float>(__dp4a(h, 0x01010101u, 0u)), b);
+}
+
+// x [m, cols] (T), packed [rows / 32, tiles * 8K] uint32, scales and bias float32 [rows],
+// y [m, rows] (T); rows m0 .. m0 + mc - 1 of x (mc <= kMaxM). n = ceil(L / K).
+template <typename T, int K>
+__global__ void __launch_bounds__(32 * kWarps) trellis_matvec_kernel(
+    const T* x, const uint32_t* packed, const float* scales, const float* bias, T* y, int rows, int cols,
+    int L, int n, float ca, float cb, int m0, int mc) {
+  constexpr int W = 8 * K; // words per tile
+  __shared__ uint32_t words[kWarps][kChunk * W + 2];
+  __shared__ float part[kWarps][kMaxM][32];
+  const int warp = threadIdx.y, lane = threadIdx.x, rb = blockIdx.x;
+  const int tiles = cols / vqpipe::kTileCols;
+  const uint32_t mask = (1u << L) - 1u, kmask = (1u << K) - 1u;
+  const uint32_t* base = packed + static_cast<size_t>(rb) * tiles * W;
+  // the lane's window starts n - 1 steps before its first weight (8 lane), zeros before the tile
+  const int first = 8 * lane - (n - 1);
+  const int p0 = first < 0 ? 0 : K * first, pad = first < 0 ? -K * first : 0;
+  const int col_in_tile = lane >> 2;
+  float acc[kMaxM][8];
+#pragma unroll
+  for (int m = 0; m < kMaxM; ++m)
+#pragma unroll
+    for (int r = 0; r < 8; ++r) acc[m][r] = 0.0f;
+  if (lane < 2) words[warp][kChunk * W + lane] = 0u;
+  for (int c0 = warp * kChunk; c0 < tiles; c0 += kWarps * kChunk) {
+    const int nt = ::min(kChunk, tiles - c0);
+    __syncwarp();
+    for (int i = lane; i < nt * W; i += 32) words[warp][i] = base[static_cast<size_t>(c0) * W + i];
+    __syncwarp();
+    for (int t = 0; t < nt; ++t) {
+      const uint32_t* tw = words[warp] + t * W;
+      const int wi = p0 >> 5, sh = p0 & 31;
+      const uint64_t lo = static_cast<uint64_t>(tw[wi]) | (static_cast<uint64_t>(tw[wi + 1]) << 32);
+      uint64_t win = sh ? (lo >> sh) | (static_cast<uint64_t>(tw[wi + 2]) << (64 - sh)) : lo;
+      win <<= pad;
+      uint32_t s = 0;
+      for (int j = 0; j < n - 1; ++j) s = ((s << K) | static_cast<uint32_t>((win >> (K * j)) & kmask)) & mask;
+      win >>= K * (n - 1);
+      const int col = (c0 + t) * vqpipe::kTileCols + col_in_tile;
+      float xv[kMaxM];
+#pragma unroll
+      for (int m = 0; m < kMaxM; ++m) xv[m] = m < mc ? to_float(x[static_cast<size_t>(m0 + m) * cols + col]) : 0.0f;
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        s = ((s << K) | static_cast<uint32_t>((win >> (K * r)) & kmask)) & mask;
+        const float v = code(s, ca, cb);
+#pragma unroll
+        for (int m = 0; m < kMaxM; ++m) acc[m][r] = fmaf(v, xv[m], acc[m][r]);
+      }
+    }
+  }
+  // lanes l, l ^ 4, l ^ 8, l ^ 16 hold the same rows: their sums end in lanes 0..3
+#pragma unroll
+  for (int m = 0; m < kMaxM; ++m) {
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      float v = acc[m][r];
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      if (lane < 4) part[warp][m][8 * lane + r] = v;
+    }
+  }
+  __syncthreads();
+  const int tid = warp * 32 + lane;
+  if (tid < 32 * mc) {
+    const int m = tid >> 5, r = tid & 31, row = rb * vqpipe::kTileRows + r;
+    float v = 0.0f;
+    for (int w = 0; w < kWarps; ++w) v += part[w][m][r];
+    v *= scales[row];
+    if (bias) v += bias[row];
+    y[static_cast<size_t>(m0 + m) * rows + row] = from_float<T>(v);
+  }
+}
+
+template <typename F>
+void dispatch_dtype(Dtype t, F&& f) {
+  switch (t) {
+    case float16: return f(__half{});
+    case bfloat16: return f(__nv_bfloat16{});
+    default: return f(float{});
+  }
+}
+
+template <typename F>
+void dispatch_k(int k, F&& f) {
+  switch (k) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    default: return f(std::integral_constant<int, 6>{});
+  }
+}
+
+// The driver's handle of a kernel (MLX's encoder takes those: see driver_function in matvec.cu).
+template <auto Kernel>
+CUfunction trellis_function() {
+  static CUfunction fn = [] {
+    cudaFunction_t f;
+    if (cudaGetFuncBySymbol(&f, reinterpret_cast<const void*>(Kernel)) != cudaSuccess) {
+      throw std::runtime_error("trellis_matvec: cudaGetFuncBySymbol failed");
+    }
+    return reinterpret_cast<CUfunction>(f);
+  }();
+  return fn;
+}
+
+} // namespace
+
+bool trellis_matvec_has_gpu() {
+  return true;
+}
+
+void TrellisMatvec::eval_gpu(const std::vector<array>& inputs, array& out) {
+  const array &x = inputs[0], &packed = inputs[1], &scales = inputs[2];
+  for (const array& a : inputs) {
+    if (!a.flags().row_contiguous) {
+      throw std::runtime_error("trellis_matvec: the GPU kernel takes row-contiguous inputs");
+    }
+  }
+  if (scales.dtype() != float32 || (has_bias_ && inputs[3].dtype() != float32)) {
+    throw std::runtime_error("trellis_matvec: the GPU kernel takes float32 scales and bias");
+  }
+  auto& encoder = cu::get_command_encoder(stream());
+  out.set_data(allocator::malloc(out.nbytes()));
+  for (const array& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  const int cols = x.shape(-1), rows = packed.shape(0) * vqpipe::kTileRows, m = static_cast<int>(x.size() / cols);
+  const int steps = (L_ + k_ - 1) / k_;
+  const dim3 grid(packed.shape(0)), block(32, kWarps);
+  dispatch_dtype(x.dtype(), [&](auto t) {
+    using T = decltype(t);
+    dispatch_k(k_, [&](auto kk) {
+      constexpr int K = decltype(kk)::value;
+      for (int m0 = 0; m0 < m; m0 += kMaxM) {
+        // add_kernel_node takes the addresses of its arguments: plain mutable locals
+        int n_rows = rows, n_cols = cols, L = L_, n = steps, first = m0, mc = std::min(kMaxM, m - m0);
+        float ca = a_, cb = b_;
+        encoder.add_kernel_node(
+            trellis_function<trellis_matvec_kernel<T, K>>(), grid, block, gpu_ptr<T>(x),
+            gpu_ptr<uint32_t>(packed), gpu_ptr<float>(scales),
+            has_bias_ ? gpu_ptr<float>(inputs[3]) : static_cast<const float*>(nullptr), gpu_ptr<T>(out), n_rows,
+            n_cols, L, n, ca, cb, first, mc);
+      }
+    });
+  });
+}
+
+} // namespace mlx::core
