@@ -13,8 +13,9 @@
 #   ncu       Nsight Compute: the decode step kernel by kernel (experiments.step_kernels), then the
 #             mat-vec kernels' sections (needs ncu on the host)
 #   pipeline  the Snakefile with config/gpu.yaml (arguments after -- go to snakemake)
-#   ext       build vqpipe._ext with its CUDA kernel (nanobind from the carried .whl/), its tests on
-#             the GPU, each bad-argument case in a process of its own (a C++ backtrace under gdb)
+#   ext       build vqpipe._ext with its CUDA kernels (nanobind from the carried .whl/), its tests and the
+#             trellis kernel's on the GPU, each bad-argument case in a process of its own (a C++
+#             backtrace under gdb), the trellis mat-vec against the scalar kernel (bench_trellis_matvec)
 #   user      the default user path: a synthetic qwen2.5-0.5b reservoir made by the stage CLIs,
 #             `vqpipe generate` in three fresh processes (the first two under cProfile) beside
 #             mlx_lm.generate on mlx_lm.convert's affine 4-bit and on the source; MLX's PTX cache kept
@@ -132,8 +133,12 @@ part_ext() {
   else
     echo "(no gdb on this host)"
   fi
-  echo "== tests/test_ext.py on the GPU $(since)"
-  pt "$1/test_ext.log" 300 -p no:randomly tests/test_ext.py
+  echo "== tests/test_ext.py and the trellis kernels on the GPU $(since)"
+  pt "$1/test_ext.log" 300 -p no:randomly -n 8 tests/test_ext.py tests/test_trellis_ext.py
+  echo "== trellis mat-vec (csrc/trellis.cu) against the scalar kernel $(since)"
+  timeout 120 $PY -m experiments.bench_trellis_matvec --device gpu --inputs 24 --reps 5 \
+    --shapes 896x896 4864x896 896x4864 4096x4096 14336x4096 4096x14336 --out "$1/trellis_gpu.json" 2>&1 \
+    | tee "$1/trellis_gpu.log" | tail -n 8
 }
 
 USER_DIR=/tmp/user

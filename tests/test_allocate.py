@@ -127,7 +127,7 @@ def test_a_wide_layer_in_an_older_version_file_is_refused(mixed, tmp_path):
 def test_uniform_widths_still_write_the_old_versions(tmp_path):
     model, config = make_model(TIED)
     settings = QuantizeConfig(seed=1, layer_bits=[{"match": "v_proj", "add": 0}], dtype="float32", threads=1,
-                              calib_text="none")
+                              calib_text="none", codes="scalar")
     quantize_model(model, settings)
     path = tmp_path / R.FILE_NAME
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -159,8 +159,9 @@ def test_group_state_round_trip_and_reservoir(tmp_path):
 
 
 def test_per_row_reservoir_stays_version_1(tmp_path):
+    """Scalar codes with per-row scales: the first format's file, as readers before groups read it."""
     model, config = make_model(ARCH)
-    quantize_model(model, SEED1)
+    quantize_model(model, replace(SEED1, codes="scalar"))
     (tmp_path / "config.json").write_text(json.dumps(config))
     path = tmp_path / R.FILE_NAME
     R.save_reservoir(model, path)

@@ -18,11 +18,16 @@ def test_bits_per_weight_counts_everything(tiny_source):
     model, _, bpw = q.vqpipe_arm(tiny_source, 3, "auto", 0)
     layers = [m for _, m in model.named_modules() if hasattr(m, "to_state")]
     n = sum(m.in_features * m.out_features for m in layers)
-    # 3-bit codes (rows padded to 32 values), a float32 scale per row, a 8-entry float32 codebook,
-    # and the rotation's arrays (signs, Kronecker factors) as persist_rotation stores them.
-    codes = sum(m.out_features * -(-m.in_features // 32) * 32 * 3 for m in layers)
+    # 3-bit codes (scalar: rows padded to 32 values; trellis: exactly 3 bits a weight), a float32
+    # scale per row, a codebook (scalar: 8 float32 entries per layer; trellis: the 1024-entry table
+    # once per model) and the rotation's arrays (signs, Kronecker factors) as persist_rotation stores them.
+    trellis = [m for m in layers if m.codes == "trellis"]
+    scalar = [m for m in layers if m.codes == "scalar"]
+    assert trellis  # the default codes
+    codes = sum(m.out_features * -(-m.in_features // 32) * 32 * 3 for m in scalar)
+    codes += sum(m.out_features * m.in_features * 3 for m in trellis)
     scales = sum(m.out_features * 32 for m in layers)
-    books = len(layers) * 8 * 32
+    books = len(scalar) * 8 * 32 + 1024 * 32
     assert bpw["bpw_seed_rotation"] == pytest.approx((codes + scales + books) / n)
     assert bpw["bpw"] > bpw["bpw_seed_rotation"] and bpw["parts_bpw"]["rotation"] > 0
     assert bpw["quantized_weights"] == n and bpw["unquantized_params"]["embed_tokens"] > 0

@@ -175,9 +175,10 @@ def test_layout_alignment_and_dedup(built):
     assert header["_data_offset"] % R.ALIGN == 0
     for b in header["blobs"]:
         assert b["offset"] % (R.ALIGN if b["nbytes"] >= R.ALIGN else R.SMALL_ALIGN) == 0
-    # Every 4-bit layer of one width shares one codebook blob.
-    books = {(m["in_features"], m["tensors"]["codebook"]["blob"]) for m in header["layers"].values()}
-    assert len(books) == len({w for w, _ in books})
+    # Every 4-bit layer of one width and code kind shares one codebook blob (trellis layers: the table).
+    books = {((m.get("codes") or {}).get("kind", "scalar"), m["in_features"], m["tensors"]["codebook"]["blob"])
+             for m in header["layers"].values()}
+    assert len(books) == len({(k, w) for k, w, _ in books})
     assert all(b["kind"] in R.BLOB_KINDS for b in header["blobs"])
 
 
@@ -400,7 +401,7 @@ def first_layer(h):
     (lambda h: first_layer(h)["tensors"]["packed"].update(blob=10**6), "no valid blob index"),
     (lambda h: first_layer(h).update({"class": "os.system"}), "no known class"),
     (lambda h: h.update(format_version=max(R.READS) + 1), "unsupported header"),
-    (lambda h: h.update(format_version=2), "format_version 2 but the prefix says 1"),
+    (lambda h: h.update(format_version=2), "format_version 2 but the prefix says 5"),  # trellis layers: v5
     (lambda h: first_layer(h).update(group_size=7), "group_size 7 does not divide"),
     (lambda h: first_layer(h).update(group_size=4), "tensor 'scales'"),
     (lambda h: h.update(persist_rotation="yes"), "persist_rotation"),

@@ -237,3 +237,66 @@ def test_gpu_trellis_layer_decodes_through_the_kernel():
     dense = layer(x)
     rows_by_kernel = mx.concatenate([layer(x[i:i + 1]) for i in range(x.shape[0])])
     assert np.allclose(np.array(rows_by_kernel), np.array(dense), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(mx.default_device() == mx.cpu or not mx.metal.is_available(), reason="needs Metal (untested: no Apple machine)")
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_metal_matvec_is_the_cpu_kernel(k):
+    from vqpipe.kernels import trellis_metal
+
+    rng = np.random.default_rng(k)
+    rows, cols = 96, 1544
+    packed, scales, bias = _layer(rng, rows, cols, k)
+    for m, b in ((1, None), (3, bias), (8, bias)):
+        x = mx.array(rng.standard_normal((m, cols)).astype(np.float32))
+        y = trellis_metal.matvec(x, mx.array(packed), mx.array(scales), k, 10, trellis.SCALE,
+                                 None if b is None else mx.array(b))
+        ref = trellis.matvec(x, mx.array(packed), mx.array(scales), k, bias=None if b is None else mx.array(b))
+        assert np.allclose(np.array(y), np.array(ref), rtol=1e-4, atol=1e-4)
+
+
+def test_metal_kernel_is_not_taken_off_metal():
+    from vqpipe.kernels import trellis_metal
+
+    if mx.metal.is_available():
+        pytest.skip("Metal here")
+    assert not trellis_metal.dispatch(mx.zeros((1, 64)))
+    with pytest.raises(ValueError, match="M = 9"):
+        trellis_metal.matvec(mx.zeros((9, 64)), mx.zeros((2, 16), mx.uint32), mx.ones((64,)), 2, 10, trellis.SCALE)
+
+
+@pytest.mark.parametrize("k,L", [(1, 10), (2, 10), (3, 10), (4, 10), (5, 10), (6, 10), (2, 8), (3, 12), (4, 16), (6, 16),
+                                 (5, 16), (1, 16)])
+def test_gpu_kernels_window_arithmetic(k, L):
+    """The CUDA and Metal kernels' per-lane decode (csrc/trellis.cu, vqpipe/kernels/trellis_metal.py),
+    replayed in Python integers: lane l reads one 64-bit window from 3 words starting n - 1 steps
+    before weight 8l (shifted up where that is before the tile), runs n - 1 steps, then its 8
+    weights. Every state equals the stream's (the reference decoder's), for every lane and width;
+    and the window never needs more than 64 bits. (Where no GPU is, this is what checks the
+    kernels' indexing.)"""
+    rng = np.random.default_rng(k * 31 + L)
+    packed, _, _ = _layer(rng, 32, 8, k)
+    words = [int(w) for w in packed[0]] + [0, 0]  # the kernels' two zero pad words
+    n = -(-L // k)
+    assert (n + 7) * k <= 64
+    mask, kmask = (1 << L) - 1, (1 << k) - 1
+    steps = [(sum(w << (32 * i) for i, w in enumerate(words)) >> (k * i)) & kmask for i in range(256)]
+    want, s = [], 0
+    for b in steps:
+        s = ((s << k) | b) & mask
+        want.append(s)
+    for lane in range(32):
+        first = 8 * lane - (n - 1)
+        p0, pad = (0, -k * first) if first < 0 else (k * first, 0)
+        wi, sh = p0 >> 5, p0 & 31
+        lo = words[wi] | (words[wi + 1] << 32)
+        win = ((lo >> sh) | (words[wi + 2] << (64 - sh))) & (2**64 - 1) if sh else lo
+        win = (win << pad) & (2**64 - 1)
+        s = 0
+        for j in range(n - 1):
+            s = ((s << k) | ((win >> (k * j)) & kmask)) & mask
+        win >>= k * (n - 1)
+        for r in range(8):
+            s = ((s << k) | ((win >> (k * r)) & kmask)) & mask
+            assert s == want[8 * lane + r], (k, L, lane, r)

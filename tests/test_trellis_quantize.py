@@ -56,11 +56,10 @@ def test_trellis_fits():
 
 
 def test_config_codes():
-    assert QuantizeConfig().codes == "scalar"
+    assert QuantizeConfig().codes == "trellis"
     with pytest.raises(ValueError, match="unknown codes"):
         QuantizeConfig(codes="e8p")
-    with pytest.raises(ValueError, match="one scale per row"):
-        QuantizeConfig(codes="trellis", group_size=64)
+    assert QuantizeConfig(group_size=64).codes == "trellis"  # group scales: every layer scalar (trellis_fits)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
@@ -105,6 +104,16 @@ def trellis_model(tiny_llama_source):
     return model, records
 
 
+def test_group_scales_keep_every_layer_scalar(tiny_llama_source):
+    """The default codes are trellis; a group size (which trellis codes cannot carry) makes every
+    linear layer scalar, with its group scales (a data-free embedding has per-row scales: trellis)."""
+    model, _ = load(str(tiny_llama_source))
+    records = quantize_model(model, QuantizeConfig(bits=3, calib_text="none", group_size=32, threads=2))
+    assert {r["codes"] for r in records if r["kind"] == "linear"} == {"scalar"}
+    assert {r["codes"] for r in records if r["kind"] == "embedding"} == {"trellis"}
+    assert all(m.group_size == 32 for m in model.modules() if type(m) is QuantizedLinear)
+
+
 def test_model_greedy_tokens_ext_equal_dense(trellis_model):
     from vqpipe.quant import recipe
 
@@ -139,7 +148,7 @@ def test_reservoir_round_trip_and_inspect(trellis_model, tmp_path, capsys):
 
 def test_scalar_reservoir_version_unchanged(tiny_llama_source, tmp_path):
     model, _ = load(str(tiny_llama_source))
-    quantize_model(model, QuantizeConfig(bits=2, calib_text="none", budget="none", threads=2))
+    quantize_model(model, QuantizeConfig(bits=2, calib_text="none", budget="none", threads=2, codes="scalar"))
     path = tmp_path / "model.vqres"
     R.save_reservoir(model, path)
     header = R.read_header(path)

@@ -199,11 +199,13 @@ def test_decoded_once_gives_the_same_logits_and_decodes_each_layer_once(which, r
     blocks = list(model.model.layers)
     want = own_forwards(model, tok)
     calls = []
-    decode = dequant.codes_to_values
+    decode, decode_trellis = dequant.codes_to_values, dequant.trellis_values
     monkeypatch.setattr(dequant, "codes_to_values", lambda p, *a: calls.append(id(p)) or decode(p, *a))
+    monkeypatch.setattr(dequant, "trellis_values", lambda p, *a: calls.append(id(p)) or decode_trellis(p, *a))
     got = quantized.reference_logits(model, tok)
     assert [np.asarray(got[f"logits.{i}"]).tobytes() for i in range(len(want))] == want
     assert dequant.codes_to_values is not decode and calls  # the patch is restored to what was there
+    assert dequant.trellis_values is not decode_trellis
     assert dequant.scaled_values.__name__ == "scaled_values"  # and decoded_once's own
     assert all(a is b for a, b in zip(model.model.layers, blocks)) and len(model.model.layers) == len(blocks)
     n = len(quantized.REFERENCE_PROMPTS)

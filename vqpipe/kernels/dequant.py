@@ -115,9 +115,10 @@ def decoded_once():
 
     A layer with group scales is kept as the scaled weight (``scaled_values``), its unscaled codes
     a temporary of that product, so the group-scale multiply runs once too (the same product in
-    the same dtype: the same bytes) and one weight-sized array a layer is held, not two."""
-    global codes_to_values, scaled_values  # qlinear calls them as module attributes: those are patched
-    decode, scale, cache = codes_to_values, scaled_values, {}
+    the same dtype: the same bytes) and one weight-sized array a layer is held, not two. A trellis
+    layer's code values (``trellis_values``) are kept the same way."""
+    global codes_to_values, scaled_values, trellis_values  # called as module attributes: those are patched
+    decode, scale, decode_trellis, cache = codes_to_values, scaled_values, trellis_values, {}
 
     def lookup(key, arrays, make):
         hit = cache.get(key)
@@ -135,11 +136,15 @@ def decoded_once():
                       (packed, codebook, scales),
                       lambda: _times_group_scales(decode(packed, codebook, bits, n, dtype), scales, group_size))
 
-    codes_to_values, scaled_values = cached, cached_scaled
+    def cached_trellis(packed, table, bits, rows, cols, L, dtype=mx.float32):
+        return lookup(("trellis", id(packed), id(table), bits, rows, cols, L, dtype), (packed, table),
+                      lambda: decode_trellis(packed, table, bits, rows, cols, L, dtype))
+
+    codes_to_values, scaled_values, trellis_values = cached, cached_scaled, cached_trellis
     try:
         yield
     finally:
-        codes_to_values, scaled_values = decode, scale
+        codes_to_values, scaled_values, trellis_values = decode, scale, decode_trellis
 
 
 def dense_forward(xr, packed, scales, codebook, bits, bias=None, group_size=None):

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..kernels import dequant, dispatch, ext, qmv
+from ..kernels import dequant, dispatch, ext, qmv, trellis_metal
 from ..kernels.dequant import dense_forward
 from .head import Head
 from ..codec import gptq, ldlq, trellis
@@ -484,11 +484,13 @@ class QuantizedEmbedding(QuantizedLinear):
 
 def trellis_forward(x, rotation, packed, scales, table, bits, params, bias=None):
     """y of a trellis layer (or fused group) for ``x``: the compiled mat-vec for decode on the CPU
-    (the rule of ext.dispatch) or a CUDA GPU (ext.gpu_dispatch), else the dense reconstruction
-    (vqpipe/kernels/dequant.py)."""
+    (the rule of ext.dispatch) or a CUDA GPU (ext.gpu_dispatch), on Metal its kernel there
+    (vqpipe/kernels/trellis_metal.py, untested), else the dense reconstruction (vqpipe/kernels/dequant.py)."""
     xr = rotation.apply(x)
     if ext.dispatch(x) or ext.gpu_dispatch(x):
         return ext.trellis_matvec(xr, packed, scales, bits, params[0], params[1], bias)
+    if trellis_metal.dispatch(x):
+        return trellis_metal.matvec(xr, packed, scales, bits, params[0], params[1], bias)
     return dequant.trellis_forward(xr, packed, scales, table, bits, params[0], bias)
 
 

@@ -42,10 +42,11 @@ class QuantizeConfig:
     - ``calib_text``: the calibration text a tokenizer makes ('auto' and 'text': the shipped text,
       'self': the model's own, 'none': data-free), ``calib_windows`` x ``calib_length`` tokens at
       offsets from ``calib_seed``.
-    - ``codes``: "scalar" (the Lloyd-Max codebook) or "trellis" (bitshift-trellis codes, issue 34,
-      vqpipe/codec/ldlq.py) for every layer that can take them (vqpipe/layers/qlinear.py
-      ``trellis_fits``: widths 2-5, rows a multiple of 32, inputs of 8, per-row scales); the
-      others stay scalar.
+    - ``codes``: "trellis" (bitshift-trellis codes, vqpipe/codec/ldlq.py; the default: lower error
+      than the scalar codebook at every width measured, docs/quantize.md) for every layer that can
+      take them (vqpipe/layers/qlinear.py ``trellis_fits``: widths 2-5, rows a multiple of 32,
+      inputs of 8, per-row scales, so with ``group_size`` set every layer is scalar); the others,
+      and every layer with "scalar", take the Lloyd-Max codebook.
     """
 
     bits: int = 4
@@ -66,7 +67,7 @@ class QuantizeConfig:
     calib_windows: int = 64
     calib_length: int = 512
     calib_seed: int = 0
-    codes: str = "scalar"
+    codes: str = "trellis"
 
     def __post_init__(self):
         check_bits(self.bits)
@@ -92,8 +93,6 @@ class QuantizeConfig:
             raise ValueError(f"calib_length must be an integer of at least 2, got {self.calib_length!r}")
         if self.codes not in CODES:
             raise ValueError(f"unknown codes {self.codes!r}; choose one of {', '.join(CODES)}")
-        if self.codes == "trellis" and self.group_size is not None:
-            raise ValueError("trellis codes have one scale per row: set group_size None or codes 'scalar'")
 
 
 def _integer(value):

@@ -165,6 +165,9 @@ def pivot_sum(h, rotation, damp):
     return float(mx.sum(mx.diagonal(low).astype(mx.float32) ** 2).item())
 
 
+TRELLIS_TABLE_BITS = (1 << trellis.L_DEFAULT) * 32  # the 2^L float32 state values, one blob per file
+
+
 def stored_bits(out_features, in_features, width, group_size, rotation, codes="scalar"):
     """Bits a quantized layer of this shape stores at ``width``, as bench-quality counts them:
     packed codes, scales (float32 per row or float16 per group), codebook, rotation state. A trellis
@@ -233,9 +236,10 @@ def plan(model, bits, targets, moments, fisher, budget, rotation_of, group_size=
     """({name: width}, tables, weights): the widths of ``targets`` [(name, kind)] of ``model`` (before
     quantization) within ``budget`` bits per weight over every quantized matrix. ``moments``
     {name: (key, H)}, ``fisher`` from :func:`output_fisher`, ``rotation_of(name, dim)`` the
-    rotation quantize gives the layer, ``group_size`` and ``damp`` quantize's."""
+    rotation quantize gives the layer, ``group_size`` and ``damp`` quantize's. Where a layer may
+    take trellis codes, the budget keeps the trellis table's bits (one per model, :func:`model_bits`)."""
     modules = dict(model.named_modules())
-    tables, spreads, weights = {}, {}, 0
+    tables, spreads, weights, table_bits = {}, {}, 0, 0
     for name, kind in targets:
         if kind == "dense-embedding":
             continue
@@ -254,7 +258,9 @@ def plan(model, bits, targets, moments, fisher, budget, rotation_of, group_size=
         gs = group_size if kind == "linear" or h is not None else None
         tables[name] = layer_table((out_features, d), widths(bits), gs, r, sens, codes)
         weights += out_features * d
-    choice, _ = allocate(tables, budget * weights)
+        if codes == "trellis" and any(trellis_fits(w, out_features, d, gs) for w in widths(bits)):
+            table_bits = TRELLIS_TABLE_BITS
+    choice, _ = allocate(tables, budget * weights - table_bits)
     return choice, tables, weights
 
 
