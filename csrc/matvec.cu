@@ -11,27 +11,17 @@
 #include "mlx/backend/cuda/device.h"
 #include "mlx/backend/cuda/utils.h"
 
+#include "cuda_util.cuh"
 #include "primitive.h"
 
 namespace mlx::core {
 
 namespace {
 
+using namespace cuda_util;
+
 constexpr int kMaxM = 8; // rows of x per launch; more are done in launches of 8
 constexpr int kWarps = 4; // warps (rows) per block
-
-__device__ inline float to_float(float v) { return v; }
-__device__ inline float to_float(__half v) { return __half2float(v); }
-__device__ inline float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ inline T from_float(float v);
-template <>
-__device__ inline float from_float<float>(float v) { return v; }
-template <>
-__device__ inline __half from_float<__half>(float v) { return __float2half(v); }
-template <>
-__device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
 
 // The block's `B` words into w[0..B) (16-byte loads where the block is whole 16-byte units).
 template <int B>
@@ -98,15 +88,6 @@ __global__ void codebook_matvec_kernel(
 }
 
 template <typename F>
-void dispatch_dtype(Dtype t, F&& f) {
-  switch (t) {
-    case float16: return f(__half{});
-    case bfloat16: return f(__nv_bfloat16{});
-    default: return f(float{});
-  }
-}
-
-template <typename F>
 void dispatch_bits(int bits, F&& f) {
   switch (bits) {
     case 2: return f(std::integral_constant<int, 2>{});
@@ -119,21 +100,6 @@ void dispatch_bits(int bits, F&& f) {
 }
 
 } // namespace
-
-// MLX links its own copy of the CUDA runtime, which does not know the kernels registered with this
-// module's (cudaGraphAddKernelNode: invalid resource handle): the encoder gets the driver's handle
-// of each kernel instead, looked up once (experiments/cuda_ext, docs/results/2026-12-06-h100-cuda-ext).
-template <auto Kernel>
-CUfunction driver_function() {
-  static CUfunction fn = [] {
-    cudaFunction_t f;
-    if (cudaGetFuncBySymbol(&f, reinterpret_cast<const void*>(Kernel)) != cudaSuccess) {
-      throw std::runtime_error("codebook_matvec: cudaGetFuncBySymbol failed");
-    }
-    return reinterpret_cast<CUfunction>(f);
-  }();
-  return fn;
-}
 
 bool codebook_matvec_has_gpu() {
   return true;

@@ -16,6 +16,7 @@
 #include "mlx/backend/cuda/device.h"
 #include "mlx/backend/cuda/utils.h"
 
+#include "cuda_util.cuh"
 #include "trellis.h"
 #include "trellis_op.h"
 
@@ -23,22 +24,11 @@ namespace mlx::core {
 
 namespace {
 
+using namespace cuda_util;
+
 constexpr int kMaxM = 8; // rows of x per launch; more are done in launches of 8
 constexpr int kWarps = 8; // warps per block (one row block)
 constexpr int kChunk = 4; // tiles a warp decodes per pass
-
-__device__ inline float to_float(float v) { return v; }
-__device__ inline float to_float(__half v) { return __half2float(v); }
-__device__ inline float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ inline T from_float(float v);
-template <>
-__device__ inline float from_float<float>(float v) { return v; }
-template <>
-__device__ inline __half from_float<__half>(float v) { return __float2half(v); }
-template <>
-__device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
 
 // 1MAD: the four bytes of the LCG's output summed (dp4a with ones), one fused multiply-add;
 // the same rounding as trellis_code on the CPU.
@@ -122,15 +112,6 @@ __global__ void __launch_bounds__(32 * kWarps) trellis_matvec_kernel(
 }
 
 template <typename F>
-void dispatch_dtype(Dtype t, F&& f) {
-  switch (t) {
-    case float16: return f(__half{});
-    case bfloat16: return f(__nv_bfloat16{});
-    default: return f(float{});
-  }
-}
-
-template <typename F>
 void dispatch_k(int k, F&& f) {
   switch (k) {
     case 1: return f(std::integral_constant<int, 1>{});
@@ -140,19 +121,6 @@ void dispatch_k(int k, F&& f) {
     case 5: return f(std::integral_constant<int, 5>{});
     default: return f(std::integral_constant<int, 6>{});
   }
-}
-
-// The driver's handle of a kernel (MLX's encoder takes those: see driver_function in matvec.cu).
-template <auto Kernel>
-CUfunction trellis_function() {
-  static CUfunction fn = [] {
-    cudaFunction_t f;
-    if (cudaGetFuncBySymbol(&f, reinterpret_cast<const void*>(Kernel)) != cudaSuccess) {
-      throw std::runtime_error("trellis_matvec: cudaGetFuncBySymbol failed");
-    }
-    return reinterpret_cast<CUfunction>(f);
-  }();
-  return fn;
 }
 
 } // namespace
@@ -187,7 +155,7 @@ void TrellisMatvec::eval_gpu(const std::vector<array>& inputs, array& out) {
         int n_rows = rows, n_cols = cols, L = L_, n = steps, first = m0, mc = std::min(kMaxM, m - m0);
         float ca = a_, cb = b_;
         encoder.add_kernel_node(
-            trellis_function<trellis_matvec_kernel<T, K>>(), grid, block, gpu_ptr<T>(x),
+            driver_function<trellis_matvec_kernel<T, K>>(), grid, block, gpu_ptr<T>(x),
             gpu_ptr<uint32_t>(packed), gpu_ptr<float>(scales),
             has_bias_ ? gpu_ptr<float>(inputs[3]) : static_cast<const float*>(nullptr), gpu_ptr<T>(out), n_rows,
             n_cols, L, n, ca, cb, first, mc);
