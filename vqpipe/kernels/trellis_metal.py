@@ -87,7 +87,7 @@ SOURCE = """
         float v = 0.0f;
         for (int w = 0; w < 8; ++w) v += part[w][m][r];
         v *= scales[row];
-        if (HAS_BIAS) v += bias[row];
+        BIAS
         y[(ulong)m * rows + row] = T(v);
     }
 """
@@ -107,7 +107,7 @@ def _kernel(has_bias):
         inputs = ["x", "packed", "scales", "dims", "ab"] + (["bias"] if has_bias else [])
         _kernels[has_bias] = mx.fast.metal_kernel(
             name=f"vqpipe_trellis_matvec{'_bias' if has_bias else ''}", input_names=inputs, output_names=["y"],
-            source=SOURCE, header=HEADER)
+            source=SOURCE.replace("BIAS", "v += bias[row];" if has_bias else ""), header=HEADER)
     return _kernels[has_bias]
 
 
@@ -125,7 +125,7 @@ def matvec(xr, packed, scales, bits, L, code_scale, bias=None):
     if bias is not None:
         inputs.append(bias.astype(mx.float32))
     (y,) = _kernel(bias is not None)(
-        inputs=inputs, template=[("K", bits), ("MC", m), ("T", xr.dtype), ("HAS_BIAS", bias is not None)],
+        inputs=inputs, template=[("K", bits), ("MC", m), ("T", xr.dtype)],
         grid=(32 * WARPS * packed.shape[0], 1, 1), threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(m, rows)], output_dtypes=[xr.dtype])
     return y.reshape(*xr.shape[:-1], rows)
