@@ -16,8 +16,7 @@ from ..codec import trellis
 from ..gpu import backend
 
 MAX_M = 8
-WARPS = 8
-CHUNK = 4
+WARPS = 8  # simdgroups per threadgroup (the source's 8; 4 tiles a pass)
 
 HEADER = f"""
 inline float vq_code(uint s, float a, float b) {{

@@ -264,19 +264,29 @@ def plan(model, bits, targets, moments, fisher, budget, rotation_of, group_size=
     return choice, tables, weights
 
 
+def stored_layers(model):
+    """(name, meta, {array: bits}) of every vqpipe-quantized layer of ``model``: what a reservoir
+    stores of it, the bias left out (bench-quality counts it as dense), a trellis table only at the
+    first layer that uses it (one blob in a file, once per model)."""
+    tables = set()
+    for name, m in model.named_modules():
+        if not hasattr(m, "to_state"):
+            continue
+        meta, arrays = m.to_state()
+        bits = {k: v.nbytes * 8 for k, v in arrays.items() if k != "bias"}
+        if "codes" in meta:
+            table = json.dumps(meta["codes"], sort_keys=True)
+            if table in tables:
+                del bits["codebook"]
+            tables.add(table)
+        yield name, meta, bits
+
+
 def model_bits(model):
     """(stored bits, weights) of every vqpipe-quantized layer of ``model``, as bench-quality's
-    bits_per_weight counts them: every array of to_state() but the bias (the trellis table, one
-    blob in a file, once per model)."""
+    bits_per_weight counts them (:func:`stored_layers`)."""
     total = weights = 0
-    tables = {}
-    for _, m in model.named_modules():
-        if hasattr(m, "to_state"):
-            meta, arrays = m.to_state()
-            weights += meta["in_features"] * meta["out_features"]
-            shared = "codes" in meta
-            total += sum(v.nbytes * 8 for k, v in arrays.items() if k != "bias" and not (shared and k == "codebook"))
-            if shared:
-                tables[json.dumps(meta["codes"], sort_keys=True)] = arrays["codebook"].nbytes * 8
-    total += sum(tables.values())
+    for _, meta, bits in stored_layers(model):
+        weights += meta["in_features"] * meta["out_features"]
+        total += sum(bits.values())
     return total, weights

@@ -37,7 +37,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from ..bench import competitors
-from ..quant import cpu_eval
+from ..quant import cpu_eval, recipe
 from .. import text
 from ..layers.fold import unfold_model
 from ..quant.residual_rotation import TiedEmbedding
@@ -217,31 +217,24 @@ def dequantized(m):
 def bits_per_weight(model):
     """Stored bits of every quantized layer over its weight count, by part, and what stays dense.
 
-    vqpipe layers: every array of ``to_state()`` but the bias (codes, row scales, codebook (a trellis
-    table once per model: one blob in the file), rotation state; ``bpw_seed_rotation`` leaves out rotation arrays, as persist_rotation=False
-    stores only seeds). Affine layers: packed codes, scales and biases as stored.
+    vqpipe layers: what ``recipe.stored_layers`` counts (codes, row scales, codebook, a trellis table
+    once per model, rotation state; ``bpw_seed_rotation`` leaves out rotation arrays, as
+    persist_rotation=False stores only seeds). Affine layers: packed codes, scales and biases as stored.
     """
-    parts, weights, quantized, tables = Counter(), 0, set(), {}
+    parts, weights, quantized = Counter(), 0, set()
+    for name, meta, bits in recipe.stored_layers(model):
+        weights += meta["in_features"] * meta["out_features"]
+        for k, b in bits.items():
+            parts["rotation" if k.startswith(("rotation.", "head.rotation.")) else k] += b
+        quantized.add(name)
     for name, m in model.named_modules():
-        if hasattr(m, "to_state"):
-            meta, arrays = m.to_state()
-            weights += meta["in_features"] * meta["out_features"]
-            for k, v in arrays.items():
-                if k == "codebook" and "codes" in meta:  # the trellis table: one blob per file
-                    tables[json.dumps(meta["codes"], sort_keys=True)] = v.nbytes * 8
-                elif k != "bias":
-                    parts["rotation" if k.startswith(("rotation.", "head.rotation.")) else k] += v.nbytes * 8
-        elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             weights += m.weight.size * 32 // m.bits
             parts["codes"] += m.weight.nbytes * 8
             parts["scales"] += m.scales.nbytes * 8
             if m.get("biases") is not None:
                 parts["biases"] += m.biases.nbytes * 8
-        else:
-            continue
-        quantized.add(name)
-    if tables:
-        parts["codebook"] += sum(tables.values())
+            quantized.add(name)
     dense, matrix = Counter(), Counter()
     modules = dict(model.named_modules())
     for k, v in tree_flatten(model.parameters()):
