@@ -104,7 +104,8 @@ def ext_routing(max_weights):
                owner=None):
         if dialect == "cuda" and packed.shape[0] * x.shape[-1] <= max_weights:
             xr = x if rotation is None else rotation.apply(x)
-            return ext.matvec(xr, packed, scales, codebook, bits, bias, group_size)
+            y = ext.matvec(xr, packed, scales, codebook, bits, bias, group_size)
+            return y if splits is None else mx.split(y, list(splits), axis=-1)  # a fused layer's parts
         return original(dialect, x, packed, scales, codebook, bits, bias, group_size, rotation, splits, owner)
 
     dispatch.launch = launch

@@ -335,7 +335,7 @@ def test_generation_same_tokens_as_reference_cache(tiny, bits):
     equal the reference cache's."""
     model, tokenizer = tiny
     prompt = _prompt(tokenizer, 300)
-    ref = _tokens(model, tokenizer, prompt, make_kivi_cache(model, bits, 32, 64), prefill_step_size=64)
+    ref = _tokens(model, tokenizer, prompt, make_kivi_cache(model, bits, 32, 64, packed=False), prefill_step_size=64)
     c = make_kivi_cache(model, bits, 32, 64, packed=True)
     assert all(isinstance(x, PackedKIVICache) for x in c)
     assert _tokens(model, tokenizer, prompt, c, prefill_step_size=64) == ref
@@ -348,7 +348,7 @@ def test_generation_with_vqpipe_weights(tiny, tiny_b4_reservoir):
     model, _ = load_reservoir(tiny_b4_reservoir)
     _, tokenizer = tiny  # the source's tokenizer
     prompt = _prompt(tokenizer, 150)
-    ref = _tokens(model, tokenizer, prompt, make_kivi_cache(model, 4, 32, 32), n=8)
+    ref = _tokens(model, tokenizer, prompt, make_kivi_cache(model, 4, 32, 32, packed=False), n=8)
     assert _tokens(model, tokenizer, prompt, make_kivi_cache(model, 4, 32, 32, packed=True), n=8) == ref
 
 

@@ -140,7 +140,7 @@ def _prompt(tokenizer, n):
 
 def test_make_kivi_cache_layers(tiny):
     model, _ = tiny
-    caches = make_kivi_cache(model, bits=2, group_size=16, residual_length=32)
+    caches = make_kivi_cache(model, bits=2, group_size=16, residual_length=32, packed=False)
     assert len(caches) == len(model.layers)
     assert all(isinstance(c, KIVICache) for c in caches)
     # mlx-lm sends any cache with a `bits` attribute to its quantized attention path.
@@ -152,7 +152,7 @@ def test_generate_without_flush_equals_plain_cache(tiny):
     model, tokenizer = tiny
     prompt = _prompt(tokenizer, 60)
     plain = generate(model, tokenizer, prompt, max_tokens=20)
-    c = make_kivi_cache(model, residual_length=10**6)
+    c = make_kivi_cache(model, residual_length=10**6, packed=False)
     assert generate(model, tokenizer, prompt, max_tokens=20, prompt_cache=c) == plain
     assert cache_stats(c)["quantized_tokens"] == 0
 
@@ -164,7 +164,7 @@ def test_generate_with_flushes_and_chunked_prefill(tiny):
     bits, g, r = 4, 16, 32
     runs = {}
     for step in (16, 2048):
-        c = make_kivi_cache(model, bits, g, r)
+        c = make_kivi_cache(model, bits, g, r, packed=False)
         out = list(stream_generate(model, tokenizer, prompt, max_tokens=40, prompt_cache=c, prefill_step_size=step))
         runs[step] = (out, c)
         s = cache_stats(c)
@@ -182,7 +182,7 @@ def test_generate_with_flushes_and_chunked_prefill(tiny):
 def test_prefill_across_2048_token_chunks(tiny):
     model, tokenizer = tiny
     prompt = _prompt(tokenizer, 2100)
-    c = make_kivi_cache(model, bits=4, group_size=32, residual_length=128)
+    c = make_kivi_cache(model, bits=4, group_size=32, residual_length=128, packed=False)
     text = generate(model, tokenizer, prompt, max_tokens=3, prompt_cache=c)
     assert isinstance(text, str)
     s = cache_stats(c)
@@ -196,5 +196,5 @@ def test_other_cache_kinds_are_kept():
         def make_cache(self):
             return [KVCache(), "rotating"]
 
-    caches = make_kivi_cache(Fake())
+    caches = make_kivi_cache(Fake(), packed=False)
     assert isinstance(caches[0], KIVICache) and caches[1] == "rotating"

@@ -330,7 +330,7 @@ def test_generation_identical_with_kernels_on_and_off(preset, dtype, corpus, tmp
     monkeypatch.setattr(kernels, "fake_quant_kv_hat", checked)
 
     def run(n, bits, g, r, use):
-        cache = make_kivi_cache(model, bits, g, r, use_kernels=use)
+        cache = make_kivi_cache(model, bits, g, r, use_kernels=use, packed=False)
         out = list(stream_generate(model, tokenizer, ids[:n], max_tokens=48, prompt_cache=cache))
         return "".join(o.text for o in out).encode(), [o.token for o in out], cache
 

@@ -252,7 +252,7 @@ def test_serve_with_kivi_cache_and_max_pending(reservoir, local_model, tmp_path)
     for p, (status, body) in zip(prompts, out):
         assert status == 200
         served = [x["logprob"] for x in body["choices"][0]["logprobs"]["content"]]
-        kivi = _local_logprobs(model, tok, p, 8, make_kivi_cache(model, 2, 4, 4))
+        kivi = _local_logprobs(model, tok, p, 8, make_kivi_cache(model, 2, 4, 4, packed=False))
         plain = _local_logprobs(model, tok, p, 8, make_prompt_cache(model))
         assert len(served) == len(kivi) == 8 and served == pytest.approx(kivi, abs=1e-4)
         assert max(abs(a - b) for a, b in zip(kivi, plain)) > 1e-3
@@ -315,7 +315,7 @@ def test_generate_cli_kivi_matches_library(reservoir, local_model):
     text = r.stdout.split("==========\n")[1].rstrip("\n")
     model, tok = local_model
     prompt = encode_prompt(tok, "Hello sea", True)
-    assert text == generate(model, tok, prompt, max_tokens=8, prompt_cache=make_kivi_cache(model, 4, 4, 4))
+    assert text == generate(model, tok, prompt, max_tokens=8, prompt_cache=make_kivi_cache(model, 4, 4, 4, packed=False))
     assert f"Prompt: {len(prompt)} tokens" in r.stdout and "Generation: 8 tokens" in r.stdout
     assert "Peak memory:" in r.stdout and "KV cache (KIVI):" in r.stdout
 
@@ -357,7 +357,7 @@ def test_chat_cli_piped_keeps_cache(reservoir, local_model):
     from vqpipe.kivi import make_kivi_cache
 
     model, _ = local_model
-    assert replies[0] == generate(model, tok, first, max_tokens=6, prompt_cache=make_kivi_cache(model, 2))
+    assert replies[0] == generate(model, tok, first, max_tokens=6, prompt_cache=make_kivi_cache(model, 2, packed=False))
 
 
 def test_packed_kivi_cache_in_generate_chat_and_serve(reservoir, local_model, tmp_path):

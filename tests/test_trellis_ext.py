@@ -18,10 +18,14 @@ U32 = 2.0**-24
 
 @pytest.fixture(params=[False, True], ids=["avx2", "portable"])
 def portable(request):
+    """The CPU kernel, portable or AVX2, on the CPU device also where the default is a GPU (there
+    trellis.matvec would take the dense reference, whose float32 matmul CUDA runs as TF32)."""
     if not request.param and not _ext.has_avx2():
         pytest.skip("no AVX2 here")
-    previous = _ext.set_portable(request.param)
+    previous, device = _ext.set_portable(request.param), mx.default_device()
+    mx.set_default_device(mx.cpu)
     yield request.param
+    mx.set_default_device(device)
     _ext.set_portable(previous)
 
 
@@ -199,8 +203,10 @@ def test_gpu_matvec_is_the_dense_product(k, rows, cols):
         assert np.array_equal(np.array(again), np.array(y))  # a fixed order of sums
     half = _ext.trellis_matvec(mx.array(x), mx.array(packed), mx.array(scales).astype(mx.float16), k, 10,
                                *map(float, trellis.code_affine(10)), stream=mx.gpu)
-    w16 = np.array(mx.array(scales).astype(mx.float16).astype(mx.float32))[:, None] * trellis.decode(packed, rows, cols, k)
-    assert np.allclose(np.array(half), x @ w16.T, rtol=1e-5, atol=1e-4)
+    w16 = np.array(mx.array(scales).astype(mx.float16).astype(mx.float32))[:, None].astype(np.float64) \
+        * trellis.decode(packed, rows, cols, k)
+    bound = (cols + 2) * U32 * (np.abs(x) @ np.abs(w16).T)
+    assert np.all(np.abs(np.array(half) - x @ w16.T) <= bound)
 
 
 @pytest.mark.gpu
@@ -236,7 +242,8 @@ def test_gpu_trellis_layer_decodes_through_the_kernel():
     x = mx.array(rng.standard_normal((ext.GPU_MAX_M + 1, cols)).astype(np.float32))
     dense = layer(x)
     rows_by_kernel = mx.concatenate([layer(x[i:i + 1]) for i in range(x.shape[0])])
-    assert np.allclose(np.array(rows_by_kernel), np.array(dense), rtol=1e-4, atol=1e-4)
+    # the dense path's float32 matmul runs as TF32 on CUDA (a 10-bit mantissa): ~5e-4 apart on the H100
+    assert np.allclose(np.array(rows_by_kernel), np.array(dense), rtol=4e-3, atol=4e-3)
 
 
 @pytest.mark.gpu

@@ -73,7 +73,7 @@ class ReservoirProvider(ModelProvider):
         return super().load("default_model", None, "default_model")
 
 
-def kivi_cache_factory(model, bits, group_size, residual, packed=False):
+def kivi_cache_factory(model, bits, group_size, residual, packed=True):
     """A ``model.make_cache`` for mlx-lm: the model's own caches with each plain KVCache made KIVI
     (as vqpipe.kivi.make_kivi_cache, which cannot be used here: it calls model.make_cache).
     ``packed``: PackedKIVICache, with the model's attention routed to it."""

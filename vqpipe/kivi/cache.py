@@ -208,13 +208,15 @@ class KIVICache(_BaseCache):
         }
 
 
-def make_kivi_cache(model, bits=4, group_size=32, residual_length=128, use_kernels=None, packed=False):
+def make_kivi_cache(model, bits=4, group_size=32, residual_length=128, use_kernels=None, packed=True):
     """One cache per layer, as ``mlx_lm.models.cache.make_prompt_cache`` would build, with every
     plain ``KVCache`` replaced by a KIVI cache (sliding-window and state-space caches stay).
 
-    ``packed=False``: :class:`KIVICache`, quantize-dequantize, full-precision resident (the
-    definition). ``packed=True``: :class:`vqpipe.kivi.store.PackedKIVICache`, codes resident and
-    attention that reads them; the model's attention is routed to it (:func:`vqpipe.kivi.attention.install`)."""
+    ``packed=True`` (default): :class:`vqpipe.kivi.store.PackedKIVICache`, codes resident and
+    attention that reads them (the memory saving); the model's attention is routed to it
+    (:func:`vqpipe.kivi.attention.install`). ``packed=False``: :class:`KIVICache`, the definition
+    (quantize-dequantize, full-precision values resident: more memory than the fp16 cache), kept
+    as the reference the packed cache is tested against."""
     caches = make_prompt_cache(model)
     if packed:
         why = packed_problem(model)  # installs the route

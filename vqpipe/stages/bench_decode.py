@@ -249,7 +249,8 @@ def make_cache(model, cache, bits, group_size, residual):
 
     if cache == "fp":
         return make_prompt_cache(model)
-    return kivi.make_kivi_cache(model, bits, group_size, residual, use_kernels=cache == "kivi-kernel")
+    return kivi.make_kivi_cache(model, bits, group_size, residual, use_kernels=cache == "kivi-kernel",
+                                packed=False)
 
 
 def kv_stats(cache_list, kv_per_position):
