@@ -20,7 +20,7 @@ namespace {
 
 using namespace cuda_util;
 
-constexpr int kMaxM = 8; // rows of x per launch; more are done in launches of 8
+constexpr int kMaxM = 8; // rows of x per block (grid.y covers the rest)
 constexpr int kWarps = 4; // warps (rows) per block
 
 // The block's `B` words into w[0..B) (16-byte loads where the block is whole 16-byte units).
@@ -39,11 +39,13 @@ __device__ inline void load_block(const uint32_t* p, uint32_t* w) {
 }
 
 // x, y: T; scales: ST (float per row, or half/float per group); bias float32 (the op casts it);
-// rows m0 .. m0 + mc - 1 of x (mc <= kMaxM).
+// block (b, z) takes rows kMaxM z .. kMaxM z + kMaxM - 1 of x: every row in one launch (one graph
+// node, ordered by MLX's encoder after the inputs' producers and before y's readers).
 template <typename T, typename ST, int B>
 __global__ void codebook_matvec_kernel(
     const T* x, const uint32_t* packed, const ST* scales, const float* codebook, const float* bias, T* y,
-    int rows, int in, int ldx, int group_size, int m0, int mc) {
+    int rows, int in, int ldx, int group_size, int m_total) {
+  const int m0 = blockIdx.y * kMaxM, mc = min(kMaxM, m_total - m0);
   __shared__ float cb[1 << B];
   for (int i = threadIdx.x + threadIdx.y * 32; i < (1 << B); i += 32 * kWarps) cb[i] = codebook[i];
   __syncthreads();
@@ -118,22 +120,20 @@ void CodebookMatvec::eval_gpu(const std::vector<array>& inputs, array& out) {
   encoder.set_output_array(out);
   const int in = x.shape(-1), rows = packed.shape(0), m = static_cast<int>(x.size() / in);
   const int group_size = group_size_;
-  const dim3 grid((rows + kWarps - 1) / kWarps), block(32, kWarps);
+  const dim3 grid((rows + kWarps - 1) / kWarps, (m + kMaxM - 1) / kMaxM), block(32, kWarps);
   dispatch_dtype(x.dtype(), [&](auto t) {
     using T = decltype(t);
     dispatch_bits(bits_, [&](auto b) {
       constexpr int B = decltype(b)::value;
       auto launch = [&](auto st) {
         using ST = decltype(st);
-        for (int m0 = 0; m0 < m; m0 += kMaxM) {
-          // add_kernel_node takes the addresses of its arguments: plain mutable locals
-          int n_rows = rows, n_in = in, ldx = in, gs = group_size, first = m0, mc = std::min(kMaxM, m - m0);
-          encoder.add_kernel_node(
-              driver_function<codebook_matvec_kernel<T, ST, B>>(), grid, block,
-              gpu_ptr<T>(x), gpu_ptr<uint32_t>(packed), gpu_ptr<ST>(scales), gpu_ptr<float>(codebook),
-              has_bias_ ? gpu_ptr<float>(inputs[4]) : static_cast<const float*>(nullptr), gpu_ptr<T>(out),
-              n_rows, n_in, ldx, gs, first, mc);
-        }
+        // add_kernel_node takes the addresses of its arguments: plain mutable locals
+        int n_rows = rows, n_in = in, ldx = in, gs = group_size, n_m = m;
+        encoder.add_kernel_node(
+            driver_function<codebook_matvec_kernel<T, ST, B>>(), grid, block,
+            gpu_ptr<T>(x), gpu_ptr<uint32_t>(packed), gpu_ptr<ST>(scales), gpu_ptr<float>(codebook),
+            has_bias_ ? gpu_ptr<float>(inputs[4]) : static_cast<const float*>(nullptr), gpu_ptr<T>(out),
+            n_rows, n_in, ldx, gs, n_m);
       };
       if (scales.dtype() == float16) {
         launch(__half{});

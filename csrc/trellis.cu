@@ -26,7 +26,7 @@ namespace {
 
 using namespace cuda_util;
 
-constexpr int kMaxM = 8; // rows of x per launch; more are done in launches of 8
+constexpr int kMaxM = 8; // rows of x per block (grid.y covers the rest)
 constexpr int kWarps = 8; // warps per block (one row block)
 constexpr int kChunk = 4; // tiles a warp decodes per pass
 
@@ -38,15 +38,17 @@ __device__ inline float code(uint32_t s, float a, float b) {
 }
 
 // x [m, cols] (T), packed [rows / 32, tiles * 8K] uint32, scales and bias float32 [rows],
-// y [m, rows] (T); rows m0 .. m0 + mc - 1 of x (mc <= kMaxM). n = ceil(L / K).
+// y [m, rows] (T). Block (rb, z) takes rows 8z .. 8z + 7 of x (all m rows in one launch: one graph
+// node, so MLX's encoder orders it after the inputs' producers and before y's readers). n = ceil(L / K).
 template <typename T, int K>
 __global__ void __launch_bounds__(32 * kWarps) trellis_matvec_kernel(
     const T* x, const uint32_t* packed, const float* scales, const float* bias, T* y, int rows, int cols,
-    int L, int n, float ca, float cb, int m0, int mc) {
+    int L, int n, float ca, float cb, int m_total) {
   constexpr int W = 8 * K; // words per tile
   __shared__ uint32_t words[kWarps][kChunk * W + 2];
   __shared__ float part[kWarps][kMaxM][32];
   const int warp = threadIdx.y, lane = threadIdx.x, rb = blockIdx.x;
+  const int m0 = blockIdx.y * kMaxM, mc = ::min(kMaxM, m_total - m0);
   const int tiles = cols / vqpipe::kTileCols;
   const uint32_t mask = (1u << L) - 1u, kmask = (1u << K) - 1u;
   const uint32_t* base = packed + static_cast<size_t>(rb) * tiles * W;
@@ -145,21 +147,19 @@ void TrellisMatvec::eval_gpu(const std::vector<array>& inputs, array& out) {
   encoder.set_output_array(out);
   const int cols = x.shape(-1), rows = packed.shape(0) * vqpipe::kTileRows, m = static_cast<int>(x.size() / cols);
   const int steps = (L_ + k_ - 1) / k_;
-  const dim3 grid(packed.shape(0)), block(32, kWarps);
+  const dim3 grid(packed.shape(0), (m + kMaxM - 1) / kMaxM), block(32, kWarps);
   dispatch_dtype(x.dtype(), [&](auto t) {
     using T = decltype(t);
     dispatch_k(k_, [&](auto kk) {
       constexpr int K = decltype(kk)::value;
-      for (int m0 = 0; m0 < m; m0 += kMaxM) {
-        // add_kernel_node takes the addresses of its arguments: plain mutable locals
-        int n_rows = rows, n_cols = cols, L = L_, n = steps, first = m0, mc = std::min(kMaxM, m - m0);
-        float ca = a_, cb = b_;
-        encoder.add_kernel_node(
-            driver_function<trellis_matvec_kernel<T, K>>(), grid, block, gpu_ptr<T>(x),
-            gpu_ptr<uint32_t>(packed), gpu_ptr<float>(scales),
-            has_bias_ ? gpu_ptr<float>(inputs[3]) : static_cast<const float*>(nullptr), gpu_ptr<T>(out), n_rows,
-            n_cols, L, n, ca, cb, first, mc);
-      }
+      // add_kernel_node takes the addresses of its arguments: plain mutable locals
+      int n_rows = rows, n_cols = cols, L = L_, n = steps, n_m = m;
+      float ca = a_, cb = b_;
+      encoder.add_kernel_node(
+          driver_function<trellis_matvec_kernel<T, K>>(), grid, block, gpu_ptr<T>(x),
+          gpu_ptr<uint32_t>(packed), gpu_ptr<float>(scales),
+          has_bias_ ? gpu_ptr<float>(inputs[3]) : static_cast<const float*>(nullptr), gpu_ptr<T>(out), n_rows,
+          n_cols, L, n, ca, cb, n_m);
     });
   });
 }

@@ -211,6 +211,37 @@ def test_gpu_matvec_is_the_dense_product(k, rows, cols):
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_kernels_wait_for_inputs_made_in_the_same_graph():
+    """Operands computed by other ops of the same evaluation and 17 rows of x (more than one block's
+    8): every block of the launch reads them after they are written, and the op's readers see every
+    row. (Launches of 8 rows each once raced here: MLX's encoder gives only the first node of an
+    eval_gpu the inputs' dependencies; the later ones read the scales before their cast wrote them.)"""
+    from vqpipe.codec.bitpack import pack
+
+    rng = np.random.default_rng(9)
+    rows, cols, k = 96, 576, 2
+    packed, scales, bias = _layer(rng, rows, cols, k)
+    x = rng.standard_normal((17, cols)).astype(np.float32)
+    a, b = map(float, trellis.code_affine(10))
+    for _ in range(3):
+        lazy_x = mx.array(x) * 3.0 / 3.0  # made on the GPU in the same graph as the kernel
+        lazy_s = (mx.array(scales) * 1.0).astype(mx.float16)  # cast to float32 by the op
+        y = _ext.trellis_matvec(lazy_x, mx.array(packed), lazy_s, k, 10, a, b, mx.array(bias) + 0.0,
+                                stream=mx.gpu) * 1.0
+        s16 = mx.array(scales).astype(mx.float16).astype(mx.float32)
+        ref16 = _ext.trellis_matvec(mx.array(x), mx.array(packed), s16, k, 10, a, b, mx.array(bias), stream=mx.cpu)
+        assert np.allclose(np.array(y), np.array(ref16), rtol=1e-5, atol=1e-4)
+    idx = rng.integers(0, 4, (rows, cols)).astype(np.uint8)
+    cb = np.sort(rng.standard_normal(4)).astype(np.float32)
+    want = ext.matvec(mx.array(x), mx.array(pack(idx, 2)), mx.array(scales), mx.array(cb), 2, mx.array(bias))
+    mx.eval(want)
+    got = ext.matvec(mx.array(x) * 3.0 / 3.0, mx.array(pack(idx, 2)), mx.array(scales) * 1.0, mx.array(cb) * 1.0,
+                     2, mx.array(bias) + 0.0) * 1.0
+    assert np.allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_gpu_matvec_half_inputs(dtype):
     rng = np.random.default_rng(5)

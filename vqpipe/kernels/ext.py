@@ -32,7 +32,7 @@ else:
 # --threshold): the extension 2.6-3.1x faster at M = 64, even with the dense path at M = 128.
 MAX_M = 64
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-# Rows of x up to which a trellis layer on the GPU takes the CUDA kernel (one launch per 8 rows,
+# Rows of x up to which a trellis layer on the GPU takes the CUDA kernel (one block row per 8 rows,
 # each decoding every code again); above it the dense reconstruction and a matmul (prefill).
 GPU_MAX_M = 8
 _has_gpu = _ext is not None and _ext.has_gpu()
