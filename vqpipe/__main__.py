@@ -15,6 +15,7 @@ STAGES = {
     "bench-quality": "vqpipe.stages.bench_quality",
     "bench-load": "vqpipe.stages.bench_load",
     "bench-kivi": "vqpipe.stages.bench_kivi",
+    "bench-kv-quality": "vqpipe.stages.bench_kv_quality",
     "bench-decode": "vqpipe.stages.bench_decode",
     "report": "vqpipe.stages.report",
     # Using a reservoir: mlx-lm's generate/chat/server loops with the reservoir loader.

@@ -30,7 +30,7 @@ from .. import __version__
 from .fsutil import write_json
 
 FORMAT = 1
-STAGES = ("download", "calibrate", "quantize", "pack", "validate", "bench-load", "bench-decode", "bench-kivi", "bench-quality")
+STAGES = ("download", "calibrate", "quantize", "pack", "validate", "bench-load", "bench-decode", "bench-kivi", "bench-kv-quality", "bench-quality")
 ENVELOPE = ("record", "stage", "kind", "vqpipe_version", "software", "model", "variant", "environment", "inputs")
 SCHEMA = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "record.schema.json"
 
