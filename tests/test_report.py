@@ -112,6 +112,16 @@ def _artifacts(env):
         "environment": env, "backend": "metal", "config": {"quick": True},
         "copy_bandwidth": {**summarize([24.1e9, 23.9e9, 35.6e9]), "unit": "B/s", "method": "numpy", "bytes": 64 << 20},
         "harness_overhead_s": summarize([6.4e-6, 5.9e-6, 7.3e-6]), "results": rows})
+    kv = {k: {"ppl": summarize(p), "kl": summarize(kl), "top1": summarize(t), "bytes_per_token": summarize(b)}
+          for k, p, kl, t, b in (("fp", [40.0, 41, 42], [0, 0, 0], [1, 1, 1], [4096, 4096, 4096]),
+                                 ("kivi4", [40.5, 41.4, 42.3], [0.02, 0.021, 0.019], [0.93, 0.92, 0.94], [700, 700, 700]),
+                                 ("mlx-q4", [43, 44, 45], [0.18, 0.2, 0.19], [0.75, 0.74, 0.76], [640, 640, 640]))}
+    arts["bench/tiny/kv_quality.json"] = record.make("bench-kv-quality", {
+        "model": "tiny", "environment": env, "loaded": "vqpipe reservoir", "dtype": "float32",
+        "config": {"windows": 3, "length": 1024, "chunk": 256, "kinds": ["fp", "kivi4", "mlx-q4"]},
+        "source_text": {"corpus": "devil", "title": "The Devil's Dictionary"}, "results": kv,
+        "fp16_bytes_per_token": 2048.0, "windows": [{}, {}, {}],
+        "paired": {"kivi4 vs mlx-q4": {"kivi_lower_kl": 3, "windows": 3, "kl_ratio": summarize([9.0, 9.5, 10.0])}}})
     arts["bench/tiny/quality.json"] = record.make("bench-quality", {
         "model": "tiny", "environment": env, "windows": 3, "length": 64, "source": {"method": "source"},
         "generations": {},
@@ -209,11 +219,12 @@ def test_missing_kinds_and_passed_over(tmp_path, env):
     out = tmp_path / "r"
     assert report.main(["--inputs", str(tmp_path / "in"), "--out", str(out)]) == 0
     s = json.loads((out / "summary.json").read_text())
-    assert s["missing"] == ["quantize", "pack", "bench-load", "bench-decode", "bench-kivi", "bench-quality"]
+    assert s["missing"] == ["quantize", "pack", "bench-load", "bench-decode", "bench-kivi", "bench-kv-quality",
+                            "bench-quality"]
     assert s["passed_over"] == 2 and len(s["inputs"]) == 2
     assert s["roofline"] == [] and s["kernels"]["comparisons"] == []
     md = (out / "report.md").read_text()
-    assert "Missing kinds: quantize, pack, bench-load, bench-decode, bench-kivi, bench-quality" in md
+    assert "Missing kinds: quantize, pack, bench-load, bench-decode, bench-kivi, bench-kv-quality, bench-quality" in md
     for p in report.PLOTS:  # still written, saying why they are empty
         assert (out / "plots" / f"{p}.png").stat().st_size > 0
     assert "(no bench-kivi artifact)" in (out / "tables" / "kernels.html").read_text()

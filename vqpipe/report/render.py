@@ -433,11 +433,55 @@ def _speed(d, model, variants):
         d.table(head, kivi)
 
 
+_KV_WHAT = {"fp": "mlx-lm's KVCache, full precision (the reference)",
+            "kivi": "KIVI: keys per channel, values per token, the newest 128 tokens exact (vqpipe generate --kv-bits {b})",
+            "mlx-q": "mlx-lm's QuantizedKVCache, affine per token, group 64 (mlx_lm.generate --kv-bits {b})"}
+
+
+def _kv_what(kind):
+    for prefix, what in _KV_WHAT.items():
+        if kind.startswith(prefix) and (kind == prefix or kind[len(prefix):].isdigit()):
+            return what.format(b=kind[len(prefix):])
+    return kind
+
+
+def _kv_quality(d, model, kv):
+    """The KV cache's memory and quality on real text (bench-kv-quality): verdict, then a table."""
+    kinds, f16 = kv["kinds"], kv["fp16_bytes_per_token"]
+    ratio = {k: r["bytes_per_token"]["median"] / f16 for k, r in kinds.items()}
+    fp_ppl = kinds["fp"]["ppl"]["median"]
+    parts = []
+    for k in (k for k in kinds if k.startswith("kivi")):
+        r = kinds[k]
+        txt = (f"{k.replace('kivi', 'KIVI-')} holds {ratio[k]:.2f}× the bytes of an fp16 cache at {kv['length']} tokens "
+               f"with KL {_g(r['kl']['median'], 3)} to the full-precision cache (perplexity "
+               f"{(r['ppl']['median'] / fp_ppl - 1):+.1%})")
+        pair = kv["paired"].get(f"{k} vs mlx-q{k.removeprefix('kivi')}")
+        other = kinds.get(f"mlx-q{k.removeprefix('kivi')}")
+        if pair and other:
+            kr = pair.get("kl_ratio") or {}
+            txt += (f"; mlx-lm's {k.removeprefix('kivi')}-bit QuantizedKVCache holds {ratio[f'mlx-q' + k.removeprefix('kivi')]:.2f}× "
+                    f"with KL {_g(other['kl']['median'], 3)}: KIVI's KL is lower in {pair['kivi_lower_kl']} of "
+                    f"{pair['windows']} windows" + (f", {_g(kr.get('median'), 3)}× lower (median)" if kr else ""))
+        parts.append(txt)
+    d.p(f"Verdict on the KV cache: {'; '.join(parts) or 'no KIVI kind ran'}. {kv['windows']} windows of "
+        f"{kv['length']} tokens of {kv['text']}, stored {kv['chunk']} tokens at a time (as a prefill step does), "
+        f"on {model}'s {kv['loaded'] or 'model'} at {kv['dtype']}. From bench-kv-quality.")
+    d.p("Bytes per token: each cache's resident buffers at the window's end over its tokens (full-precision parts "
+        "at the run's dtype, buffers as allocated); the fp16 cache is the same tokens' keys and values at 2 bytes, "
+        "computed from the model's geometry. KL here is to the same model with the full-precision cache, not to the "
+        "source model.")
+    rows = [[k, _kv_what(k), _bytes(r["bytes_per_token"]["median"]), f"{ratio[k]:.3f}×", _st(r["kl"], 3),
+             _st(r["ppl"], 4), _st(r["top1"], 3)] for k, r in kinds.items()]
+    d.table(["cache", "what it is", "bytes per token", "× fp16 cache", "KL to the fp cache median [min–max]",
+             "perplexity median [min–max]", "top-1 agreement with the fp cache"], rows)
+
+
 def _summary(d, summary):
     """The first screen: per model the verdict on quality per bit, the plot, then speed and memory."""
     d.h(1, "vqpipe report")
     quality = summary.get("quality") or {}
-    models = sorted(set(quality) | set(summary["models"]),
+    models = sorted(set(quality) | set(summary["models"]) | set(summary.get("kv_quality") or {}),
                     key=lambda m: (m not in quality, bool((quality.get(m) or {}).get("synthetic")), m))
     d.h(2, "Summary")
     for w in summary["warnings"]:
@@ -454,6 +498,10 @@ def _summary(d, summary):
         if any(dd.get("decode") or dd.get("load") for dd in variants.values()):
             d.h(3, f"{m}: speed and memory")
             _speed(d, m, variants)
+        kv = (summary.get("kv_quality") or {}).get(m)
+        if kv:
+            d.h(3, f"{m}: KV cache memory and quality")
+            _kv_quality(d, m, kv)
     d.p("Every timing is a median with its min–max range over n samples. Differences smaller than the A/A noise "
         "floor (an arm timed against itself, interleaved: what noise alone moves) are reported as "
         "\"no measurable difference\" (docs/benchmarking.md).")

@@ -12,7 +12,7 @@ from pathlib import Path
 from .. import numerics
 from ..store import record
 
-KINDS = ("quantize", "pack", "validate", "bench-load", "bench-decode", "bench-kivi", "bench-quality")
+KINDS = ("quantize", "pack", "validate", "bench-load", "bench-decode", "bench-kivi", "bench-kv-quality", "bench-quality")
 STAT_KEYS = ("n", "median", "min", "max")
 # Copied into summary["artifacts"] minus these: the environment (see "environments") and per-layer state.
 _NOT_COPIED = ("environment", "reference_environment", "layers")
@@ -311,6 +311,23 @@ def _kernels(arts):
     return k
 
 
+def kv_quality(arts):
+    """bench-kv-quality per model: each cache kind's KL / perplexity / top-1 / bytes per token, the
+    fp16 yardstick and KIVI's pairing with mlx-lm's cache (the last record of a model wins)."""
+    out = {}
+    for a in (a for a in arts if a["kind"] == "bench-kv-quality"):
+        doc, cfg = a["doc"], a["doc"].get("config") or {}
+        order = [k for k in cfg.get("kinds") or [] if k in doc["results"]]
+        kinds = {k: doc["results"][k] for k in order + sorted(set(doc["results"]) - set(order))}
+        out[a["model"] or "-"] = {"kinds": kinds, "fp16_bytes_per_token": doc["fp16_bytes_per_token"],
+                                  "paired": doc.get("paired") or {}, "length": cfg.get("length"),
+                                  "chunk": cfg.get("chunk"), "windows": len(doc.get("windows") or []),
+                                  "text": (doc.get("source_text") or {}).get("title") or (doc.get("source_text") or {}).get("corpus"),
+                                  "dtype": doc.get("dtype"), "loaded": doc.get("loaded"), "path": a["path"],
+                                  "environment": a["env"]}
+    return out
+
+
 def _measures(arts):
     """(noise floors, copy bandwidths) per artifact."""
     floors, bandwidth = [], []
@@ -359,6 +376,7 @@ def build_summary(arts, passed_over=0):
         "models": models,
         "quality": quality_points(arts),
         "kernels": _kernels(arts),
+        "kv_quality": kv_quality(arts),
         "roofline": roofline,
         "extras": extras,
         # Every record as read (minus environments and per-layer state metadata), so any figure not

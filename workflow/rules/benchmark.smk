@@ -172,3 +172,31 @@ rule bench_kivi:
         ENV
     shell:
         vqpipe_cmd("bench-kivi {params.quick} --bits {params.bits} --dtype {params.dtype} --out {output:q}")
+
+
+rule bench_kv_quality:
+    input:
+        # the reservoir bench-decode measures (the README's), once it passed validation
+        reservoir=decode_artifact(RESERVOIR),
+        verdict=decode_artifact(VERDICT),
+        code=stage_sources("vqpipe.stages.bench_kv_quality", "vqpipe.stages.bench_decode", "vqpipe.store.reservoir"),
+    output:
+        BENCH_KV_QUALITY,
+    params:
+        model="{model}",
+        windows=config["benchmarks"]["kv_quality"]["windows"],
+        length=config["benchmarks"]["kv_quality"]["length"],
+        chunk=config["benchmarks"]["kv_quality"]["chunk"],
+        kinds=" ".join(config["benchmarks"]["kv_quality"]["kinds"]),
+        blas=BLAS,
+    log:
+        "logs/bench/{model}/kv_quality.log",
+    benchmark:
+        "results/benchmarks/bench_kv_quality/{model}.tsv"
+    conda:
+        ENV
+    shell:
+        vqpipe_cmd(
+            "bench-kv-quality --model-dir {input.reservoir:q} --model {params.model} --windows {params.windows}"
+            " --length {params.length} --chunk {params.chunk} --kinds {params.kinds} --out {output:q}"
+        )

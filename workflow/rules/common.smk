@@ -46,6 +46,7 @@ BENCH_QUALITY_PART = "results/bench/{model}/quality.b{bits}-{arm}.json"
 BENCH_LOAD = "results/bench/{model}/load.json"
 BENCH_DECODE = "results/bench/{model}/decode.json"
 BENCH_KIVI = "results/bench/kivi.json"
+BENCH_KV_QUALITY = "results/bench/{model}/kv_quality.json"
 # The report's plots and tables (one page each in Snakemake's report), as vqpipe names them.
 REPORT_PLOTS = list(vqplots.PLOTS)
 REPORT_TABLES = list(vqrender.TABLES)
@@ -122,7 +123,15 @@ def bench_outputs():
         out += expand(BENCH_DECODE, model=bench_models("decode"))
     if config["benchmarks"]["kivi"]["enabled"]:
         out.append(BENCH_KIVI)
+    if config["benchmarks"]["kv_quality"]["enabled"]:
+        out += expand(BENCH_KV_QUALITY, model=kv_quality_models())
     return out
+
+
+def kv_quality_models():
+    """The models bench-kv-quality measures: its `models` key, else bench-decode's."""
+    c = config["benchmarks"]["kv_quality"]
+    return bench_models("kv_quality") if "models" in c else bench_models("decode")
 
 
 def quality_artifact(wc):
