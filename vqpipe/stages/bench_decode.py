@@ -45,6 +45,7 @@ from .. import kivi
 from ..store import record
 from ..layers.qlinear import QuantizedLinear
 from ..bench import fresh_load, harness, roofline
+from ..bench.dtype import cast_floating
 from ..bench.env import environment
 from ..text import CORPUS, corpus_windows
 
@@ -90,20 +91,6 @@ def _source_dtype(source):
     """The dtype the source's config names (torch_dtype), float32 if it names none."""
     config = json.loads((Path(source) / "config.json").read_text())
     return getattr(mx, config.get("torch_dtype") or "float32", mx.float32)
-
-
-def cast_floating(model, dtype):
-    """Cast every floating parameter to ``dtype``, except the arrays of vqpipe QuantizedLinear
-    layers (scales, codebook, bias: cast on the fly in their forward, kept as stored)."""
-    from mlx.utils import tree_flatten
-
-    keep = [n + "." for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
-    new = [(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())
-           if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype and not any(k.startswith(p) for p in keep)]
-    if new:
-        model.load_weights(new, strict=False)
-    mx.eval(model.parameters())
-    return model
 
 
 def model_bytes(model):

@@ -28,6 +28,7 @@ import time
 import mlx.core as mx
 
 from .. import text
+from ..bench.dtype import cast_floating
 from ..bench.env import environment
 from ..kernels import dequant
 from ..store import record
@@ -172,8 +173,6 @@ def main(argv=None):
     model, tok, loaded = load(args.model_dir)
     dtype = {"auto": "float32" if mx.default_device() == mx.cpu else "stored"}.get(args.dtype, args.dtype)
     if dtype != "stored":
-        from .bench_decode import cast_floating
-
         cast_floating(model, getattr(mx, dtype))
     windows = text.eval_windows(tok, args.windows, args.length, corpus=args.text)
     per_window, fp16 = [], []

@@ -179,7 +179,7 @@ rule bench_kv_quality:
         # the reservoir bench-decode measures (the README's), once it passed validation
         reservoir=decode_artifact(RESERVOIR),
         verdict=decode_artifact(VERDICT),
-        code=stage_sources("vqpipe.stages.bench_kv_quality", "vqpipe.stages.bench_decode", "vqpipe.store.reservoir"),
+        code=stage_sources("vqpipe.stages.bench_kv_quality", "vqpipe.store.reservoir"),
     output:
         BENCH_KV_QUALITY,
     params:
