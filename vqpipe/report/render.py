@@ -471,10 +471,13 @@ def _kv_quality(d, model, kv):
         "at the run's dtype, buffers as allocated); the fp16 cache is the same tokens' keys and values at 2 bytes, "
         "computed from the model's geometry. KL here is to the same model with the full-precision cache, not to the "
         "source model.")
-    rows = [[k, _kv_what(k), _bytes(r["bytes_per_token"]["median"]), f"{ratio[k]:.3f}×", _st(r["kl"], 3),
-             _st(r["ppl"], 4), _st(r["top1"], 3)] for k, r in kinds.items()]
-    d.table(["cache", "what it is", "bytes per token", "× fp16 cache", "KL to the fp cache median [min–max]",
-             "perplexity median [min–max]", "top-1 agreement with the fp cache"], rows)
+    fp_bytes = kinds["fp"]["bytes_per_token"]["median"]
+    rows = [[k, _kv_what(k), _bytes(r["bytes_per_token"]["median"]), f"{ratio[k]:.3f}×",
+             f"{r['bytes_per_token']['median'] / fp_bytes:.3f}×", _st(r["kl"], 3), _st(r["ppl"], 4), _st(r["top1"], 3)]
+            for k, r in kinds.items()]
+    d.table(["cache", "what it is", "bytes per token", "× fp16 cache", f"× the fp cache as run ({kv['dtype']})",
+             "KL to the fp cache median [min–max]", "perplexity median [min–max]", "top-1 agreement with the fp cache"],
+            rows)
 
 
 def _summary(d, summary):
