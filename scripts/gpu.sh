@@ -20,6 +20,9 @@
 #             `vqpipe generate` in three fresh processes (the first two under cProfile) beside
 #             mlx_lm.generate on mlx_lm.convert's affine 4-bit and on the source; MLX's PTX cache kept
 #   ttft      the time before the first token phase by phase (experiments/ttft.py), after a warm-up
+#   trellis   trellis against scalar codes on the GPU: a synthetic qwen2.5-0.5b quantized both ways
+#             (4 bits), whole-model decode interleaved beside mlx-lm on the source and on affine 4-bit
+#             (experiments/vq/decode.py --device gpu --affine); the extension must be built (ext)
 #
 # The MLX CUDA runtime comes from the carried bundle (scripts/gpu_env.sh); PYTHON=... uses another
 # interpreter instead. Results go under DIR (default results/gpu), one folder per part, with env.txt;
@@ -34,8 +37,8 @@ while [ $# -gt 0 ]; do
     --presets) PRESETS=$2; shift 2 ;;
     --tar) TAR=1; shift ;;
     --) shift; SNAKE=("$@"); break ;;
-    tests|decode|qmv|kivi|ncu|pipeline|ext|user|ttft) PARTS+=("$1"); shift ;;
-    *) echo "gpu.sh: unknown argument $1 (parts: tests decode qmv kivi ncu pipeline ext user ttft)" >&2; exit 2 ;;
+    tests|decode|qmv|kivi|ncu|pipeline|ext|user|ttft|trellis) PARTS+=("$1"); shift ;;
+    *) echo "gpu.sh: unknown argument $1 (parts: tests decode qmv kivi ncu pipeline ext user ttft trellis)" >&2; exit 2 ;;
   esac
 done
 [ ${#PARTS[@]} -gt 0 ] || { sed -n 2,20p "$0"; exit 2; }
@@ -136,9 +139,25 @@ part_ext() {
   echo "== tests/test_ext.py and the trellis kernels on the GPU $(since)"
   pt "$1/test_ext.log" 300 -p no:randomly -n 8 tests/test_ext.py tests/test_trellis_ext.py
   echo "== trellis mat-vec (csrc/trellis.cu) against the scalar kernel $(since)"
-  timeout 120 $PY -m experiments.bench_trellis_matvec --device gpu --inputs 24 --reps 5 \
-    --shapes 896x896 4864x896 896x4864 4096x4096 14336x4096 4096x14336 --out "$1/trellis_gpu.json" 2>&1 \
-    | tee "$1/trellis_gpu.log" | tail -n 8
+  for b in 2 4; do
+    timeout 90 $PY -m experiments.bench_trellis_matvec --device gpu --bits $b --inputs 24 --reps 5 \
+      --shapes 896x896 4864x896 896x4864 4096x4096 14336x4096 4096x14336 --out "$1/trellis_gpu_b$b.json" 2>&1 \
+      | tee "$1/trellis_gpu_b$b.log" | tail -n 8
+  done
+}
+
+part_trellis() {
+  local d=/tmp/trellis
+  echo "== a synthetic qwen2.5-0.5b, trellis and scalar codes at 4 bits $(since)"
+  [ -d $d/src ] || $PY -m vqpipe download --source synth:qwen2.5-0.5b --out $d/src 2>&1 | tail -n 1
+  for codes in trellis scalar; do
+    [ -d $d/r-$codes ] && continue
+    $PY -m vqpipe quantize --source $d/src --out $d/q-$codes --bits 4 --codes $codes 2>&1 | tail -n 1
+    $PY -m vqpipe pack --quantized $d/q-$codes --out $d/r-$codes --persist-rotation off 2>&1 | tail -n 1
+  done
+  echo "== whole-model decode, interleaved $(since)"
+  timeout 300 $PY -m experiments.vq.decode --trellis $d/r-trellis --scalar $d/r-scalar --source $d/src --device gpu \
+    --affine --trials 20 --tokens 32 --out "$1/decode.json" 2>&1 | tee "$1/decode.log" | tail -n 8
 }
 
 USER_DIR=/tmp/user
