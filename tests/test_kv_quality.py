@@ -17,11 +17,17 @@ def test_kind_names():
             kvq.kind_bits(bad)
 
 
-def test_bad_arguments_name_the_problem(tmp_path):
-    with pytest.raises(ValueError, match="kivi5"):
-        kvq.main(["--model-dir", str(tmp_path), "--out", str(tmp_path / "o.json"), "--kinds", "fp", "kivi5"])
-    with pytest.raises(FileNotFoundError, match="no-such"):
-        kvq.main(["--model-dir", str(tmp_path / "no-such"), "--out", str(tmp_path / "o.json")])
+@pytest.mark.parametrize("args,says", [
+    (["--kinds", "fp", "kivi5"], "unknown cache kind 'kivi5'"),
+    (["--chunk", "0"], "--chunk and --windows must be >= 1"),
+    (["--model-dir", "no-such"], "--model-dir no-such is not a directory"),
+])
+def test_bad_arguments_name_the_problem(tmp_path, capsys, args, says):
+    base = {"--model-dir": str(tmp_path), "--out": str(tmp_path / "o.json")}
+    flags = [x for k, v in base.items() if k not in args for x in (k, v)]
+    with pytest.raises(SystemExit) as e:
+        kvq.main(flags + args)
+    assert e.value.code == 2 and says in capsys.readouterr().err
     assert not (tmp_path / "o.json").exists()
 
 

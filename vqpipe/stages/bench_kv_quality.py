@@ -24,6 +24,7 @@ import math
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -131,10 +132,6 @@ def paired(per_window):
 
 def load(path):
     """(model, tokenizer, what was loaded): a reservoir through vqpipe.load, else an mlx-lm model."""
-    from pathlib import Path
-
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"bench-kv-quality: --model-dir {path} is not a directory")
     if (Path(path) / "config.json").exists() and not any(Path(path).glob("*.vqres")):
         import mlx_lm
 
@@ -163,12 +160,18 @@ def parser():
 
 
 def main(argv=None):
-    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
-    for k in args.kinds:
-        kind_bits(k)
+    p = parser()
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:  # bad input: one line naming it (argparse's exit 2), before anything is loaded or written
+        for k in args.kinds:
+            kind_bits(k)
+        if args.chunk < 1 or args.length < 2 or args.windows < 1:
+            raise ValueError("--chunk and --windows must be >= 1, --length >= 2")
+        if not Path(args.model_dir).is_dir():
+            raise ValueError(f"--model-dir {args.model_dir} is not a directory")
+    except ValueError as e:
+        p.error(str(e).removeprefix("bench-kv-quality: "))
     kinds = ["fp"] + [k for k in dict.fromkeys(args.kinds) if k != "fp"]
-    if args.chunk < 1 or args.length < 2 or args.windows < 1:
-        raise SystemExit("bench-kv-quality: --chunk, --windows must be >= 1 and --length >= 2")
     t0 = time.perf_counter()
     model, tok, loaded = load(args.model_dir)
     dtype = {"auto": "float32" if mx.default_device() == mx.cpu else "stored"}.get(args.dtype, args.dtype)
