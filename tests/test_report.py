@@ -118,7 +118,8 @@ def _artifacts(env):
                                  ("mlx-q4", [43, 44, 45], [0.18, 0.2, 0.19], [0.75, 0.74, 0.76], [640, 640, 640]))}
     arts["bench/tiny/kv_quality.json"] = record.make("bench-kv-quality", {
         "model": "tiny", "environment": env, "loaded": "vqpipe reservoir", "dtype": "float32",
-        "config": {"windows": 3, "length": 1024, "chunk": 256, "kinds": ["fp", "kivi4", "mlx-q4"]},
+        "config": {"windows": 3, "length": 1024, "chunk": 256, "kinds": ["fp", "kivi4", "mlx-q4"],
+                   "kivi_residual": 128, "mlx_group": 64},
         "source_text": {"corpus": "devil", "title": "The Devil's Dictionary"}, "results": kv,
         "fp16_bytes_per_token": 2048.0, "windows": [{}, {}, {}],
         "paired": {"kivi4 vs mlx-q4": {"kivi_lower_kl": 3, "windows": 3, "kl_ratio": summarize([9.0, 9.5, 10.0])}}})

@@ -433,16 +433,15 @@ def _speed(d, model, variants):
         d.table(head, kivi)
 
 
-_KV_WHAT = {"fp": "mlx-lm's KVCache, full precision (the reference)",
-            "kivi": "KIVI: keys per channel, values per token, the newest 128 tokens exact (vqpipe generate --kv-bits {b})",
-            "mlx-q": "mlx-lm's QuantizedKVCache, affine per token, group 64 (mlx_lm.generate --kv-bits {b})"}
-
-
-def _kv_what(kind):
-    for prefix, what in _KV_WHAT.items():
-        if kind.startswith(prefix) and (kind == prefix or kind[len(prefix):].isdigit()):
-            return what.format(b=kind[len(prefix):])
-    return kind
+def _kv_what(kind, kv):
+    """What a bench-kv-quality cache kind is, with the settings its record names."""
+    if kind.startswith("kivi"):
+        return (f"KIVI: keys per channel, values per token, the newest {kv['kivi_residual'] or '—'} tokens exact "
+                f"(vqpipe generate --kv-bits {kind.removeprefix('kivi')})")
+    if kind.startswith("mlx-q"):
+        return (f"mlx-lm's QuantizedKVCache, affine per token, group {kv['mlx_group'] or '—'} "
+                f"(mlx_lm.generate --kv-bits {kind.removeprefix('mlx-q')})")
+    return "mlx-lm's KVCache, full precision (the reference)" if kind == "fp" else kind
 
 
 def _kv_quality(d, model, kv):
@@ -472,7 +471,7 @@ def _kv_quality(d, model, kv):
         "computed from the model's geometry. KL here is to the same model with the full-precision cache, not to the "
         "source model.")
     fp_bytes = kinds["fp"]["bytes_per_token"]["median"]
-    rows = [[k, _kv_what(k), _bytes(r["bytes_per_token"]["median"]), f"{ratio[k]:.3f}×",
+    rows = [[k, _kv_what(k, kv), _bytes(r["bytes_per_token"]["median"]), f"{ratio[k]:.3f}×",
              f"{r['bytes_per_token']['median'] / fp_bytes:.3f}×", _st(r["kl"], 3), _st(r["ppl"], 4), _st(r["top1"], 3)]
             for k, r in kinds.items()]
     d.table(["cache", "what it is", "bytes per token", "× fp16 cache", f"× the fp cache as run ({kv['dtype']})",

@@ -316,13 +316,14 @@ def kv_quality(arts):
     fp16 yardstick and KIVI's pairing with mlx-lm's cache (the last record of a model wins)."""
     out = {}
     for a in (a for a in arts if a["kind"] == "bench-kv-quality"):
-        doc, cfg = a["doc"], a["doc"].get("config") or {}
+        doc, cfg, src = a["doc"], a["doc"].get("config") or {}, a["doc"].get("source_text") or {}
         order = [k for k in cfg.get("kinds") or [] if k in doc["results"]]
         kinds = {k: doc["results"][k] for k in order + sorted(set(doc["results"]) - set(order))}
         out[a["model"] or "-"] = {"kinds": kinds, "fp16_bytes_per_token": doc["fp16_bytes_per_token"],
                                   "paired": doc.get("paired") or {}, "length": cfg.get("length"),
                                   "chunk": cfg.get("chunk"), "windows": len(doc.get("windows") or []),
-                                  "text": (doc.get("source_text") or {}).get("title") or (doc.get("source_text") or {}).get("corpus"),
+                                  "text": src.get("title") or src.get("corpus"),
+                                  "kivi_residual": cfg.get("kivi_residual"), "mlx_group": cfg.get("mlx_group"),
                                   "dtype": doc.get("dtype"), "loaded": doc.get("loaded"), "path": a["path"],
                                   "environment": a["env"]}
     return out

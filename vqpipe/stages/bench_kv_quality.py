@@ -27,11 +27,14 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from .. import text
 from ..bench.dtype import cast_floating
 from ..bench.env import environment
+from ..bench import harness
 from ..kernels import dequant
+from ..kivi import make_kivi_cache
 from ..store import record
 
 KINDS = ("fp", "kivi4", "mlx-q4", "kivi2", "mlx-q2")
@@ -50,10 +53,6 @@ def kind_bits(kind):
 
 
 def make_cache(model, kind):
-    from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
-
-    from ..kivi import make_kivi_cache
-
     bits = kind_bits(kind)
     if bits is None:
         return make_prompt_cache(model)
@@ -106,13 +105,9 @@ def window(model, ids, kinds, chunk):
     return metrics, fp16_nbytes(caches["fp"], len(ids)) / len(ids)
 
 
-def _stats(v):
-    return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
-
-
 def summarize(per_window):
     """Median [min-max] per kind and metric over windows."""
-    return {k: {m: _stats([w[k][m] for w in per_window]) for m in ("ppl", "kl", "top1", "bytes_per_token")}
+    return {k: {m: harness.summarize([w[k][m] for w in per_window]) for m in ("ppl", "kl", "top1", "bytes_per_token")}
             for k in per_window[0]}
 
 
@@ -126,7 +121,7 @@ def paired(per_window):
             continue
         ratio = [w[other]["kl"] / w[k]["kl"] for w in per_window if w[k]["kl"] > 0]
         out[f"{k} vs {other}"] = {"kivi_lower_kl": sum(w[k]["kl"] < w[other]["kl"] for w in per_window),
-                                  "windows": len(per_window), "kl_ratio": _stats(ratio) if ratio else None}
+                                  "windows": len(per_window), "kl_ratio": harness.summarize(ratio) if ratio else None}
     return out
 
 

@@ -42,7 +42,7 @@ def peak_rss_bytes():
 def run(source, out, bits=4, rotation="auto", seed=0, embeddings=True, lm_head=True, dtype="source",
         progress=print, group_size=None, calibration=None, calib_windows=64, calib_length=512,
         calib_seed=0, damp=None, moments=None, sequential=False, layer_bits=None, threads=None, residual=False,
-        budget="auto", codes="trellis"):
+        budget="auto", codes=QuantizeConfig.codes):
     """Quantize ``source`` into the artifact ``out``; the arguments are the CLI's (threads None:
     every core this process may run on). Returns the record quantized.json holds."""
     if dtype not in DTYPES:
@@ -164,7 +164,7 @@ def parser():
     p.add_argument("--threads", type=int, default=None,
                    help="threads for the numpy work of GPTQ and group scales (vqpipe/parallel.py; the result "
                    "does not depend on it); default: the cores this process may run on")
-    p.add_argument("--codes", default="trellis", choices=CODES,
+    p.add_argument("--codes", default=QuantizeConfig.codes, choices=CODES,
                    help="trellis (default): bitshift-trellis codes (block LDLQ, vqpipe/codec/ldlq.py) for every "
                    "layer at 2-5 bits with per-row scales whose shape tiles (32 rows x 8 inputs), the others "
                    "scalar; scalar: the Lloyd-Max codebook for every layer")
