@@ -156,8 +156,8 @@ part_trellis() {
     $PY -m vqpipe pack --quantized $d/q-$codes --out $d/r-$codes --persist-rotation off 2>&1 | tail -n 1
   done
   echo "== whole-model decode, interleaved $(since)"
-  timeout 300 $PY -m experiments.vq.decode --trellis $d/r-trellis --scalar $d/r-scalar --source $d/src --device gpu \
-    --affine --trials 20 --tokens 32 --out "$1/decode.json" 2>&1 | tee "$1/decode.log" | tail -n 8
+  timeout 240 $PY -m experiments.vq.decode --trellis $d/r-trellis --scalar $d/r-scalar --source $d/src --device gpu \
+    --affine --trials 10 --tokens 32 --out "$1/decode.json" 2>&1 | tee "$1/decode.log" | tail -n 8
 }
 
 USER_DIR=/tmp/user

@@ -155,7 +155,8 @@ def test_kernel_inside_compiled_step_same_tokens(tiny_llama_source, rot, mode):
     from experiments.decode_shapes import graph_ops
 
     model, _ = load(str(tiny_llama_source))
-    quantize_model(model, QuantizeConfig(4, dtype=mx.float32, threads=1, calib_text="none"))
+    # scalar codes: the qmv kernel under test (trellis layers take the extension's own primitive)
+    quantize_model(model, QuantizeConfig(4, dtype=mx.float32, threads=1, calib_text="none", codes="scalar"))
     with qmv.enabled(True), qmv.rotating_in_kernel(rot):
         dec = _same_as_eager(model, 8192, mode=mode)
         out = dec.step(*dec.start(_prompts(8192)[2], 8))

@@ -568,7 +568,7 @@ def test_generation_kernel_on_off(dt, embeddings, tmp_path_factory, monkeypatch)
     # float32: every linear and the tied head (QuantizedEmbedding.as_linear) quantized; the
     # quantized embedding yields float32 activations. bfloat16: the embedding (and tied head) kept
     # dense in bf16, so the quantized linears see bf16 activations.
-    quantize_model(model, QuantizeConfig(embeddings=embeddings, dtype=dt, threads=1, calib_text="none"))
+    quantize_model(model, QuantizeConfig(embeddings=embeddings, dtype=dt, threads=1, calib_text="none", codes="scalar"))
     launches = []
     real = qmv.launch
 
@@ -607,9 +607,8 @@ def _ptx_files():
     return sorted(p.name for p in d.glob("custom_kernel_vqpipe_qmv*.ptx")) if d.is_dir() else []
 
 
-@pytest.mark.gpu
-@needs_gpu
-def test_compiled_kernel_count_fixed_across_shapes():
+def _kernel_counts_across_shapes():
+    """(kernels compiled, PTX files in MLX's cache) after each of 42 shapes, in this process."""
     shapes = [(i, o) for i in (32, 50, 96, 256, 896, 2048, 4864) for o in (1, 3, 7, 128, 896, 5000)]
     counts, ptx = [], []
     for k, (n_in, n_out) in enumerate(shapes):
@@ -619,8 +618,24 @@ def test_compiled_kernel_count_fixed_across_shapes():
         mx.eval(y)
         counts.append(qmv.compiled_kernel_count())
         ptx.append(_ptx_files())
+    return counts, ptx
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_compiled_kernel_count_fixed_across_shapes(tmp_path):
+    # A process of its own with a PTX cache of its own: other test processes (pytest-xdist) write
+    # their kernels into the shared default cache while this one runs.
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from test_qmv import _kernel_counts_across_shapes; "
+            "print(json.dumps(_kernel_counts_across_shapes()))")
+    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(tmp_path / "ptx"))
+    run = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts, ptx = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(set(counts)) == 1, counts
-    assert all(p == ptx[0] for p in ptx)
+    assert all(p == ptx[0] for p in ptx), ptx
+    assert ptx[0] or qmv.backend() != "cuda"  # CUDA: the kernel's PTX is in this process's cache
 
 
 # --- CPU: the kernel body itself, rendered for a host "dialect" ----------------------------------

@@ -326,7 +326,7 @@ def test_gpu_generation_tensor_core_against_revision_6(tmp_path_factory, monkeyp
 
     path = fetch("synth:tiny", tmp_path_factory.mktemp("qmvtc") / "tiny", seed=0)
     model, tok = load(str(path))
-    config = QuantizeConfig(embeddings=False, dtype=mx.bfloat16, threads=1, calib_text="none")
+    config = QuantizeConfig(embeddings=False, dtype=mx.bfloat16, threads=1, calib_text="none", codes="scalar")
     quantize_model(model, config)  # bf16 activations into every linear
     calls = []
     real = qmv_tc.launch
