@@ -42,6 +42,9 @@ class QuantizeConfig:
     - ``calib_text``: the calibration text a tokenizer makes ('auto' and 'text': the shipped text,
       'self': the model's own, 'none': data-free), ``calib_windows`` x ``calib_length`` tokens at
       offsets from ``calib_seed``.
+    - ``tune_steps``: Adam steps of end-to-end tuning of the row scales against the
+      source after quantization (vqpipe/quant/tune.py), one calibration window each; 0: none.
+      Only with calibration tokens (data-free quantization has none). ``tune_lr``: its rate.
     - ``codes``: "trellis" (bitshift-trellis codes, vqpipe/codec/ldlq.py; the default: lower error
       than the scalar codebook at every width measured, docs/quantize.md) for every layer that can
       take them (vqpipe/layers/qlinear.py ``trellis_fits``: widths 2-5, rows a multiple of 32,
@@ -68,6 +71,8 @@ class QuantizeConfig:
     calib_length: int = 512
     calib_seed: int = 0
     codes: str = "trellis"
+    tune_steps: int = 32
+    tune_lr: float = 1e-3
 
     def __post_init__(self):
         check_bits(self.bits)
@@ -91,6 +96,10 @@ class QuantizeConfig:
             raise ValueError(f"calib_windows must be an integer of at least 1, got {self.calib_windows!r}")
         if not (_integer(self.calib_length) and self.calib_length >= 2):
             raise ValueError(f"calib_length must be an integer of at least 2, got {self.calib_length!r}")
+        if not (_integer(self.tune_steps) and self.tune_steps >= 0):
+            raise ValueError(f"tune_steps must be an integer of at least 0, got {self.tune_steps!r}")
+        if not (isinstance(self.tune_lr, (int, float)) and not isinstance(self.tune_lr, bool) and 0 < self.tune_lr < 1):
+            raise ValueError(f"tune_lr must be in (0, 1), got {self.tune_lr!r}")
         if self.codes not in CODES:
             raise ValueError(f"unknown codes {self.codes!r}; choose one of {', '.join(CODES)}")
 

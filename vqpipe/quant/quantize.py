@@ -16,7 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..codec import allocate
-from . import recipe
+from . import recipe, tune
 from .calibrate import calibration_tokens, full_precision_moments, quantize_calibrated
 from .config import QuantizeConfig
 from ..layers.fused import fuse_model, rotation_owner
@@ -68,7 +68,7 @@ def _targets(model, embeddings, lm_head):
 
 
 def quantize_model(model, config=None, *, tokenizer=None, calibration=None, moments=None, fisher=None,
-                   progress=None):
+                   tune_tokens=None, summary=None, progress=None):
     """Quantize ``model`` in place, one layer at a time, as ``config`` (a QuantizeConfig; None: its
     defaults, the quantize CLI's) says; returns per-layer records.
 
@@ -96,6 +96,11 @@ def quantize_model(model, config=None, *, tokenizer=None, calibration=None, mome
     ``bits`` + 0.5, what MLX affine g64 stores; 'none': every layer at ``bits``).
     ``config.layer_bits`` rules (vqpipe/codec/allocate.py) replace the allocation.
 
+    Tuning (vqpipe/quant/tune.py): with ``config.tune_steps`` and calibration tokens (``tune_tokens``,
+    else ``calibration`` or the text's), the row scales and norms are tuned against a float32 copy
+    of the source made before quantizing; ``summary`` (a dict), if given, receives its record
+    under "tune" (None when it did not run).
+
     ``config.residual``: first fold one rotation of the residual stream into the model
     (vqpipe/quant/residual_rotation.py; its seed from ``config.seed``, kind from ``config.rotation``);
     the layers that read the stream and the embedding are then quantized without a rotation of
@@ -107,6 +112,14 @@ def quantize_model(model, config=None, *, tokenizer=None, calibration=None, mome
     bits, rotation, seed, dtype = config.bits, config.rotation, config.seed, _mx_dtype(config.dtype)
     if calibration is None and moments is None:  # from the model before a residual rotation, as the stage
         calibration = _calibration_tokens(model, tokenizer, config)
+    if tune_tokens is None:
+        tune_tokens = calibration
+    teacher = None
+    if config.tune_steps and tune_tokens is not None:
+        if config.residual:
+            raise ValueError("tuning (tune_steps > 0) does not support the residual rotation yet: set tune_steps=0 "
+                             "or residual=False")
+        teacher = tune.teacher_of(model)  # before any weight changes
     if config.residual:
         rotate_for_quantize(model, rotation, seed, config.embeddings)
     targets = _targets(model, config.embeddings, config.lm_head)
@@ -139,6 +152,12 @@ def quantize_model(model, config=None, *, tokenizer=None, calibration=None, mome
     with pool, heap:
         records = _quantize_all(model, targets, quantize_one, moments, calibration, progress, config.sequential,
                                 rotation_of)
+    tuned = None
+    if teacher is not None:
+        tuned = tune.tune(model, teacher, tune_tokens, config.tune_steps, config.tune_lr, progress)
+        del teacher
+    if summary is not None:
+        summary["tune"] = tuned
     _cast_rest(model, dtype)
     mx.eval(model.parameters())
     if config.fuse:

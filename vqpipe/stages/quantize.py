@@ -42,7 +42,7 @@ def peak_rss_bytes():
 def run(source, out, bits=4, rotation="auto", seed=0, embeddings=True, lm_head=True, dtype="source",
         progress=print, group_size=None, calibration=None, calib_windows=64, calib_length=512,
         calib_seed=0, damp=None, moments=None, sequential=False, layer_bits=None, threads=None, residual=False,
-        budget="auto", codes=QuantizeConfig.codes):
+        budget="auto", codes=QuantizeConfig.codes, tune_steps=QuantizeConfig.tune_steps, tune_lr=QuantizeConfig.tune_lr):
     """Quantize ``source`` into the artifact ``out``; the arguments are the CLI's (threads None:
     every core this process may run on). Returns the record quantized.json holds."""
     if dtype not in DTYPES:
@@ -56,7 +56,8 @@ def run(source, out, bits=4, rotation="auto", seed=0, embeddings=True, lm_head=T
         dtype=None if dtype == "source" else dtype, group_size=group_size, damp=damp, sequential=sequential,
         layer_bits=layer_bits, residual=residual, budget=budget,
         threads=default_threads() if threads is None else threads, calib_text=calibration,
-        calib_windows=calib_windows, calib_length=calib_length, calib_seed=calib_seed, codes=codes)
+        calib_windows=calib_windows, calib_length=calib_length, calib_seed=calib_seed, codes=codes,
+        tune_steps=tune_steps, tune_lr=tune_lr)
     source = Path(source)
     if not (source / "config.json").is_file():
         raise ValueError(f"source model directory {source} has no config.json")
@@ -84,15 +85,21 @@ def _quantize(source, config, moments=None, progress=print):
     tokens, calib = calibration_tokens(tokenizer, config.calib_text, config.calib_windows, config.calib_length,
                                        config.calib_seed, model)
     stored = fisher = None
+    tune_tokens = tokens
     if moments is not None:
         ident = residual_identity(model, config.rotation, config.seed) if config.residual else None
         stored, minfo = load_moments(moments, ident)
         fisher = load_fisher(moments, ident)
         calib = {**minfo["calibration"], "moments": str(moments), "sensitivity": minfo.get("sensitivity")}
+        if config.tune_steps:  # tuned on the windows the moments were collected from
+            c = minfo["calibration"]
+            tune_tokens, _ = calibration_tokens(tokenizer, c["text"], c["windows"], c["length"], c["seed"], model)
     elif calib is not None:
         calib["sequential"] = config.sequential
     t0 = time.perf_counter()
-    records = quantize_model(model, config, calibration=tokens, moments=stored, fisher=fisher, progress=progress)
+    summary = {}
+    records = quantize_model(model, config, calibration=tokens, moments=stored, fisher=fisher, tune_tokens=tune_tokens,
+                             summary=summary, progress=progress)
     seconds = time.perf_counter() - t0
     total, weights = recipe.model_bits(model)
     bits, layer_bits = config.bits, config.layer_bits
@@ -107,6 +114,7 @@ def _quantize(source, config, moments=None, progress=print):
         "seed": config.seed, "embeddings": config.embeddings, "lm_head": config.lm_head,
         "dtype": config.dtype or "source", "group_size": config.group_size, "calibration": calib,
         "damp": config.damp, "layer_bits": layer_bits or [], "allocation": allocation, "codes": config.codes,
+        "tune": summary.get("tune"),
         "residual_rotation": residual_rotation.of(model),
         "quantize_seconds": seconds, "peak_rss_bytes": peak_rss_bytes(), "records": records,
         "model": model, "tokenizer": tokenizer,
@@ -168,6 +176,11 @@ def parser():
                    help="trellis (default): bitshift-trellis codes (block LDLQ, vqpipe/codec/ldlq.py) for every "
                    "layer at 2-5 bits with per-row scales whose shape tiles (32 rows x 8 inputs), the others "
                    "scalar; scalar: the Lloyd-Max codebook for every layer")
+    p.add_argument("--tune-steps", type=int, default=QuantizeConfig.tune_steps, metavar="N",
+                   help=f"steps of end-to-end tuning of the row scales against the source on the "
+                   f"calibration windows, one window a step (vqpipe/quant/tune.py; default {QuantizeConfig.tune_steps}; "
+                   "0: none; data-free quantization has no windows and is not tuned)")
+    p.add_argument("--tune-lr", type=float, default=QuantizeConfig.tune_lr, help="the tuning's Adam learning rate")
     return p
 
 
@@ -183,7 +196,7 @@ def main(argv=None):
             group_size=args.group_size, calibration=args.calibration, calib_windows=args.calib_windows,
             calib_length=args.calib_length, calib_seed=args.calib_seed, damp=args.damp, moments=args.moments,
             sequential=args.sequential, layer_bits=layer_bits, residual=args.residual_rotation, budget=args.budget,
-            threads=args.threads, codes=args.codes)
+            threads=args.threads, codes=args.codes, tune_steps=args.tune_steps, tune_lr=args.tune_lr)
     except (ValueError, OSError) as e:  # OSError: e.g. disk full, named with its path
         where = "" if isinstance(e, ValueError) or e.filename else f"writing {args.out}: "
         print(f"vqpipe quantize: error: {where}{e}", file=sys.stderr)

@@ -316,6 +316,8 @@ def quantize_flags(model, rotation, bits):
                   f" --calib-seed {cal['seed']} --damp {cal['damp']}" + (" --sequential" if cal["sequential"] else ""))
     else:
         flags += " --calibration none"
+    if cal["text"] != "none":  # data-free quantization has no windows to tune on
+        flags += "".join(f" --tune-{k} {v}" for k, v in sorted(quantize_option(model, "tune").items()))
     return flags + budget_flag(model, bits)
 
 

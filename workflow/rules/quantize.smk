@@ -25,6 +25,7 @@ rule quantize:
         layer_bits=lambda w: quantize_option(w.model, "layer_bits"),
         calibration=lambda w: quantize_option(w.model, "calibration"),
         budget=lambda w: quantize_option(w.model, "budget"),
+        tune=lambda w: quantize_option(w.model, "tune"),
         flags=lambda w: quantize_flags(w.model, w.rotation, w.bits),
     log:
         "logs/quantize/{model}/b{bits}-{rotation}.log",

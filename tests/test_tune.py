@@ -1,0 +1,97 @@
+"""End-to-end tuning of the row scales (vqpipe/quant/tune.py): it lowers the KL to the source on
+calibration windows it did not train on, changes nothing but the scales, is stored
+by the quantize stage, and is the default wherever there are calibration tokens."""
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load
+
+from vqpipe import text
+from vqpipe.layers.qlinear import QuantizedLinear
+from vqpipe.quant import recipe, tune
+from vqpipe.quant.config import QuantizeConfig
+from vqpipe.quant.quantize import quantize_model
+from vqpipe.stages import quantize as stage
+from vqpipe.store.quantized import load_quantized
+
+SMALL = {"calib_windows": 6, "calib_length": 64, "threads": 1, "fuse": False}
+
+
+def _held_kl(model, teacher, tokens):
+    return float(np.mean([tune.kl(model, tokens[i][None], nn.log_softmax(teacher(tokens[i][None]), -1)).item()
+                          for i in range(tokens.shape[0])]))
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama_source):
+    """(untuned, tuned, teacher, held-out windows, the tuning record) at 2 bits, the same codes."""
+    base, tok = load(str(tiny_llama_source))
+    teacher = tune.teacher_of(base)
+    models, summary = [], {}
+    for steps in (0, 12):
+        model, _ = load(str(tiny_llama_source))
+        quantize_model(model, QuantizeConfig(2, tune_steps=steps, **SMALL), tokenizer=tok, summary=summary)
+        models.append(model)
+    # windows of the calibration text the tuning did not see (another seed, beyond the 6 it drew)
+    train = np.asarray(text.calibration_tokens(tok, 6, 64, 0))
+    held = np.asarray(text.calibration_tokens(tok, 40, 64, 11))
+    held = held[[not any((w == t).all() for t in train) for w in held]][:8]
+    return models[0], models[1], teacher, mx.array(held), summary["tune"]
+
+
+def test_tuning_lowers_the_kl_on_windows_it_did_not_see(pair):
+    plain, tuned, teacher, held, record = pair
+    before, after = _held_kl(plain, teacher, held), _held_kl(tuned, teacher, held)
+    assert after < 0.9 * before, (before, after)
+    assert record["steps"] == 12 and record["windows"] == 6 and record["length"] == 64
+    assert record["kl_last"] < record["kl_first"]
+    assert record["layers"] == sum(isinstance(m, QuantizedLinear) for _, m in tuned.named_modules())
+
+
+def test_only_the_scales_change(pair):
+    plain, tuned, *_ = pair
+    a, b = dict(tree_flatten(plain.parameters())), dict(tree_flatten(tuned.parameters()))
+    assert a.keys() == b.keys()
+    changed = {k for k in a if a[k].dtype != b[k].dtype or not mx.array_equal(a[k], b[k]).item()}
+    assert changed and all(k.endswith(".scales") for k in changed), sorted(changed)[:5]
+    assert all(a[k].dtype == b[k].dtype for k in a)
+    assert recipe.model_bits(plain) == recipe.model_bits(tuned)  # the same bits per weight
+
+
+def test_data_free_is_not_tuned_and_bad_settings_are_named(tiny_llama_source):
+    model, tok = load(str(tiny_llama_source))
+    summary = {}
+    quantize_model(model, QuantizeConfig(2, calib_text="none", threads=1), summary=summary)
+    assert summary == {"tune": None}
+    for bad, match in (({"tune_steps": -1}, "tune_steps"), ({"tune_steps": 1.5}, "tune_steps"),
+                       ({"tune_lr": 0}, "tune_lr"), ({"tune_lr": True}, "tune_lr")):
+        with pytest.raises(ValueError, match=match):
+            QuantizeConfig(**bad)
+    with pytest.raises(ValueError, match="tune_steps=0"):
+        quantize_model(load(str(tiny_llama_source))[0], QuantizeConfig(residual=True, **SMALL), tokenizer=tok)
+    with pytest.raises(ValueError, match="tokens must be"):
+        tune.tune(model, tune.teacher_of(load(str(tiny_llama_source))[0]), mx.zeros((3,), mx.int32), 1)
+
+
+def test_stage_stores_the_tuned_model(tiny_llama_source, tmp_path):
+    """quantize --calibration text: the record says how it was tuned; the artifact reloads to the
+    same logits as the model the stage tuned (its scales are what is stored)."""
+    info = stage.run(tiny_llama_source, tmp_path / "q", 2, calibration="text", calib_windows=4, calib_length=64,
+                     tune_steps=4, progress=lambda *_: None)
+    assert info["tune"]["steps"] == 4 and info["tune"]["windows"] == 4
+    assert json.loads((tmp_path / "q" / "quantized.json").read_text())["tune"] == info["tune"]
+    untuned = stage.run(tiny_llama_source, tmp_path / "q0", 2, calibration="text", calib_windows=4, calib_length=64,
+                        tune_steps=0, progress=lambda *_: None)
+    assert untuned["tune"] is None
+    a, _ = load_quantized(tmp_path / "q")
+    b, _ = load_quantized(tmp_path / "q0")
+    x = mx.array([[1, 5, 9, 200, 7, 3]])
+    assert not mx.array_equal(a(x), b(x)).item()
+    packed = lambda m: {k: v for k, v in tree_flatten(m.parameters()) if k.endswith("packed")}
+    pa, pb = packed(a), packed(b)
+    assert pa.keys() == pb.keys() and all(mx.array_equal(pa[k], pb[k]).item() for k in pa)
