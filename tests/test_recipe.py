@@ -169,6 +169,9 @@ def test_defaults_agree():
     assert api.budget == cli.budget == q["budget"]["default"] == "auto"
     assert config["quantize"]["budget"] == "auto" and config["quantize"]["layer_bits"] == []
     assert api.group_size is None and cli.group_size is None and config["quantize"]["group_size"] is None
+    tune = {"steps": api.tune_steps, "lr": api.tune_lr, "length": api.tune_length}
+    assert tune == {"steps": cli.tune_steps, "lr": cli.tune_lr, "length": cli.tune_length}
+    assert tune == q["tune"]["default"] == config["quantize"]["tune"] and api.tune_steps > 0
     # no model of the default config carries hand-made widths
     assert not any(m.get("quantize", {}).get("layer_bits") for m in config["models"].values())
 

@@ -63,12 +63,19 @@ def test_only_the_scales_change(pair):
     assert recipe.model_bits(plain) == recipe.model_bits(tuned)  # the same bits per weight
 
 
+def test_windows_spread_over_the_text():
+    t = mx.arange(3 * 10).reshape(3, 10)
+    w = tune.windows(t, 4)  # two pieces of each window (the last 2 tokens of each dropped), first pieces first
+    assert w.tolist() == [[0, 1, 2, 3], [10, 11, 12, 13], [20, 21, 22, 23], [4, 5, 6, 7], [14, 15, 16, 17], [24, 25, 26, 27]]
+    assert tune.windows(t, 10) is t and tune.windows(t, None) is t and tune.windows(t, 64) is t
+
+
 def test_data_free_is_not_tuned_and_bad_settings_are_named(tiny_llama_source):
     model, tok = load(str(tiny_llama_source))
     summary = {}
     quantize_model(model, QuantizeConfig(2, calib_text="none", threads=1), summary=summary)
     assert summary == {"tune": None}
-    for bad, match in (({"tune_steps": -1}, "tune_steps"), ({"tune_steps": 1.5}, "tune_steps"),
+    for bad, match in (({"tune_steps": -1}, "tune_steps"), ({"tune_steps": 1.5}, "tune_steps"), ({"tune_length": 1}, "tune_length"),
                        ({"tune_lr": 0}, "tune_lr"), ({"tune_lr": True}, "tune_lr")):
         with pytest.raises(ValueError, match=match):
             QuantizeConfig(**bad)

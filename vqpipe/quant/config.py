@@ -44,7 +44,8 @@ class QuantizeConfig:
       offsets from ``calib_seed``.
     - ``tune_steps``: Adam steps of end-to-end tuning of the row scales against the
       source after quantization (vqpipe/quant/tune.py), one calibration window each; 0: none.
-      Only with calibration tokens (data-free quantization has none). ``tune_lr``: its rate.
+      Only with calibration tokens (data-free quantization has none). ``tune_lr``: its rate;
+      ``tune_length``: tokens per step (the calibration windows cut into pieces of this length).
     - ``codes``: "trellis" (bitshift-trellis codes, vqpipe/codec/ldlq.py; the default: lower error
       than the scalar codebook at every width measured, docs/quantize.md) for every layer that can
       take them (vqpipe/layers/qlinear.py ``trellis_fits``: widths 2-5, rows a multiple of 32,
@@ -73,6 +74,7 @@ class QuantizeConfig:
     codes: str = "trellis"
     tune_steps: int = 32
     tune_lr: float = 1e-3
+    tune_length: int = 256
 
     def __post_init__(self):
         check_bits(self.bits)
@@ -100,6 +102,8 @@ class QuantizeConfig:
             raise ValueError(f"tune_steps must be an integer of at least 0, got {self.tune_steps!r}")
         if not (isinstance(self.tune_lr, (int, float)) and not isinstance(self.tune_lr, bool) and 0 < self.tune_lr < 1):
             raise ValueError(f"tune_lr must be in (0, 1), got {self.tune_lr!r}")
+        if not (_integer(self.tune_length) and self.tune_length >= 2):
+            raise ValueError(f"tune_length must be an integer of at least 2, got {self.tune_length!r}")
         if self.codes not in CODES:
             raise ValueError(f"unknown codes {self.codes!r}; choose one of {', '.join(CODES)}")
 

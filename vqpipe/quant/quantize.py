@@ -154,7 +154,8 @@ def quantize_model(model, config=None, *, tokenizer=None, calibration=None, mome
                                 rotation_of)
     tuned = None
     if teacher is not None:
-        tuned = tune.tune(model, teacher, tune_tokens, config.tune_steps, config.tune_lr, progress)
+        tuned = tune.tune(model, teacher, tune_tokens, config.tune_steps, config.tune_lr, config.tune_length,
+                          progress)
         del teacher
     if summary is not None:
         summary["tune"] = tuned

@@ -20,6 +20,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..layers.qlinear import QuantizedEmbedding, QuantizedLinear
@@ -65,14 +66,44 @@ def teacher_of(model):
 
 def kl(model, x, teacher_logprobs):
     """Mean over positions of KL(teacher || model) of the next-token distribution."""
-    lp = nn.log_softmax(model(x).astype(mx.float32), axis=-1)
-    return mx.mean(mx.sum(mx.exp(teacher_logprobs) * (teacher_logprobs - lp), axis=-1))
+    return kl_to(model, x, *target(teacher_logprobs))
 
 
-def tune(model, teacher, tokens, steps, lr=LR, progress=None):
-    """Tune ``model``'s quantized layers' row scales in place (module docstring) for
-    ``steps`` Adam steps of one window of ``tokens`` [n, length] each, in order, cycling; returns
-    the record of the run. ``teacher``: :func:`teacher_of` the source."""
+def target(logits):
+    """(p, sum_v p log p per position) of the teacher's ``logits``, in numpy (MLX's CPU exp is many
+    times slower than numpy's, and no gradient flows into the teacher)."""
+    t = np.array(logits.astype(mx.float32), dtype=np.float32)
+    t -= t.max(axis=-1, keepdims=True)
+    p = np.exp(t)
+    z = p.sum(axis=-1, keepdims=True, dtype=np.float64)
+    p /= z.astype(np.float32)
+    logp = t - np.log(z).astype(np.float32)
+    return mx.array(p), mx.array(np.einsum("...v,...v->...", p, logp, dtype=np.float64).astype(np.float32))
+
+
+def kl_to(model, x, p, negent):
+    """KL(p || model(x)) per position, averaged: sum_v p log p - sum_v p log q."""
+    lq = nn.log_softmax(model(x).astype(mx.float32), axis=-1)
+    return mx.mean(negent - mx.sum(p * lq, axis=-1))
+
+
+def windows(tokens, length=None):
+    """``tokens`` [n, T] cut into windows of ``length`` (None: T) tokens [n * (T // length), length],
+    the first piece of every window first (the calibration windows are in the text's order, so
+    the steps spread over the whole text)."""
+    n, T = tokens.shape
+    if length is None or length >= T:
+        return tokens
+    k = T // length
+    return tokens[:, : k * length].reshape(n, k, length).transpose(1, 0, 2).reshape(-1, length)
+
+
+def tune(model, teacher, tokens, steps, lr=LR, length=None, progress=None):
+    """Tune ``model``'s quantized layers' row scales in place (module docstring) for ``steps``
+    Adam steps of one window each: ``tokens`` [n, T] cut into ``length``-token windows
+    (:func:`windows`), as many as there are steps spread evenly over them (all of them, cycling,
+    when there are more steps). Returns the record of the run. ``teacher``: :func:`teacher_of` the
+    source."""
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     if not layers:
         raise ValueError("tune: the model has no vqpipe quantized layers")
@@ -81,6 +112,11 @@ def tune(model, teacher, tokens, steps, lr=LR, progress=None):
                          "or without the residual rotation")
     if tokens.ndim != 2 or tokens.shape[0] < 1 or tokens.shape[1] < 2:
         raise ValueError(f"tune: tokens must be [windows, length >= 2], got shape {tokens.shape}")
+    if length is not None and length < 2:
+        raise ValueError(f"tune: windows of {length} tokens; at least 2")
+    tokens = windows(tokens, length)
+    n = tokens.shape[0]
+    order = [(i * n) // steps for i in range(steps)] if steps <= n else [i % n for i in range(steps)]
     t0 = time.perf_counter()
     inside = tuple(n + "." for n in layers)
     rest = [(k, v) for k, v in tree_flatten(model.parameters())
@@ -94,13 +130,12 @@ def tune(model, teacher, tokens, steps, lr=LR, progress=None):
         m.unfreeze(keys=["g"], recurse=False)
     mx.eval(model.parameters())
 
-    step_fn = nn.value_and_grad(model, kl)
+    step_fn = nn.value_and_grad(model, kl_to)
     opt = optim.Adam(learning_rate=lr)
     losses = []
     for step in range(steps):
-        x = tokens[step % tokens.shape[0]][None]
-        target = nn.log_softmax(teacher(x).astype(mx.float32), axis=-1)
-        loss, grads = step_fn(model, x, target)
+        x = tokens[order[step]][None]
+        loss, grads = step_fn(model, x, *target(teacher(x)))
         opt.update(model, grads)
         mx.eval(model.trainable_parameters(), opt.state, loss)
         losses.append(loss.item())
@@ -121,7 +156,7 @@ def tune(model, teacher, tokens, steps, lr=LR, progress=None):
     mx.eval(model.parameters())
     gs = mx.concatenate([scaled[n].g for n in layers])
     head = min(4, len(losses))
-    return {"steps": steps, "lr": lr, "windows": int(tokens.shape[0]), "length": int(tokens.shape[1]),
+    return {"steps": steps, "lr": lr, "windows": len(set(order)), "length": int(tokens.shape[1]),
             "layers": len(layers),
             "kl_first": sum(losses[:head]) / max(head, 1), "kl_last": sum(losses[-head:]) / max(head, 1),
             "factor_min": gs.min().item(), "factor_max": gs.max().item(), "seconds": time.perf_counter() - t0}

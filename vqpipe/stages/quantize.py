@@ -42,7 +42,8 @@ def peak_rss_bytes():
 def run(source, out, bits=4, rotation="auto", seed=0, embeddings=True, lm_head=True, dtype="source",
         progress=print, group_size=None, calibration=None, calib_windows=64, calib_length=512,
         calib_seed=0, damp=None, moments=None, sequential=False, layer_bits=None, threads=None, residual=False,
-        budget="auto", codes=QuantizeConfig.codes, tune_steps=QuantizeConfig.tune_steps, tune_lr=QuantizeConfig.tune_lr):
+        budget="auto", codes=QuantizeConfig.codes, tune_steps=QuantizeConfig.tune_steps, tune_lr=QuantizeConfig.tune_lr,
+        tune_length=QuantizeConfig.tune_length):
     """Quantize ``source`` into the artifact ``out``; the arguments are the CLI's (threads None:
     every core this process may run on). Returns the record quantized.json holds."""
     if dtype not in DTYPES:
@@ -57,7 +58,7 @@ def run(source, out, bits=4, rotation="auto", seed=0, embeddings=True, lm_head=T
         layer_bits=layer_bits, residual=residual, budget=budget,
         threads=default_threads() if threads is None else threads, calib_text=calibration,
         calib_windows=calib_windows, calib_length=calib_length, calib_seed=calib_seed, codes=codes,
-        tune_steps=tune_steps, tune_lr=tune_lr)
+        tune_steps=tune_steps, tune_lr=tune_lr, tune_length=tune_length)
     source = Path(source)
     if not (source / "config.json").is_file():
         raise ValueError(f"source model directory {source} has no config.json")
@@ -181,6 +182,9 @@ def parser():
                    f"calibration windows, one window a step (vqpipe/quant/tune.py; default {QuantizeConfig.tune_steps}; "
                    "0: none; data-free quantization has no windows and is not tuned)")
     p.add_argument("--tune-lr", type=float, default=QuantizeConfig.tune_lr, help="the tuning's Adam learning rate")
+    p.add_argument("--tune-length", type=int, default=QuantizeConfig.tune_length, metavar="TOKENS",
+                   help=f"tokens a tuning step reads: the calibration windows cut into pieces of this length "
+                   f"(default {QuantizeConfig.tune_length})")
     return p
 
 
@@ -196,7 +200,8 @@ def main(argv=None):
             group_size=args.group_size, calibration=args.calibration, calib_windows=args.calib_windows,
             calib_length=args.calib_length, calib_seed=args.calib_seed, damp=args.damp, moments=args.moments,
             sequential=args.sequential, layer_bits=layer_bits, residual=args.residual_rotation, budget=args.budget,
-            threads=args.threads, codes=args.codes, tune_steps=args.tune_steps, tune_lr=args.tune_lr)
+            threads=args.threads, codes=args.codes, tune_steps=args.tune_steps, tune_lr=args.tune_lr,
+            tune_length=args.tune_length)
     except (ValueError, OSError) as e:  # OSError: e.g. disk full, named with its path
         where = "" if isinstance(e, ValueError) or e.filename else f"writing {args.out}: "
         print(f"vqpipe quantize: error: {where}{e}", file=sys.stderr)
