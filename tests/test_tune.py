@@ -63,6 +63,26 @@ def test_only_the_scales_change(pair):
     assert recipe.model_bits(plain) == recipe.model_bits(tuned)  # the same bits per weight
 
 
+def test_kept_only_where_the_held_out_windows_say_it_helped(tiny_llama_source):
+    """Pieces the steps do not read are the check: a run that makes them worse leaves the scales as
+    they were (a rate of 0.9 overshoots), one that helps is kept."""
+    base, tok = load(str(tiny_llama_source))
+    teacher = tune.teacher_of(base)
+    tokens = text.calibration_tokens(tok, 8, 64, 0)
+    runs = {}
+    for lr in (1e-3, 0.9):
+        model, _ = load(str(tiny_llama_source))
+        quantize_model(model, QuantizeConfig(2, tune_steps=0, **SMALL), calibration=tokens)
+        scales = {k: v for k, v in tree_flatten(model.parameters()) if k.endswith("scales")}
+        rec = tune.tune(model, teacher, tokens, 4, lr)  # 4 of 8 windows: the other 4 held out
+        after = {k: v for k, v in tree_flatten(model.parameters()) if k.endswith("scales")}
+        same = all(mx.array_equal(scales[k], after[k]).item() for k in scales)
+        runs[lr] = (rec, same)
+        assert rec["held_out"] == 4 and rec["kept"] == (rec["held_kl_after"] < rec["held_kl_before"])
+        assert same == (not rec["kept"])
+    assert runs[1e-3][0]["kept"] and not runs[0.9][0]["kept"]
+
+
 def test_windows_spread_over_the_text():
     t = mx.arange(3 * 10).reshape(3, 10)
     w = tune.windows(t, 4)  # two pieces of each window (the last 2 tokens of each dropped), first pieces first

@@ -26,29 +26,37 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from ..layers.qlinear import QuantizedEmbedding, QuantizedLinear
 
 LR = 1e-3
+HELD = 4  # windows the steps do not read, the check that tuning helped
 
 
 class _Scaled(nn.Module):
-    """A quantized layer's dense weight with a trainable factor per output row."""
+    """A quantized layer's dense weight with a trainable factor per output row, 1 + step * d: d is
+    trained from 0, ``step`` = 2^(2 - width), so Adam moves a row's factor by about as much as the
+    layer's quantization step allows (at 4 bits a quarter of what it does at 2; one rate for all
+    overshot the 3- and 4-bit models: docs/quantize.md, "Tuning")."""
 
     def __init__(self, layer):
         super().__init__()
         self.weight = layer.dequantized_weight(mx.float32)
-        self.g = mx.ones((layer.out_features,), dtype=mx.float32)
+        self.d = mx.zeros((layer.out_features,), dtype=mx.float32)
+        self.step = 2.0 ** (2 - layer.bits)
         if "bias" in layer:
             self.bias = layer.bias.astype(mx.float32)
 
+    def factor(self):
+        return 1 + self.step * self.d
+
     def __call__(self, x):
-        y = (x @ self.weight.T) * self.g
+        y = (x @ self.weight.T) * self.factor()
         return y + self.bias if "bias" in self else y
 
 
 class _ScaledEmbedding(_Scaled):
     def __call__(self, ids):
-        return self.weight[ids] * self.g[ids][..., None]
+        return self.weight[ids] * self.factor()[ids][..., None]
 
     def as_linear(self, x):
-        return (x @ self.weight.T) * self.g
+        return (x @ self.weight.T) * self.factor()
 
 
 def teacher_of(model):
@@ -117,6 +125,8 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, progress=None):
     tokens = windows(tokens, length)
     n = tokens.shape[0]
     order = [(i * n) // steps for i in range(steps)] if steps <= n else [i % n for i in range(steps)]
+    unused = [i for i in range(n) if i not in set(order)]
+    held = [unused[(j * len(unused)) // HELD] for j in range(min(HELD, len(unused)))]
     t0 = time.perf_counter()
     inside = tuple(n + "." for n in layers)
     rest = [(k, v) for k, v in tree_flatten(model.parameters())
@@ -127,8 +137,15 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, progress=None):
     was_training = model.training
     model.freeze()
     for m in scaled.values():
-        m.unfreeze(keys=["g"], recurse=False)
+        m.unfreeze(keys=["d"], recurse=False)
     mx.eval(model.parameters())
+    # windows the steps do not read: tuning is kept only if it lowers their KL
+    targets = [(tokens[i][None], *target(teacher(tokens[i][None]))) for i in held]
+
+    def held_kl():
+        return sum(kl_to(model, *t).item() for t in targets) / len(targets) if targets else None
+
+    before = held_kl()
 
     step_fn = nn.value_and_grad(model, kl_to)
     opt = optim.Adam(learning_rate=lr)
@@ -142,10 +159,14 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, progress=None):
         if progress and (step % 8 == 0 or step == steps - 1):
             progress(f"tune step {step + 1}/{steps}: KL {losses[-1]:.4f} ({time.perf_counter() - t0:.0f}s)")
 
-    # back to the quantized layers, their scales times g; the rest in its dtypes again
+    after = held_kl()
+    kept = before is None or after < before
+    # back to the quantized layers, their scales times the factors; the rest in its dtypes again
     model.update_modules(tree_unflatten(list(layers.items())))
     for n, m in layers.items():
-        g = scaled[n].g
+        if not kept:
+            break
+        g = scaled[n].factor()
         s = m.scales.astype(mx.float32)
         m.scales = (s * (g if s.ndim == 1 else g[:, None])).astype(m.scales.dtype)
     model.load_weights(rest, strict=False)
@@ -154,9 +175,10 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, progress=None):
         m.freeze()
     model.train(was_training)
     mx.eval(model.parameters())
-    gs = mx.concatenate([scaled[n].g for n in layers])
+    gs = mx.concatenate([scaled[n].factor() for n in layers])
     head = min(4, len(losses))
     return {"steps": steps, "lr": lr, "windows": len(set(order)), "length": int(tokens.shape[1]),
-            "layers": len(layers),
+            "layers": len(layers), "held_out": len(held), "held_kl_before": before, "held_kl_after": after,
+            "kept": kept,
             "kl_first": sum(losses[:head]) / max(head, 1), "kl_last": sum(losses[-head:]) / max(head, 1),
             "factor_min": gs.min().item(), "factor_max": gs.max().item(), "seconds": time.perf_counter() - t0}
