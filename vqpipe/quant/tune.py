@@ -6,7 +6,8 @@ a whole, a factor g per output row of every quantized layer (stored as s * g: th
 minimise KL(source || quantized) of the next-token distribution on calibration windows, one window
 per Adam step. It is the knob mlx-lm's DWQ turns for affine scales; QuIP# and QTIP tune more
 (every unquantized parameter, layer by layer first) for their 2-bit models. Training the norms'
-weights too did worse on held-out calibration windows (docs/quantize.md, "Tuning").
+weights too did worse on held-out calibration windows (docs/quantize.md, "Tuning"). A few
+calibration pieces the steps do not read decide whether the tuned scales are kept at all.
 
 For the duration the quantized layers are dense float32 weights (rebuilt once) and the rest of the
 model is float32; afterwards the layers are the same QuantizedLinear objects with new scales and the
