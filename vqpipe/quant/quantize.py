@@ -116,10 +116,7 @@ def quantize_model(model, config=None, *, tokenizer=None, calibration=None, mome
         tune_tokens = calibration
     teacher = None
     if config.tune_steps and tune_tokens is not None:
-        if config.residual:
-            raise ValueError("tuning (tune_steps > 0) does not support the residual rotation yet: set tune_steps=0 "
-                             "or residual=False")
-        teacher = tune.teacher_of(model)  # before any weight changes
+        teacher = tune.teacher_of(model)  # before any weight changes (a residual rotation among them)
     if config.residual:
         rotate_for_quantize(model, rotation, seed, config.embeddings)
     targets = _targets(model, config.embeddings, config.lm_head)

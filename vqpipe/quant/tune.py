@@ -53,11 +53,17 @@ class _Scaled(nn.Module):
 
 
 class _ScaledEmbedding(_Scaled):
+    head = None  # a residual-rotated tied head reads head(x) (vqpipe/layers/head.py: plain state)
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        object.__setattr__(self, "head", layer.head)
+
     def __call__(self, ids):
         return self.weight[ids] * self.factor()[ids][..., None]
 
     def as_linear(self, x):
-        return (x @ self.weight.T) * self.factor()
+        return ((x if self.head is None else self.head(x)) @ self.weight.T) * self.factor()
 
 
 def teacher_of(model):
@@ -116,9 +122,6 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, progress=None):
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     if not layers:
         raise ValueError("tune: the model has no vqpipe quantized layers")
-    if any(getattr(m, "head", None) is not None for m in layers.values()):
-        raise ValueError("tune: a residual-rotated tied head is not supported; quantize with tune_steps=0 "
-                         "or without the residual rotation")
     if tokens.ndim != 2 or tokens.shape[0] < 1 or tokens.shape[1] < 2:
         raise ValueError(f"tune: tokens must be [windows, length >= 2], got shape {tokens.shape}")
     if length is not None and length < 2:
