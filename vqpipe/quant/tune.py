@@ -79,9 +79,10 @@ def teacher_of(model):
     return teacher
 
 
-def kl(model, x, teacher_logprobs):
-    """Mean over positions of KL(teacher || model) of the next-token distribution."""
-    return kl_to(model, x, *target(teacher_logprobs))
+def kl(model, x, teacher_logits):
+    """Mean over positions of KL(teacher || model) of the next-token distribution (``teacher_logits``:
+    logits or log-probabilities, the same distribution)."""
+    return kl_to(model, x, *target(teacher_logits))
 
 
 def target(logits):
@@ -167,9 +168,7 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, progress=None):
     kept = before is None or after < before
     # back to the quantized layers, their scales times the factors; the rest in its dtypes again
     model.update_modules(tree_unflatten(list(layers.items())))
-    for n, m in layers.items():
-        if not kept:
-            break
+    for n, m in layers.items() if kept else ():
         g = scaled[n].factor()
         s = m.scales.astype(mx.float32)
         m.scales = (s * (g if s.ndim == 1 else g[:, None])).astype(m.scales.dtype)
