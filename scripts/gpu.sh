@@ -4,8 +4,9 @@
 #
 #   bash scripts/gpu.sh [--out DIR] [--repeats N] [--presets "P ..."] [--tar] PART ... [-- SNAKEMAKE ARGS]
 #
-#   tests     the GPU tests (pytest -m gpu over tests/), then the tests that run on the default
-#             device without the gpu mark (residual rotation, small arrays, step kernels)
+#   tests     the tests that run on the default device without the gpu mark (residual rotation,
+#             tuning, small arrays, step kernels), then the GPU tests (pytest -m gpu over tests/);
+#             DEVICE_LIMIT / GPU_LIMIT (s) bound each
 #   decode    decode side by side, split compiled step, P = 512: vqpipe 4-bit, its residual-rotated
 #             layout, bf16 and affine 4-bit, per preset (default qwen2.5-0.5b llama3-8b)
 #   qmv       the mat-vec kernels alone (experiments.bench_qmv, Llama-3-8B and Qwen shapes)
@@ -56,10 +57,12 @@ pt() {  # LOG LIMIT PYTEST-ARGS: a pytest step with a time limit and its own log
 }
 
 part_tests() {
-  echo "== GPU tests $(since)"
-  pt "$1/gpu.log" 600 -m gpu -n 8 --dist load tests/
+  # The default-device files first: the mark-gpu suite alone nearly fills a call's limit.
   echo "== tests on the default device $(since)"
-  pt "$1/device.log" 400 -n 8 --dist load tests/test_residual_rotation.py tests/test_small_arrays.py tests/test_step_kernels.py
+  pt "$1/device.log" ${DEVICE_LIMIT:-300} -n 8 --dist load tests/test_residual_rotation.py tests/test_tune.py \
+    tests/test_small_arrays.py tests/test_step_kernels.py
+  echo "== GPU tests $(since)"
+  pt "$1/gpu.log" ${GPU_LIMIT:-600} -m gpu -n 8 --dist load tests/
 }
 
 part_decode() {
