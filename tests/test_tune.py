@@ -83,6 +83,35 @@ def test_kept_only_where_the_held_out_windows_say_it_helped(tiny_llama_source):
     assert runs[1e-3][0]["kept"] and not runs[0.9][0]["kept"]
 
 
+def test_the_best_check_is_kept_and_a_check_that_is_not_better_stops(tiny_llama_source):
+    """Every ``check`` steps the held-out windows are measured: the factors of the best check stay
+    (the model's held-out KL is that check's), and with ``stop`` the first check that is not better
+    than the best so far ends the run."""
+    base, tok = load(str(tiny_llama_source))
+    teacher = tune.teacher_of(base)
+    tokens = text.calibration_tokens(tok, 10, 64, 0)
+    held = tokens[[i for i in range(10) if i not in {(j * 10) // 6 for j in range(6)}]]
+    runs = {}
+    for stop in (False, True):  # at a rate of 1e-2 the held-out KL falls for a step or two, then rises
+        model, _ = load(str(tiny_llama_source))
+        quantize_model(model, QuantizeConfig(2, tune_steps=0, **SMALL), calibration=tokens)
+        rec = runs[stop] = tune.tune(model, teacher, tokens, 6, 1e-2, check=1, stop=stop)
+        steps, kls = zip(*rec["checks"])
+        assert steps == tuple(range(rec["steps_run"] + 1))
+        best = min(range(len(kls)), key=kls.__getitem__)
+        assert rec["best_step"] == best and rec["held_kl_after"] == kls[best] and rec["kept"] == (best > 0)
+        if stop:
+            # it ran until the first check not below the best before it (or to the end)
+            assert all(kls[i] < min(kls[:i]) for i in range(1, len(kls) - 1))
+            assert rec["steps_run"] == 6 or kls[-1] >= min(kls[:-1])
+        else:
+            assert rec["steps_run"] == 6
+        # the model now has the best check's factors: its held-out KL is that check's
+        assert _held_kl(model, teacher, held) == pytest.approx(kls[best], rel=2e-3, abs=1e-5)
+    assert 0 < runs[False]["best_step"] < 6 and runs[True]["steps_run"] == runs[False]["best_step"] + 1
+    assert runs[True]["checks"] == runs[False]["checks"][: runs[True]["steps_run"] + 1]
+
+
 def test_windows_spread_over_the_text():
     t = mx.arange(3 * 10).reshape(3, 10)
     w = tune.windows(t, 4)  # two pieces of each window (the last 2 tokens of each dropped), first pieces first

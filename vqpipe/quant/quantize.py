@@ -152,7 +152,7 @@ def quantize_model(model, config=None, *, tokenizer=None, calibration=None, mome
     tuned = None
     if teacher is not None:
         tuned = tune.tune(model, teacher, tune_tokens, config.tune_steps, config.tune_lr, config.tune_length,
-                          progress)
+                          progress=progress)
         del teacher
     if summary is not None:
         summary["tune"] = tuned

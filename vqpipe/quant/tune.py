@@ -28,6 +28,7 @@ from ..layers.qlinear import QuantizedEmbedding, QuantizedLinear
 
 LR = 1e-3
 HELD = 4  # windows the steps do not read, the check that tuning helped
+CHECK = 8  # steps between two measurements of the held-out windows
 
 
 class _Scaled(nn.Module):
@@ -114,12 +115,15 @@ def windows(tokens, length=None):
     return tokens[:, : k * length].reshape(n, k, length).transpose(1, 0, 2).reshape(-1, length)
 
 
-def tune(model, teacher, tokens, steps, lr=LR, length=None, progress=None):
-    """Tune ``model``'s quantized layers' row scales in place (module docstring) for ``steps``
+def tune(model, teacher, tokens, steps, lr=LR, length=None, check=CHECK, stop=True, progress=None):
+    """Tune ``model``'s quantized layers' row scales in place (module docstring) for up to ``steps``
     Adam steps of one window each: ``tokens`` [n, T] cut into ``length``-token windows
     (:func:`windows`), as many as there are steps spread evenly over them (all of them, cycling,
-    when there are more steps). Returns the record of the run. ``teacher``: :func:`teacher_of` the
-    source."""
+    when there are more steps). Every ``check`` steps (None: only after the last) the held-out
+    windows are measured; the factors of the best check are kept (none if no check beat the
+    untuned model) and, with ``stop``, the run ends at the first check that is not better than the
+    best so far.
+    Returns the record of the run. ``teacher``: :func:`teacher_of` the source."""
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     if not layers:
         raise ValueError("tune: the model has no vqpipe quantized layers")
@@ -151,23 +155,36 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, progress=None):
         return sum(kl_to(model, *t).item() for t in targets) / len(targets) if targets else None
 
     before = held_kl()
+    checks = [(0, before)]
+    best = (0, before, {n: m.d for n, m in scaled.items()})  # arrays are immutable: a snapshot
 
     step_fn = nn.value_and_grad(model, kl_to)
     opt = optim.Adam(learning_rate=lr)
     losses = []
-    for step in range(steps):
-        x = tokens[order[step]][None]
+    for step in range(1, steps + 1):
+        x = tokens[order[step - 1]][None]
         loss, grads = step_fn(model, x, *target(teacher(x)))
         opt.update(model, grads)
         mx.eval(model.trainable_parameters(), opt.state, loss)
         losses.append(loss.item())
-        if progress and (step % 8 == 0 or step == steps - 1):
-            progress(f"tune step {step + 1}/{steps}: KL {losses[-1]:.4f} ({time.perf_counter() - t0:.0f}s)")
+        if progress and (step % 8 == 1 or step == steps):
+            progress(f"tune step {step}/{steps}: KL {losses[-1]:.4f} ({time.perf_counter() - t0:.0f}s)")
+        if step == steps or (check and step % check == 0):
+            h = held_kl()
+            checks.append((step, h))
+            if h is None or h < best[1]:
+                best = (step, h, {n: m.d for n, m in scaled.items()})
+            elif stop:
+                break
 
-    after = held_kl()
-    kept = before is None or after < before
-    # back to the quantized layers, their scales times the factors; the rest in its dtypes again
+    kept = best[0] > 0
+    if progress and before is not None:
+        progress(f"tune: held-out KL {before:.4f} -> {best[1]:.4f} at step {best[0]} of {len(losses)}"
+                 + ("" if kept else " (not kept)"))
+    # back to the quantized layers, their scales times the best check's factors; the rest in its dtypes again
     model.update_modules(tree_unflatten(list(layers.items())))
+    for n in scaled:
+        scaled[n].d = best[2][n]
     for n, m in layers.items() if kept else ():
         g = scaled[n].factor()
         s = m.scales.astype(mx.float32)
@@ -180,8 +197,9 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, progress=None):
     mx.eval(model.parameters())
     gs = mx.concatenate([scaled[n].factor() for n in layers])
     head = min(4, len(losses))
-    return {"steps": steps, "lr": lr, "windows": len(set(order)), "length": int(tokens.shape[1]),
-            "layers": len(layers), "held_out": len(held), "held_kl_before": before, "held_kl_after": after,
-            "kept": kept,
+    return {"steps": steps, "steps_run": len(losses), "best_step": best[0], "lr": lr,
+            "windows": len(set(order)), "length": int(tokens.shape[1]), "layers": len(layers),
+            "held_out": len(held), "held_kl_before": before, "held_kl_after": best[1], "kept": kept,
+            "checks": checks,
             "kl_first": sum(losses[:head]) / max(head, 1), "kl_last": sum(losses[-head:]) / max(head, 1),
             "factor_min": gs.min().item(), "factor_max": gs.max().item(), "seconds": time.perf_counter() - t0}
