@@ -155,7 +155,7 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, check=CHECK, stop=Tr
         return sum(kl_to(model, *t).item() for t in targets) / len(targets) if targets else None
 
     before = held_kl()
-    checks = [(0, before)]
+    checks = [[0, before]]  # lists: the record goes to JSON as it is
     best = (0, before, {n: m.d for n, m in scaled.items()})  # arrays are immutable: a snapshot
 
     step_fn = nn.value_and_grad(model, kl_to)
@@ -171,7 +171,7 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, check=CHECK, stop=Tr
             progress(f"tune step {step}/{steps}: KL {losses[-1]:.4f} ({time.perf_counter() - t0:.0f}s)")
         if step == steps or (check and step % check == 0):
             h = held_kl()
-            checks.append((step, h))
+            checks.append([step, h])
             if h is None or h < best[1]:
                 best = (step, h, {n: m.d for n, m in scaled.items()})
             elif stop:
