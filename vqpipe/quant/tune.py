@@ -7,7 +7,8 @@ minimise KL(source || quantized) of the next-token distribution on calibration w
 per Adam step. It is the knob mlx-lm's DWQ turns for affine scales; QuIP# and QTIP tune more
 (every unquantized parameter, layer by layer first) for their 2-bit models. Training the norms'
 weights too did worse on held-out calibration windows (docs/quantize.md, "Tuning"). A few
-calibration pieces the steps do not read decide whether the tuned scales are kept at all.
+calibration pieces the steps do not read, measured every few steps, decide which step's factors
+are kept (none, if no step beat the untuned model) and when to stop.
 
 For the duration the quantized layers are dense float32 weights (rebuilt once) and the rest of the
 model is float32; afterwards the layers are the same QuantizedLinear objects with new scales and the
@@ -27,7 +28,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from ..layers.qlinear import QuantizedEmbedding, QuantizedLinear
 
 LR = 1e-3
-HELD = 4  # windows the steps do not read, the check that tuning helped
+HELD = 4  # windows the steps do not read: the checks
 CHECK = 8  # steps between two measurements of the held-out windows
 
 
@@ -122,8 +123,7 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, check=CHECK, stop=Tr
     when there are more steps). Every ``check`` steps (None: only after the last) the held-out
     windows are measured; the factors of the best check are kept (none if no check beat the
     untuned model) and, with ``stop``, the run ends at the first check that is not better than the
-    best so far.
-    Returns the record of the run. ``teacher``: :func:`teacher_of` the source."""
+    best so far. Returns the record of the run. ``teacher``: :func:`teacher_of` the source."""
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     if not layers:
         raise ValueError("tune: the model has no vqpipe quantized layers")
@@ -134,7 +134,8 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, check=CHECK, stop=Tr
     tokens = windows(tokens, length)
     n = tokens.shape[0]
     order = [(i * n) // steps for i in range(steps)] if steps <= n else [i % n for i in range(steps)]
-    unused = [i for i in range(n) if i not in set(order)]
+    used = set(order)
+    unused = [i for i in range(n) if i not in used]
     held = [unused[(j * len(unused)) // HELD] for j in range(min(HELD, len(unused)))]
     t0 = time.perf_counter()
     inside = tuple(n + "." for n in layers)
@@ -148,7 +149,7 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, check=CHECK, stop=Tr
     for m in scaled.values():
         m.unfreeze(keys=["d"], recurse=False)
     mx.eval(model.parameters())
-    # windows the steps do not read: tuning is kept only if it lowers their KL
+    # windows the steps do not read: the checks
     targets = [(tokens[i][None], *target(teacher(tokens[i][None]))) for i in held]
 
     def held_kl():
@@ -198,7 +199,7 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, check=CHECK, stop=Tr
     gs = mx.concatenate([scaled[n].factor() for n in layers])
     head = min(4, len(losses))
     return {"steps": steps, "steps_run": len(losses), "best_step": best[0], "lr": lr,
-            "windows": len(set(order)), "length": int(tokens.shape[1]), "layers": len(layers),
+            "windows": len(used), "length": int(tokens.shape[1]), "layers": len(layers),
             "held_out": len(held), "held_kl_before": before, "held_kl_after": best[1], "kept": kept,
             "checks": checks,
             "kl_first": sum(losses[:head]) / max(head, 1), "kl_last": sum(losses[-head:]) / max(head, 1),
