@@ -1,4 +1,4 @@
-"""bench-quality's competitor arms (vqpipe/bench/competitors.py): mlx-lm's gptq, awq, dynamic_quant and
+"""bench-quality's competitor arms (vqpipe/bench/competitors.py): mlx-lm's gptq, awq, dynamic_quant, dwq and
 MLX's mxfp4 / nvfp4 on a tiny model, their bits per weight against a hand count, their refusals."""
 
 import json
@@ -82,6 +82,25 @@ def test_dynamic_mixes_two_widths_at_the_budget(tiny_llama_source, shapes, calib
     assert competitors.dynamic_widths(2) == (2, 3)
 
 
+def test_dwq_distils_the_affine_models_scales(tiny_llama_source, shapes):
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(tiny_llama_source)
+    calib = lambda: text.calibration_tokens(tok, 12, 32, seed=0)  # noqa: E731
+    # 8 training windows, 2 steps of 4 (1e-4 overshoots on this model: its loss rises 1.2 -> 5.2)
+    model, werr, bpw, info = q.competitor_arm(tiny_llama_source, "mlx-dwq", 2, calib, dwq_lr=1e-5)
+    # every layer, the embedding too, at 2 bits g64 (mlx_lm.dwq's quantize_model), bf16 scales and biases
+    assert bpw["bpw"] == pytest.approx(hand_bpw(shapes, lambda n: bpw_of(2, 64)))
+    assert info["embedding"] == {"bits": 2, "group_size": 64, "mode": "affine"}
+    assert (info["steps"], info["train_windows"], info["valid_windows"]) == (2, 8, 4)
+    # its own validation loss (KL at temperature 2 on held-out calibration windows) fell
+    assert info["valid_loss_after"] < 0.97 * info["valid_loss_before"]
+    _, _, _, still = q.competitor_arm(tiny_llama_source, "mlx-dwq", 2, calib, dwq_lr=1e-12)
+    assert still["valid_loss_after"] == pytest.approx(still["valid_loss_before"], abs=1e-3)  # the steps did it
+    with pytest.raises(ValueError, match="at least 8 calibration windows"):
+        q.competitor_arm(tiny_llama_source, "mlx-dwq", 2, lambda: text.calibration_tokens(tok, 5, 32, seed=0))
+
+
 @pytest.mark.parametrize("mode,group,scale_bits", [("mxfp4", 32, 8), ("nvfp4", 16, 8)])
 def test_fp4_modes(tiny_llama_source, shapes, mode, group, scale_bits):
     _, werr, bpw, info = q.competitor_arm(tiny_llama_source, mode, 4, None, embeddings=False)
@@ -101,8 +120,9 @@ def test_default_arms_leave_out_the_costly_ones():
     names = [m for m, _ in q.check_arms(None, (64,))]
     assert names == ["vqpipe", "unrotated", "affine-g64", "mlx-gptq", "mxfp4", "nvfp4"]
     assert [m for m, _ in q.check_arms(["mlx-dynamic", "mlx-awq"], (64,))] == ["mlx-awq", "mlx-dynamic"]
+    assert [m for m, _ in q.check_arms(["mlx-dwq"], (64,))] == ["mlx-dwq"]
     with pytest.raises(ValueError, match="unknown arms"):
-        q.check_arms(["mlx-dwq"], (64,))
+        q.check_arms(["mlx-qat"], (64,))
 
 
 def test_calibration_is_the_calibrate_stages_draw(tiny_llama_source):

@@ -10,6 +10,9 @@ is the [n, length] tokens or a function giving them, called once the width is ac
               embedding at 4 bits g32 (its defaults), n_grid 20
     dynamic   mlx_lm.quant.dynamic_quant: per-layer sensitivities (gradients of the KL to the
               source on calibration text) pick which layers get the high width, at a bpw budget
+    dwq       mlx_lm.quant.dwq.dwq_quantize: affine g64 RTN of every layer (the embedding too, as
+              mlx_lm.dwq's quantize_model does), then its scales and biases distilled from the source
+              (Adam, KL at temperature 2 on the source's logits), on the calibration windows
     mxfp4 / nvfp4   MLX's nn.quantize(mode=...): 4-bit floats, group 32 / 16, 8-bit scales
 
 A width the tool does not do raises :class:`Refused` with the tool's own words.
@@ -93,6 +96,111 @@ def dynamic(model, calib, bits, target_bpw, group_size=64, batch_size=4, dtype=N
     return {"group_size": group_size, "low_bits": low, "high_bits": high, "target_bpw": target_bpw,
             "layers_high": list(widths.values()).count(high), "layers_low": list(widths.values()).count(low),
             "widths": widths, "calibration": list(calib.shape)}
+
+
+DWQ_LR = 1e-5  # chosen on held-out calibration windows (docs/results/2026-12-07-dwq/): 1e-6, mlx_lm.dwq's
+#               default for its 512 steps, hardly moves the model in the steps our windows give
+
+
+class _DenseAffine(nn.Module):
+    """An affine nn.QuantizedLinear / QuantizedEmbedding as DWQ trains it, computed densely: the same
+    attributes dwq_quantize looks for (bits, group_size, mode) and the same trainable ``scales`` and
+    ``biases``; the weight is q * scale + bias per group, with the codes q frozen as floats. MLX's
+    CPU quantized matmul runs on one thread and takes minutes per 2,048-token step on SmolLM2; this
+    is the same function of the same parameters at float32 BLAS speed."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.bits, self.group_size, self.mode = layer.bits, layer.group_size, "affine"
+        self.embedding = isinstance(layer, nn.QuantizedEmbedding)
+        ones = mx.ones(layer.scales.shape, dtype=mx.float32)
+        self.q = mx.dequantize(layer.weight, ones, mx.zeros_like(ones), layer.group_size, layer.bits)
+        self.weight = layer.weight  # packed, unused here: mlx-lm's parameter count reads its size
+        self.scales = layer.scales.astype(mx.float32)
+        self.biases = layer.biases.astype(mx.float32)
+        if "bias" in layer:
+            self.bias = layer.bias.astype(mx.float32)
+        self.freeze(recurse=False)  # as nn.QuantizedLinear: dwq_quantize unfreezes scales and biases
+
+    def dense(self):
+        o, i = self.q.shape
+        q = self.q.reshape(o, i // self.group_size, self.group_size)
+        return (q * self.scales[..., None] + self.biases[..., None]).reshape(o, i)
+
+    def __call__(self, x):
+        if self.embedding:
+            return self.dense()[x]
+        y = x @ self.dense().T
+        return y + self.bias if "bias" in self else y
+
+    def as_linear(self, x):  # a tied head
+        return x @ self.dense().T
+
+
+def dwq(model, calib, bits, group_size=64, lr=DWQ_LR, batch_size=4, valid=4, epochs=1, seed=0):
+    """mlx-lm's DWQ of ``model`` (float32 source, quantized and distilled in place): ``calib()`` [n, T]
+    tokens, ``valid`` of them (spread over the draw) for its validation loss, the rest its training
+    windows, ``epochs`` passes in batches of ``batch_size``. mlx_lm.quant.dwq.dwq_quantize runs as it
+    is (its loss, Adam, batches, validation) on :class:`_DenseAffine` stand-ins whose scales and
+    biases go back into the quantized layers afterwards. Returns the settings and the validation
+    loss before and after (its KL at temperature 2, as the tool prints it)."""
+    import copy
+
+    import mlx.optimizers as optim
+    import tqdm as tqdm_mod
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.quant.dwq import dwq_quantize
+    from mlx_lm.utils import quantize_model
+
+    calib = calib() if callable(calib) else calib
+    n, T = calib.shape
+    if n < valid + batch_size:
+        raise ValueError(f"mlx-dwq needs at least {valid + batch_size} calibration windows, got {n}")
+    held = {(j * n) // valid + n // (2 * valid) for j in range(valid)}
+    rows = [calib[i].tolist() for i in range(n)]
+    train = [(rows[i], 0) for i in range(n) if i not in held] * epochs
+    val = [(rows[i], 0) for i in sorted(held)]
+    teacher = copy.deepcopy(model)
+    teacher.freeze()
+    quantize_model(model, {}, group_size=group_size, bits=bits)
+    mx.eval(model.parameters())
+    layers = {k: m for k, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
+              if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    model.update_modules(tree_unflatten([(k, _DenseAffine(m)) for k, m in layers.items()]))
+    targets = {}
+
+    def target_fn(batch, i, split):  # the source's logits; the validation batches' computed once
+        if split == "valid":
+            if i not in targets:
+                targets[i] = mx.stop_gradient(teacher(batch))
+                mx.eval(targets[i])
+            return targets[i]
+        return mx.stop_gradient(teacher(batch))
+
+    losses = []
+
+    def record(*args, **kwargs):  # dwq_quantize's validation lines: "Validation: it=0, loss=..."
+        line = " ".join(str(a) for a in args)
+        if line.startswith("Validation:"):
+            losses.append(float(line.rsplit("loss=", 1)[1]))
+
+    write = tqdm_mod.tqdm.write
+    tqdm_mod.tqdm.write = staticmethod(record)
+    try:
+        dwq_quantize(model, target_fn, optim.Adam(learning_rate=lr, bias_correction=True), train, val,
+                     batch_size, T + 1, seed, dtype=mx.float32)
+    finally:
+        tqdm_mod.tqdm.write = write
+    stand_ins = dict(tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
+    for k, m in layers.items():
+        m.scales, m.biases = stand_ins[k].scales, stand_ins[k].biases
+    model.update_modules(tree_unflatten(list(layers.items())))
+    model.eval()
+    mx.eval(model.parameters())
+    return {"group_size": group_size, "lr": lr, "batch_size": batch_size, "epochs": epochs,
+            "steps": len(train) // batch_size, "train_windows": n - len(held), "valid_windows": len(held),
+            "valid_loss_before": losses[0] if losses else None, "valid_loss_after": losses[-1] if losses else None,
+            "calibration": list(calib.shape)}
 
 
 FP4 = {"mxfp4": 32, "nvfp4": 16}  # MLX's fp4 modes and their (fixed) group sizes

@@ -7,7 +7,7 @@ Arms at each bit width, all against the same source model:
     affine-gG    MLX's own nn.quantize (affine, group G in --affine-groups, default 32 64 128) on
                  every nn.Linear, from the source's stored dtype: scales and biases in that dtype,
                  as mlx_lm.convert stores them
-    mlx-gptq, mlx-awq, mlx-dynamic, mxfp4, nvfp4
+    mlx-gptq, mlx-awq, mlx-dynamic, mlx-dwq, mxfp4, nvfp4
                  what users would pick instead (vqpipe/bench/competitors.py): mlx-lm's own quantizers,
                  with the calibration tokens vqpipe's calibrated arms use, and MLX's fp4 modes
 On windows of real English text no method saw (vqpipe.text: the Devil's Dictionary's eval split,
@@ -50,8 +50,8 @@ from ..bench.env import environment
 from ..bench.harness import summarize
 
 AFFINE_GROUPS = (32, 64, 128)
-COMPETITORS = ("mlx-gptq", "mlx-awq", "mlx-dynamic", "mxfp4", "nvfp4")
-COSTLY = ("mlx-awq", "mlx-dynamic")  # run when asked for (--arms): their CPU cost (docs/quality-smollm2.md)
+COMPETITORS = ("mlx-gptq", "mlx-awq", "mlx-dynamic", "mlx-dwq", "mxfp4", "nvfp4")
+COSTLY = ("mlx-awq", "mlx-dynamic", "mlx-dwq")  # run when asked for (--arms): their CPU cost (docs/quality-smollm2.md)
 TEXTS = ("devil", "jargon")  # evaluation texts (vqpipe/text.py); the first is the records' top level
 PROMPTS = (
     "What is the capital of France?",
@@ -157,7 +157,7 @@ def vqpipe_arm(path, bits, rotation, seed, quantized=None, embeddings=False):
     return _fp32(model), err, bpw
 
 
-def competitor_arm(path, method, bits, calib, embeddings=False, target_bpw=None):
+def competitor_arm(path, method, bits, calib, embeddings=False, target_bpw=None, dwq_lr=competitors.DWQ_LR):
     """(model, weight rel. MSE or None, bpw, the method's settings) of one of :data:`COMPETITORS`
     at ``bits``; ``calib()`` gives the calibration tokens, called only by the calibrated methods.
     :class:`SkippedArm` where the tool refuses the width or model.
@@ -184,6 +184,8 @@ def competitor_arm(path, method, bits, calib, embeddings=False, target_bpw=None)
             info = competitors.awq(model, calib, bits, config["model_type"])
         elif method == "mlx-dynamic":
             info = competitors.dynamic(model, calib(), bits, target_bpw, dtype=dtype)
+        elif method == "mlx-dwq":
+            info = competitors.dwq(model, calib, bits, lr=dwq_lr)
         else:
             info = competitors.fp4(model, method, bits, embeddings)
     except competitors.Refused as e:
@@ -450,18 +452,21 @@ def with_texts(per_text, texts):
 
 
 def arm_options(calib_windows=64, calib_length=512, calib_seed=0, gptq_windows=None, awq_windows=None,
-                dynamic_windows=None, dynamic_bpw=None):
+                dynamic_windows=None, dynamic_bpw=None, dwq_windows=None, dwq_lr=competitors.DWQ_LR):
     """The competitor arms' settings. Calibration: ``calib_windows`` x ``calib_length`` tokens of the
     calibration text at ``calib_seed`` (what the calibrate stage gives vqpipe); ``gptq_windows``,
-    ``awq_windows``, ``dynamic_windows``: fewer of those windows, spread evenly over them, for a
-    method (their cost on a CPU). ``dynamic_bpw``: dynamic_quant's budget (default: the vqpipe
-    artifact's bits per weight over every matrix at that width)."""
+    ``awq_windows``, ``dynamic_windows``, ``dwq_windows``: fewer of those windows, spread evenly over
+    them, for a method (their cost on a CPU). ``dynamic_bpw``: dynamic_quant's budget (default: the
+    vqpipe artifact's bits per weight over every matrix at that width). ``dwq_lr``: DWQ's Adam rate."""
+    if not dwq_lr > 0:
+        raise ValueError(f"dwq_lr must be positive, got {dwq_lr}")
     given = {"calib_windows": calib_windows, "gptq_windows": gptq_windows, "awq_windows": awq_windows,
-             "dynamic_windows": dynamic_windows}
+             "dynamic_windows": dynamic_windows, "dwq_windows": dwq_windows}
     for k, v in given.items():
         if v is not None and v < 1:
             raise ValueError(f"{k} must be at least 1, got {v}")
-    return {**given, "calib_length": calib_length, "calib_seed": calib_seed, "dynamic_bpw": dynamic_bpw}
+    return {**given, "calib_length": calib_length, "calib_seed": calib_seed, "dynamic_bpw": dynamic_bpw,
+            "dwq_lr": dwq_lr}
 
 
 def calibration(tok, options, n=None):
@@ -505,7 +510,8 @@ def measure_arms(path, data, bits_list, arms, index, quantized, rotation, seed, 
                     n = options.get(f"{method.removeprefix('mlx-')}_windows") or options["calib_windows"]
                     target = dynamic_budget(options["dynamic_bpw"], quantized.get((bits, rotation)), bits) \
                         if method == "mlx-dynamic" else None
-                    model, werr, bpw, info = competitor_arm(path, method, bits, calib(n), emb, target)
+                    model, werr, bpw, info = competitor_arm(path, method, bits, calib(n), emb, target,
+                                                           options.get("dwq_lr", competitors.DWQ_LR))
                 elif group is None:
                     rot = rotation if method == "vqpipe" else "none"
                     model, werr, bpw = vqpipe_arm(path, bits, rot, seed, quantized.get((bits, rot)), emb)
@@ -919,6 +925,10 @@ def parser():
                    help="calibration windows for mlx-dynamic's sensitivities, spread over --calib-windows (default all)")
     p.add_argument("--dynamic-bpw", type=float, default=None,
                    help="mlx-dynamic's budget (default: the vqpipe artifact's bits per weight over every matrix)")
+    p.add_argument("--dwq-windows", type=int, default=None,
+                   help="calibration windows for mlx-dwq (4 held out for its validation loss), spread over "
+                   "--calib-windows (default all)")
+    p.add_argument("--dwq-lr", type=float, default=competitors.DWQ_LR, help="mlx-dwq's Adam learning rate")
     p.add_argument("--out", default=None, help="output JSON (required unless --reference-out)")
     return p
 
@@ -941,7 +951,8 @@ def main(argv=None):
                             texts=args.texts)
             return 0
         options = arm_options(args.calib_windows, args.calib_length, args.calib_seed, args.gptq_windows,
-                              args.awq_windows, args.dynamic_windows, args.dynamic_bpw)
+                              args.awq_windows, args.dynamic_windows, args.dynamic_bpw, args.dwq_windows,
+                              args.dwq_lr)
         shard = parse_shard(args.shard)
         if args.reference:
             if args.shard:
