@@ -455,18 +455,18 @@ def test_full_precision_calibration_runs_once_per_model(bare):
         "models:\n  tiny: {source: 'synth:tiny', quantize: {calibration: {text: text, windows: 2, sequential: false}}}\n"
         "  tiny-llama: {source: 'synth:tiny-llama'}\n"
         "bits: [3, 4]\npersist_rotation: [true]\n"
-        "benchmarks: {quality: {models: [tiny], affine_groups: [32, 64], competitors: [mlx-gptq, mxfp4, nvfp4],"
-        " unrotated_bits: [3, 4]},"
+        "benchmarks: {quality: {models: [tiny], affine_groups: [32, 64], competitors: [mlx-gptq, mlx-dwq, mxfp4, nvfp4],"
+        " unrotated_bits: [3, 4], dwq_windows: 8},"
         " decode: {models: [tiny-llama]}}\n")
     out = smk(bare, "-n", "-p", "--configfile", "config/fp.yaml").stdout
     stats = job_stats(out)
     assert stats["calibrate"] == 1 and stats["quantize"] == 4 + 2  # tiny b3/b4 x auto/none, tiny-llama b3/b4
-    # 2 widths x (vqpipe, unrotated, affine-g32, -g64, mlx-gptq) + mxfp4 and nvfp4 at 4 bits only (MLX
-    # refuses 3: no job, the merge records the refusal; --expect lists every arm asked for)
-    assert stats["bench_quality_reference"] == 1 and stats["bench_quality_arm"] == 2 * 5 + 2 and stats["bench_quality"] == 1
+    # 2 widths x (vqpipe, unrotated, affine-g32, -g64, mlx-gptq, mlx-dwq) + mxfp4 and nvfp4 at 4 bits only
+    # (MLX refuses 3: no job, the merge records the refusal; --expect lists every arm asked for)
+    assert stats["bench_quality_reference"] == 1 and stats["bench_quality_arm"] == 2 * 6 + 2 and stats["bench_quality"] == 1
     assert not re.search(r"--bits 3 --arms (mx|nv)fp4", out)
     merge = next(line for line in out.splitlines() if " --merge " in line)
-    assert "--expect 3:vqpipe 3:unrotated 3:affine-g32 3:affine-g64 3:mlx-gptq 3:mxfp4 3:nvfp4 4:vqpipe" in merge
+    assert "--expect 3:vqpipe 3:unrotated 3:affine-g32 3:affine-g64 3:mlx-gptq 3:mlx-dwq 3:mxfp4 3:nvfp4 4:vqpipe" in merge
     commands = [line for line in out.splitlines() if " -m vqpipe quantize " in line and "models/tiny/" in line]
     assert len(commands) == 4 and all("--moments results/calibration/tiny" in c for c in commands)
     assert not any("--calibration" in c for c in commands)
@@ -477,6 +477,8 @@ def test_full_precision_calibration_runs_once_per_model(bare):
     # the mlx-lm arms calibrate on the calibrate stage's windows (tiny: 2), both texts measured
     gptq = [a for a in arms if "--arms mlx-gptq " in a]
     assert len(gptq) == 2 and all("--calib-windows 2 --calib-length 512 --calib-seed 0" in a for a in gptq)
+    dwq = [a for a in arms if "--arms mlx-dwq " in a]
+    assert len(dwq) == 2 and all("--calib-seed 0 --dwq-windows 8 " in a for a in dwq)
     assert all("--texts devil jargon" in a for a in arms)
     # the calibrated model's chain, then what needs only a source and bench-decode's reservoir, then the rest
     prio = {(rule, w.get("model"), w.get("bits"), w.get("arm")): p for rule, w, p in planned_jobs(out)}

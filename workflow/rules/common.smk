@@ -58,7 +58,7 @@ wildcard_constraints:
     bits=r"\d+",
     rotation="auto|hadamard|kron|qr|none",
     persist="on|off",
-    arm=r"vqpipe|unrotated|affine-g\d+|mlx-gptq|mlx-awq|mlx-dynamic|mxfp4|nvfp4",
+    arm=r"vqpipe|unrotated|affine-g\d+|mlx-gptq|mlx-awq|mlx-dynamic|mlx-dwq|mxfp4|nvfp4",
 
 
 MODELS = list(config["models"])
@@ -246,7 +246,8 @@ def quality_calib_flags(w):
     q, calib = config["benchmarks"]["quality"], {**config["quantize"]["calibration"], **quantize_option(w.model, "calibration")}
     flags = [f"--calib-windows {q['calib_windows'] or calib['windows']}", f"--calib-length {calib['length']}",
              f"--calib-seed {calib['seed']}"]
-    flags += [f"--{k.replace('_', '-')} {q[k]}" for k in ("gptq_windows", "awq_windows", "dynamic_windows") if q[k]]
+    flags += [f"--{k.replace('_', '-')} {q[k]}" for k in ("gptq_windows", "awq_windows", "dynamic_windows", "dwq_windows")
+              if q.get(k)]
     return " ".join(flags)
 
 
