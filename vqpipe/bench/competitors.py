@@ -99,7 +99,7 @@ def dynamic(model, calib, bits, target_bpw, group_size=64, batch_size=4, dtype=N
 
 
 # DWQ's Adam rate: the lowest validation loss of those tried on SmolLM2 (docs/results/2026-12-07-dwq/:
-# 1e-4 beat 1e-5 at 2 and 4 bits); mlx_lm.dwq's default, 1e-6, is set for its 512 steps, not the 15 here
+# 1e-4 beat 1e-5 at 2 and 4 bits, and 3e-4 at 4); mlx_lm.dwq's default, 1e-6, is set for its 512 steps, not the 15 here
 DWQ_LR = 1e-4
 
 
