@@ -18,9 +18,13 @@ is the [n, length] tokens or a function giving them, called once the width is ac
 A width the tool does not do raises :class:`Refused` with the tool's own words.
 """
 
+import copy
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx.optimizers as optim
+import tqdm
+from mlx.utils import tree_flatten, tree_unflatten
 
 
 class Refused(Exception):
@@ -76,7 +80,6 @@ def dynamic(model, calib, bits, target_bpw, group_size=64, batch_size=4, dtype=N
     """mlx-lm's dynamic_quant at ``target_bpw`` (mlx-lm's own count: every parameter's stored bits
     over the parameter count): sensitivities from ``calib``, then its threshold search and the
     quantization on the model cast to ``dtype`` (the source's: the budget counts scales as stored)."""
-    from mlx.utils import tree_flatten
     from mlx_lm.quant.dynamic_quant import estimate_sensitivities, estimate_threshold
 
     low, high = dynamic_widths(bits)
@@ -138,18 +141,13 @@ class _DenseAffine(nn.Module):
         return x @ self.dense().T
 
 
-def dwq(model, calib, bits, group_size=64, lr=DWQ_LR, batch_size=4, valid=4, epochs=1, seed=0):
+def dwq(model, calib, bits, group_size=64, lr=DWQ_LR, batch_size=4, valid=4, seed=0):
     """mlx-lm's DWQ of ``model`` (float32 source, quantized and distilled in place): ``calib()`` [n, T]
     tokens, ``valid`` of them (spread over the draw) for its validation loss, the rest its training
-    windows, ``epochs`` passes in batches of ``batch_size``. mlx_lm.quant.dwq.dwq_quantize runs as it
+    windows, one pass in batches of ``batch_size``. mlx_lm.quant.dwq.dwq_quantize runs as it
     is (its loss, Adam, batches, validation) on :class:`_DenseAffine` stand-ins whose scales and
     biases go back into the quantized layers afterwards. Returns the settings and the validation
     loss before and after (its KL at temperature 2, as the tool prints it)."""
-    import copy
-
-    import mlx.optimizers as optim
-    import tqdm as tqdm_mod
-    from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.quant.dwq import dwq_quantize
     from mlx_lm.utils import quantize_model
 
@@ -159,7 +157,7 @@ def dwq(model, calib, bits, group_size=64, lr=DWQ_LR, batch_size=4, valid=4, epo
         raise ValueError(f"mlx-dwq needs at least {valid + batch_size} calibration windows, got {n}")
     held = {(j * n) // valid + n // (2 * valid) for j in range(valid)}
     rows = [calib[i].tolist() for i in range(n)]
-    train = [(rows[i], 0) for i in range(n) if i not in held] * epochs
+    train = [(rows[i], 0) for i in range(n) if i not in held]
     val = [(rows[i], 0) for i in sorted(held)]
     teacher = copy.deepcopy(model)
     teacher.freeze()
@@ -185,20 +183,20 @@ def dwq(model, calib, bits, group_size=64, lr=DWQ_LR, batch_size=4, valid=4, epo
         if line.startswith("Validation:"):
             losses.append(float(line.rsplit("loss=", 1)[1]))
 
-    write = tqdm_mod.tqdm.write
-    tqdm_mod.tqdm.write = staticmethod(record)
+    write = tqdm.tqdm.write  # dwq_quantize prints through it
+    tqdm.tqdm.write = staticmethod(record)
     try:
         dwq_quantize(model, target_fn, optim.Adam(learning_rate=lr, bias_correction=True), train, val,
                      batch_size, T + 1, seed, dtype=mx.float32)
     finally:
-        tqdm_mod.tqdm.write = write
+        tqdm.tqdm.write = write
     stand_ins = dict(tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
     for k, m in layers.items():
         m.scales, m.biases = stand_ins[k].scales, stand_ins[k].biases
     model.update_modules(tree_unflatten(list(layers.items())))
     model.eval()
     mx.eval(model.parameters())
-    return {"group_size": group_size, "lr": lr, "batch_size": batch_size, "epochs": epochs,
+    return {"group_size": group_size, "lr": lr, "batch_size": batch_size,
             "steps": len(train) // batch_size, "train_windows": n - len(held), "valid_windows": len(held),
             "valid_loss_before": losses[0] if losses else None, "valid_loss_after": losses[-1] if losses else None,
             "calibration": list(calib.shape)}
