@@ -169,21 +169,22 @@ def test_stages_pass_the_rotation_on(tiny_source, tmp_path):
     from vqpipe.store.quantized import load_quantized
 
     quiet = {"progress": lambda *_: None}
+    untuned = {**quiet, "tune_steps": 0}  # tuning through the head map: test_tune
     calibrate.run(tiny_source, tmp_path / "mom", windows=2, length=64, residual="auto", rotation_seed=5, plain=True,
                   **quiet)
     calibrate.run(tiny_source, tmp_path / "only", windows=2, length=64, residual="auto", rotation_seed=5, **quiet)
-    info = quantize.run(tiny_source, tmp_path / "q", 4, seed=5, moments=tmp_path / "mom", residual=True, **quiet)
+    info = quantize.run(tiny_source, tmp_path / "q", 4, seed=5, moments=tmp_path / "mom", residual=True, **untuned)
     spec = info["residual_rotation"]
     assert spec == {"kind": "hadamard", "dim": 256, "seed": residual_seed(5)}
     sets = json.loads((tmp_path / "mom" / "moments.json").read_text())["sets"]
     assert [m["residual_rotation"] for m in sets] == [None, spec]
     assert [m["residual_rotation"] for m in calibration.sets(json.loads((tmp_path / "only" / "moments.json").read_text()))] == [spec]
-    plain = quantize.run(tiny_source, tmp_path / "p", 4, seed=5, moments=tmp_path / "mom", **quiet)
+    plain = quantize.run(tiny_source, tmp_path / "p", 4, seed=5, moments=tmp_path / "mom", **untuned)
     assert plain["residual_rotation"] is None and plain["calibration"]["moments"] == str(tmp_path / "mom")
     with pytest.raises(ValueError, match=r"no moments collected with residual rotation None \(it holds \[\{"):
-        quantize.run(tiny_source, tmp_path / "q2", 4, seed=5, moments=tmp_path / "only", **quiet)
+        quantize.run(tiny_source, tmp_path / "q2", 4, seed=5, moments=tmp_path / "only", **untuned)
     with pytest.raises(ValueError, match="no moments collected with residual rotation"):
-        quantize.run(tiny_source, tmp_path / "q3", 4, seed=6, moments=tmp_path / "mom", residual=True, **quiet)
+        quantize.run(tiny_source, tmp_path / "q3", 4, seed=6, moments=tmp_path / "mom", residual=True, **untuned)
     pack.run(tmp_path / "q", tmp_path / "r", False, **quiet)
     assert R.read_header(tmp_path / "r" / R.FILE_NAME)["residual_rotation"] == spec
     model, _ = load_quantized(tmp_path / "q")

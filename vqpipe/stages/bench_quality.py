@@ -417,7 +417,8 @@ def quality(path, bits_list, n_windows=20, length=512, seed=0, rotation="auto", 
     tmp = tempfile.TemporaryDirectory(prefix="vqpipe-quality-")
     evals, per_text = {}, {}
     for corpus in texts:
-        windows = [text.eval_windows(tok, n_windows, length, corpus=corpus)[i] for i in index]
+        every = text.eval_windows(tok, n_windows, length, corpus=corpus)  # tokenizes the whole text: once
+        windows = [every[i] for i in index]
         Path(tmp.name, corpus).mkdir()
         refs, nlls = source_references(source, windows, f"{tmp.name}/{corpus}")
         evals[corpus] = (refs, windows)
