@@ -4,20 +4,21 @@
 #
 #   bash scripts/gpu.sh [--out DIR] [--repeats N] [--presets "P ..."] [--tar] PART ... [-- SNAKEMAKE ARGS]
 #
-#   tests     the tests that run on the default device without the gpu mark (residual rotation,
-#             tuning, small arrays, step kernels), then the GPU tests (pytest -m gpu over tests/);
-#             DEVICE_LIMIT / GPU_LIMIT (s) bound each
+#   tests     the GPU tests (pytest -m gpu over tests/), then the tests that run on the default
+#             device without the gpu mark (residual rotation, tuning, small arrays, step kernels);
+#             GPU_LIMIT / DEVICE_LIMIT (s) bound each
 #   decode    decode side by side, split compiled step, P = 512: vqpipe 4-bit, its residual-rotated
 #             layout, bf16 and affine 4-bit, per preset (default qwen2.5-0.5b llama3-8b)
 #   qmv       the mat-vec kernels alone (experiments.bench_qmv, Llama-3-8B and Qwen shapes)
-#   kivi      the KIVI kernel tests, bench-kivi, and one KIVI-4 layer's latency at 8k and 32k
+#   kivi      one KIVI-4 layer's latency at 8k and 32k, bench-kivi, then the KIVI kernel tests
 #   ncu       Nsight Compute: the decode step kernel by kernel (experiments.step_kernels), then the
 #             mat-vec kernels' sections (needs ncu on the host)
 #   pipeline  the Snakefile with config/gpu.yaml (arguments after -- go to snakemake)
 #   ext       build vqpipe._ext with its CUDA kernels (nanobind from the carried .whl/), its tests and the
 #             trellis kernel's on the GPU, each bad-argument case in a process of its own (a C++
 #             backtrace under gdb), the trellis mat-vec against the scalar kernel (bench_trellis_matvec)
-#   user      the default user path: a synthetic qwen2.5-0.5b reservoir made by the stage CLIs,
+#   user      the default user path: vqpipe._ext built (as setup does; carry .whl/), a synthetic
+#             qwen2.5-0.5b reservoir made by the stage CLIs,
 #             `vqpipe generate` in three fresh processes (the first two under cProfile) beside
 #             mlx_lm.generate on mlx_lm.convert's affine 4-bit and on the source; MLX's PTX cache kept
 #   ttft      the time before the first token phase by phase (experiments/ttft.py), after a warm-up
@@ -42,7 +43,7 @@ while [ $# -gt 0 ]; do
     *) echo "gpu.sh: unknown argument $1 (parts: tests decode qmv kivi ncu pipeline ext user ttft trellis)" >&2; exit 2 ;;
   esac
 done
-[ ${#PARTS[@]} -gt 0 ] || { sed -n 2,20p "$0"; exit 2; }
+[ ${#PARTS[@]} -gt 0 ] || { sed -n 2,30p "$0"; exit 2; }
 source scripts/gpu_env.sh
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
@@ -57,12 +58,13 @@ pt() {  # LOG LIMIT PYTEST-ARGS: a pytest step with a time limit and its own log
 }
 
 part_tests() {
-  # The default-device files first: the mark-gpu suite alone nearly fills a call's limit.
+  # The mark-gpu suite first: on an H100 (2026-12-07) 1,581 of its tests took 330 s; the default-device
+  # files then passed 14 tests in 150 s (every worker imports transformers and torch there).
+  echo "== GPU tests $(since)"
+  pt "$1/gpu.log" ${GPU_LIMIT:-600} -m gpu -n 8 --dist load tests/
   echo "== tests on the default device $(since)"
   pt "$1/device.log" ${DEVICE_LIMIT:-300} -n 8 --dist load tests/test_residual_rotation.py tests/test_tune.py \
     tests/test_small_arrays.py tests/test_step_kernels.py
-  echo "== GPU tests $(since)"
-  pt "$1/gpu.log" ${GPU_LIMIT:-600} -m gpu -n 8 --dist load tests/
 }
 
 part_decode() {
@@ -81,14 +83,14 @@ part_qmv() {
     --out "$1/bench-qmv.json" 2>&1 | tee "$1/bench-qmv.log" | tail -n 30
 }
 
-part_kivi() {
-  echo "== KIVI kernel tests $(since)"
-  MLX_PTX_CACHE_DIR=$(mktemp -d) pt "$1/kernels.log" 420 --maxfail=10 -m gpu tests/test_kivi_kernels.py tests/test_kivi_attention.py
-  echo "== bench-kivi $(since)"
-  timeout 300 $PY -m vqpipe bench-kivi --out "$1/kivi_ops.json" 2>&1 | tee "$1/bench-kivi.log" | tail -n 20
+part_kivi() {  # the figures first (~95 s on an H100), then the kernel tests (> 250 s there)
   echo "== KIVI-4 layer latency $(since)"
   timeout 200 $PY -m experiments.kivi_latency --out "$1/kivi_latency.json" --contexts 8192,32768 \
     --repeats 15 --warmup 3 2>&1 | tee "$1/kivi_latency.log" | tail -n 30
+  echo "== bench-kivi $(since)"
+  timeout 300 $PY -m vqpipe bench-kivi --out "$1/kivi_ops.json" 2>&1 | tee "$1/bench-kivi.log" | tail -n 20
+  echo "== KIVI kernel tests $(since)"
+  MLX_PTX_CACHE_DIR=$(mktemp -d) pt "$1/kernels.log" 420 --maxfail=10 -m gpu tests/test_kivi_kernels.py tests/test_kivi_attention.py
 }
 
 part_ncu() {
@@ -124,12 +126,17 @@ part_pipeline() {
     --rerun-incomplete --keep-going "${SNAKE[@]}" 2>&1 | tee "$1/snakemake.log" | tail -n 30
 }
 
-part_ext() {
+build_ext() {  # vqpipe._ext with its CUDA kernels (nanobind from the carried .whl/), once per host
+  $PY -c "from vqpipe import _ext" 2> /dev/null && return 0
   echo "== build vqpipe._ext with CUDA $(since)"
   mkdir -p /tmp/site
   $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/nanobind-*.whl 2>&1 | tail -n 3
   PYTHONPATH=/tmp/site:$PYTHONPATH VQPIPE_EXT_BUILD=/tmp/ext_build bash scripts/build_ext.sh "$(command -v $PY)" 2>&1 | tail -n 5
   $PY -c "from vqpipe.kernels import ext; m = ext.module(); print('ext', m is not None, 'gpu', m and m.has_gpu())"
+}
+
+part_ext() {
+  build_ext
   echo "== bad arguments, one process each $(since)"
   $PY experiments/ext_bad_args.py --each 2>&1 | tee "$1/bad_args.log" | tail -n 20
   if command -v gdb > /dev/null; then
@@ -151,6 +158,7 @@ part_ext() {
 
 part_trellis() {
   local d=/tmp/trellis
+  build_ext
   echo "== a synthetic qwen2.5-0.5b, trellis and scalar codes at 4 bits $(since)"
   [ -d $d/src ] || $PY -m vqpipe download --source synth:qwen2.5-0.5b --out $d/src 2>&1 | tail -n 1
   for codes in trellis scalar; do
@@ -168,6 +176,7 @@ user_reservoir() {  # a synthetic qwen2.5-0.5b reservoir and mlx_lm.convert's af
   local d=$USER_DIR
   [ -f "$d/affine4/config.json" ] && return 0
   rm -rf "$d" && mkdir -p "$d"
+  build_ext  # without it the trellis encode is numpy's: 23 of qwen's 169 layers in 300 s (2026-12-07)
   echo "== a synthetic qwen2.5-0.5b reservoir through the stage CLIs $(since)"
   $PY -m vqpipe download --source synth:qwen2.5-0.5b --out "$d/src" 2>&1 | tail -n 1
   $PY -m vqpipe quantize --source "$d/src" --out "$d/q" --bits 4 2>&1 | tail -n 1
