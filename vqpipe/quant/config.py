@@ -44,9 +44,9 @@ class QuantizeConfig:
       offsets from ``calib_seed``.
     - ``tune_steps``: Adam steps of end-to-end tuning of the row scales against the
       source after quantization (vqpipe/quant/tune.py), one calibration window each; 0: none.
-      Only with calibration tokens (data-free quantization has none). ``tune_lr``: its starting rate (a cosine
-      decay to a tenth by the last step);
-      ``tune_length``: tokens per step (the calibration windows cut into pieces of this length).
+      Only with calibration tokens (data-free quantization has none). ``tune_lr``: its rate at the
+      first step (a cosine decay to a tenth by the last); ``tune_length``: tokens per step (the
+      calibration windows cut into pieces of this length).
     - ``codes``: "trellis" (bitshift-trellis codes, vqpipe/codec/ldlq.py; the default: lower error
       than the scalar codebook at every width measured, docs/quantize.md) for every layer that can
       take them (vqpipe/layers/qlinear.py ``trellis_fits``: widths 2-5, rows a multiple of 32,

@@ -181,7 +181,8 @@ def parser():
                    help=f"steps of end-to-end tuning of the row scales against the source on the "
                    f"calibration windows, one window a step (vqpipe/quant/tune.py; default {QuantizeConfig.tune_steps}; "
                    "0: none; data-free quantization has no windows and is not tuned)")
-    p.add_argument("--tune-lr", type=float, default=QuantizeConfig.tune_lr, help="the tuning's Adam learning rate at its first step (a cosine decay to a tenth by the last)")
+    p.add_argument("--tune-lr", type=float, default=QuantizeConfig.tune_lr,
+                   help="the tuning's Adam learning rate at its first step (a cosine decay to a tenth by the last)")
     p.add_argument("--tune-length", type=int, default=QuantizeConfig.tune_length, metavar="TOKENS",
                    help=f"tokens a tuning step reads: the calibration windows cut into pieces of this length "
                    f"(default {QuantizeConfig.tune_length})")
