@@ -22,6 +22,9 @@
 #             `vqpipe generate` in three fresh processes (the first two under cProfile) beside
 #             mlx_lm.generate on mlx_lm.convert's affine 4-bit and on the source; MLX's PTX cache kept
 #   ttft      the time before the first token phase by phase (experiments/ttft.py), after a warm-up
+#   first     the first token in a fresh process, side by side: `vqpipe generate --max-tokens 1` on the
+#             user reservoir beside mlx_lm.generate on affine 4-bit and on the source, interleaved,
+#             FIRST_N rounds (default 6) after one warm-up round (MLX's PTX cache filled)
 #   trellis   trellis against scalar codes on the GPU: a synthetic qwen2.5-0.5b quantized both ways
 #             (4 bits), whole-model decode interleaved beside mlx-lm on the source and on affine 4-bit
 #             (experiments/vq/decode.py --device gpu --affine); the extension must be built (ext)
@@ -39,8 +42,8 @@ while [ $# -gt 0 ]; do
     --presets) PRESETS=$2; shift 2 ;;
     --tar) TAR=1; shift ;;
     --) shift; SNAKE=("$@"); break ;;
-    tests|decode|qmv|kivi|ncu|pipeline|ext|user|ttft|trellis) PARTS+=("$1"); shift ;;
-    *) echo "gpu.sh: unknown argument $1 (parts: tests decode qmv kivi ncu pipeline ext user ttft trellis)" >&2; exit 2 ;;
+    tests|decode|qmv|kivi|ncu|pipeline|ext|user|ttft|first|trellis) PARTS+=("$1"); shift ;;
+    *) echo "gpu.sh: unknown argument $1 (parts: tests decode qmv kivi ncu pipeline ext user ttft first trellis)" >&2; exit 2 ;;
   esac
 done
 [ ${#PARTS[@]} -gt 0 ] || { sed -n 2,30p "$0"; exit 2; }
@@ -194,6 +197,35 @@ part_ttft() {  # phase by phase before the first token (experiments/ttft.py), af
       timeout 120 $PY -m experiments.ttft --model $USER_DIR/r --mode $mode 2>&1 | tee -a "$1/ttft.jsonl" | grep "{"
     done
   done
+}
+
+part_first() {  # process start to exit with one new token: what a user waits for the first token
+  local d=$USER_DIR prompt="Write a short story about a lighthouse keeper who finds a message in a bottle."
+  user_reservoir
+  for i in $(seq 0 "${FIRST_N:-6}"); do  # round 0 is the warm-up
+    for arm in vqpipe affine4 src; do
+      local t=$(date +%s.%N) cmd=(-m mlx_lm generate --model "$d/$arm")
+      [ $arm = vqpipe ] && cmd=(-m vqpipe generate --model "$d/r")
+      timeout 200 $PY "${cmd[@]}" --prompt "$prompt" --max-tokens 1 > "$1/last.log" 2>&1
+      local rc=$?
+      echo "{\"round\": $i, \"arm\": \"$arm\", \"wall_s\": $($PY -c "print(round($(date +%s.%N) - $t, 3))"), \"rc\": $?}" \
+        | tee -a "$1/first.jsonl"
+    done
+  done
+  $PY - "$1/first.jsonl" <<'EOF2'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+by = {}
+for r in rows:
+    if r["round"] > 0:
+        by.setdefault(r["arm"], []).append(r["wall_s"])
+for arm, w in by.items():
+    print(f"{arm}: median {statistics.median(w):.2f} s [{min(w):.2f}-{max(w):.2f}] n={len(w)}")
+v = [r["wall_s"] for r in rows if r["round"] > 0 and r["arm"] == "vqpipe"]
+a = [r["wall_s"] for r in rows if r["round"] > 0 and r["arm"] == "affine4"]
+ratios = sorted(x / y for x, y in zip(v, a))
+print(f"vqpipe / affine4 per round: median {statistics.median(ratios):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]")
+EOF2
 }
 
 part_user() {
