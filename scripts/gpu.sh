@@ -55,9 +55,14 @@ t0=$(date +%s)
 since() { echo "($(( $(date +%s) - t0 )) s)"; }
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 pt() {  # LOG LIMIT PYTEST-ARGS: a pytest step with a time limit and its own log; never stops the job
+  # -v: each test's name and outcome reach the log as it ends, so a run the limit kills still says
+  # which tests failed (with -q a killed run left only dots: 2026-12-07, 2 F and 2 E unnamed).
   local log=$1 limit=$2
   shift 2
-  timeout "$limit" $PY -m pytest -q -p no:cacheprovider -rfE "$@" 2>&1 | tee "$log" | tail -n 15
+  timeout "$limit" $PY -m pytest -v -p no:cacheprovider -rfE "$@" > "$log" 2>&1
+  grep -E "(FAILED|ERROR) tests/" "$log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -n 40
+  echo "$(grep -c " PASSED " "$log") passed, $(grep -c " FAILED " "$log") failed, $(grep -c " ERROR " "$log") errors (log: $log)"
+  tail -n 3 "$log"
 }
 
 part_tests() {
