@@ -14,6 +14,7 @@ from vqpipe import parallel
 from vqpipe.quant import recipe
 from vqpipe.quant.config import QuantizeConfig
 from vqpipe.quant.quantize import _targets, calibrate_model, layer_rotation, quantize_model
+from vqpipe.quant.tune import steps_for
 from vqpipe.stages import bench_quality
 from vqpipe.quant.calibrate import auto_calibration
 from vqpipe.stages import quantize as stage
@@ -171,7 +172,8 @@ def test_defaults_agree():
     assert api.group_size is None and cli.group_size is None and config["quantize"]["group_size"] is None
     tune = {"steps": api.tune_steps, "lr": api.tune_lr, "length": api.tune_length}
     assert tune == {"steps": cli.tune_steps, "lr": cli.tune_lr, "length": cli.tune_length}
-    assert tune == q["tune"]["default"] == config["quantize"]["tune"] and api.tune_steps > 0
+    assert tune == q["tune"]["default"] == config["quantize"]["tune"] and api.tune_steps == "auto"
+    assert [steps_for("auto", b) for b in (2, 3, 4)] == [64, 32, 32]
     # no model of the default config carries hand-made widths
     assert not any(m.get("quantize", {}).get("layer_bits") for m in config["models"].values())
 

@@ -124,7 +124,7 @@ def test_data_free_is_not_tuned_and_bad_settings_are_named(tiny_llama_source):
     summary = {}
     quantize_model(model, QuantizeConfig(2, calib_text="none", threads=1), summary=summary)
     assert summary == {"tune": None}
-    for bad, match in (({"tune_steps": -1}, "tune_steps"), ({"tune_steps": 1.5}, "tune_steps"), ({"tune_length": 1}, "tune_length"),
+    for bad, match in (({"tune_steps": -1}, "tune_steps"), ({"tune_steps": 1.5}, "tune_steps"), ({"tune_steps": "many"}, "tune_steps"), ({"tune_length": 1}, "tune_length"),
                        ({"tune_lr": 0}, "tune_lr"), ({"tune_lr": True}, "tune_lr")):
         with pytest.raises(ValueError, match=match):
             QuantizeConfig(**bad)

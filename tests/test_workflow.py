@@ -417,7 +417,7 @@ def test_calibration_options_reach_the_command(bare):
     tiny, llama = quantize_commands(bare, "cal", "{group_size: 64, calibration: {text: text, windows: 4, sequential: true},"
                                                  " budget: {4: 4.75}}")
     assert "--group-size 64 --calibration text --calib-windows 4 --calib-length 512" in tiny[0]
-    assert "--sequential" in tiny[0] and "--budget 4.75" in tiny[0]
+    assert "--sequential" in tiny[0] and "--budget 4.75" in tiny[0] and "--tune-steps auto" in tiny[0]
     # a synth: model is data-free by default (calibration text auto)
     assert "--group-size" not in llama[0] and "--calibration none" in llama[0] and "--budget auto" in llama[0]
 

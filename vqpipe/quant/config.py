@@ -15,7 +15,7 @@ from ..codec.codebook import check_bits
 from ..codec.rotation import KINDS
 from ..layers.qlinear import CODES
 from ..parallel import check_threads, default_threads
-from . import recipe
+from . import recipe, tune
 from .calibrate import CALIBRATION_TEXTS
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -43,7 +43,8 @@ class QuantizeConfig:
       'self': the model's own, 'none': data-free), ``calib_windows`` x ``calib_length`` tokens at
       offsets from ``calib_seed``.
     - ``tune_steps``: Adam steps of end-to-end tuning of the row scales against the
-      source after quantization (vqpipe/quant/tune.py), one calibration window each; 0: none.
+      source after quantization (vqpipe/quant/tune.py), one calibration window each; 0: none;
+      "auto": 64 at 2 bits, 32 above (``tune.steps_for``).
       Only with calibration tokens (data-free quantization has none). ``tune_lr``: its rate at the
       first step (a cosine decay to a tenth by the last); ``tune_length``: tokens per step (the
       calibration windows cut into pieces of this length).
@@ -73,7 +74,7 @@ class QuantizeConfig:
     calib_length: int = 512
     calib_seed: int = 0
     codes: str = "trellis"
-    tune_steps: int = 32
+    tune_steps: int | str = "auto"
     tune_lr: float = 1e-3
     tune_length: int = 256
 
@@ -99,8 +100,7 @@ class QuantizeConfig:
             raise ValueError(f"calib_windows must be an integer of at least 1, got {self.calib_windows!r}")
         if not (_integer(self.calib_length) and self.calib_length >= 2):
             raise ValueError(f"calib_length must be an integer of at least 2, got {self.calib_length!r}")
-        if not (_integer(self.tune_steps) and self.tune_steps >= 0):
-            raise ValueError(f"tune_steps must be an integer of at least 0, got {self.tune_steps!r}")
+        tune.steps_for(self.tune_steps, self.bits)  # "auto" or an integer >= 0
         if not (isinstance(self.tune_lr, (int, float)) and not isinstance(self.tune_lr, bool) and 0 < self.tune_lr < 1):
             raise ValueError(f"tune_lr must be in (0, 1), got {self.tune_lr!r}")
         if not (_integer(self.tune_length) and self.tune_length >= 2):

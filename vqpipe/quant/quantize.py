@@ -114,8 +114,8 @@ def quantize_model(model, config=None, *, tokenizer=None, calibration=None, mome
         calibration = _calibration_tokens(model, tokenizer, config)
     if tune_tokens is None:
         tune_tokens = calibration
-    teacher = None
-    if config.tune_steps and tune_tokens is not None:
+    teacher, tune_steps = None, tune.steps_for(config.tune_steps, bits)
+    if tune_steps and tune_tokens is not None:
         teacher = tune.teacher_of(model)  # before any weight changes (a residual rotation among them)
     if config.residual:
         rotate_for_quantize(model, rotation, seed, config.embeddings)
@@ -151,7 +151,7 @@ def quantize_model(model, config=None, *, tokenizer=None, calibration=None, mome
                                 rotation_of)
     tuned = None
     if teacher is not None:
-        tuned = tune.tune(model, teacher, tune_tokens, config.tune_steps, config.tune_lr, config.tune_length,
+        tuned = tune.tune(model, teacher, tune_tokens, tune_steps, config.tune_lr, config.tune_length,
                           progress=progress)
         del teacher
     if summary is not None:

@@ -21,7 +21,7 @@ from .. import __version__
 from ..parallel import default_threads
 from ..codec.codebook import BITS
 from ..codec.rotation import KINDS
-from ..quant import recipe, residual_rotation
+from ..quant import recipe, residual_rotation, tune
 from ..quant.calibrate import auto_calibration, calibration_tokens
 from ..layers.qlinear import CODES
 from ..quant.config import CALIB_TEXTS, QuantizeConfig
@@ -132,6 +132,15 @@ def _budget(text):
         raise argparse.ArgumentTypeError(f"not auto, none or a number: {text!r}") from None
 
 
+def _steps(text):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not auto or an integer: {text!r}") from None
+
+
 def parser():
     p = argparse.ArgumentParser(prog="vqpipe quantize", description=__doc__.split("\n")[0])
     p.add_argument("--source", required=True, help="source model directory (download stage output)")
@@ -177,10 +186,11 @@ def parser():
                    help="trellis (default): bitshift-trellis codes (block LDLQ, vqpipe/codec/ldlq.py) for every "
                    "layer at 2-5 bits with per-row scales whose shape tiles (32 rows x 8 inputs), the others "
                    "scalar; scalar: the Lloyd-Max codebook for every layer")
-    p.add_argument("--tune-steps", type=int, default=QuantizeConfig.tune_steps, metavar="N",
+    p.add_argument("--tune-steps", type=_steps, default=QuantizeConfig.tune_steps, metavar="N",
                    help=f"steps of end-to-end tuning of the row scales against the source on the "
-                   f"calibration windows, one window a step (vqpipe/quant/tune.py; default {QuantizeConfig.tune_steps}; "
-                   "0: none; data-free quantization has no windows and is not tuned)")
+                   f"calibration windows, one window a step (vqpipe/quant/tune.py; default {QuantizeConfig.tune_steps}: "
+                   f"{tune.LOW_STEPS} at 2 bits, {tune.STEPS} above; 0: none; data-free quantization has no windows "
+                   "and is not tuned)")
     p.add_argument("--tune-lr", type=float, default=QuantizeConfig.tune_lr,
                    help="the tuning's Adam learning rate at its first step (a cosine decay to a tenth by the last)")
     p.add_argument("--tune-length", type=int, default=QuantizeConfig.tune_length, metavar="TOKENS",
