@@ -167,3 +167,16 @@ def test_a_residual_rotated_model_is_tuned_through_its_head_map(tiny_source):
         [(n, (tune._ScaledEmbedding if n.endswith("embed_tokens") else tune._Scaled)(m)) for n, m in layers.items()]))
     got = model(x)
     assert float(mx.max(mx.abs(got - want)).item()) < 1e-3 * float(mx.max(mx.abs(want)).item())
+
+
+def test_steps_auto_by_width_and_the_cli_parses_them(capsys):
+    """steps "auto": tune.LOW_STEPS at 2 bits, tune.STEPS above; the CLI takes auto or a count and
+    names a bad value."""
+    assert [tune.steps_for("auto", b) for b in (2, 3, 4, 8)] == [tune.LOW_STEPS, tune.STEPS, tune.STEPS, tune.STEPS]
+    assert tune.steps_for(0, 2) == 0 and tune.steps_for(5, 2) == 5
+    base = ["--source", "s", "--out", "o"]
+    assert stage.parser().parse_args(base).tune_steps == "auto"
+    assert stage.parser().parse_args(base + ["--tune-steps", "8"]).tune_steps == 8
+    with pytest.raises(SystemExit):
+        stage.parser().parse_args(base + ["--tune-steps", "many"])
+    assert "not auto or an integer: 'many'" in capsys.readouterr().err
