@@ -213,7 +213,7 @@ part_first() {  # process start to exit with one new token: what a user waits fo
       [ $arm = vqpipe ] && cmd=(-m vqpipe generate --model "$d/r")
       timeout 200 $PY "${cmd[@]}" --prompt "$prompt" --max-tokens 1 > "$1/last.log" 2>&1
       local rc=$?
-      echo "{\"round\": $i, \"arm\": \"$arm\", \"wall_s\": $($PY -c "print(round($(date +%s.%N) - $t, 3))"), \"rc\": $?}" \
+      echo "{\"round\": $i, \"arm\": \"$arm\", \"wall_s\": $($PY -c "print(round($(date +%s.%N) - $t, 3))"), \"rc\": $rc}" \
         | tee -a "$1/first.jsonl"
     done
   done
