@@ -25,6 +25,13 @@
 #   first     the first token in a fresh process, side by side: `vqpipe generate --max-tokens 1` on the
 #             user reservoir beside mlx_lm.generate on affine 4-bit and on the source, interleaved,
 #             FIRST_N rounds (default 6) after one warm-up round (MLX's PTX cache filled)
+#   prefill   trellis layers at prefill row counts, compiled mat-vec against the dense rebuild
+#             (experiments/trellis_prefill.py: time and transient memory per M), then the user
+#             reservoir's phases and peak memory with the mat-vec's GPU row limit at 8 and 64,
+#             alternating processes (experiments/ttft.py --gpu-max-m), after one warm-up process
+#   serve     one client: `vqpipe serve` (mlx-lm's batched loop) against the compiled step on the
+#             user reservoir, interleaved per prompt (experiments/serve_one_client.py)
+#   devtests  only the default-device test files of `tests` (DEVICE_LIMIT s)
 #   trellis   trellis against scalar codes on the GPU: a synthetic qwen2.5-0.5b quantized both ways
 #             (4 bits), whole-model decode interleaved beside mlx-lm on the source and on affine 4-bit
 #             (experiments/vq/decode.py --device gpu --affine); the extension must be built (ext)
@@ -42,8 +49,8 @@ while [ $# -gt 0 ]; do
     --presets) PRESETS=$2; shift 2 ;;
     --tar) TAR=1; shift ;;
     --) shift; SNAKE=("$@"); break ;;
-    tests|decode|qmv|kivi|ncu|pipeline|ext|user|ttft|first|trellis) PARTS+=("$1"); shift ;;
-    *) echo "gpu.sh: unknown argument $1 (parts: tests decode qmv kivi ncu pipeline ext user ttft first trellis)" >&2; exit 2 ;;
+    tests|devtests|decode|qmv|kivi|ncu|pipeline|ext|user|ttft|first|prefill|serve|trellis) PARTS+=("$1"); shift ;;
+    *) echo "gpu.sh: unknown argument $1 (parts: tests devtests decode qmv kivi ncu pipeline ext user ttft first prefill serve trellis)" >&2; exit 2 ;;
   esac
 done
 [ ${#PARTS[@]} -gt 0 ] || { sed -n 2,30p "$0"; exit 2; }
@@ -70,6 +77,10 @@ part_tests() {
   # files then passed 14 tests in 150 s (every worker imports transformers and torch there).
   echo "== GPU tests $(since)"
   pt "$1/gpu.log" ${GPU_LIMIT:-600} -m gpu -n 8 --dist load tests/
+  part_devtests "$1"
+}
+
+part_devtests() {
   echo "== tests on the default device $(since)"
   pt "$1/device.log" ${DEVICE_LIMIT:-300} -n 8 --dist load tests/test_residual_rotation.py tests/test_tune.py \
     tests/test_small_arrays.py tests/test_step_kernels.py
@@ -231,6 +242,26 @@ a = [r["wall_s"] for r in rows if r["round"] > 0 and r["arm"] == "affine4"]
 ratios = sorted(x / y for x, y in zip(v, a))
 print(f"vqpipe / affine4 per round: median {statistics.median(ratios):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}]")
 EOF2
+}
+
+part_prefill() {
+  build_ext
+  echo "== trellis layers at prefill sizes, kernel against dense $(since)"
+  timeout 150 $PY -m experiments.trellis_prefill --out "$1/trellis_prefill.json" 2>&1 | tee "$1/trellis_prefill.log" | tail -n 30
+  user_reservoir
+  echo "== phases and peak memory, GPU row limit 8 against 64 (first process: warm-up) $(since)"
+  for i in 0 1 2 3; do
+    for m in 8 64; do
+      timeout 100 $PY -m experiments.ttft --model $USER_DIR/r --gpu-max-m $m 2>&1 | tee -a "$1/ttft.jsonl" | grep "{" | cut -c1-600
+    done
+  done
+}
+
+part_serve() {
+  user_reservoir
+  echo "== one client: serve against the compiled step $(since)"
+  timeout ${SERVE_LIMIT:-200} $PY -m experiments.serve_one_client --model $USER_DIR/r --prompts 20 --max-tokens 128 \
+    --out "$1/serve.json" 2>&1 | grep -v "POST /v1" | tee "$1/serve.log" | tail -n 25
 }
 
 part_user() {
