@@ -5,8 +5,8 @@ form) from the rotated input and the packed codes, without rebuilding the dense 
 CPU it runs an AVX2/FMA kernel (a portable one elsewhere) over output rows on a small thread pool;
 a CUDA build of it serves eval_gpu where the installed MLX is a CUDA build, but vqpipe routes
 scalar-code GPU work to vqpipe/kernels/qmv.py and only CPU work here. ``trellis_matvec`` (trellis
-codes) runs here on both: its CUDA kernel (csrc/trellis.cu) is the only GPU kernel for them. Decode and small batches take it (M <= MAX_M rows
-of x); prefill-sized inputs keep the dense path (vqpipe/layers/qlinear.py ``dense_forward``).
+codes) runs here on both: its CUDA kernel (csrc/trellis.cu) is the only GPU kernel for them. Decode, small batches and short prompts take it (M <= MAX_M rows
+of x on the CPU, GPU_MAX_M on the GPU); longer inputs keep the dense path (vqpipe/layers/qlinear.py ``dense_forward``).
 
 When the module is missing (not built, or the build failed) everything runs on MLX ops as before,
 with one warning per process naming what is missing.
@@ -33,8 +33,11 @@ else:
 MAX_M = 64
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # Rows of x up to which a trellis layer on the GPU takes the CUDA kernel (one block row per 8 rows,
-# each decoding every code again); above it the dense reconstruction and a matmul (prefill).
-GPU_MAX_M = 8
+# each decoding every code again); above it the dense reconstruction and a matmul. On an H100 the
+# kernel took 0.05-0.50x the dense path's time up to M = 128 on qwen2.5-0.5b's shapes, par at 256 on
+# gate|up; the dense path also allocates 16 bytes per weight while it runs (a generation's peak
+# 2.3 GB against 0.28 GB at a limit of 64: docs/results/2026-12-07-h100-prefill-serve/).
+GPU_MAX_M = 128
 _has_gpu = _ext is not None and _ext.has_gpu()
 _warned = False
 _enabled = True  # off only inside ``using(False)`` (benchmarks, tests: the dense arm)
