@@ -1,16 +1,18 @@
-"""One client: `vqpipe serve` (mlx-lm's batched generation loop) against the compiled decode step
-that `vqpipe generate` uses (vqpipe/decode/step.py), on the same reservoir, same prompts, greedy.
+"""One client: `vqpipe serve` as users get it (``--decode auto``: a lone greedy request through the
+compiled step on CUDA), `vqpipe serve --decode batched` (mlx-lm's batched generation loop for every
+request) and the compiled decode step in this process (what `vqpipe generate` runs), on the same
+reservoir, same prompts, greedy.
 
-The server runs in a subprocess; this process loads the same reservoir for the compiled arm. Per
-prompt (>= 20 distinct ones, arms interleaved A B per prompt after two warm-up prompts each):
-- ``serve``: a streamed /v1/completions request, ``max_tokens`` new tokens, temperature 0;
-  time to the first streamed chunk from the request, decode rate (completion tokens - 1) over the
-  time from the first to the last chunk (usage from ``stream_options.include_usage``);
+The servers run in subprocesses; this process loads the same reservoir for the in-process arm. Per
+prompt (>= 20 distinct ones, arms interleaved per prompt after two warm-up prompts):
+- ``serve`` / ``batched``: a streamed /v1/completions request, ``max_tokens`` new tokens,
+  temperature 0; time to the first streamed chunk from the request, decode rate (completion tokens
+  - 1) over the time from the first to the last chunk (usage from ``stream_options.include_usage``);
 - ``compiled``: ``Decoder(model, ...).tokens`` on the same prompt ids; time to the first id and
   the rate over the rest, measured the same way.
-Prints per-arm median [min-max] and the per-prompt ratio compiled / serve of the decode rate,
-and how many prompts gave the same text in both arms (but for leading and trailing spaces: mlx-lm's
-server drops the first token's leading space).
+Prints per-arm median [min-max], the per-prompt ratios against ``batched``, and how many prompts
+gave the same text in every arm (but for leading and trailing spaces: mlx-lm's server drops the
+first token's leading space).
 
     python -m experiments.serve_one_client --model RESERVOIR [--prompts 20] [--max-tokens 64]
 """
@@ -102,36 +104,41 @@ def main():
     p.add_argument("--port", type=int, default=8093)
     p.add_argument("--out")
     a = p.parse_args()
-    url, name = f"http://127.0.0.1:{a.port}", "m"
-    proc = subprocess.Popen([sys.executable, "-m", "vqpipe", "serve", "--model", a.model, "--port", str(a.port),
-                             "--name", name, "--log-level", "WARNING"])
+    name = "m"
+    urls = {"serve": f"http://127.0.0.1:{a.port}", "batched": f"http://127.0.0.1:{a.port + 1}"}
+    procs = [subprocess.Popen([sys.executable, "-m", "vqpipe", "serve", "--model", a.model, "--port", str(a.port + i),
+                               "--name", name, "--log-level", "WARNING", "--decode", decode])
+             for i, decode in enumerate(("auto", "batched"))]
+    arms = ("serve", "batched", "compiled")
     try:
-        wait_ready(url, proc)
+        for url, proc in zip(urls.values(), procs):
+            wait_ready(url, proc)
         model, tokenizer = vqpipe.load(a.model)
         rows = []
-        texts = prompts(a.prompts + 2)
-        for k, text in enumerate(texts):
-            s = serve_arm(url, name, text, a.max_tokens)
-            c = compiled_arm(model, tokenizer, text, a.max_tokens)
+        for k, text in enumerate(prompts(a.prompts + 2)):
+            row = {arm: serve_arm(urls[arm], name, text, a.max_tokens) for arm in arms[:2]}
+            row["compiled"] = compiled_arm(model, tokenizer, text, a.max_tokens)
             if k < 2:
                 continue  # warm-up
-            rows.append({"serve": s, "compiled": c})
-            print(f"prompt {k - 2:2d}: serve {s['tok_s']:6.1f} tok/s ttft {s['ttft_s'] * 1e3:6.1f} ms | compiled "
-                  f"{c['tok_s']:6.1f} tok/s ttft {c['ttft_s'] * 1e3:6.1f} ms | same text {s['text'].strip() == c['text'].strip()}",
-                  flush=True)
+            rows.append(row)
+            same = len({row[arm]["text"].strip() for arm in arms}) == 1
+            print(f"prompt {k - 2:2d}: " + " | ".join(f"{arm} {row[arm]['tok_s']:6.1f} tok/s ttft "
+                                                      f"{row[arm]['ttft_s'] * 1e3:6.1f} ms" for arm in arms)
+                  + f" | same text {same}", flush=True)
     finally:
-        proc.terminate()
-        proc.wait(30)
-    res = {arm: {k: summary([r[arm][k] for r in rows]) for k in ("tok_s", "ttft_s")} for arm in ("serve", "compiled")}
-    res["ratio_tok_s"] = summary([r["compiled"]["tok_s"] / r["serve"]["tok_s"] for r in rows])
-    res["ratio_ttft"] = summary([r["compiled"]["ttft_s"] / r["serve"]["ttft_s"] for r in rows])
-    res["same_text"] = sum(r["serve"]["text"].strip() == r["compiled"]["text"].strip() for r in rows)
+        for proc in procs:
+            proc.terminate()
+            proc.wait(30)
+    res = {arm: {k: summary([r[arm][k] for r in rows]) for k in ("tok_s", "ttft_s")} for arm in arms}
+    for arm in ("serve", "compiled"):
+        res[f"{arm}_over_batched_tok_s"] = summary([r[arm]["tok_s"] / r["batched"]["tok_s"] for r in rows])
+        res[f"{arm}_over_batched_ttft"] = summary([r[arm]["ttft_s"] / r["batched"]["ttft_s"] for r in rows])
+    res["same_text"] = sum(len({r[arm]["text"].strip() for arm in arms}) == 1 for r in rows)
     res["device"] = str(mx.default_device())
     print(json.dumps(res))
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"summary": res, "rows": rows}, f, indent=1)
-
 
 if __name__ == "__main__":
     main()

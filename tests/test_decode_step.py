@@ -81,6 +81,25 @@ def test_uncompiled_static_step_is_the_same(tiny_f32):
     assert a["ids"] == b["ids"] == c["ids"]
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_tokens_streams_any_count_with_mlx_lm_logprobs(tiny_f32, mode):
+    """``tokens`` for 1 and for NEW new tokens (one token ran past the end of its loop: 2026-12-07),
+    and with ``logprobs`` the distributions mlx-lm's generate_step yields beside the same ids."""
+    from mlx_lm.generate import generate_step
+
+    prompt = _prompts(8192)[1]
+    dec = Decoder(tiny_f32, 40, mode)
+    ids = list(dec.tokens(prompt, NEW, 8))
+    assert list(dec.tokens(prompt, 1, 8)) == ids[:1]
+    pairs = list(dec.tokens(prompt, NEW, 8, logprobs=True))
+    assert [i for i, _ in pairs] == ids
+    ref = list(generate_step(prompt, tiny_f32, max_tokens=NEW, prefill_step_size=8))
+    assert [int(t) for t, _ in ref] == ids
+    for (_, lp), (_, want) in zip(pairs, ref):
+        assert lp.shape == want.shape == (8192,)
+        assert mx.allclose(lp, want, atol=1e-4).item()
+
+
 def test_capacity_is_exact_and_overflow_is_refused(tiny_f32):
     prompt = _prompts(8192)[1]  # 5 tokens
     dec = Decoder(tiny_f32, 5 + NEW)
@@ -234,3 +253,31 @@ def test_generate_takes_the_compiled_split_step_on_cuda_only(monkeypatch):
     assert auto_compiled(argparse.Namespace(temp=0.7, kv_bits=None), mx.gpu) is None
     assert auto_compiled(argparse.Namespace(temp=0.0, kv_bits=4), mx.gpu) is None
     assert auto_compiled(greedy, mx.cpu) is None
+
+
+def test_serve_decodes_a_lone_request_compiled_on_cuda_only(monkeypatch):
+    """serve's ``--decode auto``: the compiled step for a lone greedy request on CUDA, mlx-lm's batch
+    loop elsewhere; only greedy requests without logit processors qualify."""
+    import mlx.core as mx
+    from mlx_lm.server import GenerationArguments, LogitsProcessorArguments, ModelDescription, SamplingArguments
+
+    from vqpipe.apps.serve import compiled_decode, greedy_plain
+
+    assert not compiled_decode("auto", mx.cpu)
+    assert compiled_decode("compiled", mx.cpu) and not compiled_decode("batched", mx.gpu)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert compiled_decode("auto", mx.gpu) and not compiled_decode("auto", mx.cpu)
+
+    def args(temperature=0.0, **logits):
+        lg = dict(logit_bias=None, repetition_penalty=0.0, repetition_context_size=20, presence_penalty=0.0,
+                  presence_context_size=20, frequency_penalty=0.0, frequency_context_size=20)
+        return GenerationArguments(ModelDescription("m", "default_model", None),
+                                   SamplingArguments(temperature, 1.0, 0, 0.0, 0.0, 0.0),
+                                   LogitsProcessorArguments(**{**lg, **logits}), [], 8, 3, False, -1, None, None)
+
+    assert greedy_plain(args()) and greedy_plain(args(repetition_penalty=1.0))
+    assert not greedy_plain(args(0.7))
+    assert not greedy_plain(args(logit_bias={3: 5.0}))
+    assert not greedy_plain(args(repetition_penalty=1.3))
+    assert not greedy_plain(args(presence_penalty=0.5))
+    assert not greedy_plain(args(frequency_penalty=0.5))

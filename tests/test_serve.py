@@ -201,6 +201,75 @@ def test_server_still_serves_after_bad_requests(server, client):
     assert client.completions.create(model="tiny-b4", prompt="Hello", max_tokens=3).usage.completion_tokens == 3
 
 
+def test_lone_requests_through_the_compiled_step_answer_as_the_batch_loop(reservoir, server, tmp_path):
+    """``--decode compiled`` (what auto picks on CUDA): a lone greedy request decodes through the
+    compiled step and gets the batch loop's answer (text, finish reason, usage, logprobs and top
+    logprobs, stop words, streaming); a sampled request, and overlapping ones, still go to mlx-lm."""
+    bodies = [
+        ("/v1/completions", {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0,
+                             "logprobs": True, "top_logprobs": 3}),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 9, "logprobs": True, "top_logprobs": 2}),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 1}),
+    ]
+    batched = [_post(server, path, json.dumps(b).encode()) for path, b in bodies]
+    with _running_server(reservoir, tmp_path, "--name", "tiny-b4", "--decode", "compiled") as s:
+        compiled = [_post(s, path, json.dumps(b).encode()) for path, b in bodies]
+        # a stop word cut where the batch loop cuts it (the first piece of the text it stops at)
+        text = compiled[1][1]["choices"][0]["message"]["content"]
+        for k in range(1, len(text) - 3):
+            stopped = {"messages": USER, "max_tokens": 9, "stop": [text[k:k + 3]]}
+            cut = [_post(x, "/v1/chat/completions", json.dumps(stopped).encode()) for x in (server, s)]
+            if cut[0][1]["choices"][0]["finish_reason"] == "stop":
+                break
+        c = openai.OpenAI(base_url=s["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+        chunks = list(c.chat.completions.create(model="tiny-b4", messages=USER, max_tokens=9, stream=True))
+        streamed = "".join(x.choices[0].delta.content or "" for x in chunks if x.choices)
+        c.completions.create(model="tiny-b4", prompt="Hi", max_tokens=4, temperature=0.7, seed=3)
+        log = open(s["log"]).read()
+    assert log.count("compiled step: a lone request") == len(bodies) + k + 1  # not the sampled one
+    for (status_b, b), (status_c, c) in zip(batched, compiled):
+        assert status_b == status_c == 200
+        cb, cc = b["choices"][0], c["choices"][0]
+        assert cc["finish_reason"] == cb["finish_reason"] == "length"
+        assert cc.get("text", cc.get("message")) == cb.get("text", cb.get("message"))
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):  # cached_tokens: 0 on the compiled path
+            assert c["usage"][k] == b["usage"][k]
+        if cb.get("logprobs"):
+            lb, lc = cb["logprobs"], cc["logprobs"]
+            if "content" in lb:  # chat: per token its logprob and its top ones
+                lb = [(t["logprob"], [u["token"] for u in t["top_logprobs"]]) for t in lb["content"]]
+                lc = [(t["logprob"], [u["token"] for u in t["top_logprobs"]]) for t in lc["content"]]
+                assert [t for _, t in lc] == [t for _, t in lb]
+                assert [v for v, _ in lc] == pytest.approx([v for v, _ in lb], abs=1e-4)
+            else:
+                assert lc["tokens"] == lb["tokens"]
+                assert lc["token_logprobs"] == pytest.approx(lb["token_logprobs"], abs=1e-4)
+    assert cut[0][0] == cut[1][0] == 200
+    assert cut[1][1]["choices"][0] == cut[0][1]["choices"][0] and cut[1][1]["choices"][0]["finish_reason"] == "stop"
+    assert streamed == compiled[1][1]["choices"][0]["message"]["content"]
+
+
+def test_overlapping_requests_with_compiled_decode_match_sequential(reservoir, tmp_path):
+    prompts = [f"Item {i}: a story about" for i in range(4)]
+    with _running_server(reservoir, tmp_path, "--name", "tiny-b4", "--decode", "compiled") as s:
+        c = openai.OpenAI(base_url=s["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def one(i):
+            return c.completions.create(model="tiny-b4", prompt=prompts[i], max_tokens=6).choices[0].text
+
+        out = [None] * len(prompts)
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, one(i))) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        sequential = [one(i) for i in range(len(prompts))]
+        log = open(s["log"]).read()
+    assert all(isinstance(o, str) and o for o in out)
+    assert out == sequential
+    assert log.count("compiled step: a lone request") >= len(prompts)  # the sequential ones at least
+
+
 def _post_until_admitted(server, body, seconds=60):
     """POST /v1/completions, retrying while the server answers 429: a request's slot is released
     just after its response is sent, so the next request can arrive before that."""

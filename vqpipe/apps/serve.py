@@ -10,6 +10,10 @@ the server, and an out-of-range ``logit_bias`` token or a ``stream_options`` wit
 ``include_usage`` breaks the request (the first one kills the whole process), and an empty
 prompt kills the generation thread (the server then fails every request). Errors are OpenAI
 shaped: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
+
+A request that is the only one in flight, greedy and without logit processors decodes through
+vqpipe's compiled step (vqpipe/decode/step.py) on CUDA instead of mlx-lm's batch loop: 2.1x its
+tokens/s for one client on an H100 (docs/serving.md). Requests that overlap are batched as before.
 """
 
 import argparse
@@ -23,6 +27,7 @@ import signal
 import sys
 import threading
 import warnings
+import weakref
 from pathlib import Path
 
 from mlx_lm.server import APIHandler, ModelProvider
@@ -291,6 +296,154 @@ class ReservoirHandler(APIHandler):
         self.wfile.write(data)
 
 
+def compiled_decode(choice, device=None):
+    """Whether a lone request decodes through the compiled step: ``--decode`` compiled or batched,
+    or auto: compiled on CUDA (measured there: docs/serving.md), batched elsewhere (the CPU's
+    decode is the extension's mat-vec either way; no gain measured for the compiled step there)."""
+    import mlx.core as mx
+
+    if choice != "auto":
+        return choice == "compiled"
+    device = device or mx.default_device()
+    return device == mx.gpu and mx.cuda.is_available()
+
+
+def greedy_plain(args):
+    """Whether mlx-lm's generation arguments ask for greedy decoding with no logit processor: what
+    the compiled step computes."""
+    s, lg = args.sampling, args.logits
+    return (s.temperature == 0 and not lg.logit_bias and lg.repetition_penalty in (None, 0, 1)
+            and not lg.presence_penalty and not lg.frequency_penalty)
+
+
+class _Reader:
+    """An iterator over ``responses`` that calls ``done`` once they end."""
+
+    def __init__(self, responses, done):
+        self.responses, self.done = responses, done
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.responses)
+        except BaseException:
+            self.done()
+            raise
+
+
+def _response_generator():
+    from mlx_lm.server import ResponseGenerator
+
+    class ReservoirGenerator(ResponseGenerator):
+        """mlx-lm's ResponseGenerator, but a request that is alone in flight, greedy and without
+        logit processors decodes through the compiled step (one Decoder, reused while its capacity
+        suffices); everything else goes to mlx-lm's loop unchanged. The compiled path neither reads
+        nor fills mlx-lm's prompt cache: a lone request prefills its whole prompt."""
+
+        def __init__(self, provider, prompt_cache, compiled):
+            self.compiled = compiled  # before super().__init__ starts the thread
+            self._decoder, self._lone = None, None
+            # Requests handed in and not yet answered to the end. A request leaves when its last
+            # response has been read (before the client has all of it: the next request of a
+            # sequential client finds it gone) or when its reader is dropped.
+            self._open, self._open_lock = set(), threading.Lock()
+            super().__init__(provider, prompt_cache)
+
+        def generate(self, request, generation_args, progress_callback=None):
+            key = object()
+            with self._open_lock:
+                self._open.add(key)
+            try:
+                ctx, responses = super().generate(request, generation_args, progress_callback)
+            except BaseException:
+                self._close(key)
+                raise
+            reader = _Reader(responses, lambda: self._close(key))
+            weakref.finalize(reader, self._close, key)
+            return ctx, reader
+
+        def _close(self, key):
+            with self._open_lock:
+                self._open.discard(key)
+
+        def _alone(self):
+            with self._open_lock:
+                return len(self._open) <= 1
+
+        def _is_batchable(self, args):
+            if self.compiled and greedy_plain(args) and self._alone() and self._model_fits():
+                self._lone = args  # _serve_single takes this one through the compiled step
+                return False
+            return super()._is_batchable(args)
+
+        def _model_fits(self):
+            from ..decode.step import model_problem
+
+            if self.model_provider.cli_args.kv_bits_kivi or self.model_provider.draft_model is not None:
+                return False
+            model = self.model_provider.model
+            return model is not None and model_problem(model, "split") is None
+
+        def _serve_single(self, request, stream):
+            if request[2] is not self._lone:
+                return super()._serve_single(request, stream)
+            self._lone = None
+            try:
+                self._serve_compiled(*request)
+            except Exception as e:
+                request[0].put(e)
+
+        def _decoder_for(self, positions):
+            from ..decode.step import Decoder
+
+            if self._decoder is None or self._decoder.capacity < positions:
+                capacity = max(1024, 1 << (positions - 1).bit_length())  # few distinct shapes to trace
+                self._decoder = None  # its buffers go before the new ones are made
+                self._decoder = Decoder(self.model_provider.model, capacity, "split")
+            return self._decoder
+
+        def _serve_compiled(self, rqueue, request, args):
+            import mlx.core as mx
+            from mlx_lm.server import GenerationContext, Response, _format_top_logprobs
+
+            tokenizer = self.model_provider.tokenizer
+            prompt, _, _, initial_state, _ = self._tokenize(tokenizer, request, args)
+            stop_sequences, text_sm = self._make_state_machine(self.model_provider.model_key, tokenizer,
+                                                               args.stop_words)
+            ctx = GenerationContext(has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
+                                    tool_parser=tokenizer.tool_parser, text_sm=text_sm,
+                                    initial_state=initial_state, prompt=prompt, prompt_cache_count=0)
+            rqueue.put(ctx)
+            decoder = self._decoder_for(len(prompt) + args.max_tokens)
+            logging.info("compiled step: a lone request, %d prompt tokens, up to %d new", len(prompt), args.max_tokens)
+            detokenizer = tokenizer.detokenizer
+            detokenizer.reset()
+            matcher = stop_sequences.matcher()
+            # mlx-lm's stream_generate, over the compiled step's ids: an EOS ends the text unshown,
+            # the last of max_tokens is shown, then "stop" or "length"
+            for n, (token, logprobs) in enumerate(decoder.tokens(mx.array(prompt), args.max_tokens, logprobs=True)):
+                finish = None
+                if token in tokenizer.eos_token_ids:
+                    finish = "stop"
+                else:
+                    detokenizer.add_token(token)
+                    if n + 1 == args.max_tokens:
+                        finish = "length"
+                if finish is not None:
+                    detokenizer.finalize()
+                if matcher.advance(token):
+                    finish = "stop"
+                rqueue.put(Response(detokenizer.last_segment, token, logprobs[token].item(), finish,
+                                    _format_top_logprobs(logprobs, args.top_logprobs, tokenizer)))
+                if finish is not None or ctx._should_stop:
+                    break
+            rqueue.put(None)
+
+    return ReservoirGenerator
+
+
 def context_length(directory, override=None):
     """The model's context (max_position_embeddings), or --context-length where given."""
     config = json.loads((Path(directory) / "config.json").read_text())
@@ -318,6 +471,9 @@ def parse_args(argv):
     p.add_argument("--decode-concurrency", type=int, default=32, help="requests decoded in one batch (default 32)")
     p.add_argument("--prompt-concurrency", type=int, default=8, help="prompts prefilled in one batch (default 8)")
     p.add_argument("--prompt-cache-size", type=int, default=10, help="KV caches kept for reuse (default 10)")
+    p.add_argument("--decode", choices=("auto", "compiled", "batched"), default="auto",
+                   help="a lone greedy request: compiled (vqpipe's compiled step) or batched (mlx-lm's "
+                   "batch loop); auto (default): compiled on CUDA, batched elsewhere")
     k = p.add_argument_group("KIVI KV cache (default: mlx-lm's full-precision cache, batched)")
     k.add_argument("--kv-bits", dest="kv_bits_kivi", type=int, choices=(2, 4, 8),
                    help="KIVI at this many bits; requests are then served one at a time (KIVI caches "
@@ -368,7 +524,7 @@ def _interrupt(signum, frame):
 
 def serve(args):
     from mlx_lm.models.cache import LRUPromptCache
-    from mlx_lm.server import ResponseGenerator, _run_http_server
+    from mlx_lm.server import _run_http_server
     from mlx_lm.utils import load_config, load_tokenizer
 
     from ..store.reservoir import FILE_NAME
@@ -387,7 +543,8 @@ def serve(args):
     tokenizer = load_tokenizer(directory, eos_token_ids=load_config(directory).get("eos_token_id"))
     handler = functools.partial(ReservoirHandler, limits=Limits(args, tokenizer, context, vocab))
     _check_port(args.host, args.port)  # before the generation thread starts loading the model
-    generator = ResponseGenerator(ReservoirProvider(args), LRUPromptCache(args.prompt_cache_size))
+    generator = _response_generator()(ReservoirProvider(args), LRUPromptCache(args.prompt_cache_size),
+                                      compiled_decode(args.decode))
     if args.host not in LOCAL_HOSTS:
         print(f"vqpipe serve: warning: listening on {args.host}, reachable from other machines; "
               "there is no authentication", file=sys.stderr)

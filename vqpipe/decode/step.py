@@ -130,6 +130,11 @@ def _scalar(pos):
     return pos[0] if pos.ndim else pos
 
 
+def _logprobs(logits):
+    """mlx-lm's log-probabilities of one step's logits [1, vocab] -> [vocab]."""
+    return (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0]
+
+
 def _greedy(logits, like):
     return mx.argmax(logits, axis=-1).astype(like.dtype).reshape(1, 1)
 
@@ -249,18 +254,21 @@ class Decoder:
         pos = small_arrays.array([done], POSITION_DTYPE)
         return token, pos, [(c.keys, c.values) for c in caches]
 
-    def tokens(self, prompt, max_tokens, prefill_step=2048):
-        """Greedy ids one by one (for streaming), step i + 1 queued before token i is read."""
+    def tokens(self, prompt, max_tokens, prefill_step=2048, logprobs=False):
+        """Greedy ids one by one (for streaming), step i + 1 queued before token i is read. With
+        ``logprobs``: (id, log-probabilities [vocab]) pairs, as mlx-lm's generate_step gives them."""
         if int(prompt.size) + max_tokens > self.capacity:
             raise ValueError(f"compiled decode: a {prompt.size}-token prompt and {max_tokens} new tokens need "
                              f"{prompt.size + max_tokens} KV positions; the static cache holds {self.capacity}")
-        token, pos, state, _ = self.step(*self.start(prompt, prefill_step))
+        token, pos, state, logits = self.step(*self.start(prompt, prefill_step))
+        lp = _logprobs(logits) if logprobs else None
         for i in range(max_tokens):
+            current, current_lp = token, lp
             if i + 1 < max_tokens:
-                nxt, pos, state, _ = self.step(token, pos, state)
-                mx.async_eval(nxt)
-            yield int(token.item())
-            token = nxt
+                token, pos, state, logits = self.step(token, pos, state)
+                lp = _logprobs(logits) if logprobs else None
+                mx.async_eval(token if lp is None else [token, lp])
+            yield (int(current.item()), current_lp) if logprobs else int(current.item())
 
     def generate(self, prompt, max_tokens, prefill_step=2048):
         """Greedy ids of ``max_tokens`` new tokens, with the timings bench-decode records:
