@@ -173,7 +173,7 @@ def test_defaults_agree():
     tune = {"steps": api.tune_steps, "lr": api.tune_lr, "length": api.tune_length}
     assert tune == {"steps": cli.tune_steps, "lr": cli.tune_lr, "length": cli.tune_length}
     assert tune == q["tune"]["default"] == config["quantize"]["tune"] and api.tune_steps == "auto"
-    assert [steps_for("auto", b) for b in (2, 3, 4)] == [64, 32, 32]
+    assert [steps_for("auto", b) for b in (2, 3, 4)] == [64, 32, 0]
     # no model of the default config carries hand-made widths
     assert not any(m.get("quantize", {}).get("layer_bits") for m in config["models"].values())
 

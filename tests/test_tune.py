@@ -170,9 +170,9 @@ def test_a_residual_rotated_model_is_tuned_through_its_head_map(tiny_source):
 
 
 def test_steps_auto_by_width_and_the_cli_parses_them(capsys):
-    """steps "auto": tune.LOW_STEPS at 2 bits, tune.STEPS above; the CLI takes auto or a count and
+    """steps "auto": tune.LOW_STEPS at 2 bits, tune.STEPS at 3, none above; the CLI takes auto or a count and
     names a bad value."""
-    assert [tune.steps_for("auto", b) for b in (2, 3, 4, 8)] == [tune.LOW_STEPS, tune.STEPS, tune.STEPS, tune.STEPS]
+    assert [tune.steps_for("auto", b) for b in (2, 3, 4, 8)] == [tune.LOW_STEPS, tune.STEPS, 0, 0]
     assert tune.steps_for(0, 2) == 0 and tune.steps_for(5, 2) == 5
     base = ["--source", "s", "--out", "o"]
     assert stage.parser().parse_args(base).tune_steps == "auto"

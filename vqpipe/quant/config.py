@@ -44,7 +44,7 @@ class QuantizeConfig:
       offsets from ``calib_seed``.
     - ``tune_steps``: Adam steps of end-to-end tuning of the row scales against the
       source after quantization (vqpipe/quant/tune.py), one calibration window each; 0: none;
-      "auto": 64 at 2 bits, 32 above (``tune.steps_for``).
+      "auto": 64 at 2 bits, 32 at 3, none above (``tune.steps_for``).
       Only with calibration tokens (data-free quantization has none). ``tune_lr``: its rate at the
       first step (a cosine decay to a tenth by the last); ``tune_length``: tokens per step (the
       calibration windows cut into pieces of this length).

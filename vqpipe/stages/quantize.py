@@ -189,7 +189,7 @@ def parser():
     p.add_argument("--tune-steps", type=_steps, default=QuantizeConfig.tune_steps, metavar="N",
                    help=f"steps of end-to-end tuning of the row scales against the source on the "
                    f"calibration windows, one window a step (vqpipe/quant/tune.py; default {QuantizeConfig.tune_steps}: "
-                   f"{tune.LOW_STEPS} at 2 bits, {tune.STEPS} above; 0: none; data-free quantization has no windows "
+                   f"{tune.LOW_STEPS} at 2 bits, {tune.STEPS} at 3, none above; 0: none; data-free quantization has no windows "
                    "and is not tuned)")
     p.add_argument("--tune-lr", type=float, default=QuantizeConfig.tune_lr,
                    help="the tuning's Adam learning rate at its first step (a cosine decay to a tenth by the last)")
