@@ -17,7 +17,7 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the test extra pins openai; this interpreter lacks it (e.g. the GPU host)")
 
-from vqpipe.apps.serve import context_length
+from vqpipe.apps.serve import COMPILED_MAX_POSITIONS, context_length
 
 PY = [sys.executable, "-m", "vqpipe"]
 USER = [{"role": "user", "content": "Tell me about the sea."}]
@@ -225,6 +225,14 @@ def test_lone_requests_through_the_compiled_step_answer_as_the_batch_loop(reserv
         chunks = list(c.chat.completions.create(model="tiny-b4", messages=USER, max_tokens=9, stream=True))
         streamed = "".join(x.choices[0].delta.content or "" for x in chunks if x.choices)
         c.completions.create(model="tiny-b4", prompt="Hi", max_tokens=4, temperature=0.7, seed=3)
+        # past COMPILED_MAX_POSITIONS: mlx-lm's growing cache (read the first token, then hang up)
+        with socket.create_connection(("127.0.0.1", s["port"]), timeout=60) as held:
+            body = json.dumps({"prompt": "Hi", "max_tokens": COMPILED_MAX_POSITIONS, "stream": True}).encode()
+            held.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            got = b""
+            while b"data: " not in got and (part := held.recv(4096)):
+                got += part
+            assert b"data: " in got, got[:200]
         log = open(s["log"]).read()
     assert log.count("compiled step: a lone request") == len(bodies) + k + 1  # not the sampled one
     for (status_b, b), (status_c, c) in zip(batched, compiled):

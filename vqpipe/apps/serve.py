@@ -33,6 +33,9 @@ from pathlib import Path
 from mlx_lm.server import APIHandler, ModelProvider
 
 MAX_BODY = 16 * 2**20  # bytes; a full context of text is far less
+# A lone request whose prompt + max_tokens exceeds this many positions goes to mlx-lm's growing
+# cache instead: the compiled step's static cache is allocated whole up front (8B shapes: 1 GB).
+COMPILED_MAX_POSITIONS = 8192
 DEFAULT_MAX_TOKENS = 512
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -390,10 +393,17 @@ def _response_generator():
             if request[2] is not self._lone:
                 return super()._serve_single(request, stream)
             self._lone = None
+            rqueue, body, args = request
             try:
-                self._serve_compiled(*request)
+                prompt, _, _, initial_state, _ = self._tokenize(self.model_provider.tokenizer, body, args)
             except Exception as e:
-                request[0].put(e)
+                return rqueue.put(e)
+            if len(prompt) + args.max_tokens > COMPILED_MAX_POSITIONS:
+                return super()._serve_single(request, stream)
+            try:
+                self._serve_compiled(rqueue, args, prompt, initial_state)
+            except Exception as e:
+                rqueue.put(e)
 
         def _decoder_for(self, positions):
             from ..decode.step import Decoder
@@ -404,12 +414,11 @@ def _response_generator():
                 self._decoder = Decoder(self.model_provider.model, capacity, "split")
             return self._decoder
 
-        def _serve_compiled(self, rqueue, request, args):
+        def _serve_compiled(self, rqueue, args, prompt, initial_state):
             import mlx.core as mx
             from mlx_lm.server import GenerationContext, Response, _format_top_logprobs
 
             tokenizer = self.model_provider.tokenizer
-            prompt, _, _, initial_state, _ = self._tokenize(tokenizer, request, args)
             stop_sequences, text_sm = self._make_state_machine(self.model_provider.model_key, tokenizer,
                                                                args.stop_words)
             ctx = GenerationContext(has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
