@@ -100,6 +100,28 @@ def test_tokens_streams_any_count_with_mlx_lm_logprobs(tiny_f32, mode):
         assert mx.allclose(lp, want, atol=1e-4).item()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_tokens_from_a_prefix_are_the_tokens_of_the_whole_prompt(tiny_f32, mode):
+    """``prefix``: the keys and values of the prompt's first positions (as mlx-lm's KVCache holds
+    them) written first, the rest prefilled: the same ids and log-probabilities as from scratch, and
+    ``kv`` holds the positions written."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompt = _prompts(8192)[2]  # 23 tokens
+    dec = Decoder(tiny_f32, 48, mode)
+    whole = list(dec.tokens(prompt, NEW, 8, logprobs=True))
+    assert dec.position == prompt.size + NEW - 1 and dec.kv is not None
+    cache = make_prompt_cache(tiny_f32)
+    tiny_f32(prompt[None, :17], cache=cache)
+    prefix = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :]) for c in cache]
+    part = list(dec.tokens(prompt[17:], NEW, 8, logprobs=True, prefix=prefix))
+    assert [i for i, _ in part] == [i for i, _ in whole]
+    for (_, a), (_, b) in zip(part, whole):
+        assert mx.allclose(a, b, atol=1e-4).item()
+    with pytest.raises(ValueError, match="a 23-token prompt and 26 new tokens need 49 KV positions"):
+        next(dec.tokens(prompt[17:], 26, 8, prefix=prefix))
+
+
 def test_capacity_is_exact_and_overflow_is_refused(tiny_f32):
     prompt = _prompts(8192)[1]  # 5 tokens
     dec = Decoder(tiny_f32, 5 + NEW)

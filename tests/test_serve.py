@@ -125,7 +125,8 @@ def test_streaming_matches_non_streaming(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
-def test_concurrent_requests_match_sequential(client):
+def _concurrent_then_sequential(client):
+    """Four completions at once (every other one streamed), then the same four one by one."""
     prompts = [f"Item {i}: a story about" for i in range(4)]
 
     def one(i):
@@ -141,7 +142,12 @@ def test_concurrent_requests_match_sequential(client):
     for t in threads:
         t.join(timeout=120)
     assert all(isinstance(o, str) and o for o in out)
-    assert out == [one(i) for i in range(len(prompts))]
+    return out, [one(i) for i in range(len(prompts))]
+
+
+def test_concurrent_requests_match_sequential(client):
+    out, sequential = _concurrent_then_sequential(client)
+    assert out == sequential
 
 
 @pytest.mark.parametrize("raw, status, needle", [
@@ -240,7 +246,7 @@ def test_lone_requests_through_the_compiled_step_answer_as_the_batch_loop(reserv
         cb, cc = b["choices"][0], c["choices"][0]
         assert cc["finish_reason"] == cb["finish_reason"] == "length"
         assert cc.get("text", cc.get("message")) == cb.get("text", cb.get("message"))
-        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):  # cached_tokens: 0 on the compiled path
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):  # cached_tokens: each server's own history
             assert c["usage"][k] == b["usage"][k]
         if cb.get("logprobs"):
             lb, lc = cb["logprobs"], cc["logprobs"]
@@ -257,25 +263,37 @@ def test_lone_requests_through_the_compiled_step_answer_as_the_batch_loop(reserv
     assert streamed == compiled[1][1]["choices"][0]["message"]["content"]
 
 
+def test_compiled_lone_requests_reuse_the_prompt_cache(reservoir, server, tmp_path):
+    """A second chat turn on the compiled path starts from what the first left in mlx-lm's prompt
+    cache (cached_tokens > 0) and answers as the batch loop does."""
+    first = {"messages": USER, "max_tokens": 6, "logprobs": True}
+    with _running_server(reservoir, tmp_path, "--name", "tiny-b4", "--decode", "compiled") as s:
+        answers = []
+        for x in (server, s):
+            status, one = _post(x, "/v1/chat/completions", json.dumps(first).encode())
+            assert status == 200
+            second = {"messages": USER + [one["choices"][0]["message"], {"role": "user", "content": "And the sky?"}],
+                      "max_tokens": 6, "logprobs": True}
+            answers.append((one, _post(x, "/v1/chat/completions", json.dumps(second).encode())[1]))
+        log = open(s["log"]).read()
+    (b1, b2), (c1, c2) = answers
+    assert c1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert 0 < c2["usage"]["prompt_tokens_details"]["cached_tokens"] < c2["usage"]["prompt_tokens"]
+    assert log.count("compiled step: a lone request") == 2
+    for b, c in ((b1, c1), (b2, c2)):
+        assert c["choices"][0]["message"] == b["choices"][0]["message"]
+        lb = [t["logprob"] for t in b["choices"][0]["logprobs"]["content"]]
+        lc = [t["logprob"] for t in c["choices"][0]["logprobs"]["content"]]
+        assert lc == pytest.approx(lb, abs=1e-4)
+
+
 def test_overlapping_requests_with_compiled_decode_match_sequential(reservoir, tmp_path):
-    prompts = [f"Item {i}: a story about" for i in range(4)]
     with _running_server(reservoir, tmp_path, "--name", "tiny-b4", "--decode", "compiled") as s:
         c = openai.OpenAI(base_url=s["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-        def one(i):
-            return c.completions.create(model="tiny-b4", prompt=prompts[i], max_tokens=6).choices[0].text
-
-        out = [None] * len(prompts)
-        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, one(i))) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        sequential = [one(i) for i in range(len(prompts))]
+        out, sequential = _concurrent_then_sequential(c)
         log = open(s["log"]).read()
-    assert all(isinstance(o, str) and o for o in out)
     assert out == sequential
-    assert log.count("compiled step: a lone request") >= len(prompts)  # the sequential ones at least
+    assert log.count("compiled step: a lone request") >= len(out)  # the sequential ones at least
 
 
 def _post_until_admitted(server, body, seconds=60):

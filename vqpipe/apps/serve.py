@@ -342,8 +342,8 @@ def _response_generator():
     class ReservoirGenerator(ResponseGenerator):
         """mlx-lm's ResponseGenerator, but a request that is alone in flight, greedy and without
         logit processors decodes through the compiled step (one Decoder, reused while its capacity
-        suffices); everything else goes to mlx-lm's loop unchanged. The compiled path neither reads
-        nor fills mlx-lm's prompt cache: a lone request prefills its whole prompt."""
+        suffices); everything else goes to mlx-lm's loop unchanged. The compiled path starts from
+        mlx-lm's prompt cache where it holds a prefix of the prompt and leaves what it wrote there."""
 
         def __init__(self, provider, prompt_cache, compiled):
             self.compiled = compiled  # before super().__init__ starts the thread
@@ -426,13 +426,19 @@ def _response_generator():
                                     initial_state=initial_state, prompt=prompt, prompt_cache_count=0)
             rqueue.put(ctx)
             decoder = self._decoder_for(len(prompt) + args.max_tokens)
-            logging.info("compiled step: a lone request, %d prompt tokens, up to %d new", len(prompt), args.max_tokens)
+            prefix, rest = self._cached_prefix(prompt)
+            ctx.prompt_cache_count = len(prompt) - len(rest)
+            logging.info("compiled step: a lone request, %d prompt tokens (%d cached), up to %d new", len(prompt),
+                         ctx.prompt_cache_count, args.max_tokens)
             detokenizer = tokenizer.detokenizer
             detokenizer.reset()
             matcher = stop_sequences.matcher()
+            generated = []
             # mlx-lm's stream_generate, over the compiled step's ids: an EOS ends the text unshown,
             # the last of max_tokens is shown, then "stop" or "length"
-            for n, (token, logprobs) in enumerate(decoder.tokens(mx.array(prompt), args.max_tokens, logprobs=True)):
+            ids = decoder.tokens(mx.array(rest), args.max_tokens, logprobs=True, prefix=prefix)
+            for n, (token, logprobs) in enumerate(ids):
+                generated.append(token)
                 finish = None
                 if token in tokenizer.eos_token_ids:
                     finish = "stop"
@@ -449,6 +455,40 @@ def _response_generator():
                 if finish is not None or ctx._should_stop:
                     break
             rqueue.put(None)
+            ids.close()
+            self._keep_cache(prompt + generated, decoder)
+
+        def _cached_prefix(self, prompt):
+            """(per layer keys and values of the longest cached prefix of ``prompt``, the tokens after
+            it) from mlx-lm's prompt cache, or (None, prompt); at least one token is left to feed."""
+            from mlx_lm.models.cache import KVCache
+
+            cache, rest = self.prompt_cache.fetch_nearest_cache(self.model_provider.model_key, prompt)
+            n = len(prompt) - len(rest)
+            if cache is None or n == 0 or any(type(c) is not KVCache for c in cache):
+                return None, prompt
+            n = min(n, len(prompt) - 1)
+            if n == 0:
+                return None, prompt
+            return [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache], prompt[n:]
+
+        def _keep_cache(self, tokens, decoder):
+            """The positions the compiled step wrote, as mlx-lm's KVCache, into the prompt cache under
+            the tokens they hold (copies: the static buffers are reused by the next request)."""
+            import mlx.core as mx
+            from mlx_lm.models.cache import KVCache
+
+            n, kv = min(decoder.position, len(tokens)), decoder.kv
+            decoder.kv = None
+            if kv is None or n < 1:
+                return
+            caches = []
+            for k, v in kv:
+                c = KVCache()
+                c.keys, c.values, c.offset = mx.contiguous(k[..., :n, :]), mx.contiguous(v[..., :n, :]), n
+                caches.append(c)
+            mx.eval([(c.keys, c.values) for c in caches])
+            self.prompt_cache.insert_cache(self.model_provider.model_key, tokens[:n], caches)
 
     return ReservoirGenerator
 

@@ -176,6 +176,7 @@ class Decoder:
         else:
             self._run = mx.compile(self._step) if mode == "whole" else self._step
         self.position = None  # host copy of the position the next step writes (split mode slices by it)
+        self.kv = None  # the buffers of :meth:`tokens`' last step
 
     def step(self, token, pos, state):
         """One token: (next token, pos + 1, buffers, logits); :meth:`start` gives the first arguments."""
@@ -244,28 +245,38 @@ class Decoder:
             done += k
         return prompt[done:][None].astype(POSITION_DTYPE), done
 
-    def start(self, prompt, prefill_step=2048):
+    def start(self, prompt, prefill_step=2048, prefix=None):
         """Fresh buffers, the prompt but its last token prefilled: (last token, position, buffers),
-        the arguments of the first :meth:`step`."""
+        the arguments of the first :meth:`step`. ``prefix``: per layer the keys and values
+        [B, heads, n, D] of n positions before ``prompt`` (a prompt cache's), written first."""
         caches = self.new_cache()
+        n0 = 0
+        for c, (k, v) in zip(caches, prefix or ()):
+            n0 = k.shape[2]
+            c.keys[..., :n0, :] = k
+            c.values[..., :n0, :] = v
+            c.offset = n0
         token, done = self.prefill(prompt, caches, prefill_step)
-        self.position = done
+        self.position = n0 + done
         # padded, the position's buffer is not in MLX's small pool (small_arrays.py); the step reads entry 0
-        pos = small_arrays.array([done], POSITION_DTYPE)
+        pos = small_arrays.array([n0 + done], POSITION_DTYPE)
         return token, pos, [(c.keys, c.values) for c in caches]
 
-    def tokens(self, prompt, max_tokens, prefill_step=2048, logprobs=False):
+    def tokens(self, prompt, max_tokens, prefill_step=2048, logprobs=False, prefix=None):
         """Greedy ids one by one (for streaming), step i + 1 queued before token i is read. With
-        ``logprobs``: (id, log-probabilities [vocab]) pairs, as mlx-lm's generate_step gives them."""
-        if int(prompt.size) + max_tokens > self.capacity:
-            raise ValueError(f"compiled decode: a {prompt.size}-token prompt and {max_tokens} new tokens need "
-                             f"{prompt.size + max_tokens} KV positions; the static cache holds {self.capacity}")
-        token, pos, state, logits = self.step(*self.start(prompt, prefill_step))
+        ``logprobs``: (id, log-probabilities [vocab]) pairs, as mlx-lm's generate_step gives them;
+        ``prefix``: as :meth:`start`. While it runs, ``self.kv`` holds the buffers of the last step
+        queued, whose first ``self.position`` positions are written."""
+        n0 = prefix[0][0].shape[2] if prefix else 0
+        if n0 + int(prompt.size) + max_tokens > self.capacity:
+            raise ValueError(f"compiled decode: a {n0 + prompt.size}-token prompt and {max_tokens} new tokens need "
+                             f"{n0 + prompt.size + max_tokens} KV positions; the static cache holds {self.capacity}")
+        token, pos, self.kv, logits = self.step(*self.start(prompt, prefill_step, prefix))
         lp = _logprobs(logits) if logprobs else None
         for i in range(max_tokens):
             current, current_lp = token, lp
             if i + 1 < max_tokens:
-                token, pos, state, logits = self.step(token, pos, state)
+                token, pos, self.kv, logits = self.step(token, pos, self.kv)
                 lp = _logprobs(logits) if logprobs else None
                 mx.async_eval(token if lp is None else [token, lp])
             yield (int(current.item()), current_lp) if logprobs else int(current.item())
