@@ -5,10 +5,11 @@ reservoir, same prompts, greedy.
 
 The servers run in subprocesses; this process loads the same reservoir for the in-process arm. Per
 prompt (>= 20 distinct ones, arms interleaved per prompt after two warm-up prompts):
-- ``serve`` / ``batched``: a streamed /v1/completions request, ``max_tokens`` new tokens,
+- ``serve`` / ``batched``: a streamed /v1/chat/completions request (one user turn), ``max_tokens`` new tokens,
   temperature 0; time to the first streamed chunk from the request, decode rate (completion tokens
   - 1) over the time from the first to the last chunk (usage from ``stream_options.include_usage``);
-- ``compiled``: ``Decoder(model, ...).tokens`` on the same prompt ids; time to the first id and
+- ``compiled``: ``Decoder(model, ...).tokens`` on the same prompt ids (the chat template applied as
+  the server applies it); time to the first id and
   the rate over the rest, measured the same way.
 Prints per-arm median [min-max], the per-prompt ratios against ``batched``, and how many prompts
 gave the same text in every arm (but for leading and trailing spaces: mlx-lm's server drops the
@@ -54,9 +55,9 @@ def wait_ready(url, proc, limit=300):
 
 
 def serve_arm(url, name, text, max_tokens):
-    body = json.dumps({"model": name, "prompt": text, "max_tokens": max_tokens, "temperature": 0.0,
-                       "stream": True, "stream_options": {"include_usage": True}}).encode()
-    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                       "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
     t0 = time.perf_counter()
     first = last = None
     pieces, tokens = [], None
@@ -69,16 +70,18 @@ def serve_arm(url, name, text, max_tokens):
             if msg.get("usage"):
                 tokens = msg["usage"]["completion_tokens"]
             for c in msg.get("choices", []):
-                if c.get("text"):
+                if (c.get("delta") or {}).get("content"):
                     now = time.perf_counter()
                     first = first or now
                     last = now
-                    pieces.append(c["text"])
+                    pieces.append(c["delta"]["content"])
+    if first is None or tokens is None or tokens < 2:
+        raise SystemExit(f"serve_one_client: {url} streamed {tokens} tokens of text for {text!r}; need 2 or more")
     return {"ttft_s": first - t0, "tok_s": (tokens - 1) / (last - first), "tokens": tokens, "text": "".join(pieces)}
 
 
 def compiled_arm(model, tokenizer, text, max_tokens):
-    ids = tokenizer.encode(text)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     mx.synchronize()
     t0 = time.perf_counter()
     out, first = [], None
@@ -102,13 +105,14 @@ def main():
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--port", type=int, default=8093)
+    p.add_argument("--serve-decode", default="auto", help="the serve arm's --decode (default auto: as users get it)")
     p.add_argument("--out")
     a = p.parse_args()
     name = "m"
     urls = {"serve": f"http://127.0.0.1:{a.port}", "batched": f"http://127.0.0.1:{a.port + 1}"}
     procs = [subprocess.Popen([sys.executable, "-m", "vqpipe", "serve", "--model", a.model, "--port", str(a.port + i),
                                "--name", name, "--log-level", "WARNING", "--decode", decode])
-             for i, decode in enumerate(("auto", "batched"))]
+             for i, decode in enumerate((a.serve_decode, "batched"))]
     arms = ("serve", "batched", "compiled")
     try:
         for url, proc in zip(urls.values(), procs):

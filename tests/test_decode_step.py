@@ -277,18 +277,20 @@ def test_generate_takes_the_compiled_split_step_on_cuda_only(monkeypatch):
     assert auto_compiled(greedy, mx.cpu) is None
 
 
-def test_serve_decodes_a_lone_request_compiled_on_cuda_only(monkeypatch):
-    """serve's ``--decode auto``: the compiled step for a lone greedy request on CUDA, mlx-lm's batch
-    loop elsewhere; only greedy requests without logit processors qualify."""
+def test_serve_decodes_a_lone_request_compiled_on_cpu_and_cuda(monkeypatch):
+    """serve's ``--decode auto``: the compiled step for a lone greedy request on the CPU and CUDA,
+    mlx-lm's batch loop on Metal; only greedy requests without logit processors qualify."""
     import mlx.core as mx
     from mlx_lm.server import GenerationArguments, LogitsProcessorArguments, ModelDescription, SamplingArguments
 
     from vqpipe.apps.serve import compiled_decode, greedy_plain
 
-    assert not compiled_decode("auto", mx.cpu)
-    assert compiled_decode("compiled", mx.cpu) and not compiled_decode("batched", mx.gpu)
+    assert compiled_decode("auto", mx.cpu)
+    assert compiled_decode("compiled", mx.gpu) and not compiled_decode("batched", mx.cpu)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)  # a GPU that is not CUDA: Metal
+    assert not compiled_decode("auto", mx.gpu) and compiled_decode("auto", mx.cpu)
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
-    assert compiled_decode("auto", mx.gpu) and not compiled_decode("auto", mx.cpu)
+    assert compiled_decode("auto", mx.gpu)
 
     def args(temperature=0.0, **logits):
         lg = dict(logit_bias=None, repetition_penalty=0.0, repetition_context_size=20, presence_penalty=0.0,

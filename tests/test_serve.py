@@ -72,6 +72,14 @@ def server(reservoir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def batched_server(reservoir, tmp_path_factory):
+    """mlx-lm's batch loop for every request: the reference for the compiled path."""
+    with _running_server(reservoir, tmp_path_factory.mktemp("serve-batched-log"), "--name", "tiny-b4",
+                         "--decode", "batched") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -207,8 +215,8 @@ def test_server_still_serves_after_bad_requests(server, client):
     assert client.completions.create(model="tiny-b4", prompt="Hello", max_tokens=3).usage.completion_tokens == 3
 
 
-def test_lone_requests_through_the_compiled_step_answer_as_the_batch_loop(reservoir, server, tmp_path):
-    """``--decode compiled`` (what auto picks on CUDA): a lone greedy request decodes through the
+def test_lone_requests_through_the_compiled_step_answer_as_the_batch_loop(reservoir, batched_server, tmp_path):
+    """``--decode compiled`` (what auto picks on the CPU and CUDA): a lone greedy request decodes through the
     compiled step and gets the batch loop's answer (text, finish reason, usage, logprobs and top
     logprobs, stop words, streaming); a sampled request, and overlapping ones, still go to mlx-lm."""
     bodies = [
@@ -217,14 +225,14 @@ def test_lone_requests_through_the_compiled_step_answer_as_the_batch_loop(reserv
         ("/v1/chat/completions", {"messages": USER, "max_tokens": 9, "logprobs": True, "top_logprobs": 2}),
         ("/v1/chat/completions", {"messages": USER, "max_tokens": 1}),
     ]
-    batched = [_post(server, path, json.dumps(b).encode()) for path, b in bodies]
+    batched = [_post(batched_server, path, json.dumps(b).encode()) for path, b in bodies]
     with _running_server(reservoir, tmp_path, "--name", "tiny-b4", "--decode", "compiled") as s:
         compiled = [_post(s, path, json.dumps(b).encode()) for path, b in bodies]
         # a stop word cut where the batch loop cuts it (the first piece of the text it stops at)
         text = compiled[1][1]["choices"][0]["message"]["content"]
         for k in range(1, len(text) - 3):
             stopped = {"messages": USER, "max_tokens": 9, "stop": [text[k:k + 3]]}
-            cut = [_post(x, "/v1/chat/completions", json.dumps(stopped).encode()) for x in (server, s)]
+            cut = [_post(x, "/v1/chat/completions", json.dumps(stopped).encode()) for x in (batched_server, s)]
             if cut[0][1]["choices"][0]["finish_reason"] == "stop":
                 break
         c = openai.OpenAI(base_url=s["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -263,13 +271,13 @@ def test_lone_requests_through_the_compiled_step_answer_as_the_batch_loop(reserv
     assert streamed == compiled[1][1]["choices"][0]["message"]["content"]
 
 
-def test_compiled_lone_requests_reuse_the_prompt_cache(reservoir, server, tmp_path):
+def test_compiled_lone_requests_reuse_the_prompt_cache(reservoir, batched_server, tmp_path):
     """A second chat turn on the compiled path starts from what the first left in mlx-lm's prompt
     cache (cached_tokens > 0) and answers as the batch loop does."""
     first = {"messages": USER, "max_tokens": 6, "logprobs": True}
     with _running_server(reservoir, tmp_path, "--name", "tiny-b4", "--decode", "compiled") as s:
         answers = []
-        for x in (server, s):
+        for x in (batched_server, s):
             status, one = _post(x, "/v1/chat/completions", json.dumps(first).encode())
             assert status == 200
             second = {"messages": USER + [one["choices"][0]["message"], {"role": "user", "content": "And the sky?"}],
