@@ -259,9 +259,9 @@ def test_position_is_padded_out_of_the_small_pool(tiny_llama_source, mode):
     assert pos.tolist()[0] == prompt.size - 1 + 4
 
 
-def test_generate_takes_the_compiled_split_step_on_cuda_only(monkeypatch):
-    """``--compiled auto``: split on CUDA for greedy decoding with the full-precision cache; the eager
-    loop on the CPU, for sampling and for the KIVI caches."""
+def test_generate_takes_the_compiled_split_step_on_cpu_and_cuda(monkeypatch):
+    """``--compiled auto``: split on the CPU and CUDA for greedy decoding with the full-precision
+    cache; the eager loop on Metal, for sampling and for the KIVI caches."""
     import argparse
 
     import mlx.core as mx
@@ -269,12 +269,15 @@ def test_generate_takes_the_compiled_split_step_on_cuda_only(monkeypatch):
     from vqpipe.apps.generate import auto_compiled
 
     greedy = argparse.Namespace(temp=0.0, kv_bits=None)
-    assert auto_compiled(greedy, mx.cpu) is None
+    assert auto_compiled(greedy, mx.cpu) == "split"
+    assert auto_compiled(argparse.Namespace(temp=0.7, kv_bits=None), mx.cpu) is None
+    assert auto_compiled(argparse.Namespace(temp=0.0, kv_bits=4), mx.cpu) is None
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)  # a GPU that is not CUDA: Metal
+    assert auto_compiled(greedy, mx.gpu) is None
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
     assert auto_compiled(greedy, mx.gpu) == "split"
     assert auto_compiled(argparse.Namespace(temp=0.7, kv_bits=None), mx.gpu) is None
     assert auto_compiled(argparse.Namespace(temp=0.0, kv_bits=4), mx.gpu) is None
-    assert auto_compiled(greedy, mx.cpu) is None
 
 
 def test_serve_decodes_a_lone_request_compiled_on_cpu_and_cuda(monkeypatch):

@@ -152,15 +152,14 @@ def compiled_generate(model, tokenizer, prompt, max_tokens, mode, cache=None):
 
 
 def auto_compiled(args, device):
-    """The decode path ``--compiled auto`` takes: the split compiled step on CUDA for greedy decoding
-    with the full-precision cache (main falls back to the eager loop for a model it does not take,
-    decode.step.model_problem) (an H100, 0.5B shape: 261-266 tok/s against 162-172 for the eager
-    loop, docs/decode.md), else None (the eager loop: the CPU has no measured gain, sampling and the
-    KIVI caches run eagerly)."""
-    import mlx.core as mx
+    """The decode path ``--compiled auto`` takes: for greedy decoding with the full-precision cache
+    decode.step.default_mode (the split compiled step on the CPU and CUDA, where it measured faster
+    than the eager loop; main falls back to the eager loop for a model it does not take,
+    decode.step.model_problem), else None (the eager loop: sampling and the KIVI caches)."""
+    from ..decode.step import default_mode
 
-    cuda = device == mx.gpu and mx.cuda.is_available()
-    return "split" if cuda and args.temp == 0 and args.kv_bits is None else None
+    mode = default_mode(device)
+    return mode if mode and args.temp == 0 and args.kv_bits is None else None
 
 
 def main(argv=None):

@@ -304,12 +304,11 @@ def compiled_decode(choice, device=None):
     """Whether a lone request decodes through the compiled step: ``--decode`` compiled or batched,
     or auto: compiled where it measured faster than mlx-lm's batch loop, the CPU (1.30x, SmolLM2
     4-bit) and CUDA (2.14x, a 0.5B shape; docs/serving.md); batched on Metal (not measured)."""
-    import mlx.core as mx
+    from ..decode.step import default_mode
 
     if choice != "auto":
         return choice == "compiled"
-    device = device or mx.default_device()
-    return device == mx.cpu or mx.cuda.is_available()
+    return default_mode(device) is not None
 
 
 def greedy_plain(args):

@@ -130,6 +130,15 @@ def _scalar(pos):
     return pos[0] if pos.ndim else pos
 
 
+def default_mode(device=None):
+    """The compiled step's mode that generate and serve take by default for greedy decoding with the
+    full-precision cache: split on the CPU (1.30x mlx-lm's eager loop, SmolLM2 4-bit with the
+    extension: docs/results/2026-12-07-cpu-serve/) and on CUDA (an H100, 0.5B shape: 261-266 against
+    162-172 tok/s, docs/decode.md); None (mlx-lm's loop) on Metal, not measured."""
+    device = device or mx.default_device()
+    return "split" if device == mx.cpu or mx.cuda.is_available() else None
+
+
 def _logprobs(logits):
     """mlx-lm's log-probabilities of one step's logits [1, vocab] -> [vocab]."""
     return (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0]

@@ -507,6 +507,17 @@ def _setup(args, progress):
                               "gpu_name": ops_env.get("gpu_name"),
                               "same_device": ops_env.get("backend") == result["environment"]["backend"]
                               and ops_env.get("gpu_name") == result["environment"].get("gpu_name")}
+    # vqpipe's weights with the fp cache decode as `vqpipe generate` does by default: through the
+    # compiled step where decode.step.default_mode takes it (mlx-lm's arms: its eager loop, as
+    # mlx_lm.generate runs them)
+    b.vqpipe_mode = None
+    if "vqpipe" in b.models:
+        from ..decode.step import default_mode, model_problem
+
+        mode = default_mode(dev)
+        if mode and model_problem(b.models["vqpipe"], mode) is None:
+            b.vqpipe_mode = mode
+            b.precision["vqpipe"] += f", compiled step ({mode})"
     b.arms, b.skipped = plan_arms(args.weights, args.caches)
     for s in b.skipped:
         progress(f"skipped arm {s['arm']}: {s['reason']}")
@@ -580,8 +591,9 @@ def _call(b, L, name, w, c, k, rnd):
     args = b.args
     model = b.models[w]
     n = args.warmup_tokens if rnd == "warmup" else L.N
-    if c in STEP_CACHES:
-        out, kv, kv_dtype = _call_compiled(b, L, name, model, c, k, n)
+    mode = STEP_CACHES.get(c) or (b.vqpipe_mode if (w, c) == ("vqpipe", "fp") else None)
+    if mode:
+        out, kv, kv_dtype = _call_compiled(b, L, name, model, mode, k, n)
     else:
         cache = make_cache(model, c, args.kivi_bits, args.group_size, args.residual)
         out = generate_once(model, L.prompts[k], cache, n, args.prefill_step)
@@ -592,13 +604,13 @@ def _call(b, L, name, w, c, k, rnd):
     return mx.array(out["ids"])
 
 
-def _call_compiled(b, L, name, model, c, k, n):
-    """A generation through decode_step; one Decoder (one trace) per arm and prompt length."""
+def _call_compiled(b, L, name, model, mode, k, n):
+    """A generation through decode_step in ``mode``; one Decoder (one trace) per arm and prompt length."""
     from ..decode.step import Decoder
 
     key = (name.removesuffix(harness.AA_SUFFIX), L.P)
     if key not in b.decoders:
-        b.decoders[key] = Decoder(model, L.P + max(L.N, b.args.warmup_tokens), STEP_CACHES[c])
+        b.decoders[key] = Decoder(model, L.P + max(L.N, b.args.warmup_tokens), mode)
     dec = b.decoders[key]
     out = dec.generate(L.prompts[k], n, b.args.prefill_step)
     used = b.kvpp * (L.P + n)
