@@ -463,6 +463,24 @@ def test_chat_cli_piped_keeps_cache(reservoir, local_model):
     assert replies[0] == generate(model, tok, first, max_tokens=6, prompt_cache=make_kivi_cache(model, 2, packed=False))
 
 
+def test_chat_through_the_compiled_step_answers_as_mlx_lm_loop(reservoir):
+    """chat's default on the CPU (greedy, full-precision cache): the compiled step, the cache carried
+    between turns; the same replies and the same prompt tokens fed per turn as mlx-lm's loop
+    (``--compiled off``), a reset included."""
+    lines = "Hello sea\nAnd the sky?\nWhat else?\nr\nHello sea\nq\n"
+    runs = {m: _run(["chat", "--model", str(reservoir), "--max-tokens", "7", "--compiled", m], lines)
+            for m in ("auto", "off")}
+    for r in runs.values():
+        assert r.returncode == 0, r.stderr
+    fed = {m: [line.split("prompt ")[1].split(" tokens")[0] for line in r.stderr.splitlines() if line.startswith("[")]
+           for m, r in runs.items()}
+    assert runs["auto"].stdout == runs["off"].stdout and len(runs["auto"].stdout.splitlines()) == 4
+    assert fed["auto"] == fed["off"]  # the same cache reuse turn by turn (the first turn's prompt at least)
+    assert "compiled step (split)" in runs["auto"].stderr and "compiled step" not in runs["off"].stderr
+    r = _run(["chat", "--model", str(reservoir), "--compiled", "split", "--temp", "0.5"], "hi\n")
+    assert r.returncode == 2 and "greedily" in r.stderr
+
+
 def test_packed_kivi_cache_in_generate_chat_and_serve(reservoir, local_model, tmp_path):
     """--kv-bits (the packed cache by default): generate, chat and serve run the packed cache (codes resident, attention reading
     them) and give what the library gives with that cache; past the residual, so codes are read.

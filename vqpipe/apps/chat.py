@@ -6,13 +6,17 @@ works with stdin piped (end of input quits), and each turn feeds only the tokens
 hold yet: the whole conversation is re-templated and compared with the cached tokens, and the cache
 is trimmed back to the common prefix where the template renders an earlier turn differently (a
 system prompt therefore appears once, as the template puts it). Replies go to stdout, the per-turn
-figures to stderr.
+figures to stderr. Greedy turns with the full-precision cache decode through the compiled step
+where generate's ``--compiled auto`` takes it (decode.step.default_mode: the CPU and CUDA), the
+conversation's cache carried between turns as its keys and values.
 """
 
 import argparse
 import sys
+import time
+from types import SimpleNamespace
 
-from .generate import add_model_args, check_args, kv_summary, load_model, make_cache, make_sampler
+from .generate import add_model_args, auto_compiled, check_args, kv_summary, load_model, make_cache, make_sampler
 
 HELP = "commands: q quit, r reset the conversation, h help"
 
@@ -34,8 +38,9 @@ def common_prefix(a, b):
 class Conversation:
     """The messages so far, the prompt cache and the tokens it holds."""
 
-    def __init__(self, model, tokenizer, args):
+    def __init__(self, model, tokenizer, args, mode=None):
         self.model, self.tokenizer, self.args = model, tokenizer, args
+        self.mode, self.decoder = mode, None  # the compiled step's mode, or None: mlx-lm's loop
         self.reset()
 
     def reset(self):
@@ -65,6 +70,8 @@ class Conversation:
         self.messages.append({"role": "user", "content": text})
         tokens = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
         rest = self._rest(tokens)
+        if self.mode:
+            return self._compiled_turn(rest, write)
         reply, generated, last = "", [], None
         for last in stream_generate(self.model, self.tokenizer, rest, max_tokens=self.args.max_tokens,
                                     sampler=make_sampler(self.args), prompt_cache=self.cache):
@@ -74,6 +81,48 @@ class Conversation:
         self.messages.append({"role": "assistant", "content": reply})
         self.seen = (self.seen + rest + generated)[: cache_size(self.cache)]
         return last
+
+    def _compiled_turn(self, rest, write):
+        """The turn through the compiled step, from the cached keys and values; mlx-lm's
+        stream_generate output (an EOS ends the text unshown) and figures; the cache afterwards
+        holds what the step wrote."""
+        import mlx.core as mx
+
+        from ..decode.step import Decoder, capacity_for, to_kv_caches
+
+        n, max_tokens = len(self.seen), self.args.max_tokens
+        if self.decoder is None or self.decoder.capacity < n + len(rest) + max_tokens:
+            self.decoder = None
+            self.decoder = Decoder(self.model, capacity_for(n + len(rest) + max_tokens), self.mode)
+        prefix = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in self.cache] if n else None
+        detokenizer = self.tokenizer.detokenizer
+        detokenizer.reset()
+        reply, generated = "", []
+        t0 = t1 = time.perf_counter()
+        for i, token in enumerate(self.decoder.tokens(mx.array(rest), max_tokens, prefix=prefix)):
+            if i == 0:
+                t1 = time.perf_counter()
+            generated.append(token)
+            if token in self.tokenizer.eos_token_ids:
+                break
+            detokenizer.add_token(token)
+            if i + 1 < max_tokens:
+                piece = detokenizer.last_segment  # reading it takes it
+                write(piece)
+                reply += piece
+        detokenizer.finalize()
+        piece = detokenizer.last_segment
+        write(piece)
+        reply += piece
+        t2 = time.perf_counter()
+        self.messages.append({"role": "assistant", "content": reply})
+        written = min(self.decoder.position, n + len(rest) + len(generated))
+        self.cache = to_kv_caches(self.decoder.kv, written)
+        self.decoder.kv = None
+        self.seen = (self.seen + rest + generated)[:written]
+        return SimpleNamespace(generation_tokens=len(generated), generation_tps=len(generated) / max(t2 - t1, 1e-9),
+                               prompt_tokens=len(rest), prompt_tps=len(rest) / max(t1 - t0, 1e-9),
+                               peak_memory=mx.get_peak_memory() / 1e9, mode=self.mode)
 
 
 def read_line(interactive):
@@ -88,18 +137,28 @@ def read_line(interactive):
 
 
 def figures(response):
+    mode = getattr(response, "mode", None)
     return (f"[{response.generation_tokens} tokens, {response.generation_tps:.1f} tok/s, prompt "
             f"{response.prompt_tokens} tokens {response.prompt_tps:.1f} tok/s, peak "
-            f"{response.peak_memory:.3f} GB]")
+            f"{response.peak_memory:.3f} GB" + (f", compiled step ({mode})" if mode else "") + "]")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="vqpipe chat", description=__doc__.split("\n")[0],
                                 epilog=HELP)
     add_model_args(p)
+    p.add_argument("--compiled", choices=("auto", "split", "whole", "off"), default="auto",
+                   help="greedy turns with the full-precision cache through vqpipe.decode.step's compiled "
+                   "step: auto (default) where generate takes it (the CPU and CUDA), off: mlx-lm's loop")
     args = p.parse_args(argv)
     check_args(p, args)
     import mlx.core as mx
+
+    mode = {"auto": None, "off": None}.get(args.compiled, args.compiled)
+    if args.compiled == "auto":
+        mode = auto_compiled(args, mx.default_device())
+    elif mode and (args.temp != 0 or args.kv_bits is not None):
+        p.error("--compiled decodes greedily with the full-precision cache (no --temp, no --kv-bits)")
 
     try:
         model, tokenizer = load_model(args.model)
@@ -113,7 +172,15 @@ def main(argv=None):
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"vqpipe chat: {args.model} ({HELP})")
-    chat = Conversation(model, tokenizer, args)
+    from ..decode.step import model_problem
+
+    why = model_problem(model, mode) if mode else None
+    if why and args.compiled != "auto":
+        print(f"vqpipe chat: error: {why}", file=sys.stderr)
+        return 2
+    if why:  # a model the step does not take: mlx-lm's loop
+        mode = None
+    chat = Conversation(model, tokenizer, args, mode)
 
     def write(text):
         sys.stdout.write(text)

@@ -5,7 +5,7 @@ and its prompt/generation tokens-per-second and peak-memory lines); vqpipe adds 
 and the KIVI KV cache. ``--kv-bits`` selects KIVI (vqpipe.kivi), not mlx-lm's own quantized cache,
 with its codes packed and attention reading them (the memory saving; ``--kv-cache reference`` is
 the quantize-dequantize reference cache, full precision resident, kept for comparisons).
-On CUDA, greedy decoding with the full-precision cache runs the compiled split step
+On the CPU and on CUDA, greedy decoding with the full-precision cache runs the compiled split step
 (vqpipe.decode.step, docs/decode.md), where it measured faster than the eager loop; ``--compiled``
 picks another mode.
 The argument helpers here are shared with ``vqpipe chat``.

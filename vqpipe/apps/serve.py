@@ -406,12 +406,11 @@ def _response_generator():
                 rqueue.put(e)
 
         def _decoder_for(self, positions):
-            from ..decode.step import Decoder
+            from ..decode.step import Decoder, capacity_for
 
             if self._decoder is None or self._decoder.capacity < positions:
-                capacity = max(1024, 1 << (positions - 1).bit_length())  # few distinct shapes to trace
                 self._decoder = None  # its buffers go before the new ones are made
-                self._decoder = Decoder(self.model_provider.model, capacity, "split")
+                self._decoder = Decoder(self.model_provider.model, capacity_for(positions), "split")
             return self._decoder
 
         def _serve_compiled(self, rqueue, args, prompt, initial_state):
@@ -475,20 +474,13 @@ def _response_generator():
         def _keep_cache(self, tokens, decoder):
             """The positions the compiled step wrote, as mlx-lm's KVCache, into the prompt cache under
             the tokens they hold (copies: the static buffers are reused by the next request)."""
-            import mlx.core as mx
-            from mlx_lm.models.cache import KVCache
+            from ..decode.step import to_kv_caches
 
             n, kv = min(decoder.position, len(tokens)), decoder.kv
             decoder.kv = None
             if kv is None or n < 1:
                 return
-            caches = []
-            for k, v in kv:
-                c = KVCache()
-                c.keys, c.values, c.offset = mx.contiguous(k[..., :n, :]), mx.contiguous(v[..., :n, :]), n
-                caches.append(c)
-            mx.eval([(c.keys, c.values) for c in caches])
-            self.prompt_cache.insert_cache(self.model_provider.model_key, tokens[:n], caches)
+            self.prompt_cache.insert_cache(self.model_provider.model_key, tokens[:n], to_kv_caches(kv, n))
 
     return ReservoirGenerator
 

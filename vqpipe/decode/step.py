@@ -130,6 +130,27 @@ def _scalar(pos):
     return pos[0] if pos.ndim else pos
 
 
+def to_kv_caches(kv, n):
+    """mlx-lm ``KVCache`` per layer holding copies of the first ``n`` positions of ``kv`` (a
+    Decoder's buffers, [(keys, values)]): what a prompt cache keeps after a compiled generation (the
+    static buffers are reused by the next one)."""
+    from mlx_lm.models.cache import KVCache
+
+    caches = []
+    for k, v in kv:
+        c = KVCache()
+        c.keys, c.values, c.offset = mx.contiguous(k[..., :n, :]), mx.contiguous(v[..., :n, :]), n
+        caches.append(c)
+    mx.eval([(c.keys, c.values) for c in caches])
+    return caches
+
+
+def capacity_for(positions):
+    """A static cache's capacity for ``positions``: the next power of two, at least 1024 (few
+    distinct shapes, so few traces, for a Decoder kept between generations)."""
+    return max(1024, 1 << (positions - 1).bit_length())
+
+
 def default_mode(device=None):
     """The compiled step's mode that generate and serve take by default for greedy decoding with the
     full-precision cache: split on the CPU (1.30x mlx-lm's eager loop, SmolLM2 4-bit with the
