@@ -400,8 +400,11 @@ def _response_generator():
                 return rqueue.put(e)
             if len(prompt) + args.max_tokens > COMPILED_MAX_POSITIONS:
                 return super()._serve_single(request, stream)
+            import mlx.core as mx
+
             try:
-                self._serve_compiled(rqueue, args, prompt, initial_state)
+                with mx.stream(stream):  # the generation thread's stream, as mlx-lm's own paths use it
+                    self._serve_compiled(rqueue, args, prompt, initial_state)
             except Exception as e:
                 rqueue.put(e)
 
