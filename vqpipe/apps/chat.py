@@ -89,31 +89,22 @@ class Conversation:
         import mlx.core as mx
 
         from ..decode.step import Decoder, capacity_for, to_kv_caches
+        from ..decode.stream import text_pieces
 
         n, max_tokens = len(self.seen), self.args.max_tokens
         if self.decoder is None or self.decoder.capacity < n + len(rest) + max_tokens:
             self.decoder = None
             self.decoder = Decoder(self.model, capacity_for(n + len(rest) + max_tokens), self.mode)
         prefix = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in self.cache] if n else None
-        detokenizer = self.tokenizer.detokenizer
-        detokenizer.reset()
         reply, generated = "", []
         t0 = t1 = time.perf_counter()
-        for i, token in enumerate(self.decoder.tokens(mx.array(rest), max_tokens, prefix=prefix)):
+        steps = ((t, None) for t in self.decoder.tokens(mx.array(rest), max_tokens, prefix=prefix))
+        for i, (piece, token, _, _) in enumerate(text_pieces(self.tokenizer, steps, max_tokens)):
             if i == 0:
                 t1 = time.perf_counter()
             generated.append(token)
-            if token in self.tokenizer.eos_token_ids:
-                break
-            detokenizer.add_token(token)
-            if i + 1 < max_tokens:
-                piece = detokenizer.last_segment  # reading it takes it
-                write(piece)
-                reply += piece
-        detokenizer.finalize()
-        piece = detokenizer.last_segment
-        write(piece)
-        reply += piece
+            write(piece)
+            reply += piece
         t2 = time.perf_counter()
         self.messages.append({"role": "assistant", "content": reply})
         written = min(self.decoder.position, n + len(rest) + len(generated))

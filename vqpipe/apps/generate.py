@@ -123,6 +123,7 @@ def compiled_generate(model, tokenizer, prompt, max_tokens, mode, cache=None):
 
     import mlx.core as mx
     from ..decode.step import Decoder
+    from ..decode.stream import text_pieces
 
     if cache is None:
         ids = Decoder(model, len(prompt) + max_tokens, mode).tokens(mx.array(prompt), max_tokens)
@@ -130,20 +131,16 @@ def compiled_generate(model, tokenizer, prompt, max_tokens, mode, cache=None):
         from ..kivi.compiled import stream
 
         ids, mode = stream(model, cache, prompt, max_tokens), f"{mode}, packed KIVI-{cache[0].kv_bits}"
-    detok, n = tokenizer.detokenizer, 0
+    n = 0
     print("=" * 10)
     t0 = time.perf_counter()
-    for tok in ids:
-        if n == 0:
+    for i, (piece, tok, _, _) in enumerate(text_pieces(tokenizer, ((t, None) for t in ids), max_tokens)):
+        if i == 0:
             t1 = time.perf_counter()
-        if tok in tokenizer.eos_token_ids:
-            break
-        detok.add_token(tok)
-        n += 1
-        print(detok.last_segment, end="", flush=True)
-    detok.finalize()
+        n += tok not in tokenizer.eos_token_ids
+        print(piece, end="", flush=True)
     t2 = time.perf_counter()
-    print(detok.last_segment)
+    print()
     print("=" * 10)
     print(f"Prompt: {len(prompt)} tokens, {len(prompt) / (t1 - t0):.3f} tokens-per-sec")
     print(f"Generation: {n} tokens, {n / max(t2 - t1, 1e-9):.3f} tokens-per-sec (compiled step, {mode})")

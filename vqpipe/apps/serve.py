@@ -31,7 +31,13 @@ import warnings
 import weakref
 from pathlib import Path
 
-from mlx_lm.server import APIHandler, ModelProvider
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from mlx_lm.server import (APIHandler, GenerationContext, ModelProvider, Response, ResponseGenerator,
+                           _format_top_logprobs)
+
+from ..decode.step import Decoder, capacity_for, default_mode, model_problem, to_kv_caches
+from ..decode.stream import text_pieces
 
 MAX_BODY = 16 * 2**20  # bytes; a full context of text is far less
 # A lone request whose prompt + max_tokens exceeds this many positions goes to mlx-lm's growing
@@ -304,8 +310,6 @@ def compiled_decode(choice, device=None):
     """Whether a lone request decodes through the compiled step: ``--decode`` compiled or batched,
     or auto: compiled where it measured faster than mlx-lm's batch loop, the CPU (1.30x, SmolLM2
     4-bit) and CUDA (2.14x, a 0.5B shape; docs/serving.md); batched on Metal (not measured)."""
-    from ..decode.step import default_mode
-
     if choice != "auto":
         return choice == "compiled"
     return default_mode(device) is not None
@@ -336,156 +340,126 @@ class _Reader:
             raise
 
 
-def _response_generator():
-    from mlx_lm.server import ResponseGenerator
+class ReservoirGenerator(ResponseGenerator):
+    """mlx-lm's ResponseGenerator, but a request that is alone in flight, greedy and without
+    logit processors decodes through the compiled step (one Decoder, reused while its capacity
+    suffices); everything else goes to mlx-lm's loop unchanged. The compiled path starts from
+    mlx-lm's prompt cache where it holds a prefix of the prompt and leaves what it wrote there."""
 
-    class ReservoirGenerator(ResponseGenerator):
-        """mlx-lm's ResponseGenerator, but a request that is alone in flight, greedy and without
-        logit processors decodes through the compiled step (one Decoder, reused while its capacity
-        suffices); everything else goes to mlx-lm's loop unchanged. The compiled path starts from
-        mlx-lm's prompt cache where it holds a prefix of the prompt and leaves what it wrote there."""
+    def __init__(self, provider, prompt_cache, compiled):
+        self.compiled = compiled  # before super().__init__ starts the thread
+        self._decoder, self._lone = None, None
+        # Requests handed in and not yet answered to the end. A request leaves when its last
+        # response has been read (before the client has all of it: the next request of a
+        # sequential client finds it gone) or when its reader is dropped.
+        self._open, self._open_lock = set(), threading.Lock()
+        super().__init__(provider, prompt_cache)
 
-        def __init__(self, provider, prompt_cache, compiled):
-            self.compiled = compiled  # before super().__init__ starts the thread
-            self._decoder, self._lone = None, None
-            # Requests handed in and not yet answered to the end. A request leaves when its last
-            # response has been read (before the client has all of it: the next request of a
-            # sequential client finds it gone) or when its reader is dropped.
-            self._open, self._open_lock = set(), threading.Lock()
-            super().__init__(provider, prompt_cache)
+    def generate(self, request, generation_args, progress_callback=None):
+        key = object()
+        with self._open_lock:
+            self._open.add(key)
+        try:
+            ctx, responses = super().generate(request, generation_args, progress_callback)
+        except BaseException:
+            self._close(key)
+            raise
+        reader = _Reader(responses, lambda: self._close(key))
+        weakref.finalize(reader, self._close, key)
+        return ctx, reader
 
-        def generate(self, request, generation_args, progress_callback=None):
-            key = object()
-            with self._open_lock:
-                self._open.add(key)
-            try:
-                ctx, responses = super().generate(request, generation_args, progress_callback)
-            except BaseException:
-                self._close(key)
-                raise
-            reader = _Reader(responses, lambda: self._close(key))
-            weakref.finalize(reader, self._close, key)
-            return ctx, reader
+    def _close(self, key):
+        with self._open_lock:
+            self._open.discard(key)
 
-        def _close(self, key):
-            with self._open_lock:
-                self._open.discard(key)
+    def _alone(self):
+        with self._open_lock:
+            return len(self._open) <= 1
 
-        def _alone(self):
-            with self._open_lock:
-                return len(self._open) <= 1
+    def _is_batchable(self, args):
+        if self.compiled and greedy_plain(args) and self._alone() and self._model_fits():
+            self._lone = args  # _serve_single takes this one through the compiled step
+            return False
+        return super()._is_batchable(args)
 
-        def _is_batchable(self, args):
-            if self.compiled and greedy_plain(args) and self._alone() and self._model_fits():
-                self._lone = args  # _serve_single takes this one through the compiled step
-                return False
-            return super()._is_batchable(args)
+    def _model_fits(self):
+        if self.model_provider.cli_args.kv_bits_kivi or self.model_provider.draft_model is not None:
+            return False
+        model = self.model_provider.model
+        return model is not None and model_problem(model, "split") is None
 
-        def _model_fits(self):
-            from ..decode.step import model_problem
+    def _serve_single(self, request, stream):
+        if request[2] is not self._lone:
+            return super()._serve_single(request, stream)
+        self._lone = None
+        rqueue, body, args = request
+        try:
+            prompt, _, _, initial_state, _ = self._tokenize(self.model_provider.tokenizer, body, args)
+        except Exception as e:
+            return rqueue.put(e)
+        if len(prompt) + args.max_tokens > COMPILED_MAX_POSITIONS:
+            return super()._serve_single(request, stream)
+        try:
+            with mx.stream(stream):  # the generation thread's stream, as mlx-lm's own paths use it
+                self._serve_compiled(rqueue, args, prompt, initial_state)
+        except Exception as e:
+            rqueue.put(e)
 
-            if self.model_provider.cli_args.kv_bits_kivi or self.model_provider.draft_model is not None:
-                return False
-            model = self.model_provider.model
-            return model is not None and model_problem(model, "split") is None
+    def _decoder_for(self, positions):
+        if self._decoder is None or self._decoder.capacity < positions:
+            self._decoder = None  # its buffers go before the new ones are made
+            self._decoder = Decoder(self.model_provider.model, capacity_for(positions), "split")
+        return self._decoder
 
-        def _serve_single(self, request, stream):
-            if request[2] is not self._lone:
-                return super()._serve_single(request, stream)
-            self._lone = None
-            rqueue, body, args = request
-            try:
-                prompt, _, _, initial_state, _ = self._tokenize(self.model_provider.tokenizer, body, args)
-            except Exception as e:
-                return rqueue.put(e)
-            if len(prompt) + args.max_tokens > COMPILED_MAX_POSITIONS:
-                return super()._serve_single(request, stream)
-            import mlx.core as mx
+    def _serve_compiled(self, rqueue, args, prompt, initial_state):
+        tokenizer = self.model_provider.tokenizer
+        stop_sequences, text_sm = self._make_state_machine(self.model_provider.model_key, tokenizer,
+                                                           args.stop_words)
+        ctx = GenerationContext(has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
+                                tool_parser=tokenizer.tool_parser, text_sm=text_sm,
+                                initial_state=initial_state, prompt=prompt, prompt_cache_count=0)
+        rqueue.put(ctx)
+        decoder = self._decoder_for(len(prompt) + args.max_tokens)
+        prefix, rest = self._cached_prefix(prompt)
+        ctx.prompt_cache_count = len(prompt) - len(rest)
+        logging.info("compiled step: a lone request, %d prompt tokens (%d cached), up to %d new", len(prompt),
+                     ctx.prompt_cache_count, args.max_tokens)
+        matcher = stop_sequences.matcher()
+        generated = []
+        ids = decoder.tokens(mx.array(rest), args.max_tokens, logprobs=True, prefix=prefix)
+        for piece, token, logprobs, finish in text_pieces(tokenizer, ids, args.max_tokens):
+            generated.append(token)
+            if matcher.advance(token):
+                finish = "stop"
+            rqueue.put(Response(piece, token, logprobs[token].item(), finish,
+                                _format_top_logprobs(logprobs, args.top_logprobs, tokenizer)))
+            if finish is not None or ctx._should_stop:
+                break
+        rqueue.put(None)
+        ids.close()
+        self._keep_cache(prompt + generated, decoder)
 
-            try:
-                with mx.stream(stream):  # the generation thread's stream, as mlx-lm's own paths use it
-                    self._serve_compiled(rqueue, args, prompt, initial_state)
-            except Exception as e:
-                rqueue.put(e)
+    def _cached_prefix(self, prompt):
+        """(per layer keys and values of the longest cached prefix of ``prompt``, the tokens after
+        it) from mlx-lm's prompt cache, or (None, prompt); at least one token is left to feed."""
+        cache, rest = self.prompt_cache.fetch_nearest_cache(self.model_provider.model_key, prompt)
+        n = len(prompt) - len(rest)
+        if cache is None or n == 0 or any(type(c) is not KVCache for c in cache):
+            return None, prompt
+        n = min(n, len(prompt) - 1)
+        if n == 0:
+            return None, prompt
+        return [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache], prompt[n:]
 
-        def _decoder_for(self, positions):
-            from ..decode.step import Decoder, capacity_for
+    def _keep_cache(self, tokens, decoder):
+        """The positions the compiled step wrote, as mlx-lm's KVCache, into the prompt cache under
+        the tokens they hold (copies: the static buffers are reused by the next request)."""
+        n, kv = min(decoder.position, len(tokens)), decoder.kv
+        decoder.kv = None
+        if kv is None or n < 1:
+            return
+        self.prompt_cache.insert_cache(self.model_provider.model_key, tokens[:n], to_kv_caches(kv, n))
 
-            if self._decoder is None or self._decoder.capacity < positions:
-                self._decoder = None  # its buffers go before the new ones are made
-                self._decoder = Decoder(self.model_provider.model, capacity_for(positions), "split")
-            return self._decoder
-
-        def _serve_compiled(self, rqueue, args, prompt, initial_state):
-            import mlx.core as mx
-            from mlx_lm.server import GenerationContext, Response, _format_top_logprobs
-
-            tokenizer = self.model_provider.tokenizer
-            stop_sequences, text_sm = self._make_state_machine(self.model_provider.model_key, tokenizer,
-                                                               args.stop_words)
-            ctx = GenerationContext(has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
-                                    tool_parser=tokenizer.tool_parser, text_sm=text_sm,
-                                    initial_state=initial_state, prompt=prompt, prompt_cache_count=0)
-            rqueue.put(ctx)
-            decoder = self._decoder_for(len(prompt) + args.max_tokens)
-            prefix, rest = self._cached_prefix(prompt)
-            ctx.prompt_cache_count = len(prompt) - len(rest)
-            logging.info("compiled step: a lone request, %d prompt tokens (%d cached), up to %d new", len(prompt),
-                         ctx.prompt_cache_count, args.max_tokens)
-            detokenizer = tokenizer.detokenizer
-            detokenizer.reset()
-            matcher = stop_sequences.matcher()
-            generated = []
-            # mlx-lm's stream_generate, over the compiled step's ids: an EOS ends the text unshown,
-            # the last of max_tokens is shown, then "stop" or "length"
-            ids = decoder.tokens(mx.array(rest), args.max_tokens, logprobs=True, prefix=prefix)
-            for n, (token, logprobs) in enumerate(ids):
-                generated.append(token)
-                finish = None
-                if token in tokenizer.eos_token_ids:
-                    finish = "stop"
-                else:
-                    detokenizer.add_token(token)
-                    if n + 1 == args.max_tokens:
-                        finish = "length"
-                if finish is not None:
-                    detokenizer.finalize()
-                if matcher.advance(token):
-                    finish = "stop"
-                rqueue.put(Response(detokenizer.last_segment, token, logprobs[token].item(), finish,
-                                    _format_top_logprobs(logprobs, args.top_logprobs, tokenizer)))
-                if finish is not None or ctx._should_stop:
-                    break
-            rqueue.put(None)
-            ids.close()
-            self._keep_cache(prompt + generated, decoder)
-
-        def _cached_prefix(self, prompt):
-            """(per layer keys and values of the longest cached prefix of ``prompt``, the tokens after
-            it) from mlx-lm's prompt cache, or (None, prompt); at least one token is left to feed."""
-            from mlx_lm.models.cache import KVCache
-
-            cache, rest = self.prompt_cache.fetch_nearest_cache(self.model_provider.model_key, prompt)
-            n = len(prompt) - len(rest)
-            if cache is None or n == 0 or any(type(c) is not KVCache for c in cache):
-                return None, prompt
-            n = min(n, len(prompt) - 1)
-            if n == 0:
-                return None, prompt
-            return [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache], prompt[n:]
-
-        def _keep_cache(self, tokens, decoder):
-            """The positions the compiled step wrote, as mlx-lm's KVCache, into the prompt cache under
-            the tokens they hold (copies: the static buffers are reused by the next request)."""
-            from ..decode.step import to_kv_caches
-
-            n, kv = min(decoder.position, len(tokens)), decoder.kv
-            decoder.kv = None
-            if kv is None or n < 1:
-                return
-            self.prompt_cache.insert_cache(self.model_provider.model_key, tokens[:n], to_kv_caches(kv, n))
-
-    return ReservoirGenerator
 
 
 def context_length(directory, override=None):
@@ -587,7 +561,7 @@ def serve(args):
     tokenizer = load_tokenizer(directory, eos_token_ids=load_config(directory).get("eos_token_id"))
     handler = functools.partial(ReservoirHandler, limits=Limits(args, tokenizer, context, vocab))
     _check_port(args.host, args.port)  # before the generation thread starts loading the model
-    generator = _response_generator()(ReservoirProvider(args), LRUPromptCache(args.prompt_cache_size),
+    generator = ReservoirGenerator(ReservoirProvider(args), LRUPromptCache(args.prompt_cache_size),
                                       compiled_decode(args.decode))
     if args.host not in LOCAL_HOSTS:
         print(f"vqpipe serve: warning: listening on {args.host}, reachable from other machines; "
