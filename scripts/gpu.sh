@@ -31,6 +31,9 @@
 #             alternating processes (experiments/ttft.py --gpu-max-m), after one warm-up process
 #   serve     one client: `vqpipe serve` (mlx-lm's batched loop) against the compiled step on the
 #             user reservoir, interleaved per prompt (experiments/serve_one_client.py)
+#   chat      `vqpipe chat` with the compiled step (--compiled auto) against mlx-lm's loop (--compiled
+#             off) on the user reservoir: alternating fresh processes, CHAT_N pairs (default 4) of a piped
+#             3-turn conversation, 48 new tokens a turn; each turn's figures and whether the replies match
 #   devtests  only the default-device test files of `tests` (DEVICE_LIMIT s)
 #   trellis   trellis against scalar codes on the GPU: a synthetic qwen2.5-0.5b quantized both ways
 #             (4 bits), whole-model decode interleaved beside mlx-lm on the source and on affine 4-bit
@@ -49,8 +52,8 @@ while [ $# -gt 0 ]; do
     --presets) PRESETS=$2; shift 2 ;;
     --tar) TAR=1; shift ;;
     --) shift; SNAKE=("$@"); break ;;
-    tests|devtests|decode|qmv|kivi|ncu|pipeline|ext|user|ttft|first|prefill|serve|trellis) PARTS+=("$1"); shift ;;
-    *) echo "gpu.sh: unknown argument $1 (parts: tests devtests decode qmv kivi ncu pipeline ext user ttft first prefill serve trellis)" >&2; exit 2 ;;
+    tests|devtests|decode|qmv|kivi|ncu|pipeline|ext|user|ttft|first|prefill|serve|chat|trellis) PARTS+=("$1"); shift ;;
+    *) echo "gpu.sh: unknown argument $1 (parts: tests devtests decode qmv kivi ncu pipeline ext user ttft first prefill serve chat trellis)" >&2; exit 2 ;;
   esac
 done
 [ ${#PARTS[@]} -gt 0 ] || { sed -n 2,30p "$0"; exit 2; }
@@ -274,6 +277,22 @@ part_serve() {
   echo "== one client: serve against the compiled step $(since)"
   timeout ${SERVE_LIMIT:-200} $PY -m experiments.serve_one_client --model $USER_DIR/r --prompts 20 --max-tokens 128 \
     --out "$1/serve.json" 2>&1 | grep -v "POST /v1" | tee "$1/serve.log" | tail -n 25
+}
+
+part_chat() {
+  user_reservoir
+  local turns=$'Name three rivers in Europe.\nWhich of them is the longest?\nWrite one sentence about it.\n'
+  echo "== warm-up chat (fills MLX's PTX cache) $(since)"
+  printf 'hello\n' | timeout 200 $PY -m vqpipe chat --model $USER_DIR/r --max-tokens 8 > /dev/null 2>&1
+  for i in $(seq 1 ${CHAT_N:-4}); do
+    for mode in auto off; do
+      echo "== chat --compiled $mode, pair $i $(since)"
+      printf '%s' "$turns" | timeout 200 $PY -m vqpipe chat --model $USER_DIR/r --max-tokens 48 --compiled $mode \
+        > "$1/chat_${mode}_$i.out" 2> "$1/chat_${mode}_$i.err"
+      grep -E "^\[" "$1/chat_${mode}_$i.err"
+    done
+    cmp -s "$1/chat_auto_$i.out" "$1/chat_off_$i.out" && echo "pair $i: the same replies" || echo "pair $i: replies differ"
+  done
 }
 
 part_user() {
