@@ -93,6 +93,21 @@ NB_MODULE(_ext, m) {
       "y[..., r] = s_r * sum_c code(state_rc) x[..., c] + bias_r from the rotated input x and the "
       "trellis codes (tiles of 32 rows x 8 columns, vqpipe.codec.trellis), code(s) = fma(a, 1MAD "
       "byte sum of s, b) over L-bit states; in x's dtype; CPU, and GPU in a CUDA build.");
+  m.def(
+      "trellis_decode",
+      &trellis_decode,
+      "packed"_a,
+      "k"_a,
+      "L"_a,
+      "a"_a,
+      "b"_a,
+      "cols"_a,
+      "dtype"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none(),
+      "The code values [rows, cols] (no scales) of a trellis weight in dtype, code(s) = fma(a, 1MAD byte "
+      "sum of s, b): trellis_matvec's weight, decoded once (prefill's dense path); CPU, and GPU in a "
+      "CUDA build.");
   m.def("has_avx2", &vqpipe::has_avx2, "Whether the CPU kernel uses AVX2/FMA here.");
   m.def("set_portable", &vqpipe::set_portable, "flag"_a,
         "Take the portable kernel even where AVX2 or NEON is there (tests); returns the previous setting.");

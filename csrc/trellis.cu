@@ -113,6 +113,40 @@ __global__ void __launch_bounds__(32 * kWarps) trellis_matvec_kernel(
   }
 }
 
+// The code values of tiles into out [rows, cols] (T): one warp a tile, lane l its weights 8l..8l+7
+// (column l / 4, rows 8(l % 4)..+7) from the same 64-bit window as the mat-vec's lanes.
+template <typename T, int K>
+__global__ void __launch_bounds__(32 * kWarps) trellis_decode_kernel(
+    const uint32_t* packed, T* out, int cols, int L, int n, float ca, float cb, int tiles_total) {
+  constexpr int W = 8 * K; // words per tile
+  __shared__ uint32_t words[kWarps][W + 2];
+  const int warp = threadIdx.y, lane = threadIdx.x;
+  const int tile = blockIdx.x * kWarps + warp;
+  if (tile >= tiles_total) return; // a whole warp: nothing below synchronises more than the warp
+  const int tiles = cols / vqpipe::kTileCols, rb = tile / tiles, ct = tile - rb * tiles;
+  const uint32_t mask = (1u << L) - 1u, kmask = (1u << K) - 1u;
+  const uint32_t* base = packed + static_cast<size_t>(tile) * W;
+  for (int i = lane; i < W; i += 32) words[warp][i] = base[i];
+  if (lane < 2) words[warp][W + lane] = 0u;
+  __syncwarp();
+  const int first = 8 * lane - (n - 1);
+  const int p0 = first < 0 ? 0 : K * first, pad = first < 0 ? -K * first : 0;
+  const uint32_t* tw = words[warp];
+  const int wi = p0 >> 5, sh = p0 & 31;
+  const uint64_t lo = static_cast<uint64_t>(tw[wi]) | (static_cast<uint64_t>(tw[wi + 1]) << 32);
+  uint64_t win = sh ? (lo >> sh) | (static_cast<uint64_t>(tw[wi + 2]) << (64 - sh)) : lo;
+  win <<= pad;
+  uint32_t s = 0;
+  for (int j = 0; j < n - 1; ++j) s = ((s << K) | static_cast<uint32_t>((win >> (K * j)) & kmask)) & mask;
+  win >>= K * (n - 1);
+  const int col = ct * vqpipe::kTileCols + (lane >> 2), row0 = rb * vqpipe::kTileRows + 8 * (lane & 3);
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    s = ((s << K) | static_cast<uint32_t>((win >> (K * r)) & kmask)) & mask;
+    out[static_cast<size_t>(row0 + r) * cols + col] = from_float<T>(code(s, ca, cb));
+  }
+}
+
 template <typename F>
 void dispatch_k(int k, F&& f) {
   switch (k) {
@@ -160,6 +194,29 @@ void TrellisMatvec::eval_gpu(const std::vector<array>& inputs, array& out) {
           gpu_ptr<uint32_t>(packed), gpu_ptr<float>(scales),
           has_bias_ ? gpu_ptr<float>(inputs[3]) : static_cast<const float*>(nullptr), gpu_ptr<T>(out), n_rows,
           n_cols, L, n, ca, cb, n_m);
+    });
+  });
+}
+
+void TrellisDecode::eval_gpu(const std::vector<array>& inputs, array& out) {
+  const array& packed = inputs[0];
+  if (!packed.flags().row_contiguous) {
+    throw std::runtime_error("trellis_decode: the GPU kernel takes row-contiguous codes");
+  }
+  auto& encoder = cu::get_command_encoder(stream());
+  out.set_data(allocator::malloc(out.nbytes()));
+  encoder.set_input_array(packed);
+  encoder.set_output_array(out);
+  const int tiles_total = packed.shape(0) * (cols_ / vqpipe::kTileCols);
+  const dim3 grid((tiles_total + kWarps - 1) / kWarps), block(32, kWarps);
+  dispatch_dtype(out.dtype(), [&](auto t) {
+    using T = decltype(t);
+    dispatch_k(k_, [&](auto kk) {
+      constexpr int K = decltype(kk)::value;
+      int n_cols = cols_, L = L_, n = (L_ + k_ - 1) / k_, n_tiles = tiles_total;
+      float ca = a_, cb = b_;
+      encoder.add_kernel_node(driver_function<trellis_decode_kernel<T, K>>(), grid, block,
+                              gpu_ptr<uint32_t>(packed), gpu_ptr<T>(out), n_cols, L, n, ca, cb, n_tiles);
     });
   });
 }

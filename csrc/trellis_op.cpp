@@ -25,7 +25,92 @@ constexpr size_t kSerialWeights = 1 << 17;
   operands::fail("trellis_matvec", msg);
 }
 
+// Row blocks [b0, b1) of the code values into out [rows, cols] (row-major): each tile's states in
+// sequence from 0, values from a table of the code in T (the same rounding as a float32 table cast).
+template <typename T>
+void decode_blocks(const uint32_t* packed, int k, int L, float a, float b, int cols, T* out, int b0, int b1) {
+  const int words = 8 * k, tiles = cols / vqpipe::kTileCols, n = vqpipe::kTileRows * vqpipe::kTileCols;
+  const uint32_t mask = (1u << L) - 1, kmask = (1u << k) - 1;
+  std::vector<T> table(size_t{1} << L);
+  for (uint32_t t = 0; t <= mask; ++t) table[t] = static_cast<T>(vqpipe::trellis_code(t, a, b));
+  for (int rb = b0; rb < b1; ++rb) {
+    T* block = out + static_cast<size_t>(rb) * vqpipe::kTileRows * cols;
+    for (int cb = 0; cb < tiles; ++cb) {
+      const uint32_t* tile = packed + (static_cast<size_t>(rb) * tiles + cb) * words;
+      uint32_t s = 0;
+      for (int i = 0; i < n; ++i) {
+        const int bit = k * i, word = bit >> 5, shift = bit & 31;
+        uint32_t q = tile[word] >> shift;
+        if (shift + k > 32) q |= tile[word + 1] << (32 - shift);
+        s = ((s << k) | (q & kmask)) & mask;
+        block[static_cast<size_t>(i % vqpipe::kTileRows) * cols + cb * vqpipe::kTileCols + i / vqpipe::kTileRows] =
+            table[s];
+      }
+    }
+  }
+}
+
+[[noreturn]] void fail_decode(const std::string& msg) {
+  operands::fail("trellis_decode", msg);
+}
+
 } // namespace
+
+array trellis_decode(const array& packed, int k, int L, float a, float b, int cols, Dtype dtype, StreamOrDevice s) {
+  if (k < 1 || k > 6) fail_decode("k must be 1..6 bits per weight, got " + std::to_string(k));
+  if (L < k || L > 16) fail_decode("the state needs k <= L <= 16 bits, got L = " + std::to_string(L));
+  if (!is_float(dtype)) fail_decode("dtype must be float32, float16 or bfloat16");
+  if (cols < 1 || cols % vqpipe::kTileCols) {
+    fail_decode("cols must be a positive multiple of " + std::to_string(vqpipe::kTileCols) + ", got " +
+                std::to_string(cols));
+  }
+  const int words = cols / vqpipe::kTileCols * 8 * k;
+  if (packed.dtype() != uint32 || packed.ndim() != 2 || packed.shape(0) < 1 || packed.shape(1) != words) {
+    fail_decode("packed must be uint32 [rows / 32, " + std::to_string(words) + "] for " + std::to_string(cols) +
+                " columns at k = " + std::to_string(k) + ", got " + shape_str(packed.shape()));
+  }
+  auto stream = to_stream(s);
+  if (stream.device != Device::cpu && !trellis_matvec_has_gpu()) {
+    fail_decode("this build of vqpipe._ext has no GPU kernel (built against a CPU-only MLX)");
+  }
+  return array({packed.shape(0) * vqpipe::kTileRows, cols}, dtype,
+               std::make_shared<TrellisDecode>(stream, k, L, a, b, cols), {packed});
+}
+
+std::vector<Shape> TrellisDecode::output_shapes(const std::vector<array>& inputs) {
+  return {{inputs[0].shape(0) * vqpipe::kTileRows, cols_}};
+}
+
+bool TrellisDecode::is_equivalent(const Primitive& other) const {
+  auto& o = static_cast<const TrellisDecode&>(other);
+  return k_ == o.k_ && L_ == o.L_ && a_ == o.a_ && b_ == o.b_ && cols_ == o.cols_;
+}
+
+void TrellisDecode::eval_cpu(const std::vector<array>& inputs, array& out) {
+  out.set_data(allocator::malloc(out.nbytes()));
+  auto& encoder = cpu::get_command_encoder(stream());
+  encoder.set_input_array(inputs[0]);
+  encoder.set_output_array(out);
+  encoder.dispatch([packed = array::unsafe_weak_copy(inputs[0]), out = array::unsafe_weak_copy(out), k = k_, L = L_,
+                    code_a = a_, code_b = b_, cols = cols_]() mutable {
+    std::vector<uint32_t> packed_copy;
+    const uint32_t* codes = row_major_codes(packed, packed_copy);
+    const int blocks = packed.shape(0);
+    auto& pool = vqpipe::Pool::get();
+    const int tasks = static_cast<size_t>(blocks) * vqpipe::kTileRows * cols < kSerialWeights
+                          ? 1
+                          : std::min(4 * pool.size(), blocks);
+    pool.run(tasks, [&](int t) {
+      const int b0 = static_cast<int>(static_cast<long long>(blocks) * t / tasks);
+      const int b1 = static_cast<int>(static_cast<long long>(blocks) * (t + 1) / tasks);
+      switch (out.dtype()) {
+        case float16: return decode_blocks(codes, k, L, code_a, code_b, cols, out.data<float16_t>(), b0, b1);
+        case bfloat16: return decode_blocks(codes, k, L, code_a, code_b, cols, out.data<bfloat16_t>(), b0, b1);
+        default: return decode_blocks(codes, k, L, code_a, code_b, cols, out.data<float>(), b0, b1);
+      }
+    });
+  });
+}
 
 array trellis_matvec(
     const array& x,
@@ -140,6 +225,10 @@ void TrellisMatvec::eval_cpu(const std::vector<array>& inputs, array& out) {
 #ifndef VQPIPE_CUDA
 void TrellisMatvec::eval_gpu(const std::vector<array>&, array&) {
   throw std::runtime_error("trellis_matvec: this build of vqpipe._ext has no GPU kernel (built against a CPU-only MLX)");
+}
+
+void TrellisDecode::eval_gpu(const std::vector<array>&, array&) {
+  throw std::runtime_error("trellis_decode: this build of vqpipe._ext has no GPU kernel (built against a CPU-only MLX)");
 }
 
 bool trellis_matvec_has_gpu() {

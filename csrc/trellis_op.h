@@ -25,6 +25,19 @@ array trellis_matvec(
     const std::optional<array>& bias,
     StreamOrDevice s = {});
 
+// The code values [rows, cols] of a trellis weight (no scales) in `dtype`, decoded from `packed` as
+// trellis_matvec reads it: the dense weight of a prefill, written once, without the uint32
+// temporaries of a decode in MLX ops (16 bytes a weight). CPU and, in a CUDA build, GPU.
+array trellis_decode(
+    const array& packed,
+    int k,
+    int L,
+    float a,
+    float b,
+    int cols,
+    Dtype dtype,
+    StreamOrDevice s = {});
+
 // Whether this build has the CUDA kernel (the same build flag as codebook_matvec's).
 bool trellis_matvec_has_gpu();
 
@@ -46,6 +59,26 @@ class TrellisMatvec : public UnaryPrimitive {
   int k_, L_;
   float a_, b_;
   bool has_bias_;
+};
+
+class TrellisDecode : public UnaryPrimitive {
+ public:
+  TrellisDecode(Stream stream, int k, int L, float a, float b, int cols)
+      : UnaryPrimitive(stream), k_(k), L_(L), a_(a), b_(b), cols_(cols) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override;
+  void eval_gpu(const std::vector<array>& inputs, array& out) override;
+
+  const char* name() const override {
+    return "TrellisDecode";
+  }
+  bool is_equivalent(const Primitive& other) const override;
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override;
+
+ private:
+  int k_, L_;
+  float a_, b_;
+  int cols_;
 };
 
 } // namespace mlx::core

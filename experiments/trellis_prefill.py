@@ -1,10 +1,12 @@
 """Trellis layers at prefill sizes on the GPU: the compiled mat-vec (csrc/trellis.cu, one pass over
-the codes per 8 rows of x) against the dense path (vqpipe/kernels/dequant.py ``trellis_forward``:
-the codes decoded with MLX ops into a dense weight, one matmul), per row count M, on the
-qwen2.5-0.5b layer shapes the loaders make (q|k|v fused, o, gate|up fused, down).
+the codes per 8 rows of x) and the dense path with its weight written by the extension's decode
+(``decode``: ext.trellis_decode, then one matmul; what prefill runs above ext.GPU_MAX_M) against the
+dense path with the codes decoded by MLX ops (``dense``: vqpipe/kernels/dequant.py ``trellis_forward``
+without the code's scale), per row count M, on the qwen2.5-0.5b layer shapes the loaders make (q|k|v
+fused, o, gate|up fused, down).
 
-For each shape and M, arms interleaved A B A' per input (>= 20 distinct rotated inputs, bf16):
-``kernel``, ``dense``, ``kernel-aa`` (the A/A floor). One timing is one evaluation of the arm over
+For each shape and M, arms interleaved A B C A' per input (>= 20 distinct rotated inputs, bf16):
+``kernel``, ``dense``, ``decode``, ``kernel-aa`` (the A/A floor). One timing is one evaluation of the arm over
 all inputs (a graph of ``--inputs`` calls) divided by their number, microseconds; the summary is
 median [min-max] over reps and the median ratio kernel / dense. Peak memory per arm: one call
 evaluated alone after ``mx.reset_peak_memory()``, the peak above what was active before (the
@@ -40,6 +42,7 @@ def layer(rng, out, n, bits):
     return {
         "kernel": lambda x: ext.module().trellis_matvec(x, codes, scales, bits, L, a, b, None),
         "dense": lambda x: dequant.trellis_forward(x, codes, scales, table, bits, L),
+        "decode": lambda x: dequant.trellis_forward(x, codes, scales, table, bits, L, None, trellis.SCALE),
     }
 
 
@@ -83,25 +86,30 @@ def main():
             xs = [mx.array(rng.standard_normal((m, n)).astype(np.float32)).astype(mx.bfloat16)
                   for _ in range(args.inputs)]
             mx.eval(xs)
-            for name in ("kernel", "dense"):  # warm-up: compiles, fills the allocator's cache
+            for name in ("kernel", "dense", "decode"):  # warm-up: compiles, fills the allocator's cache
                 time_batch(arms[name], xs[:2])
-            t = {"kernel": [], "dense": [], "kernel-aa": []}
+            t = {"kernel": [], "dense": [], "decode": [], "kernel-aa": []}
             for _ in range(args.reps):
-                for name in ("kernel", "dense", "kernel-aa"):
+                for name in ("kernel", "dense", "decode", "kernel-aa"):
                     t[name].append(time_batch(arms[name.replace("-aa", "")], xs))
             yk, yd = (arms[k](xs[0]).astype(mx.float32) for k in ("kernel", "dense"))
             dev = float(mx.max(mx.abs(yk - yd)) / mx.max(mx.abs(yd)))
             mx.clear_cache()
-            peak = {k: peak_of(arms[k], xs[0]) for k in ("kernel", "dense")}
+            same = bool(mx.array_equal(arms["decode"](xs[0]), arms["dense"](xs[0])).item())
+            peak = {k: peak_of(arms[k], xs[0]) for k in ("kernel", "dense", "decode")}
             ratios = [a / b for a, b in zip(t["kernel"], t["dense"])]
+            dratios = [a / b for a, b in zip(t["decode"], t["dense"])]
             aa = [a / b for a, b in zip(t["kernel-aa"], t["kernel"])]
             row = {"shape": [out, n], "m": m, "bits": args.bits, "us": {k: summary(v) for k, v in t.items()},
-                   "kernel_over_dense": summary(ratios), "aa": summary(aa), "peak_bytes": peak, "deviation": dev}
+                   "kernel_over_dense": summary(ratios), "decode_over_dense": summary(dratios), "aa": summary(aa),
+                   "peak_bytes": peak, "deviation": dev, "decode_equals_dense": same}
             rows.append(row)
             print(f"{out}x{n} M={m:4d}: kernel {statistics.median(t['kernel']):8.1f} us  dense "
                   f"{statistics.median(t['dense']):8.1f} us  ratio {statistics.median(ratios):.2f} "
-                  f"[{min(ratios):.2f}-{max(ratios):.2f}] A/A {statistics.median(aa):.2f}  peak MB kernel "
-                  f"{peak['kernel'] / 1e6:.1f} dense {peak['dense'] / 1e6:.1f}  dev {dev:.1e}", flush=True)
+                  f"[{min(ratios):.2f}-{max(ratios):.2f}] decode {statistics.median(t['decode']):8.1f} us ratio "
+                  f"{statistics.median(dratios):.2f} [{min(dratios):.2f}-{max(dratios):.2f}] A/A "
+                  f"{statistics.median(aa):.2f}  peak MB kernel {peak['kernel'] / 1e6:.1f} dense "
+                  f"{peak['dense'] / 1e6:.1f} decode {peak['decode'] / 1e6:.1f}  dev {dev:.1e} same {same}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"rows": rows, "device": str(mx.default_device())}, f, indent=1)

@@ -29,6 +29,9 @@
 #             (experiments/trellis_prefill.py: time and transient memory per M), then the user
 #             reservoir's phases and peak memory with the mat-vec's GPU row limit at 8 and 64,
 #             alternating processes (experiments/ttft.py --gpu-max-m), after one warm-up process
+#   dense     prefill's dense weights: the extension built, its decode tests on the GPU
+#             (tests/test_trellis_ext.py -k decode), then experiments/trellis_prefill.py at M = 128..2048
+#             with the decode arm (ext.trellis_decode + matmul) beside the kernel and the MLX-op decode
 #   serve     one client: `vqpipe serve` (mlx-lm's batched loop) against the compiled step on the
 #             user reservoir, interleaved per prompt (experiments/serve_one_client.py)
 #   chat      `vqpipe chat` with the compiled step (--compiled auto) against mlx-lm's loop (--compiled
@@ -52,8 +55,8 @@ while [ $# -gt 0 ]; do
     --presets) PRESETS=$2; shift 2 ;;
     --tar) TAR=1; shift ;;
     --) shift; SNAKE=("$@"); break ;;
-    tests|devtests|decode|qmv|kivi|ncu|pipeline|ext|user|ttft|first|prefill|serve|chat|trellis) PARTS+=("$1"); shift ;;
-    *) echo "gpu.sh: unknown argument $1 (parts: tests devtests decode qmv kivi ncu pipeline ext user ttft first prefill serve chat trellis)" >&2; exit 2 ;;
+    tests|devtests|decode|qmv|kivi|ncu|pipeline|ext|user|ttft|first|prefill|dense|serve|chat|trellis) PARTS+=("$1"); shift ;;
+    *) echo "gpu.sh: unknown argument $1 (parts: tests devtests decode qmv kivi ncu pipeline ext user ttft first prefill dense serve chat trellis)" >&2; exit 2 ;;
   esac
 done
 [ ${#PARTS[@]} -gt 0 ] || { sed -n 2,30p "$0"; exit 2; }
@@ -270,6 +273,15 @@ part_prefill() {
       timeout 100 $PY -m experiments.ttft --model $USER_DIR/r --gpu-max-m $m 2>&1 | tee -a "$1/ttft.jsonl" | grep "{" | cut -c1-600
     done
   done
+}
+
+part_dense() {
+  build_ext
+  echo "== the trellis decode on the GPU $(since)"
+  pt "$1/test_decode.log" 200 -p no:randomly -n 4 tests/test_trellis_ext.py -k "decode or dense_path"
+  echo "== trellis layers at prefill sizes: kernel, MLX-op decode, extension decode $(since)"
+  timeout 200 $PY -m experiments.trellis_prefill --m 128 256 512 1024 2048 --reps 5 --out "$1/trellis_prefill.json" 2>&1 \
+    | tee "$1/trellis_prefill.log" | tail -n 30
 }
 
 part_serve() {

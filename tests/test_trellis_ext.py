@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from vqpipe.codec import trellis
-from vqpipe.kernels import ext
+from vqpipe.kernels import dequant, ext
 
 _ext = ext.module()
 pytestmark = pytest.mark.skipif(
@@ -151,6 +151,61 @@ def test_matvec_rejects_shapes_that_are_not_tiles():
         trellis.quantize(np.zeros((33, 8), np.float32), 2)
 
 
+@pytest.mark.parametrize("k,L", [(1, 10), (2, 10), (3, 10), (4, 10), (5, 10), (6, 10), (2, 8), (3, 12), (4, 16), (6, 16)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_decode_is_the_mlx_decode_to_the_bit(k, L, dtype):
+    """ext.trellis_decode (prefill's dense weight, written once) gives the MLX-op decode's values
+    bit for bit in every dtype: the table's value of every state, cast the same way."""
+    rng = np.random.default_rng(7 * k + L)
+    rows, cols = 96, 200
+    packed = mx.array(rng.integers(0, 2**32, (rows // 32, cols // 8 * 8 * k), dtype=np.uint32))
+    table = mx.array(trellis.table(L, trellis.SCALE))
+    with mx.stream(mx.cpu):
+        got = ext.trellis_decode(packed, k, L, trellis.SCALE, cols, dtype)
+        with ext.using(False):  # the MLX ops
+            want = dequant.trellis_values(packed, table, k, rows, cols, L, dtype, trellis.SCALE)
+        assert got.dtype == dtype and got.shape == (rows, cols)
+        assert mx.array_equal(got, want).item()
+    if dtype == mx.float32:  # and both are the numpy reference's
+        ref = trellis.decode(np.array(packed), rows, cols, k, L, trellis.table(L, trellis.SCALE))
+        assert np.array_equal(np.array(got), ref)
+
+
+def test_dense_path_decodes_through_the_extension(monkeypatch):
+    """A trellis layer's prefill (M > ext.MAX_M) and its dequantized weight decode with
+    ext.trellis_decode where the extension runs, and give what the MLX ops give."""
+    import mlx.nn as nn
+
+    from vqpipe.layers.qlinear import QuantizedLinear
+
+    rng = np.random.default_rng(3)
+    lin = nn.Linear(320, 192)
+    lin.weight = mx.array(rng.standard_normal((192, 320)).astype(np.float32) * 0.05)
+    with mx.stream(mx.cpu):
+        layer = QuantizedLinear.from_linear(lin, 2, "auto", 0, codes="trellis")
+        x = mx.array(rng.standard_normal((ext.MAX_M + 3, 320)).astype(np.float32))
+        calls = []
+        real = ext.trellis_decode
+        monkeypatch.setattr(ext, "trellis_decode", lambda *a: calls.append(a) or real(*a))
+        y, w = layer(x), layer.dequantized_weight()
+        assert len(calls) == 2
+        with ext.using(False):
+            assert mx.array_equal(layer(x), y).item() and mx.array_equal(layer.dequantized_weight(), w).item()
+
+
+def test_decode_rejects_bad_arguments():
+    packed = mx.zeros((2, 16), mx.uint32)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        _ext.trellis_decode(packed, 2, 10, 1.0, 0.0, 60, mx.float32)
+    assert _ext.trellis_decode(packed, 2, 10, 1.0, 0.0, 8, mx.float32).shape == (64, 8)
+    with pytest.raises(ValueError, match=r"uint32 \[rows / 32, 32\] for 16 columns at k = 2, got \(2, 16\)"):
+        _ext.trellis_decode(packed, 2, 10, 1.0, 0.0, 16, mx.float32)
+    with pytest.raises(ValueError, match="L = 20"):
+        _ext.trellis_decode(packed, 2, 20, 1.0, 0.0, 8, mx.float32)
+    with pytest.raises(ValueError, match="dtype"):
+        _ext.trellis_decode(packed, 2, 10, 1.0, 0.0, 8, mx.int32)
+
+
 # ---- the CUDA kernel (csrc/trellis.cu): on a CUDA build only ----------------------------------------
 
 gpu = pytest.mark.skipif(not (_ext is not None and _ext.has_gpu() and mx.default_device() != mx.cpu),
@@ -275,6 +330,20 @@ def test_gpu_trellis_layer_decodes_through_the_kernel():
     rows_by_kernel = mx.concatenate([layer(x[i:i + 1]) for i in range(x.shape[0])])
     # the dense path's float32 matmul runs as TF32 on CUDA (a 10-bit mantissa): ~5e-4 apart on the H100
     assert np.allclose(np.array(rows_by_kernel), np.array(dense), rtol=4e-3, atol=4e-3)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("k,L", [(1, 10), (2, 10), (3, 10), (4, 10), (5, 10), (6, 10), (2, 8), (3, 12), (4, 16), (6, 16)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_gpu_decode_is_the_cpu_decode(k, L, dtype):
+    rng = np.random.default_rng(5 * k + L)
+    rows, cols = 128, 1544
+    packed = mx.array(rng.integers(0, 2**32, (rows // 32, cols // 8 * 8 * k), dtype=np.uint32))
+    a, b = map(float, trellis.code_affine(L))
+    got = _ext.trellis_decode(packed, k, L, a, b, cols, dtype, stream=mx.gpu)
+    want = _ext.trellis_decode(packed, k, L, a, b, cols, dtype, stream=mx.cpu)
+    assert mx.array_equal(got, want).item()
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..codec import trellis
 from ..codec.bitpack import unpack
+from . import ext
 
 FIELD_BITS = {2: 8, 4: 8, 8: 8, 3: 12, 6: 12, 5: 10}
 
@@ -136,9 +137,9 @@ def decoded_once():
                       (packed, codebook, scales),
                       lambda: _times_group_scales(decode(packed, codebook, bits, n, dtype), scales, group_size))
 
-    def cached_trellis(packed, table, bits, rows, cols, L, dtype=mx.float32):
+    def cached_trellis(packed, table, bits, rows, cols, L, dtype=mx.float32, scale=None):
         return lookup(("trellis", id(packed), id(table), bits, rows, cols, L, dtype), (packed, table),
-                      lambda: decode_trellis(packed, table, bits, rows, cols, L, dtype))
+                      lambda: decode_trellis(packed, table, bits, rows, cols, L, dtype, scale))
 
     codes_to_values, scaled_values, trellis_values = cached, cached_scaled, cached_trellis
     try:
@@ -160,10 +161,15 @@ def dense_forward(xr, packed, scales, codebook, bits, bias=None, group_size=None
     return y if bias is None else y + bias.astype(dt)
 
 
-def trellis_values(packed, table, bits, rows, cols, L, dtype=mx.float32):
+def trellis_values(packed, table, bits, rows, cols, L, dtype=mx.float32, scale=None):
     """The code values [rows, cols] (no scales) of a trellis layer's codes (vqpipe/codec/trellis.py:
-    tiles of 32 rows x 8 columns, each a column-major stream of k-bit steps from state 0), with
-    MLX ops: each state is the last L bits of its tile's stream, then one gather from ``table``."""
+    tiles of 32 rows x 8 columns, each a column-major stream of k-bit steps from state 0). Given the
+    code's ``scale``, where the extension runs (the CPU; CUDA in its CUDA build) its compiled decode
+    writes them (ext.trellis_decode: the same values, bit for bit, 2-4 bytes a weight written);
+    otherwise MLX ops: each state is the last L bits of its tile's stream, then one gather from
+    ``table`` (16 bytes a weight of uint32 temporaries on the way)."""
+    if scale is not None and ext.decode_dispatch():
+        return ext.trellis_decode(packed, bits, L, scale, cols, dtype)
     tr, g = trellis.TILE_ROWS, trellis.GROUP
     nb, ncb, n = rows // tr, cols // g, tr * g
     steps = unpack(packed.reshape(nb * ncb, g * bits), bits, n)
@@ -176,10 +182,10 @@ def trellis_values(packed, table, bits, rows, cols, L, dtype=mx.float32):
     return v.transpose(0, 3, 1, 2).reshape(rows, cols)
 
 
-def trellis_forward(xr, packed, scales, table, bits, L, bias=None):
-    """The dense path of a trellis layer from the rotated input: decode, one matmul, row scales, bias
-    (the scalar path's order: per-row scales multiply the matmul's output)."""
+def trellis_forward(xr, packed, scales, table, bits, L, bias=None, scale=None):
+    """The dense path of a trellis layer from the rotated input: decode (``trellis_values``), one
+    matmul, row scales, bias (the scalar path's order: per-row scales multiply the matmul's output)."""
     dt = xr.dtype
-    w = trellis_values(packed, table, bits, packed.shape[0] * trellis.TILE_ROWS, xr.shape[-1], L, dt)
+    w = trellis_values(packed, table, bits, packed.shape[0] * trellis.TILE_ROWS, xr.shape[-1], L, dt, scale)
     y = (xr @ w.T) * scales.astype(dt)
     return y if bias is None else y + bias.astype(dt)

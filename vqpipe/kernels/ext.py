@@ -6,7 +6,8 @@ CPU it runs an AVX2/FMA kernel (a portable one elsewhere) over output rows on a 
 a CUDA build of it serves eval_gpu where the installed MLX is a CUDA build, but vqpipe routes
 scalar-code GPU work to vqpipe/kernels/qmv.py and only CPU work here. ``trellis_matvec`` (trellis
 codes) runs here on both: its CUDA kernel (csrc/trellis.cu) is the only GPU kernel for them. Decode, small batches and short prompts take it (M <= MAX_M rows
-of x on the CPU, GPU_MAX_M on the GPU); longer inputs keep the dense path (vqpipe/layers/qlinear.py ``dense_forward``).
+of x on the CPU, GPU_MAX_M on the GPU); longer inputs keep the dense path (vqpipe/layers/qlinear.py ``dense_forward``),
+whose trellis weights ``trellis_decode`` writes (CPU and CUDA) without MLX's uint32 temporaries.
 
 When the module is missing (not built, or the build failed) everything runs on MLX ops as before,
 with one warning per process naming what is missing.
@@ -87,6 +88,14 @@ def gpu_dispatch(x):
     return mx.default_device() != mx.cpu
 
 
+def decode_dispatch():
+    """Whether a trellis weight's dense values are decoded here (ext.trellis_decode): the module
+    built, not switched off, and the default device the CPU or, in a CUDA build, the GPU."""
+    if _ext is None or not _enabled:
+        return False
+    return _has_gpu or mx.default_device() == mx.cpu
+
+
 @contextlib.contextmanager
 def using(flag):
     """``with ext.using(False): ...`` runs the block on the dense path (an A/B arm)."""
@@ -103,6 +112,14 @@ def matvec(xr, packed, scales, codebook, bits, bias=None, group_size=None):
     if _ext is None:
         raise RuntimeError(f"vqpipe._ext is not built ({_missing}); run scripts/build_ext.sh")
     return _ext.codebook_matvec(xr, packed, scales, codebook, bits, group_size or 0, bias)
+
+
+def trellis_decode(packed, bits, L, code_scale, cols, dtype):
+    """The code values [rows, cols] (no scales) of a trellis weight in ``dtype``, as the mat-vec
+    reads them (the table's values, to the bit): prefill's dense weight without MLX's uint32
+    temporaries."""
+    a, b = trellis.code_affine(L, code_scale)
+    return _ext.trellis_decode(packed, bits, L, float(a), float(b), cols, dtype)
 
 
 def trellis_matvec(xr, packed, scales, bits, L, code_scale, bias=None):

@@ -324,7 +324,7 @@ class QuantizedLinear(nn.Module):
     def trellis_values(self, dtype=mx.float32):
         """A trellis layer's code values [out, in] in the rotated basis (no scales)."""
         return dequant.trellis_values(self.packed, self.codebook, self.bits, self.out_features, self.in_features,
-                                      self.trellis[0], dtype)
+                                      self.trellis[0], dtype, self.trellis[1])
 
     def rotated_weight(self, dtype):
         """C[q] in the rotated basis; with group scales already multiplied in (per-row scales are
@@ -452,7 +452,7 @@ class QuantizedEmbedding(QuantizedLinear):
         block = self.packed[flat // trellis.TILE_ROWS]
         n = flat.shape[0]
         v = dequant.trellis_values(block, self.codebook, self.bits, n * trellis.TILE_ROWS, self.in_features,
-                                   self.trellis[0])
+                                   self.trellis[0], scale=self.trellis[1])
         rows = v.reshape(n, trellis.TILE_ROWS, -1)[mx.arange(n), flat % trellis.TILE_ROWS]
         rows = self.rotation.apply_transpose(rows) * self.scales[flat][:, None]
         rows = rows.reshape(*ids.shape, self.in_features)
@@ -491,7 +491,7 @@ def trellis_forward(x, rotation, packed, scales, table, bits, params, bias=None)
         return ext.trellis_matvec(xr, packed, scales, bits, params[0], params[1], bias)
     if trellis_metal.dispatch(x):
         return trellis_metal.matvec(xr, packed, scales, bits, params[0], params[1], bias)
-    return dequant.trellis_forward(xr, packed, scales, table, bits, params[0], bias)
+    return dequant.trellis_forward(xr, packed, scales, table, bits, params[0], bias, params[1])
 
 
 def trellis_meta(L, scale):
