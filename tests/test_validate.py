@@ -201,7 +201,7 @@ def test_decoded_once_gives_the_same_logits_and_decodes_each_layer_once(which, r
     calls = []
     decode, decode_trellis = dequant.codes_to_values, dequant.trellis_values
     monkeypatch.setattr(dequant, "codes_to_values", lambda p, *a: calls.append(id(p)) or decode(p, *a))
-    monkeypatch.setattr(dequant, "trellis_values", lambda p, *a: calls.append(id(p)) or decode_trellis(p, *a))
+    monkeypatch.setattr(dequant, "trellis_values", lambda p, *a, **k: calls.append(id(p)) or decode_trellis(p, *a, **k))
     got = quantized.reference_logits(model, tok)
     assert [np.asarray(got[f"logits.{i}"]).tobytes() for i in range(len(want))] == want
     assert dequant.codes_to_values is not decode and calls  # the patch is restored to what was there
