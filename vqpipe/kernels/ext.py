@@ -90,10 +90,9 @@ def gpu_dispatch(x):
 
 def decode_dispatch():
     """Whether a trellis weight's dense values are decoded here (ext.trellis_decode): the module
-    built, not switched off, and the default device the CPU or, in a CUDA build, the GPU."""
-    if _ext is None or not _enabled:
-        return False
-    return _has_gpu or mx.default_device() == mx.cpu
+    built, not switched off, and the default device the CPU. (Its CUDA kernel, csrc/trellis.cu, has
+    not run on a GPU yet: there the MLX ops decode.)"""
+    return _ext is not None and _enabled and mx.default_device() == mx.cpu
 
 
 @contextlib.contextmanager

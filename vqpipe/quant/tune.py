@@ -148,7 +148,7 @@ def windows(tokens, length=None):
     return tokens[:, : k * length].reshape(n, k, length).transpose(1, 0, 2).reshape(-1, length)
 
 
-def tune(model, teacher, tokens, steps, lr=LR, length=None, check=CHECK, stop=True, progress=None, norm_step=None):
+def tune(model, teacher, tokens, steps, lr=LR, length=None, check=CHECK, stop=True, progress=None, norms=True):
     """Tune ``model``'s quantized layers' row scales in place (module docstring) for up to ``steps``
     Adam steps of one window each, the rate ``lr`` decaying to ``lr`` x FINAL by the last step
     (a cosine): ``tokens`` [n, T] cut into ``length``-token windows
@@ -177,10 +177,12 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, check=CHECK, stop=Tr
     model.load_weights([(k, v.astype(mx.float32)) for k, v in rest], strict=False)
     scaled = {n: (_ScaledEmbedding if isinstance(m, QuantizedEmbedding) else _Scaled)(m) for n, m in layers.items()}
     model.update_modules(tree_unflatten(list(scaled.items())))
-    norms = {}
-    if norm_step is not None:
-        norms = {n: _ScaledNorm(m, norm_step) for n, m in model.named_modules() if isinstance(m, nn.RMSNorm)}
+    if norms:  # the step of the narrowest layer's rows (the model's width: the allocation only adds bits)
+        step = 2.0 ** (2 - min(m.bits for m in layers.values()))
+        norms = {n: _ScaledNorm(m, step) for n, m in model.named_modules() if isinstance(m, nn.RMSNorm)}
         model.update_modules(tree_unflatten(list(norms.items())))
+    else:
+        norms = {}
     was_training = model.training
     model.freeze()
     for m in (*scaled.values(), *norms.values()):
@@ -240,7 +242,7 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, check=CHECK, stop=Tr
     gs = mx.concatenate([scaled[n].factor() for n in layers])
     head = min(4, len(losses))
     return {"steps": steps, "steps_run": len(losses), "best_step": best[0], "lr": lr, "lr_final": lr * FINAL,
-            "windows": len(used), "length": int(tokens.shape[1]), "layers": len(layers),
+            "windows": len(used), "length": int(tokens.shape[1]), "layers": len(layers), "norms": len(norms),
             "held_out": len(held), "held_kl_before": before, "held_kl_after": best[1], "kept": kept,
             "checks": checks,
             "kl_first": sum(losses[:head]) / max(head, 1), "kl_last": sum(losses[-head:]) / max(head, 1),
