@@ -97,7 +97,7 @@ def quantize_model(model, config=None, *, tokenizer=None, calibration=None, mome
     ``config.layer_bits`` rules (vqpipe/codec/allocate.py) replace the allocation.
 
     Tuning (vqpipe/quant/tune.py): with ``config.tune_steps`` and calibration tokens (``tune_tokens``,
-    else ``calibration`` or the text's), the row scales and norms are tuned against a float32 copy
+    else ``calibration`` or the text's), the row scales are tuned against a float32 copy
     of the source made before quantizing; ``summary`` (a dict), if given, receives its record
     under "tune" (None when it did not run).
 

@@ -73,23 +73,6 @@ class _ScaledEmbedding(_Scaled):
         return ((x if self.head is None else self.head(x)) @ self.weight.T) * self.factor()
 
 
-class _ScaledNorm(nn.Module):
-    """A norm whose output is multiplied by a trainable factor per channel, 1 + step * d (d from 0):
-    for an RMSNorm the same as scaling its weight, which is what the factor becomes afterwards."""
-
-    def __init__(self, norm, step):
-        super().__init__()
-        self.norm = norm
-        self.d = mx.zeros(norm.weight.shape, dtype=mx.float32)
-        self.step = step
-
-    def factor(self):
-        return 1 + self.step * self.d
-
-    def __call__(self, x):
-        return self.norm(x) * self.factor()
-
-
 def steps_for(steps, bits):
     """The Adam steps of a tuning at width ``bits``: ``steps`` as given, or for "auto" LOW_STEPS at
     2 bits, STEPS at 3 and none above."""
@@ -148,7 +131,7 @@ def windows(tokens, length=None):
     return tokens[:, : k * length].reshape(n, k, length).transpose(1, 0, 2).reshape(-1, length)
 
 
-def tune(model, teacher, tokens, steps, lr=LR, length=None, check=CHECK, stop=True, progress=None, norms=True):
+def tune(model, teacher, tokens, steps, lr=LR, length=None, check=CHECK, stop=True, progress=None):
     """Tune ``model``'s quantized layers' row scales in place (module docstring) for up to ``steps``
     Adam steps of one window each, the rate ``lr`` decaying to ``lr`` x FINAL by the last step
     (a cosine): ``tokens`` [n, T] cut into ``length``-token windows
@@ -177,15 +160,9 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, check=CHECK, stop=Tr
     model.load_weights([(k, v.astype(mx.float32)) for k, v in rest], strict=False)
     scaled = {n: (_ScaledEmbedding if isinstance(m, QuantizedEmbedding) else _Scaled)(m) for n, m in layers.items()}
     model.update_modules(tree_unflatten(list(scaled.items())))
-    if norms:  # the step of the narrowest layer's rows (the model's width: the allocation only adds bits)
-        step = 2.0 ** (2 - min(m.bits for m in layers.values()))
-        norms = {n: _ScaledNorm(m, step) for n, m in model.named_modules() if isinstance(m, nn.RMSNorm)}
-        model.update_modules(tree_unflatten(list(norms.items())))
-    else:
-        norms = {}
     was_training = model.training
     model.freeze()
-    for m in (*scaled.values(), *norms.values()):
+    for m in scaled.values():
         m.unfreeze(keys=["d"], recurse=False)
     mx.eval(model.parameters())
     # windows the steps do not read: the checks
@@ -196,8 +173,7 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, check=CHECK, stop=Tr
 
     before = held_kl()
     checks = [[0, before]]  # lists: the record goes to JSON as it is
-    tuned = {**scaled, **norms}
-    best = (0, before, {n: m.d for n, m in tuned.items()})  # arrays are immutable: a snapshot
+    best = (0, before, {n: m.d for n, m in scaled.items()})  # arrays are immutable: a snapshot
 
     step_fn = nn.value_and_grad(model, kl_to)
     opt = optim.Adam(learning_rate=optim.cosine_decay(lr, steps, lr * FINAL))
@@ -214,7 +190,7 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, check=CHECK, stop=Tr
             h = held_kl()
             checks.append([step, h])
             if h is None or h < best[1]:
-                best = (step, h, {n: m.d for n, m in tuned.items()})
+                best = (step, h, {n: m.d for n, m in scaled.items()})
             elif stop:
                 break
 
@@ -224,16 +200,13 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, check=CHECK, stop=Tr
                  + ("" if kept else " (not kept)"))
     # back to the quantized layers, their scales times the best check's factors; the rest in its dtypes again
     model.update_modules(tree_unflatten(list(layers.items())))
-    model.update_modules(tree_unflatten([(n, m.norm) for n, m in norms.items()]))
-    for n in tuned:
-        tuned[n].d = best[2][n]
+    for n in scaled:
+        scaled[n].d = best[2][n]
     for n, m in layers.items() if kept else ():
         g = scaled[n].factor()
         s = m.scales.astype(mx.float32)
         m.scales = (s * (g if s.ndim == 1 else g[:, None])).astype(m.scales.dtype)
     model.load_weights(rest, strict=False)
-    for m in norms.values() if kept else ():
-        m.norm.weight = (m.norm.weight.astype(mx.float32) * m.factor()).astype(m.norm.weight.dtype)
     model.unfreeze()
     for m in layers.values():  # as QuantizedLinear makes them
         m.freeze()
@@ -242,7 +215,7 @@ def tune(model, teacher, tokens, steps, lr=LR, length=None, check=CHECK, stop=Tr
     gs = mx.concatenate([scaled[n].factor() for n in layers])
     head = min(4, len(losses))
     return {"steps": steps, "steps_run": len(losses), "best_step": best[0], "lr": lr, "lr_final": lr * FINAL,
-            "windows": len(used), "length": int(tokens.shape[1]), "layers": len(layers), "norms": len(norms),
+            "windows": len(used), "length": int(tokens.shape[1]), "layers": len(layers),
             "held_out": len(held), "held_kl_before": before, "held_kl_after": best[1], "kept": kept,
             "checks": checks,
             "kl_first": sum(losses[:head]) / max(head, 1), "kl_last": sum(losses[-head:]) / max(head, 1),
