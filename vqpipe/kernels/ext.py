@@ -36,8 +36,8 @@ DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # Rows of x up to which a trellis layer on the GPU takes the CUDA kernel (one block row per 8 rows,
 # each decoding every code again); above it the dense reconstruction and a matmul. On an H100 the
 # kernel took 0.05-0.50x the dense path's time up to M = 128 on qwen2.5-0.5b's shapes, par at 256 on
-# gate|up; the dense path also allocates 16 bytes per weight while it runs (a generation's peak
-# 2.3 GB against 0.28 GB at a limit of 64: docs/results/2026-12-07-h100-prefill-serve/).
+# gate|up; above it the dense path, its weight written by trellis_decode (0.14-0.43x the MLX-op
+# decode's time at 128-2048 rows, which allocated 16 bytes per weight: docs/results/2026-12-07-trellis-decode/).
 GPU_MAX_M = 128
 _has_gpu = _ext is not None and _ext.has_gpu()
 _warned = False
@@ -90,9 +90,10 @@ def gpu_dispatch(x):
 
 def decode_dispatch():
     """Whether a trellis weight's dense values are decoded here (ext.trellis_decode): the module
-    built, not switched off, and the default device the CPU. (Its CUDA kernel, csrc/trellis.cu, has
-    not run on a GPU yet: there the MLX ops decode.)"""
-    return _ext is not None and _enabled and mx.default_device() == mx.cpu
+    built, not switched off, and the default device the CPU or, in a CUDA build, the GPU."""
+    if _ext is None or not _enabled:
+        return False
+    return _has_gpu or mx.default_device() == mx.cpu
 
 
 @contextlib.contextmanager
