@@ -37,6 +37,23 @@ __device__ inline float code(uint32_t s, float a, float b) {
   return fmaf(a, static_cast<float>(__dp4a(h, 0x01010101u, 0u)), b);
 }
 
+// Lane l's window of a tile's stream ``tw`` (its 8K words and two zero words after them): the
+// n - 1 steps before the lane's first weight 8l (zeros before the tile) and its eight own, lowest
+// first. Returns the window after those n - 1 steps, with ``s`` the state they leave.
+template <int K>
+__device__ inline uint64_t lane_window(const uint32_t* tw, int lane, int n, uint32_t mask, uint32_t& s) {
+  constexpr uint32_t kmask = (1u << K) - 1u;
+  const int first = 8 * lane - (n - 1);
+  const int p0 = first < 0 ? 0 : K * first, pad = first < 0 ? -K * first : 0;
+  const int wi = p0 >> 5, sh = p0 & 31;
+  const uint64_t lo = static_cast<uint64_t>(tw[wi]) | (static_cast<uint64_t>(tw[wi + 1]) << 32);
+  uint64_t win = sh ? (lo >> sh) | (static_cast<uint64_t>(tw[wi + 2]) << (64 - sh)) : lo;
+  win <<= pad;
+  s = 0;
+  for (int j = 0; j < n - 1; ++j) s = ((s << K) | static_cast<uint32_t>((win >> (K * j)) & kmask)) & mask;
+  return win >> (K * (n - 1));
+}
+
 // x [m, cols] (T), packed [rows / 32, tiles * 8K] uint32, scales and bias float32 [rows],
 // y [m, rows] (T). Block (rb, z) takes rows 8z .. 8z + 7 of x (all m rows in one launch: one graph
 // node, so MLX's encoder orders it after the inputs' producers and before y's readers). n = ceil(L / K).
@@ -52,9 +69,6 @@ __global__ void __launch_bounds__(32 * kWarps) trellis_matvec_kernel(
   const int tiles = cols / vqpipe::kTileCols;
   const uint32_t mask = (1u << L) - 1u, kmask = (1u << K) - 1u;
   const uint32_t* base = packed + static_cast<size_t>(rb) * tiles * W;
-  // the lane's window starts n - 1 steps before its first weight (8 lane), zeros before the tile
-  const int first = 8 * lane - (n - 1);
-  const int p0 = first < 0 ? 0 : K * first, pad = first < 0 ? -K * first : 0;
   const int col_in_tile = lane >> 2;
   float acc[kMaxM][8];
 #pragma unroll
@@ -68,14 +82,8 @@ __global__ void __launch_bounds__(32 * kWarps) trellis_matvec_kernel(
     for (int i = lane; i < nt * W; i += 32) words[warp][i] = base[static_cast<size_t>(c0) * W + i];
     __syncwarp();
     for (int t = 0; t < nt; ++t) {
-      const uint32_t* tw = words[warp] + t * W;
-      const int wi = p0 >> 5, sh = p0 & 31;
-      const uint64_t lo = static_cast<uint64_t>(tw[wi]) | (static_cast<uint64_t>(tw[wi + 1]) << 32);
-      uint64_t win = sh ? (lo >> sh) | (static_cast<uint64_t>(tw[wi + 2]) << (64 - sh)) : lo;
-      win <<= pad;
-      uint32_t s = 0;
-      for (int j = 0; j < n - 1; ++j) s = ((s << K) | static_cast<uint32_t>((win >> (K * j)) & kmask)) & mask;
-      win >>= K * (n - 1);
+      uint32_t s;
+      const uint64_t win = lane_window<K>(words[warp] + t * W, lane, n, mask, s);
       const int col = (c0 + t) * vqpipe::kTileCols + col_in_tile;
       float xv[kMaxM];
 #pragma unroll
@@ -129,16 +137,8 @@ __global__ void __launch_bounds__(32 * kWarps) trellis_decode_kernel(
   for (int i = lane; i < W; i += 32) words[warp][i] = base[i];
   if (lane < 2) words[warp][W + lane] = 0u;
   __syncwarp();
-  const int first = 8 * lane - (n - 1);
-  const int p0 = first < 0 ? 0 : K * first, pad = first < 0 ? -K * first : 0;
-  const uint32_t* tw = words[warp];
-  const int wi = p0 >> 5, sh = p0 & 31;
-  const uint64_t lo = static_cast<uint64_t>(tw[wi]) | (static_cast<uint64_t>(tw[wi + 1]) << 32);
-  uint64_t win = sh ? (lo >> sh) | (static_cast<uint64_t>(tw[wi + 2]) << (64 - sh)) : lo;
-  win <<= pad;
-  uint32_t s = 0;
-  for (int j = 0; j < n - 1; ++j) s = ((s << K) | static_cast<uint32_t>((win >> (K * j)) & kmask)) & mask;
-  win >>= K * (n - 1);
+  uint32_t s;
+  const uint64_t win = lane_window<K>(words[warp], lane, n, mask, s);
   const int col = ct * vqpipe::kTileCols + (lane >> 2), row0 = rb * vqpipe::kTileRows + 8 * (lane & 3);
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
