@@ -30,7 +30,9 @@ else:
 
 # Rows of x (product of the leading dims) up to which the CPU takes the extension; above it the
 # dense path. Measured on SmolLM2's gate|up and down (docs/ext.md, experiments/ext_decode.py
-# --threshold): the extension 2.6-3.1x faster at M = 64, even with the dense path at M = 128.
+# --threshold): the scalar kernel 2.6-3.1x faster at M = 64, even with the dense path at M = 128;
+# the trellis kernel against the dense path with trellis_decode crosses at ~50 rows, 1.07-1.13x its
+# time at 64 (docs/results/2026-12-07-trellis-decode/): one limit for both.
 MAX_M = 64
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # Rows of x up to which a trellis layer on the GPU takes the CUDA kernel (one block row per 8 rows,
