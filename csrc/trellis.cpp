@@ -178,10 +178,7 @@ void blocks_portable(const TrellisArgs& a, int b0, int b1, int m0, int mc) {
       const uint32_t* tile = a.packed + (static_cast<size_t>(rb) * tiles + cb) * words;
       uint32_t s = 0;
       for (int i = 0; i < kTileRows * kTileCols; ++i) {
-        const int bit = k * i, word = bit >> 5, shift = bit & 31;
-        uint32_t q = tile[word] >> shift;
-        if (shift + k > 32) q |= tile[word + 1] << (32 - shift);
-        s = ((s << k) | (q & ((1u << k) - 1))) & mask;
+        s = next_state(tile, i, k, s, mask);
         const float v = table[s];
         const int col = cb * kTileCols + i / kTileRows;
         for (int mm = 0; mm < mc; ++mm) acc[mm][i % kTileRows] += v * a.x[static_cast<size_t>(m0 + mm) * a.cols + col];

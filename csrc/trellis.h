@@ -31,6 +31,14 @@ struct TrellisArgs {
 
 constexpr int kTileRows = 32, kTileCols = 8;
 
+// The state after step i of a tile's stream (k-bit steps, little-endian words) from the state before it.
+inline uint32_t next_state(const uint32_t* tile, int i, int k, uint32_t state, uint32_t mask) {
+  const int bit = k * i, word = bit >> 5, shift = bit & 31;
+  uint32_t q = tile[word] >> shift;
+  if (shift + k > 32) q |= tile[word + 1] << (32 - shift);
+  return ((state << k) | (q & ((1u << k) - 1))) & mask;
+}
+
 // Row blocks [b0, b1) (32 rows each) of y for all m.
 void trellis_matvec_blocks(const TrellisArgs& a, int b0, int b1);
 

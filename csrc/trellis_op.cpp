@@ -30,7 +30,7 @@ constexpr size_t kSerialWeights = 1 << 17;
 template <typename T>
 void decode_blocks(const uint32_t* packed, int k, int L, float a, float b, int cols, T* out, int b0, int b1) {
   const int words = 8 * k, tiles = cols / vqpipe::kTileCols, n = vqpipe::kTileRows * vqpipe::kTileCols;
-  const uint32_t mask = (1u << L) - 1, kmask = (1u << k) - 1;
+  const uint32_t mask = (1u << L) - 1;
   std::vector<T> table(size_t{1} << L);
   for (uint32_t t = 0; t <= mask; ++t) table[t] = static_cast<T>(vqpipe::trellis_code(t, a, b));
   for (int rb = b0; rb < b1; ++rb) {
@@ -39,10 +39,7 @@ void decode_blocks(const uint32_t* packed, int k, int L, float a, float b, int c
       const uint32_t* tile = packed + (static_cast<size_t>(rb) * tiles + cb) * words;
       uint32_t s = 0;
       for (int i = 0; i < n; ++i) {
-        const int bit = k * i, word = bit >> 5, shift = bit & 31;
-        uint32_t q = tile[word] >> shift;
-        if (shift + k > 32) q |= tile[word + 1] << (32 - shift);
-        s = ((s << k) | (q & kmask)) & mask;
+        s = vqpipe::next_state(tile, i, k, s, mask);
         block[static_cast<size_t>(i % vqpipe::kTileRows) * cols + cb * vqpipe::kTileCols + i / vqpipe::kTileRows] =
             table[s];
       }

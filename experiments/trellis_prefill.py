@@ -42,9 +42,7 @@ def layer(rng, out, n, bits):
     return {
         "kernel": lambda x: ext.module().trellis_matvec(x, codes, scales, bits, L, a, b, None),
         "dense": lambda x: dequant.trellis_forward(x, codes, scales, table, bits, L),
-        # dequant.trellis_forward's product on ext.trellis_decode's weight (called directly: ext.decode_dispatch
-        # leaves the GPU to the MLX ops until this kernel has run there)
-        "decode": lambda x: (x @ ext.trellis_decode(codes, bits, L, trellis.SCALE, n, x.dtype).T) * scales.astype(x.dtype),
+        "decode": lambda x: dequant.trellis_forward(x, codes, scales, table, bits, L, None, trellis.SCALE),
     }
 
 
