@@ -29,9 +29,12 @@
 #             (experiments/trellis_prefill.py: time and transient memory per M), then the user
 #             reservoir's phases and peak memory with the mat-vec's GPU row limit at 8 and 64,
 #             alternating processes (experiments/ttft.py --gpu-max-m), after one warm-up process
-#   dense     prefill's dense weights: the extension built, its decode tests on the GPU
-#             (tests/test_trellis_ext.py -k decode), then experiments/trellis_prefill.py at M = 128..2048
-#             with the decode arm (ext.trellis_decode + matmul) beside the kernel and the MLX-op decode
+#   dense     prefill's dense weights: the extension built, the trellis extension's tests on the GPU
+#             (tests/test_trellis_ext.py: mat-vec and decode), then experiments/trellis_prefill.py at
+#             M = DENSE_M (default 128 256 512 1024 2048) with the decode arm (ext.trellis_decode +
+#             matmul) beside the kernel and the MLX-op decode
+#   rowlimit  the mat-vec's GPU row limit on the user reservoir's whole prefill: mat-vec against the
+#             dense path per prompt length, interleaved (experiments/row_limit.py)
 #   serve     one client: `vqpipe serve` (mlx-lm's batched loop) against the compiled step on the
 #             user reservoir, interleaved per prompt (experiments/serve_one_client.py)
 #   chat      `vqpipe chat` with the compiled step (--compiled auto) against mlx-lm's loop (--compiled
@@ -55,8 +58,8 @@ while [ $# -gt 0 ]; do
     --presets) PRESETS=$2; shift 2 ;;
     --tar) TAR=1; shift ;;
     --) shift; SNAKE=("$@"); break ;;
-    tests|devtests|decode|qmv|kivi|ncu|pipeline|ext|user|ttft|first|prefill|dense|serve|chat|trellis) PARTS+=("$1"); shift ;;
-    *) echo "gpu.sh: unknown argument $1 (parts: tests devtests decode qmv kivi ncu pipeline ext user ttft first prefill dense serve chat trellis)" >&2; exit 2 ;;
+    tests|devtests|decode|qmv|kivi|ncu|pipeline|ext|user|ttft|first|prefill|dense|rowlimit|serve|chat|trellis) PARTS+=("$1"); shift ;;
+    *) echo "gpu.sh: unknown argument $1 (parts: tests devtests decode qmv kivi ncu pipeline ext user ttft first prefill dense rowlimit serve chat trellis)" >&2; exit 2 ;;
   esac
 done
 [ ${#PARTS[@]} -gt 0 ] || { sed -n 2,30p "$0"; exit 2; }
@@ -277,11 +280,18 @@ part_prefill() {
 
 part_dense() {
   build_ext
-  echo "== the trellis decode on the GPU $(since)"
-  pt "$1/test_decode.log" 200 -p no:randomly -n 4 tests/test_trellis_ext.py -k "decode or dense_path"
+  echo "== the trellis extension's tests on the GPU $(since)"
+  pt "$1/test_trellis_ext.log" 200 -p no:randomly -n 4 tests/test_trellis_ext.py
   echo "== trellis layers at prefill sizes: kernel, MLX-op decode, extension decode $(since)"
-  timeout 200 $PY -m experiments.trellis_prefill --m 128 256 512 1024 2048 --reps 5 --out "$1/trellis_prefill.json" 2>&1 \
-    | tee "$1/trellis_prefill.log" | tail -n 30
+  timeout 200 $PY -m experiments.trellis_prefill --m ${DENSE_M:-128 256 512 1024 2048} --reps 5 \
+    --out "$1/trellis_prefill.json" 2>&1 | tee "$1/trellis_prefill.log" | tail -n 40
+}
+
+part_rowlimit() {
+  user_reservoir
+  echo "== the GPU row limit on the whole prefill: mat-vec against dense $(since)"
+  timeout ${ROWLIMIT_LIMIT:-200} $PY -m experiments.row_limit --model $USER_DIR/r --lengths 9 17 33 49 65 97 129 193 257 \
+    --out "$1/row_limit.json" 2>&1 | tee "$1/row_limit.log" | tail -n 12
 }
 
 part_serve() {
