@@ -36,11 +36,10 @@ else:
 MAX_M = 64
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # Rows of x up to which a trellis layer on the GPU takes the CUDA kernel (one block row per 8 rows,
-# each decoding every code again); above it the dense reconstruction and a matmul. On an H100 the
-# kernel took 0.05-0.50x the dense path's time up to M = 128 on qwen2.5-0.5b's shapes, par at 256 on
-# gate|up; above it the dense path, its weight written by trellis_decode (0.14-0.43x the MLX-op
-# decode's time at 128-2048 rows, which allocated 16 bytes per weight: docs/results/2026-12-07-trellis-decode/).
-GPU_MAX_M = 128
+# each decoding every code again); above it the dense path, its weight written by trellis_decode.
+# On an H100 (qwen2.5-0.5b's shapes, whole prefill) the kernel took 0.74-0.86x the dense path's time
+# up to 64 rows, 1.05x at 96, 1.30x at 128 (docs/results/2026-12-07-h100-row-limit/).
+GPU_MAX_M = 64
 _has_gpu = _ext is not None and _ext.has_gpu()
 _warned = False
 _enabled = True  # off only inside ``using(False)`` (benchmarks, tests: the dense arm)
