@@ -35,6 +35,8 @@
 #             matmul) beside the kernel and the MLX-op decode
 #   rowlimit  the mat-vec's GPU row limit on the user reservoir's whole prefill: mat-vec against the
 #             dense path per prompt length, interleaved (experiments/row_limit.py)
+#   pace      prefill paced block by block against queued at once on the user reservoir: time, peak
+#             memory, the same cache (experiments/prefill_pace.py), then `chat` (CHAT_N pairs)
 #   serve     one client: `vqpipe serve` (mlx-lm's batched loop) against the compiled step on the
 #             user reservoir, interleaved per prompt (experiments/serve_one_client.py)
 #   chat      `vqpipe chat` with the compiled step (--compiled auto) against mlx-lm's loop (--compiled
@@ -58,8 +60,8 @@ while [ $# -gt 0 ]; do
     --presets) PRESETS=$2; shift 2 ;;
     --tar) TAR=1; shift ;;
     --) shift; SNAKE=("$@"); break ;;
-    tests|devtests|decode|qmv|kivi|ncu|pipeline|ext|user|ttft|first|prefill|dense|rowlimit|serve|chat|trellis) PARTS+=("$1"); shift ;;
-    *) echo "gpu.sh: unknown argument $1 (parts: tests devtests decode qmv kivi ncu pipeline ext user ttft first prefill dense rowlimit serve chat trellis)" >&2; exit 2 ;;
+    tests|devtests|decode|qmv|kivi|ncu|pipeline|ext|user|ttft|first|prefill|dense|rowlimit|pace|serve|chat|trellis) PARTS+=("$1"); shift ;;
+    *) echo "gpu.sh: unknown argument $1 (parts: tests devtests decode qmv kivi ncu pipeline ext user ttft first prefill dense rowlimit pace serve chat trellis)" >&2; exit 2 ;;
   esac
 done
 [ ${#PARTS[@]} -gt 0 ] || { sed -n 2,30p "$0"; exit 2; }
@@ -292,6 +294,14 @@ part_rowlimit() {
   echo "== the GPU row limit on the whole prefill: mat-vec against dense $(since)"
   timeout ${ROWLIMIT_LIMIT:-200} $PY -m experiments.row_limit --model $USER_DIR/r --lengths 9 17 33 49 65 97 129 193 257 \
     --out "$1/row_limit.json" 2>&1 | tee "$1/row_limit.log" | tail -n 12
+}
+
+part_pace() {
+  user_reservoir
+  echo "== prefill paced against queued at once $(since)"
+  timeout ${PACE_LIMIT:-200} $PY -m experiments.prefill_pace --model $USER_DIR/r --lengths 9 65 129 257 1025 \
+    --out "$1/prefill_pace.json" 2>&1 | tee "$1/prefill_pace.log" | grep -v Warning | tail -n 8
+  part_chat "$1"
 }
 
 part_serve() {

@@ -122,6 +122,31 @@ def test_tokens_from_a_prefix_are_the_tokens_of_the_whole_prompt(tiny_f32, mode)
         next(dec.tokens(prompt[17:], 26, 8, prefix=prefix))
 
 
+def test_paced_prefill_writes_the_same_cache(tiny_llama_vq3):
+    """Prefill with its blocks paced (``pace`` blocks queued ahead of the one waited for) writes the
+    same keys and values, bit for bit, as the whole chunk queued at once, over several chunks; the
+    model's blocks are its own again afterwards, and a bad pace is refused before anything runs."""
+    model = tiny_llama_vq3
+    blocks = model.model.layers
+    prompt = _prompts(8192)[2]  # 23 tokens: three chunks of 8
+    dec = Decoder(model, 32, "split")
+    got = {}
+    for pace in (0, 1, 2, 5):
+        caches = dec.new_cache()
+        token, done = dec.prefill(prompt, caches, 8, pace=pace)
+        assert done == 22 and token.tolist() == [[prompt[22].item()]]
+        got[pace] = [(c.keys, c.values) for c in caches]
+        assert model.model.layers is blocks
+    for pace in (1, 2, 5):
+        for (k, v), (k0, v0) in zip(got[pace], got[0]):
+            assert mx.array_equal(k, k0).item() and mx.array_equal(v, v0).item()
+    assert mx.any(got[0][0][0][..., :22, :] != 0).item()  # something was written
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="prefill pace must be a whole number of blocks"):
+            dec.prefill(prompt, dec.new_cache(), 8, pace=bad)
+    assert model.model.layers is blocks
+
+
 def test_capacity_is_exact_and_overflow_is_refused(tiny_f32):
     prompt = _prompts(8192)[1]  # 5 tokens
     dec = Decoder(tiny_f32, 5 + NEW)
