@@ -1,13 +1,13 @@
 """Prefill paced block by block (Decoder.prefill ``pace``) against queued all at once: time and peak memory.
 
     python -m experiments.prefill_pace --model RESERVOIR [--lengths 9 65 257 1025] [--prompts 20]
-        [--reps 2] [--pace 2] [--out FILE]
+        [--reps 2] [--paces 1 4] [--out FILE]
 
-For each prompt length: ``Decoder.prefill`` with the blocks paced (``--pace`` blocks queued) and
-unpaced (pace 0: the whole chunk queued at once, as mlx-lm's prefill does), interleaved prompt by
-prompt over ``--prompts`` distinct random prompts, with an A/A pass of the unpaced arm; then each
-arm's peak memory over one prefill (MLX's peak above what was active before it), and whether the
-two arms' caches are equal. Runs on the default device (CPU or GPU).
+For each prompt length: ``Decoder.prefill`` with the blocks paced (a wait every ``pace`` blocks, for
+each of ``--paces``) and unpaced (pace 0: the whole chunk queued at once, as mlx-lm's prefill does),
+interleaved prompt by prompt over ``--prompts`` distinct random prompts, with an A/A pass of the
+unpaced arm; then each arm's peak memory over one prefill (MLX's peak above what was active before
+it), and whether every arm's cache equals the unpaced one. Runs on the default device (CPU or GPU).
 """
 
 import argparse
@@ -32,7 +32,7 @@ def main():
     p.add_argument("--lengths", type=int, nargs="+", default=[9, 65, 257, 1025])
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--pace", type=int, default=2)
+    p.add_argument("--paces", type=int, nargs="+", default=[1, 4])
     p.add_argument("--out")
     a = p.parse_args()
     model, _ = vqpipe.load(a.model)
@@ -63,30 +63,33 @@ def main():
             mx.synchronize()
             return mx.get_peak_memory() - before, caches
 
-        for pace in (a.pace, 0, a.pace, 0):  # warm-up
+        arms = [0, *a.paces]
+        for pace in arms * 2:  # warm-up
             run(pace, prompts[0])
-        t = {"paced": [], "unpaced": [], "unpaced-aa": []}
+        t = {pace: [] for pace in arms}
+        t["aa"] = []
         for _ in range(a.reps):
             for pr in prompts:
-                t["paced"].append(run(a.pace, pr)[0])
-                t["unpaced"].append(run(0, pr)[0])
-                t["unpaced-aa"].append(run(0, pr)[0])
-        ratio = [x / y for x, y in zip(t["paced"], t["unpaced"])]
-        aa = [x / y for x, y in zip(t["unpaced-aa"], t["unpaced"])]
-        pk_paced, c1 = peak(a.pace)
-        pk_unpaced, c2 = peak(0)
-        same = all(bool(mx.array_equal(x.keys, y.keys).item()) and bool(mx.array_equal(x.values, y.values).item())
-                   for x, y in zip(c1, c2))
-        row = {"prompt_tokens": n, "pace": a.pace, "device": str(mx.default_device()),
-               "ms": {k: summary([x * 1e3 for x in v]) for k, v in t.items()},
-               "paced_over_unpaced": summary(ratio), "aa": summary(aa),
-               "peak_bytes": {"paced": pk_paced, "unpaced": pk_unpaced}, "same_cache": same}
+                for pace in arms:
+                    t[pace].append(run(pace, pr)[0])
+                t["aa"].append(run(0, pr)[0])
+        pk0, c0 = peak(0)
+        row = {"prompt_tokens": n, "device": str(mx.default_device()),
+               "ms": {str(k): summary([x * 1e3 for x in v]) for k, v in t.items()},
+               "aa": summary([x / y for x, y in zip(t["aa"], t[0])]), "peak_bytes": {"0": pk0}, "arms": {}}
+        line = (f"tokens {n:5d}: unpaced {statistics.median(t[0]) * 1e3:7.2f} ms peak {pk0 / 1e6:7.1f} MB  A/A "
+                f"{row['aa']['median']:.3f} [{row['aa']['min']:.3f}-{row['aa']['max']:.3f}]")
+        for pace in a.paces:
+            ratio = [x / y for x, y in zip(t[pace], t[0])]
+            pk, c = peak(pace)
+            same = all(bool(mx.array_equal(x.keys, y.keys).item()) and bool(mx.array_equal(x.values, y.values).item())
+                       for x, y in zip(c, c0))
+            row["peak_bytes"][str(pace)] = pk
+            row["arms"][str(pace)] = {"over_unpaced": summary(ratio), "same_cache": same}
+            line += (f" | pace {pace}: x{statistics.median(ratio):.3f} [{min(ratio):.3f}-{max(ratio):.3f}] "
+                     f"peak {pk / 1e6:.1f} MB same {same}")
         rows.append(row)
-        print(f"tokens {n:5d}: paced {statistics.median(t['paced']) * 1e3:8.2f} ms  unpaced "
-              f"{statistics.median(t['unpaced']) * 1e3:8.2f} ms  paced/unpaced {statistics.median(ratio):.3f} "
-              f"[{min(ratio):.3f}-{max(ratio):.3f}] n={len(ratio)}  A/A {statistics.median(aa):.3f} "
-              f"[{min(aa):.3f}-{max(aa):.3f}]  peak MB paced {pk_paced / 1e6:.1f} unpaced {pk_unpaced / 1e6:.1f}"
-              f"  same cache {same}", flush=True)
+        print(line + f" (n={len(t[0])})", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"rows": rows}, f, indent=1)

@@ -131,13 +131,13 @@ def test_paced_prefill_writes_the_same_cache(tiny_llama_vq3):
     prompt = _prompts(8192)[2]  # 23 tokens: three chunks of 8
     dec = Decoder(model, 32, "split")
     got = {}
-    for pace in (0, 1, 2, 5):
+    for pace in (0, 1, 2, 5, 40):
         caches = dec.new_cache()
         token, done = dec.prefill(prompt, caches, 8, pace=pace)
         assert done == 22 and token.tolist() == [[prompt[22].item()]]
         got[pace] = [(c.keys, c.values) for c in caches]
         assert model.model.layers is blocks
-    for pace in (1, 2, 5):
+    for pace in (1, 2, 5, 40):
         for (k, v), (k0, v0) in zip(got[pace], got[0]):
             assert mx.array_equal(k, k0).item() and mx.array_equal(v, v0).item()
     assert mx.any(got[0][0][0][..., :22, :] != 0).item()  # something was written
@@ -145,6 +145,20 @@ def test_paced_prefill_writes_the_same_cache(tiny_llama_vq3):
         with pytest.raises(ValueError, match="prefill pace must be a whole number of blocks"):
             dec.prefill(prompt, dec.new_cache(), 8, pace=bad)
     assert model.model.layers is blocks
+
+
+def test_prefill_paces_by_default_only_where_it_decodes_weights_on_a_gpu(tiny_llama_vq3, tiny_f32, monkeypatch):
+    """The default pace: none on the CPU; on a GPU (faked here) only for a vqpipe model's chunks of
+    more rows than the trellis mat-vec takes (those run the dense path), never for a model with no
+    vqpipe layers."""
+    from vqpipe.decode import step
+    from vqpipe.kernels import ext
+
+    vq, fp = Decoder(tiny_llama_vq3, 32), Decoder(tiny_f32, 32)
+    assert vq._pace(ext.GPU_MAX_M + 1) == 0  # the CPU
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    assert vq._pace(ext.GPU_MAX_M + 1) == step.PACE > 0
+    assert vq._pace(ext.GPU_MAX_M) == 0 and fp._pace(ext.GPU_MAX_M + 1) == 0
 
 
 def test_capacity_is_exact_and_overflow_is_refused(tiny_f32):

@@ -30,7 +30,8 @@ import time
 
 import mlx.core as mx
 
-from ..kernels import small_arrays
+from ..kernels import ext, small_arrays
+from ..layers.qlinear import QuantizedLinear
 
 POSITION_DTYPE = mx.int32
 
@@ -112,33 +113,35 @@ class _Probe:
 
 
 class _Paced:
-    """Stands in for a decoder block during prefill: runs it, queues its output (``mx.async_eval``)
-    and waits for the output of the block ``depth`` places before. The host builds and queues a
-    prefill's blocks much faster than the device runs them, and every dense weight a block decodes
+    """Stands in for a decoder block during prefill: runs it and, at every ``every``-th block, queues
+    the output (``mx.async_eval``) and waits for the one queued before. The host builds and queues
+    a prefill's blocks much faster than the device runs them, and each dense weight a block decodes
     stays allocated until the device has run it: unpaced, the weights of nearly every layer were
-    alive at once (qwen2.5-0.5b above the trellis mat-vec's rows on an H100: 0.6-0.8 GB for a
-    model of 0.25 GB). Paced, those of ``depth`` + 1 blocks at most; the device keeps ``depth``
-    blocks queued. Attributes are the block's (the model may read them)."""
+    alive at once (qwen2.5-0.5b, 129-1025 tokens on an H100: 0.8-1.7 GB for a model of 0.25 GB).
+    Paced, those of about 2 x ``every`` blocks. Each wait costs ~0.1 ms of the device's time there,
+    hence groups of blocks rather than every block. Attributes are the block's (the model may read them)."""
 
-    def __init__(self, block, queue, depth):
-        self.block, self.queue, self.depth = block, queue, depth
+    def __init__(self, block, queue, mark):
+        self.block, self.queue, self.mark = block, queue, mark
 
     def __getattr__(self, name):
         return getattr(self.block, name)
 
     def __call__(self, x, *args, **kwargs):
         y = self.block(x, *args, **kwargs)
-        mx.async_eval(y)
-        self.queue.append(y)
-        if len(self.queue) > self.depth:
-            mx.eval(self.queue.pop(0))  # queued already: waits for it
+        if self.mark:
+            mx.async_eval(y)
+            self.queue.append(y)
+            if len(self.queue) > 1:
+                mx.eval(self.queue.pop(0))  # queued already: waits for it
         return y
 
 
-# Blocks a prefill on a GPU keeps queued ahead of the one it waits for (Decoder.prefill ``pace``). The
-# CPU backend frees each decoded weight as it goes (SmolLM2, 257 tokens: 29 MB peak either way) and
-# pacing there cost 2-5 % (experiments/prefill_pace.py): none on the CPU.
-PACE = 2
+# Blocks between a GPU prefill's waits (Decoder.prefill ``pace``), for vqpipe models whose prompt
+# chunk runs the dense path (more rows than ext.GPU_MAX_M). Not on the CPU: its backend frees each
+# decoded weight as it goes (SmolLM2, 257 tokens: 29 MB peak either way) and pacing cost 2-5 %
+# there (experiments/prefill_pace.py).
+PACE = 4
 MODES = ("whole", "split", "eager")
 # The mlx-lm modules whose decoder block _block_parts recomputes (model types llama, mistral, qwen2, qwen3)
 SPLIT_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
@@ -225,6 +228,7 @@ class Decoder:
             raise ValueError(f"static KV cache capacity must be >= 2, got {capacity}")
         self.model, self.capacity, self.mode = model, int(capacity), mode
         self._layout = None
+        self._decodes = None  # whether the model has vqpipe layers (a prefill decodes weights): :meth:`_pace`
         self.traces = 0  # Python runs of the step (whole) or of the blocks' first parts (split): traces when compiled
         if mode == "split":
             self._parts = [_block_parts(layer, self._traced) for layer in model.layers]
@@ -291,32 +295,40 @@ class Decoder:
         return out
 
     def prefill(self, prompt, caches, prefill_step=2048, pace=None):
-        """Every prompt token but the last through the eager model, in chunks, as mlx-lm does,
-        the blocks paced (:class:`_Paced`: ``pace`` blocks queued ahead; 0 queues the whole chunk
-        at once, as mlx-lm does; None: :data:`PACE` on a GPU, 0 on the CPU). The same values either way."""
+        """Every prompt token but the last through the eager model, in chunks, as mlx-lm does, its
+        blocks paced (:class:`_Paced`: a wait every ``pace`` blocks; 0 queues the whole chunk at
+        once, as mlx-lm does; None: :data:`PACE` on a GPU for a vqpipe model's chunks of more than
+        ext.GPU_MAX_M rows, else 0). The same values either way."""
         n = int(prompt.size)
         if n < 1:
             raise ValueError("compiled decode: empty prompt")
-        if pace is None:
-            pace = PACE if mx.default_device() == mx.gpu else 0
-        if isinstance(pace, bool) or not isinstance(pace, int) or pace < 0:
+        if pace is not None and (isinstance(pace, bool) or not isinstance(pace, int) or pace < 0):
             raise ValueError(f"prefill pace must be a whole number of blocks >= 0, got {pace!r}")
         inner = self.model.model
         blocks = inner.layers
-        queue = []
-        if pace:
-            inner.layers = [_Paced(b, queue, pace) for b in blocks]
         done = 0
         try:
             while n - done > 1:
                 k = min(prefill_step, n - done - 1)
+                every = self._pace(k) if pace is None else pace
+                queue = []
+                if every:
+                    inner.layers = [_Paced(b, queue, (i + 1) % every == 0) for i, b in enumerate(blocks)]
                 self.model(prompt[done:done + k][None], cache=caches)
                 mx.eval([(c.keys, c.values) for c in caches])
-                queue.clear()
+                inner.layers = blocks
                 done += k
         finally:
             inner.layers = blocks
         return prompt[done:][None].astype(POSITION_DTYPE), done
+
+    def _pace(self, rows):
+        """The default pace of a prefill chunk of ``rows`` rows (:meth:`prefill`)."""
+        if mx.default_device() != mx.gpu or rows <= ext.GPU_MAX_M:
+            return 0
+        if self._decodes is None:
+            self._decodes = any(isinstance(m, QuantizedLinear) for _, m in self.model.named_modules())
+        return PACE if self._decodes else 0
 
     def start(self, prompt, prefill_step=2048, prefix=None):
         """Fresh buffers, the prompt but its last token prefilled: (last token, position, buffers),
