@@ -147,18 +147,27 @@ def test_paced_prefill_writes_the_same_cache(tiny_llama_vq3):
     assert model.model.layers is blocks
 
 
-def test_prefill_paces_by_default_only_where_it_decodes_weights_on_a_gpu(tiny_llama_vq3, tiny_f32, monkeypatch):
-    """The default pace: none on the CPU; on a GPU (faked here) only for a vqpipe model's chunks of
-    more rows than the trellis mat-vec takes (those run the dense path), never for a model with no
-    vqpipe layers."""
+def test_prefill_waits_by_default_only_where_it_decodes_weights_on_a_gpu(tiny_llama_vq3, tiny_f32, monkeypatch):
+    """The default waits: none on the CPU; on a GPU only for a vqpipe model's chunks of more rows
+    than the trellis mat-vec takes (those run the dense path), each time PACE_BYTES of decoded
+    weights were queued; never for a model with no vqpipe layers."""
     from vqpipe.decode import step
     from vqpipe.kernels import ext
 
     vq, fp = Decoder(tiny_llama_vq3, 32), Decoder(tiny_f32, 32)
-    assert vq._pace(ext.GPU_MAX_M + 1) == 0  # the CPU
-    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
-    assert vq._pace(ext.GPU_MAX_M + 1) == step.PACE > 0
-    assert vq._pace(ext.GPU_MAX_M) == 0 and fp._pace(ext.GPU_MAX_M + 1) == 0
+    n = len(tiny_llama_vq3.model.layers)
+    above = ext.GPU_MAX_M + 1
+    assert vq.waits(above, mx.cpu) == [False] * n and vq.waits(ext.GPU_MAX_M, mx.gpu) == [False] * n
+    assert fp.waits(above, mx.gpu) == [False] * len(tiny_f32.model.layers)
+    vq.waits(above, mx.gpu)
+    per_block = vq._block_bytes
+    assert n >= 2 and len(per_block) == n and all(b == per_block[0] > 0 for b in per_block)
+    monkeypatch.setattr(step, "PACE_BYTES", per_block[0] + 1)  # a wait every second block
+    assert vq.waits(above, mx.gpu) == [(i + 1) % 2 == 0 for i in range(n)]
+    monkeypatch.setattr(step, "PACE_BYTES", n * per_block[0] + 1)  # more than the model decodes: none
+    assert vq.waits(above, mx.gpu) == [False] * n
+    monkeypatch.setattr(step, "PACE_BYTES", 1)  # a block above the budget: a wait after each
+    assert vq.waits(above, mx.gpu) == [True] * n
 
 
 def test_capacity_is_exact_and_overflow_is_refused(tiny_f32):

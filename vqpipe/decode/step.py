@@ -113,13 +113,13 @@ class _Probe:
 
 
 class _Paced:
-    """Stands in for a decoder block during prefill: runs it and, at every ``every``-th block, queues
-    the output (``mx.async_eval``) and waits for the one queued before. The host builds and queues
-    a prefill's blocks much faster than the device runs them, and each dense weight a block decodes
-    stays allocated until the device has run it: unpaced, the weights of nearly every layer were
-    alive at once (qwen2.5-0.5b, 129-1025 tokens on an H100: 0.8-1.7 GB for a model of 0.25 GB).
-    Paced, those of about 2 x ``every`` blocks. Each wait costs ~0.1 ms of the device's time there,
-    hence groups of blocks rather than every block. Attributes are the block's (the model may read them)."""
+    """Stands in for a decoder block during prefill: runs it and, where ``mark``, queues its output
+    (``mx.async_eval``) and waits for the one queued before (the last group's). The host builds and
+    queues a prefill's blocks much faster than the device runs them, and each dense weight a block
+    decodes stays allocated until the device has run it: unpaced, the weights of nearly every layer were
+    alive at once (qwen2.5-0.5b, 129-1025 tokens on an H100: 0.8-2.0 GB for a model of 0.25 GB).
+    Paced, those of about two groups. Each wait costs ~0.1 ms of the device's time there, hence
+    groups of blocks rather than every block. Attributes are the block's (the model may read them)."""
 
     def __init__(self, block, queue, mark):
         self.block, self.queue, self.mark = block, queue, mark
@@ -137,11 +137,14 @@ class _Paced:
         return y
 
 
-# Blocks between a GPU prefill's waits (Decoder.prefill ``pace``), for vqpipe models whose prompt
-# chunk runs the dense path (more rows than ext.GPU_MAX_M). Not on the CPU: its backend frees each
-# decoded weight as it goes (SmolLM2, 257 tokens: 29 MB peak either way) and pacing cost 2-5 %
-# there (experiments/prefill_pace.py).
-PACE = 4
+# Decoded weight bytes (16-bit) a GPU prefill queues between two waits (Decoder.prefill), for vqpipe
+# models whose prompt chunk runs the dense path (more rows than ext.GPU_MAX_M). qwen2.5-0.5b's blocks
+# decode 29.8 MB each: a wait every 4 blocks, the pace measured on an H100 (2.4-2.5x less peak for
+# ~12 % more prefill time at 129-257 tokens, none at 1025: docs/results/2026-12-07-h100-prefill-pace/);
+# a block of more than this (an 8B model's: 436 MB) waits after each. Not on the CPU: its backend
+# frees each decoded weight as it goes (SmolLM2, 257 tokens: 29 MB peak either way) and pacing cost
+# 2-5 % there (experiments/prefill_pace.py).
+PACE_BYTES = 96 << 20
 MODES = ("whole", "split", "eager")
 # The mlx-lm modules whose decoder block _block_parts recomputes (model types llama, mistral, qwen2, qwen3)
 SPLIT_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
@@ -228,7 +231,7 @@ class Decoder:
             raise ValueError(f"static KV cache capacity must be >= 2, got {capacity}")
         self.model, self.capacity, self.mode = model, int(capacity), mode
         self._layout = None
-        self._decodes = None  # whether the model has vqpipe layers (a prefill decodes weights): :meth:`_pace`
+        self._block_bytes = None  # per block, the bytes its vqpipe layers decode in a prefill: :meth:`waits`
         self.traces = 0  # Python runs of the step (whole) or of the blocks' first parts (split): traces when compiled
         if mode == "split":
             self._parts = [_block_parts(layer, self._traced) for layer in model.layers]
@@ -296,9 +299,10 @@ class Decoder:
 
     def prefill(self, prompt, caches, prefill_step=2048, pace=None):
         """Every prompt token but the last through the eager model, in chunks, as mlx-lm does, its
-        blocks paced (:class:`_Paced`: a wait every ``pace`` blocks; 0 queues the whole chunk at
-        once, as mlx-lm does; None: :data:`PACE` on a GPU for a vqpipe model's chunks of more than
-        ext.GPU_MAX_M rows, else 0). The same values either way."""
+        blocks paced (:class:`_Paced`): ``pace`` an int waits every ``pace`` blocks (0 never: the
+        whole chunk queued at once, as mlx-lm does); None, on a GPU for a vqpipe model's chunks of
+        more than ext.GPU_MAX_M rows, each time :data:`PACE_BYTES` of decoded weights have been
+        queued since the last wait, else never. The same values either way."""
         n = int(prompt.size)
         if n < 1:
             raise ValueError("compiled decode: empty prompt")
@@ -310,10 +314,10 @@ class Decoder:
         try:
             while n - done > 1:
                 k = min(prefill_step, n - done - 1)
-                every = self._pace(k) if pace is None else pace
+                marks = self.waits(k) if pace is None else [pace > 0 and (i + 1) % pace == 0 for i in range(len(blocks))]
                 queue = []
-                if every:
-                    inner.layers = [_Paced(b, queue, (i + 1) % every == 0) for i, b in enumerate(blocks)]
+                if any(marks):
+                    inner.layers = [_Paced(b, queue, m) for b, m in zip(blocks, marks)]
                 self.model(prompt[done:done + k][None], cache=caches)
                 mx.eval([(c.keys, c.values) for c in caches])
                 inner.layers = blocks
@@ -322,13 +326,24 @@ class Decoder:
             inner.layers = blocks
         return prompt[done:][None].astype(POSITION_DTYPE), done
 
-    def _pace(self, rows):
-        """The default pace of a prefill chunk of ``rows`` rows (:meth:`prefill`)."""
-        if mx.default_device() != mx.gpu or rows <= ext.GPU_MAX_M:
-            return 0
-        if self._decodes is None:
-            self._decodes = any(isinstance(m, QuantizedLinear) for _, m in self.model.named_modules())
-        return PACE if self._decodes else 0
+    def waits(self, rows, device=None):
+        """Per block, whether a prefill chunk of ``rows`` rows waits after it by default
+        (:meth:`prefill`): on a GPU (``device``, default MLX's), above ext.GPU_MAX_M rows, each time
+        the blocks since the last wait decode :data:`PACE_BYTES` of weights (2 bytes a weight of
+        their vqpipe layers); never on the CPU, at or below the mat-vec's rows, or without vqpipe layers."""
+        blocks = self.model.model.layers
+        if (device or mx.default_device()) != mx.gpu or rows <= ext.GPU_MAX_M:
+            return [False] * len(blocks)
+        if self._block_bytes is None:
+            self._block_bytes = [sum(2 * m.in_features * m.out_features for _, m in b.named_modules()
+                                     if isinstance(m, QuantizedLinear)) for b in blocks]
+        marks, queued = [], 0
+        for size in self._block_bytes:
+            queued += size
+            marks.append(size > 0 and queued >= PACE_BYTES)
+            if marks[-1]:
+                queued = 0
+        return marks
 
     def start(self, prompt, prefill_step=2048, prefix=None):
         """Fresh buffers, the prompt but its last token prefilled: (last token, position, buffers),
