@@ -4,7 +4,7 @@
         [--reps 2] [--paces 1 4] [--out FILE]
 
 For each prompt length: ``Decoder.prefill`` with the blocks paced (a wait every ``pace`` blocks, for
-each of ``--paces``) and unpaced (pace 0: the whole chunk queued at once, as mlx-lm's prefill does),
+each of ``--paces``, and with ``--auto`` the default, Decoder.waits) and unpaced (pace 0: the whole chunk queued at once, as mlx-lm's prefill does),
 interleaved prompt by prompt over ``--prompts`` distinct random prompts, with an A/A pass of the
 unpaced arm; then each arm's peak memory over one prefill (MLX's peak above what was active before
 it), and whether every arm's cache equals the unpaced one. Runs on the default device (CPU or GPU).
@@ -33,6 +33,7 @@ def main():
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--paces", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--auto", action="store_true", help="an arm with the default pace (Decoder.waits) too")
     p.add_argument("--out")
     a = p.parse_args()
     model, _ = vqpipe.load(a.model)
@@ -63,7 +64,8 @@ def main():
             mx.synchronize()
             return mx.get_peak_memory() - before, caches
 
-        arms = [0, *a.paces]
+        paces = [*a.paces, None] if a.auto else list(a.paces)
+        arms = [0, *paces]
         for pace in arms * 2:  # warm-up
             run(pace, prompts[0])
         t = {pace: [] for pace in arms}
@@ -79,14 +81,14 @@ def main():
                "aa": summary([x / y for x, y in zip(t["aa"], t[0])]), "peak_bytes": {"0": pk0}, "arms": {}}
         line = (f"tokens {n:5d}: unpaced {statistics.median(t[0]) * 1e3:7.2f} ms peak {pk0 / 1e6:7.1f} MB  A/A "
                 f"{row['aa']['median']:.3f} [{row['aa']['min']:.3f}-{row['aa']['max']:.3f}]")
-        for pace in a.paces:
+        for pace in paces:
             ratio = [x / y for x, y in zip(t[pace], t[0])]
             pk, c = peak(pace)
             same = all(bool(mx.array_equal(x.keys, y.keys).item()) and bool(mx.array_equal(x.values, y.values).item())
                        for x, y in zip(c, c0))
             row["peak_bytes"][str(pace)] = pk
             row["arms"][str(pace)] = {"over_unpaced": summary(ratio), "same_cache": same}
-            line += (f" | pace {pace}: x{statistics.median(ratio):.3f} [{min(ratio):.3f}-{max(ratio):.3f}] "
+            line += (f" | pace {'auto' if pace is None else pace}: x{statistics.median(ratio):.3f} [{min(ratio):.3f}-{max(ratio):.3f}] "
                      f"peak {pk / 1e6:.1f} MB same {same}")
         rows.append(row)
         print(line + f" (n={len(t[0])})", flush=True)

@@ -299,7 +299,7 @@ part_rowlimit() {
 part_pace() {
   user_reservoir
   echo "== prefill paced against queued at once $(since)"
-  timeout ${PACE_LIMIT:-200} $PY -m experiments.prefill_pace --model $USER_DIR/r --lengths 65 129 257 1025 --paces 1 2 4 8 \
+  timeout ${PACE_LIMIT:-200} $PY -m experiments.prefill_pace --model $USER_DIR/r --lengths 65 129 257 1025 --paces ${PACES:-1 2 4 8} --auto \
     --out "$1/prefill_pace.json" 2>&1 | tee "$1/prefill_pace.log" | grep -v Warning | tail -n 8
   part_chat "$1"
 }
