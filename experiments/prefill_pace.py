@@ -13,13 +13,14 @@ it), and whether every arm's cache equals the unpaced one. Runs on the default d
 import argparse
 import json
 import statistics
-import time
 
 import mlx.core as mx
 import numpy as np
 
 import vqpipe
 from vqpipe.decode.step import Decoder
+
+from experiments.row_limit import prefill, random_prompts
 
 
 def summary(v):
@@ -37,32 +38,17 @@ def main():
     p.add_argument("--out")
     a = p.parse_args()
     model, _ = vqpipe.load(a.model)
-    vocab = int(model.args.vocab_size)
     rng = np.random.default_rng(0)
     rows = []
     for n in a.lengths:
         dec = Decoder(model, n + 8, "split")
-        prompts = [mx.array(rng.integers(100, min(vocab, 30000), n)) for _ in range(a.prompts)]
+        prompts = random_prompts(model, n, a.prompts, rng)
 
         def run(pace, prompt):
-            caches = dec.new_cache()
-            mx.eval([(c.keys, c.values) for c in caches])
-            mx.synchronize()
-            t = time.perf_counter()
-            dec.prefill(prompt, caches, pace=pace)
-            mx.synchronize()
-            return time.perf_counter() - t, caches
+            return prefill(dec, prompt, pace=pace)
 
         def peak(pace):
-            caches = dec.new_cache()
-            mx.eval([(c.keys, c.values) for c in caches])
-            mx.synchronize()
-            mx.clear_cache()
-            mx.reset_peak_memory()
-            before = mx.get_active_memory()
-            dec.prefill(prompts[0], caches, pace=pace)
-            mx.synchronize()
-            return mx.get_peak_memory() - before, caches
+            return prefill(dec, prompts[0], peak=True, pace=pace)
 
         paces = [*a.paces, None] if a.auto else list(a.paces)
         arms = [0, *paces]

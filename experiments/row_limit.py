@@ -29,6 +29,28 @@ def summary(v):
     return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
 
 
+def random_prompts(model, n, count, rng):
+    """``count`` prompts of ``n`` random token ids (ids 100 to 30,000, within the vocabulary)."""
+    vocab = int(model.args.vocab_size)
+    return [mx.array(rng.integers(100, min(vocab, 30000), n)) for _ in range(count)]
+
+
+def prefill(dec, prompt, peak=False, **kwargs):
+    """(seconds, or with ``peak`` MLX's peak memory above what was active before, caches) of one
+    ``dec.prefill`` on fresh caches (``kwargs`` go to it), the device synchronized around it."""
+    caches = dec.new_cache()
+    mx.eval([(c.keys, c.values) for c in caches])
+    mx.synchronize()
+    if peak:
+        mx.clear_cache()
+        mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    t = time.perf_counter()
+    dec.prefill(prompt, caches, **kwargs)
+    mx.synchronize()
+    return (mx.get_peak_memory() - before if peak else time.perf_counter() - t), caches
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
@@ -40,32 +62,19 @@ def main():
     gpu = mx.default_device() == mx.gpu
     limit_name = "GPU_MAX_M" if gpu else "MAX_M"
     model, _ = vqpipe.load(a.model)
-    vocab = model.args.vocab_size if hasattr(model, "args") else 32000
     rng = np.random.default_rng(0)
     rows = []
     for n in a.lengths:
         dec = Decoder(model, n + 8, "split")
-        prompts = [mx.array(rng.integers(100, min(vocab, 30000), n)) for _ in range(a.prompts)]
+        prompts = random_prompts(model, n, a.prompts, rng)
 
         def run(limit, prompt):
             setattr(ext, limit_name, limit)
-            caches = dec.new_cache()
-            mx.synchronize()
-            t = time.perf_counter()
-            dec.prefill(prompt, caches)
-            mx.synchronize()
-            return time.perf_counter() - t
+            return prefill(dec, prompt)[0]
 
         def peak(limit):
             setattr(ext, limit_name, limit)
-            caches = dec.new_cache()
-            mx.synchronize()
-            mx.clear_cache()
-            mx.reset_peak_memory()
-            before = mx.get_active_memory()
-            dec.prefill(prompts[0], caches)
-            mx.synchronize()
-            return mx.get_peak_memory() - before
+            return prefill(dec, prompts[0], peak=True)[0]
 
         for limit in (n, 0, n, 0):  # warm-up: kernel builds, the allocator's cache
             run(limit, prompts[0])
