@@ -1,13 +1,14 @@
 """Prefill paced block by block (Decoder.prefill ``pace``) against queued all at once: time and peak memory.
 
     python -m experiments.prefill_pace --model RESERVOIR [--lengths 9 65 257 1025] [--prompts 20]
-        [--reps 2] [--paces 1 4] [--out FILE]
+        [--reps 2] [--paces 1 4] [--auto] [--out FILE]
 
 For each prompt length: ``Decoder.prefill`` with the blocks paced (a wait every ``pace`` blocks, for
-each of ``--paces``, and with ``--auto`` the default, Decoder.waits) and unpaced (pace 0: the whole chunk queued at once, as mlx-lm's prefill does),
-interleaved prompt by prompt over ``--prompts`` distinct random prompts, with an A/A pass of the
-unpaced arm; then each arm's peak memory over one prefill (MLX's peak above what was active before
-it), and whether every arm's cache equals the unpaced one. Runs on the default device (CPU or GPU).
+each of ``--paces``; with ``--auto`` the default too, Decoder.waits) and unpaced (pace 0: the whole
+chunk queued at once, as mlx-lm's prefill does), interleaved prompt by prompt over ``--prompts``
+distinct random prompts, with an A/A pass of the unpaced arm; then each arm's peak memory over one
+prefill (MLX's peak above what was active before it), and whether every arm's cache equals the
+unpaced one. Runs on the default device (CPU or GPU).
 """
 
 import argparse
@@ -74,7 +75,8 @@ def main():
                        for x, y in zip(c, c0))
             row["peak_bytes"][str(pace)] = pk
             row["arms"][str(pace)] = {"over_unpaced": summary(ratio), "same_cache": same}
-            line += (f" | pace {'auto' if pace is None else pace}: x{statistics.median(ratio):.3f} [{min(ratio):.3f}-{max(ratio):.3f}] "
+            name = "auto" if pace is None else pace
+            line += (f" | pace {name}: x{statistics.median(ratio):.3f} [{min(ratio):.3f}-{max(ratio):.3f}] "
                      f"peak {pk / 1e6:.1f} MB same {same}")
         rows.append(row)
         print(line + f" (n={len(t[0])})", flush=True)

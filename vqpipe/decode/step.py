@@ -314,7 +314,8 @@ class Decoder:
         try:
             while n - done > 1:
                 k = min(prefill_step, n - done - 1)
-                marks = self.waits(k) if pace is None else [pace > 0 and (i + 1) % pace == 0 for i in range(len(blocks))]
+                marks = self.waits(k) if pace is None else [pace > 0 and (i + 1) % pace == 0
+                                                            for i in range(len(blocks))]
                 queue = []
                 if any(marks):
                     inner.layers = [_Paced(b, queue, m) for b, m in zip(blocks, marks)]
