@@ -317,11 +317,9 @@ class Decoder:
                 marks = self.waits(k) if pace is None else [pace > 0 and (i + 1) % pace == 0
                                                             for i in range(len(blocks))]
                 queue = []
-                if any(marks):
-                    inner.layers = [_Paced(b, queue, m) for b, m in zip(blocks, marks)]
+                inner.layers = [_Paced(b, queue, m) for b, m in zip(blocks, marks)] if any(marks) else blocks
                 self.model(prompt[done:done + k][None], cache=caches)
                 mx.eval([(c.keys, c.values) for c in caches])
-                inner.layers = blocks
                 done += k
         finally:
             inner.layers = blocks
