@@ -1,14 +1,16 @@
 """Prefill paced block by block (Decoder.prefill ``pace``) against queued all at once: time and peak memory.
 
-    python -m experiments.prefill_pace --model RESERVOIR [--lengths 9 65 257 1025] [--prompts 20]
-        [--reps 2] [--paces 1 4] [--auto] [--out FILE]
+    python -m experiments.prefill_pace (--model RESERVOIR | --preset NAME) [--lengths 9 65 257 1025]
+        [--prompts 20] [--reps 2] [--paces 1 4] [--auto] [--out FILE]
 
 For each prompt length: ``Decoder.prefill`` with the blocks paced (a wait every ``pace`` blocks, for
 each of ``--paces``; with ``--auto`` the default too, Decoder.waits) and unpaced (pace 0: the whole
 chunk queued at once, as mlx-lm's prefill does), interleaved prompt by prompt over ``--prompts``
 distinct random prompts, with an A/A pass of the unpaced arm; then each arm's peak memory over one
 prefill (MLX's peak above what was active before it), and whether every arm's cache equals the
-unpaced one. Runs on the default device (CPU or GPU).
+unpaced one. Runs on the default device (CPU or GPU). ``--preset`` (e.g. llama3-8b) builds a 4-bit
+model of a synthetic preset's shapes with random scalar codes on the device instead of loading one
+(experiments.decode_shapes.random_vqpipe: no files, for shapes too large to quantize in a GPU run).
 """
 
 import argparse
@@ -30,7 +32,9 @@ def summary(v):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model")
+    src.add_argument("--preset")
     p.add_argument("--lengths", type=int, nargs="+", default=[9, 65, 257, 1025])
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--reps", type=int, default=2)
@@ -38,7 +42,12 @@ def main():
     p.add_argument("--auto", action="store_true", help="an arm with the default pace (Decoder.waits) too")
     p.add_argument("--out")
     a = p.parse_args()
-    model, _ = vqpipe.load(a.model)
+    if a.preset:
+        from experiments.decode_shapes import random_vqpipe
+
+        model = random_vqpipe(a.preset, 4)
+    else:
+        model, _ = vqpipe.load(a.model)
     rng = np.random.default_rng(0)
     rows = []
     for n in a.lengths:

@@ -37,6 +37,8 @@
 #             dense path per prompt length, interleaved (experiments/row_limit.py)
 #   pace      prefill paced block by block against queued at once on the user reservoir: time, peak
 #             memory, the same cache (experiments/prefill_pace.py), then `chat` (CHAT_N pairs)
+#   pace8b    the same on a llama3-8b-shaped model with random 4-bit codes made on the device (no
+#             reservoir file): paced every block (the default's waits there) against queued at once
 #   serve     one client: `vqpipe serve` (mlx-lm's batched loop) against the compiled step on the
 #             user reservoir, interleaved per prompt (experiments/serve_one_client.py)
 #   chat      `vqpipe chat` with the compiled step (--compiled auto) against mlx-lm's loop (--compiled
@@ -60,8 +62,8 @@ while [ $# -gt 0 ]; do
     --presets) PRESETS=$2; shift 2 ;;
     --tar) TAR=1; shift ;;
     --) shift; SNAKE=("$@"); break ;;
-    tests|devtests|decode|qmv|kivi|ncu|pipeline|ext|user|ttft|first|prefill|dense|rowlimit|pace|serve|chat|trellis) PARTS+=("$1"); shift ;;
-    *) echo "gpu.sh: unknown argument $1 (parts: tests devtests decode qmv kivi ncu pipeline ext user ttft first prefill dense rowlimit pace serve chat trellis)" >&2; exit 2 ;;
+    tests|devtests|decode|qmv|kivi|ncu|pipeline|ext|user|ttft|first|prefill|dense|rowlimit|pace|pace8b|serve|chat|trellis) PARTS+=("$1"); shift ;;
+    *) echo "gpu.sh: unknown argument $1 (parts: tests devtests decode qmv kivi ncu pipeline ext user ttft first prefill dense rowlimit pace pace8b serve chat trellis)" >&2; exit 2 ;;
   esac
 done
 [ ${#PARTS[@]} -gt 0 ] || { sed -n 2,30p "$0"; exit 2; }
@@ -302,6 +304,13 @@ part_pace() {
   timeout ${PACE_LIMIT:-200} $PY -m experiments.prefill_pace --model $USER_DIR/r --lengths 65 129 257 1025 --paces ${PACES:-1 2 4 8} --auto \
     --out "$1/prefill_pace.json" 2>&1 | tee "$1/prefill_pace.log" | grep -v Warning | tail -n 8
   part_chat "$1"
+}
+
+part_pace8b() {
+  build_ext
+  echo "== prefill paced against queued at once, llama3-8b shapes $(since)"
+  timeout ${PACE_LIMIT:-300} $PY -m experiments.prefill_pace --preset llama3-8b --lengths 129 257 1025 --paces 1 --auto \
+    --prompts ${PACE_PROMPTS:-20} --out "$1/prefill_pace.json" 2>&1 | tee "$1/prefill_pace.log" | grep -v Warning | tail -n 8
 }
 
 part_serve() {
