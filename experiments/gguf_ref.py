@@ -2,9 +2,13 @@
 
 It shares no code with the converter (vqpipe/sources/gguf.py): weights are dequantized by the ``gguf``
 package (not MLX), Q/K stay in llama.cpp's permuted row order and RoPE rotates adjacent pairs
-(llama.cpp's "normal" mode) for llama, halves ("neox" mode) for qwen2 and qwen3 (which also
-normalises each head of q and k by its own RMSNorm before RoPE). If the converted model's
-logits match these, the permutation was undone correctly.
+(llama.cpp's "normal" mode) for llama, halves ("neox" mode) for qwen2, qwen3 (which also
+normalises each head of q and k by its own RMSNorm before RoPE) and gemma3. If the converted model's
+logits match these, the permutation was undone correctly. gemma3 follows llama.cpp's graph of it:
+the embedding times sqrt(hidden), the stored norm weights used as they are (1 + w), norms after
+attention and around the MLP, GELU (tanh), every 6th layer global and the others attending to the
+last ``sliding_window`` positions with RoPE base 10,000, the linear RoPE scaling on global layers
+only, the attention scale 1/sqrt(head_dim) (1/sqrt(hidden / heads) for 62 layers).
 
     python -m experiments.gguf_ref FILE CONVERTED_DIR   # compares the two on a chat prompt
 """
@@ -13,7 +17,7 @@ import sys
 
 import numpy as np
 
-NEOX_ARCHS = ("qwen2", "qwen3")
+NEOX_ARCHS = ("qwen2", "qwen3", "gemma3")
 
 
 def read(path):
@@ -33,11 +37,11 @@ def rms_norm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def rope(x, base, neox):
-    """x: [T, heads, D]; llama.cpp's rotary embedding at positions 0..T-1."""
+def rope(x, base, neox, scale=1.0):
+    """x: [T, heads, D]; llama.cpp's rotary embedding at positions 0..T-1 (times ``scale``)."""
     t, _, d = x.shape
     freqs = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
-    ang = np.arange(t)[:, None] * freqs[None]
+    ang = np.arange(t)[:, None] * scale * freqs[None]
     cos, sin = np.cos(ang)[:, None].astype(np.float32), np.sin(ang)[:, None].astype(np.float32)
     if neox:
         a, b = x[..., : d // 2], x[..., d // 2:]
@@ -48,13 +52,18 @@ def rope(x, base, neox):
     return out
 
 
-def attention(q, k, v):
-    """Causal GQA attention; q [T, H, D], k/v [T, KV, D]."""
+def attention(q, k, v, scale=None, window=None):
+    """Causal GQA attention; q [T, H, D], k/v [T, KV, D]; ``window``: a query sees the keys less than
+    that many positions back (llama.cpp's standard sliding window)."""
     t, h, d = q.shape
     rep = h // k.shape[1]
     k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
-    s = np.einsum("thd,shd->hts", q, k) / np.sqrt(d)
-    s = np.where(np.tril(np.ones((t, t), bool))[None], s, -np.inf)
+    s = np.einsum("thd,shd->hts", q, k) * (1 / np.sqrt(d) if scale is None else scale)
+    pos = np.arange(t)
+    seen = pos[:, None] >= pos[None]
+    if window:
+        seen &= pos[:, None] - pos[None] < window
+    s = np.where(seen[None], s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     return np.einsum("hts,shd->thd", p, v).reshape(t, h * d)
@@ -70,6 +79,8 @@ def logits(path, tokens):
     meta, w = read(path)
     arch = meta["general.architecture"]
     m = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    if arch == "gemma3":
+        return gemma3_logits(w, m, tokens)
     heads, kv = int(m("attention.head_count")), int(m("attention.head_count_kv", m("attention.head_count")))
     eps, base = float(m("attention.layer_norm_rms_epsilon")), float(m("rope.freq_base", 10000.0))
     x = w["token_embd.weight"][np.asarray(tokens)]
@@ -88,6 +99,39 @@ def logits(path, tokens):
         x = x + linear(w, b + "ffn_down", g / (1 + np.exp(-g)) * u)
     x = rms_norm(x, w["output_norm.weight"], eps)
     return x @ w.get("output.weight", w["token_embd.weight"]).T
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def gemma3_logits(w, m, tokens):
+    heads, kv, layers = int(m("attention.head_count")), int(m("attention.head_count_kv")), int(m("block_count"))
+    hidden, eps = int(m("embedding_length")), float(m("attention.layer_norm_rms_epsilon"))
+    head_dim = int(m("attention.key_length"))
+    window = int(m("attention.sliding_window", 0) or 0)
+    scale = 1 / np.sqrt(hidden // heads if layers == 62 else head_dim)
+    factor = float(m("rope.scaling.factor", 1.0)) if m("rope.scaling.type") == "linear" else 1.0
+    t = len(tokens)
+    x = w["token_embd.weight"][np.asarray(tokens)] * np.float32(np.sqrt(hidden))
+    for i in range(layers):
+        b = f"blk.{i}."
+        local = window > 0 and i % 6 < 5
+        base, pos_scale = (10000.0, 1.0) if local else (float(m("rope.freq_base", 1e6)), 1 / factor)
+        h = rms_norm(x, w[b + "attn_norm.weight"], eps)
+        q = rms_norm(linear(w, b + "attn_q", h).reshape(t, heads, -1), w[b + "attn_q_norm.weight"], eps)
+        k = rms_norm(linear(w, b + "attn_k", h).reshape(t, kv, -1), w[b + "attn_k_norm.weight"], eps)
+        v = linear(w, b + "attn_v", h).reshape(t, kv, -1)
+        q, k = rope(q, base, True, pos_scale), rope(k, base, True, pos_scale)
+        a = linear(w, b + "attn_output", attention(q, k, v, scale, window if local else None))
+        x = x + rms_norm(a, w[b + "post_attention_norm.weight"], eps)
+        h = rms_norm(x, w[b + "ffn_norm.weight"], eps)
+        f = linear(w, b + "ffn_down", gelu_tanh(linear(w, b + "ffn_gate", h)) * linear(w, b + "ffn_up", h))
+        x = x + rms_norm(f, w[b + "post_ffw_norm.weight"], eps)
+    x = rms_norm(x, w["output_norm.weight"], eps)
+    out = x @ w.get("output.weight", w["token_embd.weight"]).T
+    cap = float(m("final_logit_softcapping", 0.0) or 0.0)
+    return np.tanh(out / cap) * cap if cap > 0 else out
 
 
 def compare(path, model_dir, prompt="What is the capital of France?"):

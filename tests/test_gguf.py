@@ -34,16 +34,25 @@ def permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+GEMMA3_LAYERS, GEMMA3_WINDOW = 6, 4  # llama.cpp's pattern: layers 0-4 sliding, 5 global
+
+
 def head_dim(arch):
-    """qwen3's head_dim is its own (here twice hidden / heads); the others derive it."""
-    return 2 * DIMS["hidden"] // DIMS["heads"] if arch == "qwen3" else DIMS["hidden"] // DIMS["heads"]
+    """qwen3's and gemma3's head_dim is their own (here twice hidden / heads); the others derive it."""
+    return 2 * DIMS["hidden"] // DIMS["heads"] if arch in ("qwen3", "gemma3") else DIMS["hidden"] // DIMS["heads"]
+
+
+def layers(arch):
+    return GEMMA3_LAYERS if arch == "gemma3" else DIMS["layers"]
 
 
 def hf_weights(arch, vocab, rng):
     h, ff, d = DIMS["hidden"], DIMS["ff"], head_dim(arch)
     r = lambda *s: (rng.standard_normal(s) * 0.3).astype(np.float32)  # noqa: E731
-    w = {"token_embd.weight": r(vocab, h), "output_norm.weight": 1 + r(h) * 0.1, "output.weight": r(vocab, h)}
-    for i in range(DIMS["layers"]):
+    w = {"token_embd.weight": r(vocab, h), "output_norm.weight": 1 + r(h) * 0.1}
+    if arch != "gemma3":  # Gemma ties its head to the embedding
+        w["output.weight"] = r(vocab, h)
+    for i in range(layers(arch)):
         b = f"blk.{i}."
         w |= {b + "attn_norm.weight": 1 + r(h) * 0.1, b + "ffn_norm.weight": 1 + r(h) * 0.1,
               b + "attn_q.weight": r(DIMS["heads"] * d, h), b + "attn_k.weight": r(DIMS["kv"] * d, h),
@@ -52,17 +61,20 @@ def hf_weights(arch, vocab, rng):
         if arch == "qwen2":
             w |= {b + "attn_q.bias": r(DIMS["heads"] * d), b + "attn_k.bias": r(DIMS["kv"] * d),
                   b + "attn_v.bias": r(DIMS["kv"] * d)}
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             w |= {b + "attn_q_norm.weight": 1 + r(d) * 0.1, b + "attn_k_norm.weight": 1 + r(d) * 0.1}
+        if arch == "gemma3":  # norm weights as llama.cpp stores Gemma's: 1 + w
+            w |= {b + "post_attention_norm.weight": 1 + r(h) * 0.1, b + "post_ffw_norm.weight": 1 + r(h) * 0.1}
     return w
 
 
-def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0):
-    """A small GGUF like llama.cpp writes: Q/K permuted (llama), q/k/v/gate quantized with ``qtype``."""
+def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softcap=None):
+    """A small GGUF like llama.cpp writes: Q/K permuted (llama), q/k/v/gate quantized with ``qtype``;
+    gemma3 with a sliding window shorter than the test prompts and, with ``rope_linear``, RoPE scaling."""
     tokens, types, merges = tokenizer_tables()
     hf = hf_weights(arch, len(tokens), np.random.default_rng(seed))
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(DIMS["layers"])
+    w.add_block_count(layers(arch))
     w.add_context_length(256)
     w.add_embedding_length(DIMS["hidden"])
     w.add_feed_forward_length(DIMS["ff"])
@@ -71,9 +83,16 @@ def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0):
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(head_dim(arch))
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         w.add_key_length(head_dim(arch))
         w.add_value_length(head_dim(arch))
+    if arch == "gemma3":
+        w.add_sliding_window(GEMMA3_WINDOW)
+    if softcap:
+        w.add_final_logit_softcapping(softcap)
+    if rope_linear:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope_linear)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens)
@@ -108,17 +127,51 @@ def fp32_model(out):
     return model, tok
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_logits_match_independent_evaluation(tmp_path, arch):
+@pytest.mark.parametrize("arch,rope_linear", [("llama", None), ("qwen2", None), ("qwen3", None),
+                                               ("gemma3", None), ("gemma3", 8.0)])
+def test_logits_match_independent_evaluation(tmp_path, arch, rope_linear):
     path = tmp_path / "m.gguf"
-    write_gguf(path, arch)
+    write_gguf(path, arch, rope_linear=rope_linear)
     out = fetch(f"gguf:{path}", tmp_path / "out", dtype="float32")
     model, tok = fp32_model(out)
     tokens = tok.apply_chat_template([{"role": "user", "content": "hello the world"}], add_generation_prompt=True)
+    if arch == "gemma3":  # the prompt runs past the window, so the sliding layers' mask matters
+        assert len(tokens) > 2 * GEMMA3_WINDOW
     ours = np.array(model(mx.array(tokens)[None])[0])
     ref = gguf_ref.logits(path, tokens)
     assert np.abs(ours - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_gemma3_config_norms_and_checks(tmp_path, monkeypatch):
+    """gemma3: the settings llama.cpp fixes, the norms shifted back to w (not 1 + w), and the
+    reference check failing when a sliding layer is treated as global or the norms are left shifted."""
+    path = tmp_path / "m.gguf"
+    hf = write_gguf(path, "gemma3")
+    out = fetch(f"gguf:{path}", tmp_path / "out", dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and config["architectures"] == ["Gemma3ForCausalLM"]
+    assert (config["sliding_window"], config["sliding_window_pattern"], config["rope_local_base_freq"]) == (
+        GEMMA3_WINDOW, 6, 10000.0)
+    assert config["query_pre_attn_scalar"] == head_dim("gemma3") and config["tie_word_embeddings"]
+    weights = mx.load(str(out / "model.safetensors"))
+    for gguf_name, name in (("blk.0.ffn_norm.weight", "model.layers.0.pre_feedforward_layernorm.weight"),
+                            ("blk.3.post_ffw_norm.weight", "model.layers.3.post_feedforward_layernorm.weight"),
+                            ("blk.1.attn_k_norm.weight", "model.layers.1.self_attn.k_norm.weight"),
+                            ("output_norm.weight", "model.norm.weight")):
+        assert np.allclose(np.array(weights[name]), hf[gguf_name] - 1, atol=1e-6), name
+    assert "lm_head.weight" not in weights
+    model, tok = fp32_model(out)
+    tokens = tok.encode("the world hello the world hello the world")
+    ours = np.array(model(mx.array(tokens)[None])[0])
+    assert np.abs(ours - gguf_ref.logits(path, tokens)).max() < 1e-3
+    # the checks can fail: no window in the reference, or the norms not shifted back
+    meta, w = gguf_ref.read(path)
+    m = lambda key, default=None: meta.get(f"gemma3.{key}", default)  # noqa: E731
+    no_window = lambda key, default=None: 0 if key == "attention.sliding_window" else m(key, default)  # noqa: E731
+    assert np.abs(ours - gguf_ref.gemma3_logits(w, no_window, tokens)).max() > 1e-2
+    unshifted = {k: v + 1 if k.endswith("norm.weight") else v for k, v in w.items()}
+    assert np.abs(ours - gguf_ref.gemma3_logits(unshifted, m, tokens)).max() > 1e-2
 
 
 def test_wrong_rope_convention_is_detected(tmp_path, monkeypatch):
@@ -215,6 +268,12 @@ def test_errors_leave_nothing(tmp_path):
     w.write_tensors_to_file()
     w.close()
     fails(f"gguf:{arch}", ValueError, "architecture 'mamba'")
+    capped = tmp_path / "capped.gguf"
+    write_gguf(capped, "gemma3", softcap=30.0)
+    fails(f"gguf:{capped}", ValueError, "soft-capping")
+    scaled = tmp_path / "yarn.gguf"
+    write_gguf(scaled, "llama", rope_linear=2.0)
+    fails(f"gguf:{scaled}", ValueError, "rope scaling 'linear' is not supported for llama")
 
 
 def test_unsupported_tensor_type(tmp_path, monkeypatch):

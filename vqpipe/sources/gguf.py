@@ -9,8 +9,10 @@ Q4_0/Q4_1/Q8_0 as affine triplets (``NAME.weight`` packed uint32, ``NAME.scales`
 ``NAME.biases``, group 32); other block types (K-quants, Q5_x) are dequantized by the ``gguf``
 package. Everything is dequantized to ``dtype``. llama.cpp's converter permutes the rows of the
 llama Q/K projections so that its interleaved (GPT-J) RoPE matches the checkpoint's half-split
-RoPE; we undo that, so the output runs with mlx-lm's (and transformers') half-split RoPE.
-The tokenizer is rebuilt from the ``tokenizer.ggml.*`` metadata with ``tokenizers``.
+RoPE; we undo that, so the output runs with mlx-lm's (and transformers') half-split RoPE. Gemma 3's
+converter stores every RMSNorm weight as 1 + w (llama.cpp multiplies by the weight, Gemma by 1 + w);
+we subtract the 1 again, in float32. The tokenizer is rebuilt from the ``tokenizer.ggml.*`` metadata
+with ``tokenizers``.
 """
 
 import importlib.resources
@@ -35,7 +37,12 @@ ARCHS = {
     # qwen3: qwen2 without the q/k/v biases, with per-head RMSNorms of q and k before RoPE and a
     # head_dim of its own (attention.key_length); llama.cpp does not permute its Q/K rows.
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "permuted_qk": False},
+    # gemma3 (text): q/k norms, a norm after attention and around the MLP, GELU, sliding-window
+    # layers; mlx-lm's gemma3_text model. Its norms are stored shifted (module docstring).
+    "gemma3": {"architectures": ["Gemma3ForCausalLM"], "permuted_qk": False, "model_type": "gemma3_text",
+               "norm_shift": True},
 }
+QK_NORM_ARCHS = ("qwen3", "gemma3")
 TOP_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -43,7 +50,7 @@ TOP_TENSORS = {
 }
 BLOCK_TENSORS = {
     "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+    "ffn_norm": "post_attention_layernorm",  # gemma3: GEMMA3_NORMS
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -54,6 +61,16 @@ BLOCK_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 normalises before and after attention and the MLP; its ffn_norm is the one before the MLP.
+GEMMA3_NORMS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# llama.cpp's fixed Gemma 3 settings (src/llama-model.cpp): every 6th layer global, the sliding
+# layers' RoPE base 10,000, and the attention scale 1/sqrt(head_dim) but for the 62-layer (27B) model,
+# whose is 1/sqrt(hidden / heads).
+GEMMA3_PATTERN, GEMMA3_LOCAL_BASE, GEMMA3_27B_LAYERS = 6, 10000.0, 62
 
 
 def log(msg):
@@ -111,8 +128,10 @@ def make_config(reader, dtype):
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHS)}")
     a = lambda key, default=KeyError: field(reader, f"{arch}.{key}", default)  # noqa: E731
     scaling = a("rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported (only none)")
+    allowed = ("none", None, "linear") if arch == "gemma3" else ("none", None)
+    if scaling not in allowed:
+        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported for {arch} "
+                         f"(supported: {', '.join(str(x) for x in allowed if x)})")
     heads, hidden = int(a("attention.head_count")), int(a("embedding_length"))
     head_dim = int(a("attention.key_length", hidden // heads))
     if int(a("rope.dimension_count", head_dim)) != head_dim:
@@ -120,9 +139,10 @@ def make_config(reader, dtype):
     names = {t.name for t in reader.tensors}
     tokens = field(reader, "tokenizer.ggml.tokens")
     eos = int(field(reader, "tokenizer.ggml.eos_token_id"))
+    eot = field(reader, "tokenizer.ggml.eot_token_id", None)
     config = {
         "architectures": ARCHS[arch]["architectures"],
-        "model_type": arch,
+        "model_type": ARCHS[arch].get("model_type", arch),
         "hidden_size": hidden,
         "intermediate_size": int(a("feed_forward_length")),
         "num_hidden_layers": int(a("block_count")),
@@ -136,30 +156,57 @@ def make_config(reader, dtype):
         "tie_word_embeddings": "output.weight" not in names,
         "hidden_act": "silu",
         "bos_token_id": int(field(reader, "tokenizer.ggml.bos_token_id", eos)),
-        "eos_token_id": eos,
+        # a chat model's end of turn stops generation too (Gemma's <end_of_turn>)
+        "eos_token_id": eos if eot is None or int(eot) == eos else [eos, int(eot)],
         "torch_dtype": dtype,
     }
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in names
         config["mlp_bias"] = False
+    if arch == "gemma3":
+        config.update(gemma3_settings(a, config, scaling))
     has_norms = "blk.0.attn_q_norm.weight" in names
-    if has_norms != (arch == "qwen3"):
+    if has_norms != (arch in QK_NORM_ARCHS):
         raise ValueError(f"GGUF {arch} file {'with' if has_norms else 'without'} attn_q_norm tensors: "
-                         "only qwen3 has per-head q/k norms")
+                         f"only {' and '.join(QK_NORM_ARCHS)} have per-head q/k norms")
     return config
 
 
-def hf_name(name):
+def gemma3_settings(a, config, scaling):
+    """mlx-lm's gemma3_text settings that llama.cpp derives or fixes rather than stores."""
+    if float(a("final_logit_softcapping", 0.0) or 0.0) > 0:
+        raise ValueError("GGUF gemma3 final logit soft-capping is not supported (mlx-lm's gemma3_text has none)")
+    if int(a("attention.value_length", config["head_dim"])) != config["head_dim"]:
+        raise ValueError("GGUF gemma3 with value_length != key_length is not supported")
+    window = int(a("attention.sliding_window", 0) or 0)
+    heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
+    out = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_theta": float(a("rope.freq_base", 1000000.0)),
+        "rope_local_base_freq": GEMMA3_LOCAL_BASE,
+        # no window stored: llama.cpp runs every layer globally
+        "sliding_window": window if window > 0 else config["max_position_embeddings"],
+        "sliding_window_pattern": GEMMA3_PATTERN if window > 0 else 1,
+        "query_pre_attn_scalar": (config["hidden_size"] // heads if layers == GEMMA3_27B_LAYERS
+                                  else config["head_dim"]),
+    }
+    if scaling == "linear":
+        out["rope_scaling"] = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
+    return out
+
+
+def hf_name(name, arch="llama"):
     """GGUF tensor name -> Hugging Face name; ValueError for tensors we do not know."""
     if name in TOP_TENSORS:
         return TOP_TENSORS[name]
+    block = BLOCK_TENSORS | GEMMA3_NORMS if arch == "gemma3" else BLOCK_TENSORS
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in BLOCK_TENSORS and parts[3] in ("weight", "bias"):
-        return f"model.layers.{parts[1]}.{BLOCK_TENSORS[parts[2]]}.{parts[3]}"
-    raise ValueError(f"GGUF tensor {name!r} has no counterpart in the llama/qwen2/qwen3 layout")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in block and parts[3] in ("weight", "bias"):
+        return f"model.layers.{parts[1]}.{block[parts[2]]}.{parts[3]}"
+    raise ValueError(f"GGUF tensor {name!r} has no counterpart in the {arch} layout")
 
 
-def tensor_types(reader):
+def tensor_types(reader, arch="llama"):
     """{GGUF tensor name: type name}; ValueError naming a tensor of a type we cannot dequantize."""
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     for name, kind in types.items():
@@ -167,8 +214,13 @@ def tensor_types(reader):
             raise ValueError(
                 f"GGUF tensor {name!r} has type {kind}, which vqpipe cannot convert "
                 f"(supported: {', '.join(sorted(MLX_TYPES | NUMPY_TYPES))})")
-        hf_name(name)
+        hf_name(name, arch)
     return types
+
+
+def shifted(name, arch):
+    """Whether ``name`` is a norm weight the GGUF stores as 1 + w (Gemma 3)."""
+    return ARCHS[arch].get("norm_shift", False) and name.endswith("norm.weight")
 
 
 def unpermute(w, n_head):
@@ -177,19 +229,20 @@ def unpermute(w, n_head):
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def load_weights(path, reader, types, dtype):
-    """{GGUF name: dequantized mx.array in ``dtype``}, Hugging Face shapes ([out, in])."""
+def load_weights(path, reader, types, dtype, shift=frozenset()):
+    """{GGUF name: dequantized mx.array in ``dtype``}, Hugging Face shapes ([out, in]); the names in
+    ``shift`` less 1, taken in float32 before the cast."""
     if all(kind in MLX_TYPES for kind in types.values()):
         try:
-            return load_weights_mlx(path, types, dtype)
+            return load_weights_mlx(path, types, dtype, shift)
         except RuntimeError as e:
             # mx.load names a quantized weight's triplet NAME.{weight,scales,biases}, which clashes
             # with a separate bias tensor (qwen2's q/k/v): it refuses such files.
             log(f"MLX cannot read {path.name} ({str(e).splitlines()[0][:80]}); using the gguf package")
-    return load_weights_numpy(reader, dtype)
+    return load_weights_numpy(reader, dtype, shift)
 
 
-def load_weights_mlx(path, types, dtype):
+def load_weights_mlx(path, types, dtype, shift=frozenset()):
     import mlx.core as mx
 
     raw, out = mx.load(str(path)), {}
@@ -202,12 +255,14 @@ def load_weights_mlx(path, types, dtype):
             w = mx.dequantize(raw[name], scales, biases, group_size=32, bits=MLX_BITS[kind])
         else:
             w = raw[name]
+        if name in shift:
+            w = w.astype(mx.float32) - 1
         out[name] = w.astype(getattr(mx, dtype))
         mx.eval(out[name])
     return out
 
 
-def load_weights_numpy(reader, dtype):
+def load_weights_numpy(reader, dtype, shift=frozenset()):
     import gguf
     import mlx.core as mx
     import numpy as np
@@ -216,21 +271,22 @@ def load_weights_numpy(reader, dtype):
     for t in reader.tensors:
         w = gguf.quants.dequantize(t.data, t.tensor_type)
         shape = [int(d) for d in reversed(t.shape)]
-        out[t.name] = mx.array(np.ascontiguousarray(w, dtype=np.float32).reshape(shape)).astype(getattr(mx, dtype))
+        w = np.ascontiguousarray(w, dtype=np.float32).reshape(shape)
+        out[t.name] = mx.array(w - 1 if t.name in shift else w).astype(getattr(mx, dtype))
         mx.eval(out[t.name])
     return out
 
 
-def convert_weights(path, reader, config, types, dtype, dst):
+def convert_weights(path, reader, config, types, dtype, dst, arch="llama"):
     import mlx.core as mx
 
-    weights = load_weights(path, reader, types, dtype)
-    if ARCHS[config["model_type"]]["permuted_qk"]:
+    weights = load_weights(path, reader, types, dtype, frozenset(n for n in types if shifted(n, arch)))
+    if ARCHS[arch]["permuted_qk"]:
         for name in weights:
             if ".attn_q." in name or ".attn_k." in name:
                 n = config["num_attention_heads"] if ".attn_q." in name else config["num_key_value_heads"]
                 weights[name] = unpermute(weights[name], n)
-    hf = {hf_name(k): v for k, v in weights.items()}
+    hf = {hf_name(k, arch): v for k, v in weights.items()}
     mx.save_safetensors(str(dst / "model.safetensors"), hf, metadata={"format": "mlx"})
 
 
@@ -270,10 +326,11 @@ def fetch_gguf(value, dst, dtype="bfloat16"):
 
 def _convert(path, reader, dtype, dst, sha256_file, write_tokenizer):
     config = make_config(reader, dtype)
-    types = tensor_types(reader)
-    log(f"converting {path} ({config['model_type']}, {len(types)} tensors: "
+    arch = field(reader, "general.architecture")
+    types = tensor_types(reader, arch)
+    log(f"converting {path} ({arch}, {len(types)} tensors: "
         f"{', '.join(f'{n} {k}' for k, n in Counter(types.values()).items())}) to {dtype}")
-    convert_weights(path, reader, config, types, dtype, dst)
+    convert_weights(path, reader, config, types, dtype, dst, arch)
     tokenizer = write_tokenizer(reader, config, dst)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return {
@@ -282,7 +339,7 @@ def _convert(path, reader, dtype, dst, sha256_file, write_tokenizer):
             "file": path.name,
             "bytes": path.stat().st_size,
             "sha256": sha256_file(path),
-            "architecture": config["model_type"],
+            "architecture": arch,
             "name": field(reader, "general.name", None),
             "license": field(reader, "general.license", None),
             "tokenizer": tokenizer,
