@@ -2,6 +2,7 @@
 independent NumPy evaluation of the GGUF weights (experiments.gguf_ref), plus the error cases."""
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -27,6 +28,36 @@ def tokenizer_tables():
     tokens = SPECIAL + alphabet + [m.replace(" ", "") for m in merges]
     types = [3] * len(SPECIAL) + [1] * (len(tokens) - len(SPECIAL))
     return tokens, types, merges
+
+
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{'<start_of_turn>' + m['role'] + '\n' + m['content']"
+                  " + '<end_of_turn>\n'}}{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+
+
+def spm_model():
+    """A small sentencepiece BPE vocabulary trained on the package's corpus, as Gemma's is made: no
+    dummy prefix, byte fallback, turn markers as control pieces."""
+    import io
+
+    import vqpipe
+
+    spm = pytest.importorskip("sentencepiece")
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        input=str(Path(vqpipe.__file__).parent / "data" / "corpus.txt"), model_writer=model, model_type="bpe",
+        vocab_size=600, byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=False, control_symbols=["<start_of_turn>", "<end_of_turn>"], character_coverage=1.0,
+        unk_id=0, bos_id=2, eos_id=1, pad_id=3, minloglevel=2)
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def spm_tables(sp):
+    """(pieces, llama.cpp token types, scores) of a sentencepiece model."""
+    def kind(i):
+        return 2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 5 if sp.is_unused(i) else 1
+
+    n = sp.get_piece_size()
+    return [sp.id_to_piece(i) for i in range(n)], [kind(i) for i in range(n)], [sp.get_score(i) for i in range(n)]
 
 
 def permute(w, n_head):
@@ -68,10 +99,12 @@ def hf_weights(arch, vocab, rng):
     return w
 
 
-def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softcap=None):
+def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softcap=None, spm=None):
     """A small GGUF like llama.cpp writes: Q/K permuted (llama), q/k/v/gate quantized with ``qtype``;
-    gemma3 with a sliding window shorter than the test prompts and, with ``rope_linear``, RoPE scaling."""
-    tokens, types, merges = tokenizer_tables()
+    gemma3 with a sliding window shorter than the test prompts and, with ``rope_linear``, RoPE scaling;
+    ``spm``: a sentencepiece model whose vocabulary the file carries as Gemma's does (no space
+    prefix, BOS added), instead of the byte-level BPE tables."""
+    tokens, types, merges = tokenizer_tables() if spm is None else spm_tables(spm)
     hf = hf_weights(arch, len(tokens), np.random.default_rng(seed))
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(layers(arch))
@@ -93,15 +126,24 @@ def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softc
     if rope_linear:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope_linear)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens)
     w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(TEMPLATE)
+    if spm is None:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("smollm")
+        w.add_token_merges(merges)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(False)
+        w.add_chat_template(TEMPLATE)
+    else:
+        w.add_tokenizer_model("llama")
+        w.add_token_scores(merges)
+        w.add_bos_token_id(spm.bos_id())
+        w.add_eos_token_id(spm.eos_id())
+        w.add_unk_token_id(spm.unk_id())
+        w.add_add_space_prefix(False)
+        w.add_chat_template(GEMMA_TEMPLATE)
     for name, x in hf.items():
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             x = permute(x, DIMS["heads"] if "attn_q" in name else DIMS["kv"])
@@ -141,6 +183,35 @@ def test_logits_match_independent_evaluation(tmp_path, arch, rope_linear):
     ref = gguf_ref.logits(path, tokens)
     assert np.abs(ours - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_gemma3_sentencepiece_end_to_end(tmp_path):
+    """A gemma3 file with a SentencePiece vocabulary as Google's models have: the chat prompt's ids
+    are sentencepiece's (control pieces whole, BOS first), the logits llama.cpp's, and mlx-lm's greedy
+    loop on the converted directory starts with llama.cpp's next token."""
+    from mlx_lm.generate import generate_step
+
+    sp = spm_model()
+    path = tmp_path / "g.gguf"
+    write_gguf(path, "gemma3", spm=sp)
+    out = fetch(f"gguf:{path}", tmp_path / "out", dtype="float32")
+    model, tok = fp32_model(out)
+    text = "The dictionary defines a word, and then  two spaces."
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    marks = [sp.piece_to_id(p) for p in ("<start_of_turn>", "<end_of_turn>")]
+    assert ids == ([sp.bos_id(), marks[0]] + sp.encode("user\n" + text) + [marks[1]] + sp.encode("\n")
+                   + [marks[0]] + sp.encode("model\n"))
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    ours = np.array(model(mx.array(ids)[None])[0])
+    ref = gguf_ref.logits(path, ids)
+    assert np.abs(ours - ref).max() < 1e-3
+    # mlx-lm's greedy loop from the converted directory starts where llama.cpp's logits point
+    steps = generate_step(mx.array(ids), model, max_tokens=4)
+    new = [int(t) for t, _ in steps]
+    assert new[0] == int(ref[-1].argmax()) and len(new) == 4
+    assert tok.decode(new) == sp.decode([i for i in new if not sp.is_control(i)])
+    info = json.loads((out / "vqpipe-source.json").read_text())["gguf"]["tokenizer"]
+    assert (info["model"], info["add_space_prefix"], info["add_bos_token"]) == ("llama", False, True)
 
 
 def test_gemma3_config_norms_and_checks(tmp_path, monkeypatch):

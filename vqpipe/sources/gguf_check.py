@@ -162,7 +162,7 @@ def check(path):
 
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
-TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
 
 def field(reader, key, default=KeyError):
