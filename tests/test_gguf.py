@@ -30,13 +30,16 @@ def tokenizer_tables():
     return tokens, types, merges
 
 
+MARKS = {False: ("<start_of_turn>", "<end_of_turn>"), True: ("[INST]", "[/INST]")}
+MISTRAL_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '[INST] ' + m['content'] + ' [/INST]' }}{% endfor %}")
 GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{'<start_of_turn>' + m['role'] + '\n' + m['content']"
                   " + '<end_of_turn>\n'}}{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
 
 
-def spm_model():
-    """A small sentencepiece BPE vocabulary trained on the package's corpus, as Gemma's is made: no
-    dummy prefix, byte fallback, turn markers as control pieces."""
+def spm_model(prefix=False):
+    """A small sentencepiece BPE vocabulary trained on the package's corpus, as Gemma's is made (no
+    dummy prefix) or, with ``prefix``, Llama 2's and Mistral's; byte fallback, turn markers as
+    control pieces."""
     import io
 
     import vqpipe
@@ -46,7 +49,7 @@ def spm_model():
     spm.SentencePieceTrainer.train(
         input=str(Path(vqpipe.__file__).parent / "data" / "corpus.txt"), model_writer=model, model_type="bpe",
         vocab_size=600, byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
-        add_dummy_prefix=False, control_symbols=["<start_of_turn>", "<end_of_turn>"], character_coverage=1.0,
+        add_dummy_prefix=prefix, control_symbols=list(MARKS[prefix]), character_coverage=1.0,
         unk_id=0, bos_id=2, eos_id=1, pad_id=3, minloglevel=2)
     return spm.SentencePieceProcessor(model_proto=model.getvalue())
 
@@ -99,11 +102,12 @@ def hf_weights(arch, vocab, rng):
     return w
 
 
-def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softcap=None, spm=None):
+def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softcap=None, spm=None, prefix=False):
     """A small GGUF like llama.cpp writes: Q/K permuted (llama), q/k/v/gate quantized with ``qtype``;
     gemma3 with a sliding window shorter than the test prompts and, with ``rope_linear``, RoPE scaling;
     ``spm``: a sentencepiece model whose vocabulary the file carries as Gemma's does (no space
-    prefix, BOS added), instead of the byte-level BPE tables."""
+    prefix, BOS added) or, with ``prefix``, as Mistral's (the space prefix by llama.cpp's default),
+    instead of the byte-level BPE tables."""
     tokens, types, merges = tokenizer_tables() if spm is None else spm_tables(spm)
     hf = hf_weights(arch, len(tokens), np.random.default_rng(seed))
     w = gguf.GGUFWriter(str(path), arch)
@@ -142,8 +146,9 @@ def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softc
         w.add_bos_token_id(spm.bos_id())
         w.add_eos_token_id(spm.eos_id())
         w.add_unk_token_id(spm.unk_id())
-        w.add_add_space_prefix(False)
-        w.add_chat_template(GEMMA_TEMPLATE)
+        if not prefix:
+            w.add_add_space_prefix(False)
+        w.add_chat_template(MISTRAL_TEMPLATE if prefix else GEMMA_TEMPLATE)
     for name, x in hf.items():
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             x = permute(x, DIMS["heads"] if "attn_q" in name else DIMS["kv"])
@@ -185,22 +190,28 @@ def test_logits_match_independent_evaluation(tmp_path, arch, rope_linear):
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
-def test_gemma3_sentencepiece_end_to_end(tmp_path):
-    """A gemma3 file with a SentencePiece vocabulary as Google's models have: the chat prompt's ids
-    are sentencepiece's (control pieces whole, BOS first), the logits llama.cpp's, and mlx-lm's greedy
-    loop on the converted directory starts with llama.cpp's next token."""
+@pytest.mark.parametrize("arch,prefix", [("gemma3", False), ("llama", True)])
+def test_sentencepiece_end_to_end(tmp_path, arch, prefix):
+    """A file with a SentencePiece vocabulary: gemma3 as Google's models have it, and a llama file with
+    the space prefix as llama.cpp writes Mistral 7B and Llama 2. The chat prompt's ids are
+    sentencepiece's (turn markers whole, BOS first, each text fragment prefixed), the logits
+    llama.cpp's, and mlx-lm's greedy loop on the converted directory starts with llama.cpp's next token."""
     from mlx_lm.generate import generate_step
 
-    sp = spm_model()
+    sp = spm_model(prefix)
     path = tmp_path / "g.gguf"
-    write_gguf(path, "gemma3", spm=sp)
+    write_gguf(path, arch, spm=sp, prefix=prefix)
     out = fetch(f"gguf:{path}", tmp_path / "out", dtype="float32")
     model, tok = fp32_model(out)
     text = "The dictionary defines a word, and then  two spaces."
     ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    marks = [sp.piece_to_id(p) for p in ("<start_of_turn>", "<end_of_turn>")]
-    assert ids == ([sp.bos_id(), marks[0]] + sp.encode("user\n" + text) + [marks[1]] + sp.encode("\n")
-                   + [marks[0]] + sp.encode("model\n"))
+    start, end = [sp.piece_to_id(p) for p in MARKS[prefix]]
+    if prefix:  # sentencepiece prefixes each fragment it encodes, as llama.cpp does after a special token
+        want = [sp.bos_id(), start] + sp.encode(" " + text + " ") + [end]
+    else:
+        want = ([sp.bos_id(), start] + sp.encode("user\n" + text) + [end] + sp.encode("\n")
+                + [start] + sp.encode("model\n"))
+    assert ids == want
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
     ours = np.array(model(mx.array(ids)[None])[0])
     ref = gguf_ref.logits(path, ids)
@@ -209,9 +220,9 @@ def test_gemma3_sentencepiece_end_to_end(tmp_path):
     steps = generate_step(mx.array(ids), model, max_tokens=4)
     new = [int(t) for t, _ in steps]
     assert new[0] == int(ref[-1].argmax()) and len(new) == 4
-    assert tok.decode(new) == sp.decode([i for i in new if not sp.is_control(i)])
+    assert tok.decode(new).strip() == sp.decode([i for i in new if not sp.is_control(i)]).strip()
     info = json.loads((out / "vqpipe-source.json").read_text())["gguf"]["tokenizer"]
-    assert (info["model"], info["add_space_prefix"], info["add_bos_token"]) == ("llama", False, True)
+    assert (info["model"], info["add_space_prefix"], info["add_bos_token"]) == ("llama", prefix, True)
 
 
 def test_gemma3_config_norms_and_checks(tmp_path, monkeypatch):
