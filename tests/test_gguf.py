@@ -25,7 +25,8 @@ def tokenizer_tables():
 
     merges = ["Ġ t", "h e", "Ġt he", "l l", "Ġ w", "o r"]
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokens = SPECIAL + alphabet + [m.replace(" ", "") for m in merges]
+    # "Ġzq": a word no merge makes; Llama 3's splitting takes it whole (ignore_merges), the others not
+    tokens = SPECIAL + alphabet + [m.replace(" ", "") for m in merges] + ["Ġzq"]
     types = [3] * len(SPECIAL) + [1] * (len(tokens) - len(SPECIAL))
     return tokens, types, merges
 
@@ -102,7 +103,8 @@ def hf_weights(arch, vocab, rng):
     return w
 
 
-def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softcap=None, spm=None, prefix=False):
+def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softcap=None, spm=None, prefix=False,
+               pre="smollm"):
     """A small GGUF like llama.cpp writes: Q/K permuted (llama), q/k/v/gate quantized with ``qtype``;
     gemma3 with a sliding window shorter than the test prompts and, with ``rope_linear``, RoPE scaling;
     ``spm``: a sentencepiece model whose vocabulary the file carries as Gemma's does (no space
@@ -134,7 +136,7 @@ def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softc
     w.add_token_types(types)
     if spm is None:
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("smollm")
+        w.add_tokenizer_pre(pre)
         w.add_token_merges(merges)
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
@@ -308,6 +310,23 @@ def test_tokenizer(tmp_path):
     assert (tok.eos_token, tok.bos_token) == ("<|im_end|>", "<|im_start|>")
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("pre,whole", [("smollm", False), ("llama-bpe", True), ("llama3", True),
+                                       ("qwen2", False), ("deepseek-r1-qwen", False)])
+def test_pre_tokenizer_names(tmp_path, pre, whole):
+    """llama.cpp's pre-tokenizer names: Llama 3's take a word that is a token whole (ignore_merges),
+    the others build it from merges; DeepSeek-R1's Qwen distills split as Qwen 2 does (NFC first)."""
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", pre=pre)
+    out = fetch(f"gguf:{path}", tmp_path / "out")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok.convert_ids_to_tokens(tok.encode(" zq")) == (["Ġzq"] if whole else ["Ġ", "z", "q"])
+    assert tok.convert_ids_to_tokens(tok.encode(" the")) == ["Ġthe"]
+    if pre in ("qwen2", "deepseek-r1-qwen"):  # e + combining acute -> é, one character
+        assert tok.encode("e\u0301") == tok.encode("\u00e9")
 
 
 def test_q8_0_and_numpy_path(tmp_path):

@@ -35,7 +35,10 @@ from .synth import LLAMA3_REGEX, QWEN2_REGEX
 GPT2_PRE = ("gpt2", "default")
 # llama.cpp's SmolLM/StarCoder family: single digits first, then the GPT-2 regex.
 DIGITS_PRE = ("smollm", "starcoder", "refact", "codeshell")
-REGEX_PRE = {"qwen2": QWEN2_REGEX, "llama-bpe": LLAMA3_REGEX}
+# llama.cpp's names for Llama 3's and Qwen 2's splitting (DeepSeek-R1's Qwen distills keep Qwen's).
+LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3")
+QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
+REGEX_PRE = {**{p: QWEN2_REGEX for p in QWEN2_PRE}, **{p: LLAMA3_REGEX for p in LLAMA3_PRE}}
 PRE_TYPES = GPT2_PRE + DIGITS_PRE + tuple(REGEX_PRE)
 
 
@@ -52,7 +55,7 @@ def pre_tokenizer(pre):
     if pre in REGEX_PRE:
         split = pre_tokenizers.Split(Regex(REGEX_PRE[pre]), behavior="isolated", invert=False)
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        normalizer = normalizers.NFC() if pre == "qwen2" else None
+        normalizer = normalizers.NFC() if pre in QWEN2_PRE else None
         return normalizer, pre_tokenizers.Sequence([split, byte_level])
     raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(PRE_TYPES)}")
 
@@ -98,7 +101,9 @@ def build_gpt2(reader):
     merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges")]
     pre = field(reader, "tokenizer.ggml.pre", "default")
 
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    # Llama 3's splitting takes a word that is itself a token whole, whatever the merges would make of
+    # it (llama.cpp's ignore_merges; Llama 3's own tokenizer.json says the same)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre in LLAMA3_PRE))
     normalizer, tok.pre_tokenizer = pre_tokenizer(pre)
     if normalizer is not None:
         tok.normalizer = normalizer
