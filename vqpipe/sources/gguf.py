@@ -181,6 +181,7 @@ def gemma3_settings(a, config, scaling):
     window = int(a("attention.sliding_window", 0) or 0)
     heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
     out = {
+        "hidden_act": "gelu_pytorch_tanh",
         "hidden_activation": "gelu_pytorch_tanh",
         "rope_theta": float(a("rope.freq_base", 1000000.0)),
         "rope_local_base_freq": GEMMA3_LOCAL_BASE,
