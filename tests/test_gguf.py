@@ -57,8 +57,11 @@ def spm_model(prefix=False):
 
 def spm_tables(sp):
     """(pieces, llama.cpp token types, scores) of a sentencepiece model."""
+    from vqpipe.sources import gguf_check as c
+
     def kind(i):
-        return 2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 5 if sp.is_unused(i) else 1
+        return (c.TOKEN_UNKNOWN if sp.is_unknown(i) else c.TOKEN_CONTROL if sp.is_control(i)
+                else c.TOKEN_BYTE if sp.is_byte(i) else c.TOKEN_UNUSED if sp.is_unused(i) else c.TOKEN_NORMAL)
 
     n = sp.get_piece_size()
     return [sp.id_to_piece(i) for i in range(n)], [kind(i) for i in range(n)], [sp.get_score(i) for i in range(n)]
