@@ -8,7 +8,11 @@ logits match these, the permutation was undone correctly. gemma3 follows llama.c
 the embedding times sqrt(hidden), the stored norm weights used as they are (1 + w), norms after
 attention and around the MLP, GELU (tanh), every 6th layer global and the others attending to the
 last ``sliding_window`` positions with RoPE base 10,000, the linear RoPE scaling on global layers
-only, the attention scale 1/sqrt(head_dim) (1/sqrt(hidden / heads) for 62 layers).
+only, the attention scale 1/sqrt(head_dim) (1/sqrt(hidden / heads) for 62 layers). gemma2 is the same
+block without q/k norms, every other layer sliding (window 4096 unless stored), one RoPE base, the
+attention scores soft-capped before the mask (cap 50 unless stored) and the logits after the head
+(30), the scale 1/sqrt(hidden / heads) at 46 layers. phi3 reads q, k, v from one matrix and gate,
+up from another (SwiGLU of the halves), with NeoX RoPE and no window (llama.cpp disables Phi's).
 
     python -m experiments.gguf_ref FILE CONVERTED_DIR   # compares the two on a chat prompt
 """
@@ -17,7 +21,7 @@ import sys
 
 import numpy as np
 
-NEOX_ARCHS = ("qwen2", "qwen3", "gemma3")
+NEOX_ARCHS = ("qwen2", "qwen3", "gemma3", "phi3")
 
 
 def read(path):
@@ -52,13 +56,16 @@ def rope(x, base, neox, scale=1.0):
     return out
 
 
-def attention(q, k, v, scale=None, window=None):
+def attention(q, k, v, scale=None, window=None, cap=None):
     """Causal GQA attention; q [T, H, D], k/v [T, KV, D]; ``window``: a query sees the keys less than
-    that many positions back (llama.cpp's standard sliding window)."""
+    that many positions back (llama.cpp's standard sliding window); ``cap``: scores soft-capped,
+    cap * tanh(s / cap), before the mask."""
     t, h, d = q.shape
     rep = h // k.shape[1]
     k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
     s = np.einsum("thd,shd->hts", q, k) * (1 / np.sqrt(d) if scale is None else scale)
+    if cap:
+        s = np.tanh(s / cap) * cap
     pos = np.arange(t)
     seen = pos[:, None] >= pos[None]
     if window:
@@ -81,21 +88,30 @@ def logits(path, tokens):
     m = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     if arch == "gemma3":
         return gemma3_logits(w, m, tokens)
+    if arch == "gemma2":
+        return gemma2_logits(w, m, tokens)
     heads, kv = int(m("attention.head_count")), int(m("attention.head_count_kv", m("attention.head_count")))
     eps, base = float(m("attention.layer_norm_rms_epsilon")), float(m("rope.freq_base", 10000.0))
     x = w["token_embd.weight"][np.asarray(tokens)]
     for i in range(int(m("block_count"))):
         b = f"blk.{i}."
         h = rms_norm(x, w[b + "attn_norm.weight"], eps)
-        q = linear(w, b + "attn_q", h).reshape(len(tokens), heads, -1)
-        k = linear(w, b + "attn_k", h).reshape(len(tokens), kv, -1)
-        v = linear(w, b + "attn_v", h).reshape(len(tokens), kv, -1)
+        if b + "attn_qkv.weight" in w:  # phi3: rows q, then k, then v
+            qkv = linear(w, b + "attn_qkv", h)
+            d = qkv.shape[-1] // (heads + 2 * kv)
+            q, k, v = np.split(qkv, [heads * d, (heads + kv) * d], axis=-1)
+        else:
+            q, k, v = linear(w, b + "attn_q", h), linear(w, b + "attn_k", h), linear(w, b + "attn_v", h)
+        q, k, v = q.reshape(len(tokens), heads, -1), k.reshape(len(tokens), kv, -1), v.reshape(len(tokens), kv, -1)
         if b + "attn_q_norm.weight" in w:  # qwen3
             q, k = rms_norm(q, w[b + "attn_q_norm.weight"], eps), rms_norm(k, w[b + "attn_k_norm.weight"], eps)
         q, k = rope(q, base, arch in NEOX_ARCHS), rope(k, base, arch in NEOX_ARCHS)
         x = x + linear(w, b + "attn_output", attention(q, k, v))
         h = rms_norm(x, w[b + "ffn_norm.weight"], eps)
-        g, u = linear(w, b + "ffn_gate", h), linear(w, b + "ffn_up", h)
+        if b + "ffn_gate.weight" in w:
+            g, u = linear(w, b + "ffn_gate", h), linear(w, b + "ffn_up", h)
+        else:  # phi3: one matrix, gate then up (ggml_swiglu of its halves)
+            g, u = np.split(linear(w, b + "ffn_up", h), 2, axis=-1)
         x = x + linear(w, b + "ffn_down", g / (1 + np.exp(-g)) * u)
     x = rms_norm(x, w["output_norm.weight"], eps)
     return x @ w.get("output.weight", w["token_embd.weight"]).T
@@ -132,6 +148,30 @@ def gemma3_logits(w, m, tokens):
     out = x @ w.get("output.weight", w["token_embd.weight"]).T
     cap = float(m("final_logit_softcapping", 0.0) or 0.0)
     return np.tanh(out / cap) * cap if cap > 0 else out
+
+
+def gemma2_logits(w, m, tokens):
+    heads, kv, layers = int(m("attention.head_count")), int(m("attention.head_count_kv")), int(m("block_count"))
+    hidden, eps = int(m("embedding_length")), float(m("attention.layer_norm_rms_epsilon"))
+    head_dim = int(m("attention.key_length", hidden // heads))
+    window = int(m("attention.sliding_window", 4096) or 4096)
+    cap, final_cap = float(m("attn_logit_softcapping", 50.0)), float(m("final_logit_softcapping", 30.0))
+    scale = 1 / np.sqrt(hidden // heads if layers == 46 else head_dim)
+    base, t = float(m("rope.freq_base", 10000.0)), len(tokens)
+    x = w["token_embd.weight"][np.asarray(tokens)] * np.float32(np.sqrt(hidden))
+    for i in range(layers):
+        b = f"blk.{i}."
+        h = rms_norm(x, w[b + "attn_norm.weight"], eps)
+        q = rope(linear(w, b + "attn_q", h).reshape(t, heads, -1), base, True)
+        k = rope(linear(w, b + "attn_k", h).reshape(t, kv, -1), base, True)
+        v = linear(w, b + "attn_v", h).reshape(t, kv, -1)
+        a = linear(w, b + "attn_output", attention(q, k, v, scale, window if i % 2 == 0 else None, cap))
+        x = x + rms_norm(a, w[b + "post_attention_norm.weight"], eps)
+        h = rms_norm(x, w[b + "ffn_norm.weight"], eps)
+        f = linear(w, b + "ffn_down", gelu_tanh(linear(w, b + "ffn_gate", h)) * linear(w, b + "ffn_up", h))
+        x = x + rms_norm(f, w[b + "post_ffw_norm.weight"], eps)
+    out = rms_norm(x, w["output_norm.weight"], eps) @ w.get("output.weight", w["token_embd.weight"]).T
+    return np.tanh(out / final_cap) * final_cap
 
 
 def compare(path, model_dir, prompt="What is the capital of France?"):

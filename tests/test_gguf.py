@@ -73,6 +73,9 @@ def permute(w, n_head):
 
 
 GEMMA3_LAYERS, GEMMA3_WINDOW = 6, 4  # llama.cpp's pattern: layers 0-4 sliding, 5 global
+# gemma2: layer 0 sliding, 1 global; mlx-lm's gemma2 attends globally, so the window outlasts the
+# prompts; caps small enough that the random weights' scores and logits reach them
+GEMMA2_WINDOW, GEMMA2_CAPS = 128, (5.0, 3.0)
 
 
 def head_dim(arch):
@@ -88,31 +91,36 @@ def hf_weights(arch, vocab, rng):
     h, ff, d = DIMS["hidden"], DIMS["ff"], head_dim(arch)
     r = lambda *s: (rng.standard_normal(s) * 0.3).astype(np.float32)  # noqa: E731
     w = {"token_embd.weight": r(vocab, h), "output_norm.weight": 1 + r(h) * 0.1}
-    if arch != "gemma3":  # Gemma ties its head to the embedding
+    if arch not in ("gemma2", "gemma3"):  # Gemma ties its head to the embedding
         w["output.weight"] = r(vocab, h)
     for i in range(layers(arch)):
         b = f"blk.{i}."
         w |= {b + "attn_norm.weight": 1 + r(h) * 0.1, b + "ffn_norm.weight": 1 + r(h) * 0.1,
-              b + "attn_q.weight": r(DIMS["heads"] * d, h), b + "attn_k.weight": r(DIMS["kv"] * d, h),
-              b + "attn_v.weight": r(DIMS["kv"] * d, h), b + "attn_output.weight": r(h, DIMS["heads"] * d),
-              b + "ffn_gate.weight": r(ff, h), b + "ffn_up.weight": r(ff, h), b + "ffn_down.weight": r(h, ff)}
+              b + "attn_output.weight": r(h, DIMS["heads"] * d), b + "ffn_down.weight": r(h, ff)}
+        if arch == "phi3":  # one matrix for q, k, v and one for gate, up, as llama.cpp writes Phi-3
+            w |= {b + "attn_qkv.weight": r((DIMS["heads"] + 2 * DIMS["kv"]) * d, h), b + "ffn_up.weight": r(2 * ff, h)}
+        else:
+            w |= {b + "attn_q.weight": r(DIMS["heads"] * d, h), b + "attn_k.weight": r(DIMS["kv"] * d, h),
+                  b + "attn_v.weight": r(DIMS["kv"] * d, h), b + "ffn_gate.weight": r(ff, h),
+                  b + "ffn_up.weight": r(ff, h)}
         if arch == "qwen2":
             w |= {b + "attn_q.bias": r(DIMS["heads"] * d), b + "attn_k.bias": r(DIMS["kv"] * d),
                   b + "attn_v.bias": r(DIMS["kv"] * d)}
         if arch in ("qwen3", "gemma3"):
             w |= {b + "attn_q_norm.weight": 1 + r(d) * 0.1, b + "attn_k_norm.weight": 1 + r(d) * 0.1}
-        if arch == "gemma3":  # norm weights as llama.cpp stores Gemma's: 1 + w
+        if arch in ("gemma2", "gemma3"):  # norm weights as llama.cpp stores Gemma's: 1 + w
             w |= {b + "post_attention_norm.weight": 1 + r(h) * 0.1, b + "post_ffw_norm.weight": 1 + r(h) * 0.1}
     return w
 
 
 def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softcap=None, spm=None, prefix=False,
-               pre="smollm"):
+               pre="smollm", caps=True, extra=None):
     """A small GGUF like llama.cpp writes: Q/K permuted (llama), q/k/v/gate quantized with ``qtype``;
     gemma3 with a sliding window shorter than the test prompts and, with ``rope_linear``, RoPE scaling;
+    gemma2 with small soft-caps (llama.cpp's defaults when not ``caps``); phi3 with fused matrices;
     ``spm``: a sentencepiece model whose vocabulary the file carries as Gemma's does (no space
     prefix, BOS added) or, with ``prefix``, as Mistral's (the space prefix by llama.cpp's default),
-    instead of the byte-level BPE tables."""
+    instead of the byte-level BPE tables; ``extra``: more tensors {name: array}, as they are."""
     tokens, types, merges = tokenizer_tables() if spm is None else spm_tables(spm)
     hf = hf_weights(arch, len(tokens), np.random.default_rng(seed))
     w = gguf.GGUFWriter(str(path), arch)
@@ -130,6 +138,13 @@ def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softc
         w.add_value_length(head_dim(arch))
     if arch == "gemma3":
         w.add_sliding_window(GEMMA3_WINDOW)
+    if arch == "gemma2":
+        w.add_sliding_window(GEMMA2_WINDOW)
+        if caps:
+            w.add_attn_logit_softcapping(GEMMA2_CAPS[0])
+            w.add_final_logit_softcapping(GEMMA2_CAPS[1])
+    if arch == "phi3":
+        w.add_sliding_window(2047)  # Phi-3 mini's; llama.cpp does not apply it
     if softcap:
         w.add_final_logit_softcapping(softcap)
     if rope_linear:
@@ -157,12 +172,14 @@ def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softc
     for name, x in hf.items():
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             x = permute(x, DIMS["heads"] if "attn_q" in name else DIMS["kv"])
-        if name.split(".")[-2] in ("attn_q", "attn_k", "attn_v", "ffn_gate"):
+        if name.split(".")[-2] in ("attn_q", "attn_k", "attn_v", "attn_qkv", "ffn_gate"):
             w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
         elif name.endswith("ffn_up.weight"):
             w.add_tensor(name, x.astype(np.float16))
         else:
             w.add_tensor(name, x)
+    for name, x in (extra or {}).items():
+        w.add_tensor(name, x)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -180,7 +197,8 @@ def fp32_model(out):
 
 
 @pytest.mark.parametrize("arch,rope_linear", [("llama", None), ("qwen2", None), ("qwen3", None),
-                                               ("gemma3", None), ("gemma3", 8.0)])
+                                               ("gemma3", None), ("gemma3", 8.0), ("gemma2", None),
+                                               ("phi3", None)])
 def test_logits_match_independent_evaluation(tmp_path, arch, rope_linear):
     path = tmp_path / "m.gguf"
     write_gguf(path, arch, rope_linear=rope_linear)
@@ -195,7 +213,7 @@ def test_logits_match_independent_evaluation(tmp_path, arch, rope_linear):
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
-@pytest.mark.parametrize("arch,prefix", [("gemma3", False), ("llama", True)])
+@pytest.mark.parametrize("arch,prefix", [("gemma3", False), ("llama", True), ("gemma2", False), ("phi3", True)])
 def test_sentencepiece_end_to_end(tmp_path, arch, prefix):
     """A file with a SentencePiece vocabulary: gemma3 as Google's models have it, and a llama file with
     the space prefix as llama.cpp writes Mistral 7B and Llama 2. The chat prompt's ids are
@@ -259,6 +277,77 @@ def test_gemma3_config_norms_and_checks(tmp_path, monkeypatch):
     assert np.abs(ours - gguf_ref.gemma3_logits(w, no_window, tokens)).max() > 1e-2
     unshifted = {k: v + 1 if k.endswith("norm.weight") else v for k, v in w.items()}
     assert np.abs(ours - gguf_ref.gemma3_logits(unshifted, m, tokens)).max() > 1e-2
+
+
+def test_gemma2_config_norms_and_caps(tmp_path):
+    """gemma2: the soft-caps, window and scale llama.cpp reads or assumes, the norms shifted back, and
+    the reference check failing without either cap; a file without the cap keys gets llama.cpp's
+    defaults (50 and 30)."""
+    path = tmp_path / "m.gguf"
+    hf = write_gguf(path, "gemma2")
+    out = fetch(f"gguf:{path}", tmp_path / "out", dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == ("gemma2", ["Gemma2ForCausalLM"])
+    assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == GEMMA2_CAPS
+    assert (config["sliding_window"], config["query_pre_attn_scalar"], config["tie_word_embeddings"]) == (
+        GEMMA2_WINDOW, head_dim("gemma2"), True)
+    weights = mx.load(str(out / "model.safetensors"))
+    for gguf_name, name in (("blk.1.post_attention_norm.weight", "model.layers.1.post_attention_layernorm.weight"),
+                            ("blk.0.ffn_norm.weight", "model.layers.0.pre_feedforward_layernorm.weight"),
+                            ("output_norm.weight", "model.norm.weight")):
+        assert np.allclose(np.array(weights[name]), hf[gguf_name] - 1, atol=1e-6), name
+    model, tok = fp32_model(out)
+    tokens = tok.encode("the world hello the world hello the world")
+    ours = np.array(model(mx.array(tokens)[None])[0])
+    meta, w = gguf_ref.read(path)
+    m = lambda key, default=None: meta.get(f"gemma2.{key}", default)  # noqa: E731
+    assert np.abs(ours - gguf_ref.gemma2_logits(w, m, tokens)).max() < 1e-4
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        uncapped = lambda k, default=None, key=key: 1e9 if k == key else m(k, default)  # noqa: E731
+        assert np.abs(ours - gguf_ref.gemma2_logits(w, uncapped, tokens)).max() > 1e-2, key
+    plain = tmp_path / "plain.gguf"
+    write_gguf(plain, "gemma2", caps=False)
+    config = json.loads((fetch(f"gguf:{plain}", tmp_path / "plain") / "config.json").read_text())
+    assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (50.0, 30.0)
+
+
+def test_phi3_fused_matrices_and_refusals(tmp_path):
+    """phi3: qkv and gate/up stay one matrix each, as mlx-lm's phi3 model has them; the check fails if
+    the halves of gate/up are taken the other way round; LongRoPE files and separate q/k/v are refused."""
+    path = tmp_path / "m.gguf"
+    hf = write_gguf(path, "phi3", qtype=Q.F32)
+    out = fetch(f"gguf:{path}", tmp_path / "out", dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["original_max_position_embeddings"], config["tie_word_embeddings"]) == (
+        "phi3", 256, False)
+    weights = mx.load(str(out / "model.safetensors"))
+    assert np.array_equal(np.array(weights["model.layers.1.self_attn.qkv_proj.weight"]), hf["blk.1.attn_qkv.weight"])
+    assert np.allclose(np.array(weights["model.layers.0.mlp.gate_up_proj.weight"]), hf["blk.0.ffn_up.weight"], atol=1e-3)
+    model, tok = fp32_model(out)
+    tokens = tok.encode("the world hello the world")
+    ours = np.array(model(mx.array(tokens)[None])[0])
+    assert np.abs(ours - gguf_ref.logits(path, tokens)).max() < 1e-4
+    swapped = tmp_path / "swapped.gguf"
+    write_gguf(swapped, "phi3", qtype=Q.F32)
+    r = gguf.GGUFReader(str(swapped), "r+")
+    for t in r.tensors:
+        if t.name.endswith("ffn_up.weight"):  # gate and up halves exchanged in place
+            t.data[:] = np.concatenate(np.split(np.array(t.data), 2, axis=0)[::-1]).astype(t.data.dtype)
+    del r
+    assert np.abs(ours - gguf_ref.logits(swapped, tokens)).max() > 1e-2
+
+    def refused(extra, match):
+        bad = tmp_path / "bad.gguf"
+        write_gguf(bad, "phi3", qtype=Q.F32, extra=extra)
+        with pytest.raises(ValueError, match=match):
+            fetch(f"gguf:{bad}", tmp_path / "bad_out")
+        assert not (tmp_path / "bad_out").exists()
+
+    half = head_dim("phi3") // 2
+    refused({"rope_factors_long.weight": np.ones(half, np.float32),
+             "rope_factors_short.weight": np.ones(half, np.float32)}, "LongRoPE")
+    refused({"blk.0.attn_q.weight": np.zeros((DIMS["hidden"], DIMS["hidden"]), np.float32)},
+            r"blk\.0\.attn_q\.weight.*phi3 layout")
 
 
 def test_wrong_rope_convention_is_detected(tmp_path, monkeypatch):

@@ -9,9 +9,10 @@ Q4_0/Q4_1/Q8_0 as affine triplets (``NAME.weight`` packed uint32, ``NAME.scales`
 ``NAME.biases``, group 32); other block types (K-quants, Q5_x) are dequantized by the ``gguf``
 package. Everything is dequantized to ``dtype``. llama.cpp's converter permutes the rows of the
 llama Q/K projections so that its interleaved (GPT-J) RoPE matches the checkpoint's half-split
-RoPE; we undo that, so the output runs with mlx-lm's (and transformers') half-split RoPE. Gemma 3's
-converter stores every RMSNorm weight as 1 + w (llama.cpp multiplies by the weight, Gemma by 1 + w);
-we subtract the 1 again, in float32. The tokenizer is rebuilt from the ``tokenizer.ggml.*`` metadata
+RoPE; we undo that, so the output runs with mlx-lm's (and transformers') half-split RoPE. The Gemma 2
+and 3 converters store every RMSNorm weight as 1 + w (llama.cpp multiplies by the weight, Gemma by
+1 + w); we subtract the 1 again, in float32. Phi-3's attention and MLP inputs are one matrix each
+(``attn_qkv``, ``ffn_up`` = gate and up), as in mlx-lm's phi3 model. The tokenizer is rebuilt from the ``tokenizer.ggml.*`` metadata
 with ``tokenizers``.
 """
 
@@ -41,6 +42,11 @@ ARCHS = {
     # layers; mlx-lm's gemma3_text model. Its norms are stored shifted (module docstring).
     "gemma3": {"architectures": ["Gemma3ForCausalLM"], "permuted_qk": False, "model_type": "gemma3_text",
                "norm_shift": True},
+    # gemma2: gemma3's norms without the q/k norms, soft-capped attention scores and logits, every
+    # other layer sliding (mlx-lm's gemma2 model attends globally everywhere: gemma2_settings)
+    "gemma2": {"architectures": ["Gemma2ForCausalLM"], "permuted_qk": False, "norm_shift": True},
+    # phi3: fused qkv and gate/up matrices, NeoX RoPE; llama.cpp ignores its sliding window, as mlx-lm
+    "phi3": {"architectures": ["Phi3ForCausalLM"], "permuted_qk": False},
 }
 QK_NORM_ARCHS = ("qwen3", "gemma3")
 TOP_TENSORS = {
@@ -50,7 +56,7 @@ TOP_TENSORS = {
 }
 BLOCK_TENSORS = {
     "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",  # gemma3: GEMMA3_NORMS
+    "ffn_norm": "post_attention_layernorm",  # Gemma: GEMMA_NORMS
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -61,8 +67,9 @@ BLOCK_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Gemma 3 normalises before and after attention and the MLP; its ffn_norm is the one before the MLP.
-GEMMA3_NORMS = {
+# Gemma 2 and 3 normalise before and after attention and the MLP; their ffn_norm is the one before
+# the MLP.
+GEMMA_NORMS = {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
@@ -71,6 +78,15 @@ GEMMA3_NORMS = {
 # layers' RoPE base 10,000, and the attention scale 1/sqrt(head_dim) but for the 62-layer (27B) model,
 # whose is 1/sqrt(hidden / heads).
 GEMMA3_PATTERN, GEMMA3_LOCAL_BASE, GEMMA3_27B_LAYERS = 6, 10000.0, 62
+# Gemma 2 (llama.cpp's defaults where the file is silent): every other layer sliding with a window of
+# 4096, scores and logits soft-capped at 50 and 30, and the 46-layer (27B) model's attention scale
+# 1/sqrt(hidden / heads).
+GEMMA2_WINDOW, GEMMA2_ATTN_CAP, GEMMA2_FINAL_CAP, GEMMA2_27B_LAYERS = 4096, 50.0, 30.0, 46
+# Phi-3's fused matrices; its separate q/k/v or gate have no counterpart in mlx-lm's phi3 model.
+PHI3_TENSORS = {k: v for k, v in BLOCK_TENSORS.items() if k not in ("attn_q", "attn_k", "attn_v", "ffn_gate")} | {
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
+}
 
 
 def log(msg):
@@ -165,6 +181,10 @@ def make_config(reader, dtype):
         config["mlp_bias"] = False
     if arch == "gemma3":
         config.update(gemma3_settings(a, config, scaling))
+    if arch == "gemma2":
+        config.update(gemma2_settings(a, config))
+    if arch == "phi3":
+        config.update(phi3_settings(a, config, names))
     has_norms = "blk.0.attn_q_norm.weight" in names
     if has_norms != (arch in QK_NORM_ARCHS):
         raise ValueError(f"GGUF {arch} file {'with' if has_norms else 'without'} attn_q_norm tensors: "
@@ -196,11 +216,44 @@ def gemma3_settings(a, config, scaling):
     return out
 
 
+def gemma2_settings(a, config):
+    """mlx-lm's gemma2 settings from llama.cpp's keys and defaults (src/llama-model.cpp)."""
+    if int(a("attention.value_length", config["head_dim"])) != config["head_dim"]:
+        raise ValueError("GGUF gemma2 with value_length != key_length is not supported")
+    window = int(a("attention.sliding_window", GEMMA2_WINDOW) or GEMMA2_WINDOW)
+    if window < config["max_position_embeddings"]:
+        log(f"gemma2: llama.cpp's sliding layers (every other, window {window}) see only the last {window} "
+            f"positions; mlx-lm's gemma2 model attends to all of them, so the two differ past {window} tokens")
+    heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": float(a("attn_logit_softcapping", GEMMA2_ATTN_CAP)),
+        "final_logit_softcapping": float(a("final_logit_softcapping", GEMMA2_FINAL_CAP)),
+        "sliding_window": window,
+        "query_pre_attn_scalar": (config["hidden_size"] // heads if layers == GEMMA2_27B_LAYERS
+                                  else config["head_dim"]),
+    }
+
+
+def phi3_settings(a, config, names):
+    """mlx-lm's phi3 settings; LongRoPE (the 128k-context models' rope_factors_long/short) is refused."""
+    if {"rope_factors_long.weight", "rope_factors_short.weight"} & names:
+        raise ValueError("GGUF phi3 LongRoPE scaling (rope_factors_long/short tensors: the 128k-context "
+                         "models) is not supported")
+    if config["head_dim"] * config["num_attention_heads"] != config["hidden_size"]:
+        raise ValueError("GGUF phi3 with head_dim * heads != hidden size is not supported (mlx-lm's phi3 "
+                         "derives head_dim)")
+    return {"original_max_position_embeddings": int(a("rope.scaling.original_context_length",
+                                                      config["max_position_embeddings"]))}
+
+
 def hf_name(name, arch="llama"):
     """GGUF tensor name -> Hugging Face name; ValueError for tensors we do not know."""
     if name in TOP_TENSORS:
         return TOP_TENSORS[name]
-    block = BLOCK_TENSORS | GEMMA3_NORMS if arch == "gemma3" else BLOCK_TENSORS
+    block = (BLOCK_TENSORS | GEMMA_NORMS if arch in ("gemma2", "gemma3")
+             else PHI3_TENSORS if arch == "phi3" else BLOCK_TENSORS)
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in block and parts[3] in ("weight", "bias"):
         return f"model.layers.{parts[1]}.{block[parts[2]]}.{parts[3]}"
@@ -220,7 +273,7 @@ def tensor_types(reader, arch="llama"):
 
 
 def shifted(name, arch):
-    """Whether ``name`` is a norm weight the GGUF stores as 1 + w (Gemma 3)."""
+    """Whether ``name`` is a norm weight the GGUF stores as 1 + w (Gemma 2 and 3)."""
     return ARCHS[arch].get("norm_shift", False) and name.endswith("norm.weight")
 
 
