@@ -94,6 +94,23 @@ def test_fisher_deterministic_and_model_unchanged():
     assert all(np.array_equal(before[k], np.array(v.astype(mx.float32))) for k, v in after)
 
 
+def test_predictions_do_not_depend_on_the_token_count():
+    """Every predicted loss is in one unit: calibrating on the same windows twice doubles the summed
+    moments, and with them every layer's prediction, the tied table's lookups included (they were
+    once a token's while the outputs' were N tokens')."""
+    model, _ = make_model(TIED)
+    targets = [(n, k) for n, _, k in _targets(model, True, True)]
+    rot = lambda name, dim: layer_rotation("auto", 0, name, dim)  # noqa: E731
+    once = calibrate_model(model, CALIB)
+    twice = calibrate_model(model, mx.concatenate([CALIB, CALIB]))  # the Fisher reads the first 4 windows
+    t1, t2 = (recipe.plan(model, 3, targets, m, f, 3.5, rot, codes=BASE.codes)[1] for m, f in (once, twice))
+    emb = "model.embed_tokens"
+    assert once[1][emb + recipe.LOOKUP] > 0 and np.allclose(twice[1][emb + recipe.LOOKUP], 2 * once[1][emb + recipe.LOOKUP])
+    for name in t1:
+        for w in t1[name]:
+            assert t2[name][w][1] == pytest.approx(2 * t1[name][w][1], rel=1e-4), (name, w)
+
+
 def test_stored_bits_as_bench_quality_counts():
     model, _ = make_model(TIED)
     moments, fisher = calibrate_model(model, CALIB)

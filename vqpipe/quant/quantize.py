@@ -274,7 +274,8 @@ def calibrate_model(model, tokens, progress=None, sensitivity=True):
     stored = {name: (key, sums[key]) for name, key in names.items()}
     fisher = None
     if sensitivity:
-        fisher = recipe.output_fisher(model, tokens[: recipe.FISHER_WINDOWS], recipe.sensitive_layers(model), progress)
+        fisher = recipe.output_fisher(model, tokens[: recipe.FISHER_WINDOWS], recipe.sensitive_layers(model), progress,
+                                      tokens.size)
     return stored, fisher
 
 

@@ -11,6 +11,8 @@ buys is predicted from calibration data only, no quantization run:
   H = (I + N) D (I + N)^T, GPTQ's error feedback leaves tr(E H E^T) = sum_k d_k |r_k|^2 (r_k the
   rounding residuals of column k), and a residual of a unit-variance entry has the codebook's
   mean squared error D_w (codebook.distortion). So row o's error is D_w |w_o|^2 / d * sum_k d_k.
+  H sums x x^T over the calibration's T tokens, so that is T times one token's error; an
+  embedding's lookup term (one token's) is therefore counted T times too (``moment_tokens``).
 
 The predicted loss increase of layer l at width w is sum_o g_o * that; :func:`allocate` spends the
 budget on the steps with the largest predicted gain per stored bit. The cost of a width is what
@@ -74,11 +76,17 @@ class _Probe(nn.Module):
         return y + self._probes[self._name] if self._name in self._probes else y
 
 
-def output_fisher(model, tokens, names, progress=None):
+def output_fisher(model, tokens, names, progress=None, moment_tokens=1):
     """{name: float32 [out]} mean over predicted tokens of (dL/dy)^2 for the outputs of the layers
     ``names`` (linears and embeddings: a table's output as a tied head, and under name + LOOKUP its
-    lookups' mean (dL/dh)^2 |e_token|^2 / d, a scalar); L the summed next-token NLL of ``tokens``
-    [n, len], one window per backward pass. The model is unchanged."""
+    lookups' mean (dL/dh)^2 |e_token|^2 / d, a scalar, times ``moment_tokens``); L the summed
+    next-token NLL of ``tokens`` [n, len], one window per backward pass. The model is unchanged.
+
+    ``moment_tokens``: how many tokens the layers' input moments H sum over (the calibration's
+    windows x length). :func:`plan` weighs an output's g by the pivots of that summed H, T times a
+    token's error; the lookup term, a token's, is scaled by T to count the same way (without it the
+    lookups of SmolLM2's tied table weighed 32,768 times too little, and the table stayed at the
+    model's width)."""
     kept = tree_flatten(model.parameters())
     model.set_dtype(mx.float32)  # bf16 on the CPU is ~10x slower (the stored arrays come back after)
     modules = dict(model.named_modules())
@@ -119,7 +127,7 @@ def output_fisher(model, tokens, names, progress=None):
         model.update_modules(tree_unflatten([(n, modules[n]) for n in names]))
         model.load_weights(kept, strict=False)
     count = tokens.shape[0] * (tokens.shape[1] - 1)
-    return {k: (v / count).astype(np.float32) for k, v in sums.items()}
+    return {k: (v / count * (moment_tokens if k.endswith(LOOKUP) else 1)).astype(np.float32) for k, v in sums.items()}
 
 
 def sensitive_layers(model):

@@ -62,7 +62,8 @@ def run(source, out, windows=64, length=512, seed=0, progress=print, residual=No
         prefix = RESIDUAL_PREFIX if rotated else ""
         if sensitivity:
             t1 = time.perf_counter()
-            fisher = recipe.output_fisher(model, tokens[: recipe.FISHER_WINDOWS], recipe.sensitive_layers(model), progress)
+            fisher = recipe.output_fisher(model, tokens[: recipe.FISHER_WINDOWS], recipe.sensitive_layers(model), progress,
+                                          tokens.size)
             tensors.update({prefix + FISHER + k: mx.array(v) for k, v in fisher.items()})
             progress(f"sensitivity of {len(fisher)} outputs in {time.perf_counter() - t1:.1f}s")
         found.append({"residual_rotation": residual_rotation.of(model), "prefix": prefix, "layers": names})
