@@ -5,7 +5,8 @@ Artifact (a directory, written atomically):
                           activation (q/k/v, gate/up) share a key; "final norm" feeds the head
                           and "fisher/<name>": each layer's output sensitivity (vqpipe/quant/recipe.py,
                           the recipe's bit allocation: mean squared loss gradient per output, from
-                          the first recipe.FISHER_WINDOWS windows)
+                          the first recipe.FISHER_WINDOWS windows; an embedding's lookup term times
+                          the tokens H sums over, so that both count in one unit)
     moments.json          {name: key} for every layer that has moments, the calibration spec and
                           its provenance, the time taken
 
