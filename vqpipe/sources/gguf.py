@@ -12,8 +12,8 @@ llama Q/K projections so that its interleaved (GPT-J) RoPE matches the checkpoin
 RoPE; we undo that, so the output runs with mlx-lm's (and transformers') half-split RoPE. The Gemma 2
 and 3 converters store every RMSNorm weight as 1 + w (llama.cpp multiplies by the weight, Gemma by
 1 + w); we subtract the 1 again, in float32. Phi-3's attention and MLP inputs are one matrix each
-(``attn_qkv``, ``ffn_up`` = gate and up), as in mlx-lm's phi3 model. The tokenizer is rebuilt from the ``tokenizer.ggml.*`` metadata
-with ``tokenizers``.
+(``attn_qkv``, ``ffn_up`` = gate and up), as in mlx-lm's phi3 model. The tokenizer is rebuilt from
+the ``tokenizer.ggml.*`` metadata with ``tokenizers``.
 """
 
 import importlib.resources
