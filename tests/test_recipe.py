@@ -111,6 +111,29 @@ def test_predictions_do_not_depend_on_the_token_count():
             assert t2[name][w][1] == pytest.approx(2 * t1[name][w][1], rel=1e-4), (name, w)
 
 
+def test_calibrate_artifact_stores_the_lookup_in_the_same_unit(tiny_llama_source, tmp_path):
+    """The calibrate stage stores a tied table's lookup term scaled by its windows x length (as
+    calibrate_model computes it) and says so; an artifact from before, without the record, is
+    scaled when read."""
+    import json
+
+    from vqpipe.stages import calibrate
+    from vqpipe.store.calibration import load_fisher
+
+    out = tmp_path / "moments"
+    calibrate.run(tiny_llama_source, out, windows=4, length=32, progress=lambda *a: None)
+    info = json.loads((out / "moments.json").read_text())
+    assert info["sensitivity"]["lookup_tokens"] == 4 * 32
+    new = load_fisher(out)
+    lookups = [k for k in new if k.endswith(recipe.LOOKUP)]
+    assert lookups and all(new[k] > 0 for k in lookups)
+    del info["sensitivity"]["lookup_tokens"]  # as an artifact from before 2026-12-07 records it
+    (out / "moments.json").write_text(json.dumps(info))
+    old = load_fisher(out)
+    assert all(np.allclose(old[k], new[k] * 128) for k in lookups)
+    assert all(np.array_equal(old[k], new[k]) for k in new if k not in lookups)
+
+
 def test_stored_bits_as_bench_quality_counts():
     model, _ = make_model(TIED)
     moments, fisher = calibrate_model(model, CALIB)

@@ -72,7 +72,9 @@ def run(source, out, windows=64, length=512, seed=0, progress=print, residual=No
         del model
     info = {"vqpipe_version": __version__, "source": str(source), "calibration": {**calib, "sequential": False},
             "layers": found[0]["layers"], "sets": found, "seconds": time.perf_counter() - t0,
-            "sensitivity": {"windows": min(recipe.FISHER_WINDOWS, windows), "loss": "next-token NLL"} if sensitivity else None}
+            # lookup_tokens: the lookup terms are scaled by it (recipe.output_fisher's moment_tokens)
+            "sensitivity": {"windows": min(recipe.FISHER_WINDOWS, windows), "loss": "next-token NLL",
+                            "lookup_tokens": windows * length} if sensitivity else None}
     with atomic_dir(out, manifest=True) as tmp:
         save_safetensors(tmp / "moments.safetensors", tensors)
         record.write(tmp / "moments.json", "calibrate", info, inputs={"source": source})

@@ -7,6 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..quant.recipe import LOOKUP
 from . import manifest
 
 
@@ -43,14 +44,17 @@ def load(path, residual=None):
 
 def load_fisher(path, residual=None):
     """{name: sensitivity} (recipe.output_fisher's) from a calibrate artifact, or None where it
-    holds none (made with --no-sensitivity, or before the recipe)."""
+    holds none (made with --no-sensitivity, or before the recipe). An artifact from before the
+    lookup terms counted the moments' tokens gets them scaled here, as the stage now stores them."""
     path = Path(path)
     info = json.loads((path / "moments.json").read_text())
     found = [m for m in sets(info) if m["residual_rotation"] == residual]
     if not found or not info.get("sensitivity"):
         return None
-    import numpy as np
-
     head = found[0]["prefix"] + FISHER
     arrays = mx.load(str(path / "moments.safetensors"))
-    return {k[len(head):]: np.asarray(v) for k, v in arrays.items() if k.startswith(head)}
+    fisher = {k[len(head):]: np.asarray(v) for k, v in arrays.items() if k.startswith(head)}
+    if "lookup_tokens" not in info["sensitivity"]:  # made before 2026-12-07: a lookup term was one token's
+        tokens = info["calibration"]["windows"] * info["calibration"]["length"]
+        fisher = {k: v * np.float32(tokens) if k.endswith(LOOKUP) else v for k, v in fisher.items()}
+    return fisher
