@@ -114,13 +114,14 @@ def hf_weights(arch, vocab, rng):
 
 
 def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softcap=None, spm=None, prefix=False,
-               pre="smollm", caps=True, extra=None):
+               pre="smollm", caps=True, extra=None, add_bos=False):
     """A small GGUF like llama.cpp writes: Q/K permuted (llama), q/k/v/gate quantized with ``qtype``;
     gemma3 with a sliding window shorter than the test prompts and, with ``rope_linear``, RoPE scaling;
     gemma2 with small soft-caps (llama.cpp's defaults when not ``caps``); phi3 with fused matrices;
     ``spm``: a sentencepiece model whose vocabulary the file carries as Gemma's does (no space
     prefix, BOS added) or, with ``prefix``, as Mistral's (the space prefix by llama.cpp's default),
-    instead of the byte-level BPE tables; ``extra``: more tensors {name: array}, as they are."""
+    instead of the byte-level BPE tables; ``extra``: more tensors {name: array}, as they are;
+    ``add_bos`` None: no tokenizer.ggml.add_bos_token key."""
     tokens, types, merges = tokenizer_tables() if spm is None else spm_tables(spm)
     hf = hf_weights(arch, len(tokens), np.random.default_rng(seed))
     w = gguf.GGUFWriter(str(path), arch)
@@ -158,7 +159,8 @@ def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softc
         w.add_token_merges(merges)
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
-        w.add_add_bos_token(False)
+        if add_bos is not None:
+            w.add_add_bos_token(add_bos)
         w.add_chat_template(TEMPLATE)
     else:
         w.add_tokenizer_model("llama")
@@ -405,7 +407,8 @@ def test_tokenizer(tmp_path):
 
 
 @pytest.mark.parametrize("pre,whole", [("smollm", False), ("llama-bpe", True), ("llama3", True),
-                                       ("qwen2", False), ("deepseek-r1-qwen", False)])
+                                       ("qwen2", False), ("deepseek-r1-qwen", False), ("tekken", True),
+                                       ("gpt-4o", False), ("llama4", False)])
 def test_pre_tokenizer_names(tmp_path, pre, whole):
     """llama.cpp's pre-tokenizer names: Llama 3's take a word that is a token whole (ignore_merges),
     the others build it from merges; DeepSeek-R1's Qwen distills split as Qwen 2 does (NFC first)."""
@@ -419,6 +422,70 @@ def test_pre_tokenizer_names(tmp_path, pre, whole):
     assert tok.convert_ids_to_tokens(tok.encode(" the")) == ["Ġthe"]
     if pre in ("qwen2", "deepseek-r1-qwen"):  # e + combining acute -> é, one character
         assert tok.encode("e\u0301") == tok.encode("\u00e9")
+
+
+def _byte_decoder():
+    """GPT-2's byte-level alphabet, character -> byte."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    cs = bs[:]
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + len(cs) - 188)
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+# llama.cpp's rewrites of Tekken's and o200k's regexes (src/llama-vocab.cpp): the case classes as
+# "a letter that is not ASCII lower/upper case", contractions spelled out
+LLAMA_CPP_REGEX = {
+    "tekken": r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+"
+              r"((?=[\p{L}])([^A-Z]))*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "gpt-4o": r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|"
+              r"'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*(?:'[sS]|'[tT]|'[rR][eE]|"
+              r"'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
+@pytest.mark.parametrize("pre,bos", [("tekken", True), ("llama3", True), ("gpt-4o", False), ("smollm", False)])
+def test_bos_default_without_the_key(tmp_path, pre, bos):
+    """A file without tokenizer.ggml.add_bos_token gets llama.cpp's default for its pre-tokenizer:
+    Llama 3's and Tekken's names prepend bos, the others not."""
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", pre=pre, add_bos=None)
+    out = fetch(f"gguf:{path}", tmp_path / "out")
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(out)).encode(" the")
+    assert (ids[0] == 1) == bos and len(ids) == 1 + bos
+
+
+@pytest.mark.parametrize("pre", ["tekken", "gpt-4o"])
+def test_tekken_and_gpt4o_split_as_llama_cpp(pre):
+    """On ASCII text our splitting (the models' tokenizer.json regex, run by ``tokenizers``) equals
+    llama.cpp's rewrite of it run by the ``regex`` module; an accented capital is where they part
+    (llama.cpp counts every non-ASCII letter as upper case)."""
+    import regex
+
+    from vqpipe.sources.gguf_tokenizer import pre_tokenizer
+
+    dec = _byte_decoder()
+    _, split = pre_tokenizer(pre)
+
+    def ours(text):
+        return [bytes(dec[c] for c in piece).decode() for piece, _ in split.pre_tokenize_str(text)]
+
+    def llama_cpp(text):
+        return [m.group(0) for m in regex.finditer(LLAMA_CPP_REGEX[pre], text)]
+
+    text = ("HelloWorld it's 12345 foo/bar\n\n  x I'M THE CamelCaseWord; URLs: http://a.b/c?d=1 -- don't\tTab  end "
+            "x86_64 3.14159 CONSTANT_NAME getHTTPResponse (a, b) [c]! 'quoted' \"q\"\r\n")
+    assert ours(text) == llama_cpp(text)
+    head = ours("HelloWorld it's 12345 don't")
+    if pre == "tekken":  # digits one by one, contractions split off
+        assert head == ["Hello", "World", " it", "'s", " ", "1", "2", "3", "4", "5", " don", "'t"]
+    else:  # up to three digits, contractions kept on the word
+        assert head == ["Hello", "World", " it's", " ", "123", "45", " don't"]
+    assert ours(" ÉCOLE") == [" ÉCOLE"] and llama_cpp(" ÉCOLE") == [" É", "COLE"]
 
 
 def test_q8_0_and_numpy_path(tmp_path):
@@ -512,3 +579,10 @@ def test_smollm2_answers_and_matches_the_gguf(smollm2):
     info = json.loads((out / "vqpipe-source.json").read_text())["gguf"]
     assert info["quantization"]["types"] == {"F32": 61, "Q4_1": 210, "Q8_0": 1}
     assert info["license"] == "apache-2.0" and info["tokenizer"]["pre"] == "smollm"
+
+
+def test_unknown_pre_tokenizer_is_named():
+    from vqpipe.sources.gguf_tokenizer import pre_tokenizer
+
+    with pytest.raises(ValueError, match=r"pre-tokenizer 'viking' is not supported; supported: .*tekken, gpt-4o"):
+        pre_tokenizer("viking")

@@ -38,8 +38,30 @@ DIGITS_PRE = ("smollm", "starcoder", "refact", "codeshell")
 # llama.cpp's names for Llama 3's and Qwen 2's splitting (DeepSeek-R1's Qwen distills keep Qwen's).
 LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3")
 QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
-REGEX_PRE = {**{p: QWEN2_REGEX for p in QWEN2_PRE}, **{p: LLAMA3_REGEX for p in LLAMA3_PRE}}
+# Mistral's Tekken (Mistral NeMo, Pixtral, later Mistral models) and OpenAI's o200k splitting (Phi-4,
+# Llama 4): words split at a lower-to-upper case change, Tekken's digits one by one, o200k's up to
+# three with English contractions kept on their word. These are the models' own tokenizer.json
+# regexes; llama.cpp runs a rewrite of them that is the same on ASCII text but counts every
+# non-ASCII letter as upper case (its regex engine has no \p{Lu}), so the two can split an accented
+# word differently.
+TEKKEN_PRE = ("tekken",)
+GPT4O_PRE = ("gpt-4o", "llama4")
+TEKKEN_REGEX = (
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
+    r"""|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
+    r"""|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+GPT4O_REGEX = (
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
+    r"""|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
+    r"""|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+REGEX_PRE = {**{p: QWEN2_REGEX for p in QWEN2_PRE}, **{p: LLAMA3_REGEX for p in LLAMA3_PRE},
+             **{p: TEKKEN_REGEX for p in TEKKEN_PRE}, **{p: GPT4O_REGEX for p in GPT4O_PRE}}
 PRE_TYPES = GPT2_PRE + DIGITS_PRE + tuple(REGEX_PRE)
+# llama.cpp's ignore_merges (a word that is itself a token is taken whole) and its bos default where
+# the file has no tokenizer.ggml.add_bos_token: both for Llama 3's and Tekken's names
+WHOLE_WORDS_PRE = LLAMA3_PRE + TEKKEN_PRE
 
 
 def pre_tokenizer(pre):
@@ -101,9 +123,9 @@ def build_gpt2(reader):
     merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges")]
     pre = field(reader, "tokenizer.ggml.pre", "default")
 
-    # Llama 3's splitting takes a word that is itself a token whole, whatever the merges would make of
-    # it (llama.cpp's ignore_merges; Llama 3's own tokenizer.json says the same)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre in LLAMA3_PRE))
+    # Llama 3's and Tekken's splitting take a word that is itself a token whole, whatever the merges
+    # would make of it (llama.cpp's ignore_merges; their own tokenizer.json files say the same)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre in WHOLE_WORDS_PRE))
     normalizer, tok.pre_tokenizer = pre_tokenizer(pre)
     if normalizer is not None:
         tok.normalizer = normalizer
@@ -111,7 +133,7 @@ def build_gpt2(reader):
     special, user = add_tokens(tok, tokens, types, (TOKEN_CONTROL,))
 
     bos_id = field(reader, "tokenizer.ggml.bos_token_id", None)
-    add_bos = bool(field(reader, "tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+    add_bos = bool(field(reader, "tokenizer.ggml.add_bos_token", pre in WHOLE_WORDS_PRE)) and bos_id is not None
     byte_level = processors.ByteLevel(trim_offsets=False)
     if add_bos:
         bos = tokens[int(bos_id)]
