@@ -12,7 +12,9 @@ only, the attention scale 1/sqrt(head_dim) (1/sqrt(hidden / heads) for 62 layers
 block without q/k norms, every other layer sliding (window 4096 unless stored), one RoPE base, the
 attention scores soft-capped before the mask (cap 50 unless stored) and the logits after the head
 (30), the scale 1/sqrt(hidden / heads) at 46 layers. phi3 reads q, k, v from one matrix and gate,
-up from another (SwiGLU of the halves), with NeoX RoPE and no window (llama.cpp disables Phi's).
+up from another (SwiGLU of the halves), with NeoX RoPE and no window (llama.cpp disables Phi's);
+LongRoPE divides the frequencies by the file's long or short factors by the context llama.cpp runs
+with, and multiplies cos and sin by its attn_factor.
 
     python -m experiments.gguf_ref FILE CONVERTED_DIR   # compares the two on a chat prompt
 """
@@ -41,12 +43,16 @@ def rms_norm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def rope(x, base, neox, scale=1.0):
-    """x: [T, heads, D]; llama.cpp's rotary embedding at positions 0..T-1 (times ``scale``)."""
+def rope(x, base, neox, scale=1.0, factors=None, mscale=1.0):
+    """x: [T, heads, D]; llama.cpp's rotary embedding at positions 0..T-1 (times ``scale``);
+    ``factors`` divide the frequencies and ``mscale`` multiplies cos and sin (ggml_rope_ext's
+    freq_factors and attn_factor: LongRoPE)."""
     t, _, d = x.shape
     freqs = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    if factors is not None:
+        freqs = freqs / np.asarray(factors, dtype=np.float64)
     ang = np.arange(t)[:, None] * scale * freqs[None]
-    cos, sin = np.cos(ang)[:, None].astype(np.float32), np.sin(ang)[:, None].astype(np.float32)
+    cos, sin = (mscale * np.cos(ang))[:, None].astype(np.float32), (mscale * np.sin(ang))[:, None].astype(np.float32)
     if neox:
         a, b = x[..., : d // 2], x[..., d // 2:]
         return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
@@ -81,8 +87,10 @@ def linear(w, name, x):
     return y + w[name + ".bias"] if name + ".bias" in w else y
 
 
-def logits(path, tokens):
-    """float32 logits [T, vocab] of the GGUF model on ``tokens``."""
+def logits(path, tokens, context=None):
+    """float32 logits [T, vocab] of the GGUF model on ``tokens``, run as llama.cpp would with a
+    context of ``context`` tokens (default the file's context_length): phi3's LongRoPE takes its long
+    factors above the original context, its short ones at or below."""
     meta, w = read(path)
     arch = meta["general.architecture"]
     m = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
@@ -92,6 +100,11 @@ def logits(path, tokens):
         return gemma2_logits(w, m, tokens)
     heads, kv = int(m("attention.head_count")), int(m("attention.head_count_kv", m("attention.head_count")))
     eps, base = float(m("attention.layer_norm_rms_epsilon")), float(m("rope.freq_base", 10000.0))
+    factors, mscale = None, 1.0
+    if "rope_factors_long.weight" in w:
+        longer = (context or int(m("context_length"))) > int(m("rope.scaling.original_context_length"))
+        factors = w["rope_factors_long.weight" if longer else "rope_factors_short.weight"]
+        mscale = float(m("rope.scaling.attn_factor", 1.0))
     x = w["token_embd.weight"][np.asarray(tokens)]
     for i in range(int(m("block_count"))):
         b = f"blk.{i}."
@@ -105,7 +118,8 @@ def logits(path, tokens):
         q, k, v = q.reshape(len(tokens), heads, -1), k.reshape(len(tokens), kv, -1), v.reshape(len(tokens), kv, -1)
         if b + "attn_q_norm.weight" in w:  # qwen3
             q, k = rms_norm(q, w[b + "attn_q_norm.weight"], eps), rms_norm(k, w[b + "attn_k_norm.weight"], eps)
-        q, k = rope(q, base, arch in NEOX_ARCHS), rope(k, base, arch in NEOX_ARCHS)
+        q = rope(q, base, arch in NEOX_ARCHS, factors=factors, mscale=mscale)
+        k = rope(k, base, arch in NEOX_ARCHS, factors=factors, mscale=mscale)
         x = x + linear(w, b + "attn_output", attention(q, k, v))
         h = rms_norm(x, w[b + "ffn_norm.weight"], eps)
         if b + "ffn_gate.weight" in w:

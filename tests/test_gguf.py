@@ -2,6 +2,7 @@
 independent NumPy evaluation of the GGUF weights (experiments.gguf_ref), plus the error cases."""
 
 import json
+import math
 from pathlib import Path
 
 import mlx.core as mx
@@ -114,14 +115,15 @@ def hf_weights(arch, vocab, rng):
 
 
 def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softcap=None, spm=None, prefix=False,
-               pre="smollm", caps=True, extra=None, add_bos=False):
+               pre="smollm", caps=True, extra=None, add_bos=False, longrope=None):
     """A small GGUF like llama.cpp writes: Q/K permuted (llama), q/k/v/gate quantized with ``qtype``;
     gemma3 with a sliding window shorter than the test prompts and, with ``rope_linear``, RoPE scaling;
     gemma2 with small soft-caps (llama.cpp's defaults when not ``caps``); phi3 with fused matrices;
     ``spm``: a sentencepiece model whose vocabulary the file carries as Gemma's does (no space
     prefix, BOS added) or, with ``prefix``, as Mistral's (the space prefix by llama.cpp's default),
     instead of the byte-level BPE tables; ``extra``: more tensors {name: array}, as they are;
-    ``add_bos`` None: no tokenizer.ggml.add_bos_token key."""
+    ``add_bos`` None: no tokenizer.ggml.add_bos_token key; ``longrope`` (original context, attn_factor):
+    phi3's LongRoPE keys (the factor tensors go in ``extra``)."""
     tokens, types, merges = tokenizer_tables() if spm is None else spm_tables(spm)
     hf = hf_weights(arch, len(tokens), np.random.default_rng(seed))
     w = gguf.GGUFWriter(str(path), arch)
@@ -148,6 +150,9 @@ def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softc
         w.add_sliding_window(2047)  # Phi-3 mini's; llama.cpp does not apply it
     if softcap:
         w.add_final_logit_softcapping(softcap)
+    if longrope:
+        w.add_rope_scaling_orig_ctx_len(longrope[0])
+        w.add_rope_scaling_attn_factors(longrope[1])
     if rope_linear:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope_linear)
@@ -346,10 +351,42 @@ def test_phi3_fused_matrices_and_refusals(tmp_path):
         assert not (tmp_path / "bad_out").exists()
 
     half = head_dim("phi3") // 2
-    refused({"rope_factors_long.weight": np.ones(half, np.float32),
-             "rope_factors_short.weight": np.ones(half, np.float32)}, "LongRoPE")
+    refused({"rope_factors_long.weight": np.ones(half, np.float32)}, "LongRoPE needs both")
     refused({"blk.0.attn_q.weight": np.zeros((DIMS["hidden"], DIMS["hidden"]), np.float32)},
             r"blk\.0\.attn_q\.weight.*phi3 layout")
+
+
+def test_phi3_longrope(tmp_path):
+    """phi3 LongRoPE (Phi-3 128k, Phi-3.5) converts to mlx-lm's longrope: the same logits as llama.cpp
+    running with a context longer than the original (long factors, the file's attn_factor), other
+    logits than with the short factors or without the scaling; an attn_factor mlx-lm would not derive
+    is refused."""
+    half = head_dim("phi3") // 2
+    rng = np.random.default_rng(3)
+    factors = {"rope_factors_long.weight": rng.uniform(1, 8, half).astype(np.float32),
+               "rope_factors_short.weight": rng.uniform(1, 2, half).astype(np.float32)}
+    original = 32
+    attn = math.sqrt(1 + math.log(256 / original) / math.log(original))  # context 256
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "phi3", qtype=Q.F32, extra=factors, longrope=(original, attn))
+    out = fetch(f"gguf:{path}", tmp_path / "out", dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    assert config["original_max_position_embeddings"] == original and config["rope_scaling"]["type"] == "longrope"
+    assert np.allclose(config["rope_scaling"]["long_factor"], factors["rope_factors_long.weight"])
+    assert not any("rope_factors" in k for k in mx.load(str(out / "model.safetensors")))
+    model, tok = fp32_model(out)
+    tokens = tok.encode("the world hello the world " * 3)
+    ours = np.array(model(mx.array(tokens)[None])[0])
+    assert np.abs(ours - gguf_ref.logits(path, tokens)).max() < 1e-4
+    assert np.abs(ours - gguf_ref.logits(path, tokens, context=original)).max() > 1e-2  # short factors
+    plain = tmp_path / "plain.gguf"
+    write_gguf(plain, "phi3", qtype=Q.F32)
+    assert np.abs(ours - gguf_ref.logits(plain, tokens)).max() > 1e-2
+    bad = tmp_path / "bad.gguf"
+    write_gguf(bad, "phi3", qtype=Q.F32, extra=factors, longrope=(original, 1.0))
+    with pytest.raises(ValueError, match="attn_factor 1 differs"):
+        fetch(f"gguf:{bad}", tmp_path / "bad_out")
+    assert not (tmp_path / "bad_out").exists()
 
 
 def test_wrong_rope_convention_is_detected(tmp_path, monkeypatch):

@@ -12,15 +12,19 @@ llama Q/K projections so that its interleaved (GPT-J) RoPE matches the checkpoin
 RoPE; we undo that, so the output runs with mlx-lm's (and transformers') half-split RoPE. The Gemma 2
 and 3 converters store every RMSNorm weight as 1 + w (llama.cpp multiplies by the weight, Gemma by
 1 + w); we subtract the 1 again, in float32. Phi-3's attention and MLP inputs are one matrix each
-(``attn_qkv``, ``ffn_up`` = gate and up), as in mlx-lm's phi3 model. The tokenizer is rebuilt from
+(``attn_qkv``, ``ffn_up`` = gate and up), as in mlx-lm's phi3 model; its LongRoPE factors become
+mlx-lm's ``longrope`` scaling (``phi3_settings``). The tokenizer is rebuilt from
 the ``tokenizer.ggml.*`` metadata with ``tokenizers``.
 """
 
 import importlib.resources
 import importlib.util
 import json
+import math
 from collections import Counter
 from pathlib import Path
+
+import numpy as np
 
 from ..store.manifest import sha256_file
 from .gguf_check import check, field
@@ -144,7 +148,7 @@ def make_config(reader, dtype):
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHS)}")
     a = lambda key, default=KeyError: field(reader, f"{arch}.{key}", default)  # noqa: E731
     scaling = a("rope.scaling.type", "none")
-    allowed = ("none", None, "linear") if arch == "gemma3" else ("none", None)
+    allowed = ("none", None, "linear") if arch == "gemma3" else ("none", None, "longrope") if arch == "phi3" else ("none", None)
     if scaling not in allowed:
         raise ValueError(f"GGUF rope scaling {scaling!r} is not supported for {arch} "
                          f"(supported: {', '.join(str(x) for x in allowed if x)})")
@@ -184,7 +188,9 @@ def make_config(reader, dtype):
     if arch == "gemma2":
         config.update(gemma2_settings(a, config))
     if arch == "phi3":
-        config.update(phi3_settings(a, config, names))
+        factors = {t.name: [float(f) for f in np.asarray(t.data, dtype=np.float32).ravel()]
+                   for t in reader.tensors if t.name in ROPE_FACTORS}
+        config.update(phi3_settings(a, config, names, factors))
     has_norms = "blk.0.attn_q_norm.weight" in names
     if has_norms != (arch in QK_NORM_ARCHS):
         raise ValueError(f"GGUF {arch} file {'with' if has_norms else 'without'} attn_q_norm tensors: "
@@ -236,16 +242,40 @@ def gemma2_settings(a, config):
     }
 
 
-def phi3_settings(a, config, names):
-    """mlx-lm's phi3 settings; LongRoPE (the 128k-context models' rope_factors_long/short) is refused."""
-    if {"rope_factors_long.weight", "rope_factors_short.weight"} & names:
-        raise ValueError("GGUF phi3 LongRoPE scaling (rope_factors_long/short tensors: the 128k-context "
-                         "models) is not supported")
+def phi3_settings(a, config, names, factors=None):
+    """mlx-lm's phi3 settings. LongRoPE (Phi-3 128k, Phi-3.5: rope_factors_long/short tensors) becomes
+    mlx-lm's ``longrope`` scaling. mlx-lm rotates with the long factors at every length (as it does for
+    an ``hf:`` Phi-3.5), and scales q and k by sqrt(1 + ln s / ln n0), s = context / original context
+    n0; llama.cpp takes the long factors only when its context exceeds n0 (the short ones below) and
+    the file's attn_factor: a file whose attn_factor is not mlx-lm's is refused."""
     if config["head_dim"] * config["num_attention_heads"] != config["hidden_size"]:
         raise ValueError("GGUF phi3 with head_dim * heads != hidden size is not supported (mlx-lm's phi3 "
                          "derives head_dim)")
-    return {"original_max_position_embeddings": int(a("rope.scaling.original_context_length",
-                                                      config["max_position_embeddings"]))}
+    original = int(a("rope.scaling.original_context_length", config["max_position_embeddings"]))
+    settings = {"original_max_position_embeddings": original}
+    factors = factors or {}
+    if set(factors) != set() and set(factors) != set(ROPE_FACTORS):
+        raise ValueError(f"GGUF phi3 LongRoPE needs both {' and '.join(ROPE_FACTORS)}; the file has only {sorted(factors)}")
+    if not factors:
+        return settings
+    long, short = factors[ROPE_FACTORS[0]], factors[ROPE_FACTORS[1]]
+    if not len(long) == len(short) == config["head_dim"] // 2:
+        raise ValueError(f"GGUF phi3 LongRoPE factors of {len(long)} and {len(short)} values for a head of "
+                         f"{config['head_dim']} (needs head_dim / 2 each)")
+    scale = config["max_position_embeddings"] / original
+    want = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    given = float(a("rope.scaling.attn_factor", 1.0))
+    if abs(given - want) > 1e-4 * want:
+        raise ValueError(f"GGUF phi3 LongRoPE attn_factor {given:g} differs from the {want:g} mlx-lm's phi3 derives "
+                         f"from the context {config['max_position_embeddings']} and original context {original}")
+    settings["rope_scaling"] = {"type": "longrope", "long_factor": long, "short_factor": short}
+    log(f"phi3 LongRoPE: the long factors at every length, as mlx-lm runs an hf: Phi-3.5; llama.cpp uses "
+        f"the short ones when its context is at most {original} tokens")
+    return settings
+
+
+# LongRoPE's per-frequency factors (phi3): settings of the model, not weights
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def hf_name(name, arch="llama"):
@@ -268,7 +298,8 @@ def tensor_types(reader, arch="llama"):
             raise ValueError(
                 f"GGUF tensor {name!r} has type {kind}, which vqpipe cannot convert "
                 f"(supported: {', '.join(sorted(MLX_TYPES | NUMPY_TYPES))})")
-        hf_name(name, arch)
+        if not (arch == "phi3" and name in ROPE_FACTORS):
+            hf_name(name, arch)
     return types
 
 
@@ -340,7 +371,7 @@ def convert_weights(path, reader, config, types, dtype, dst, arch="llama"):
             if ".attn_q." in name or ".attn_k." in name:
                 n = config["num_attention_heads"] if ".attn_q." in name else config["num_key_value_heads"]
                 weights[name] = unpermute(weights[name], n)
-    hf = {hf_name(k, arch): v for k, v in weights.items()}
+    hf = {hf_name(k, arch): v for k, v in weights.items() if k not in ROPE_FACTORS}
     mx.save_safetensors(str(dst / "model.safetensors"), hf, metadata={"format": "mlx"})
 
 
