@@ -14,7 +14,8 @@ attention scores soft-capped before the mask (cap 50 unless stored) and the logi
 (30), the scale 1/sqrt(hidden / heads) at 46 layers. phi3 reads q, k, v from one matrix and gate,
 up from another (SwiGLU of the halves), with NeoX RoPE and no window (llama.cpp disables Phi's);
 LongRoPE divides the frequencies by the file's long or short factors by the context llama.cpp runs
-with, and multiplies cos and sin by its attn_factor.
+with, and multiplies cos and sin by its attn_factor; only the first rope.dimension_count dims of a
+head rotate (Phi-4 mini: 96 of 128).
 
     python -m experiments.gguf_ref FILE CONVERTED_DIR   # compares the two on a chat prompt
 """
@@ -43,10 +44,13 @@ def rms_norm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def rope(x, base, neox, scale=1.0, factors=None, mscale=1.0):
+def rope(x, base, neox, scale=1.0, factors=None, mscale=1.0, dims=None):
     """x: [T, heads, D]; llama.cpp's rotary embedding at positions 0..T-1 (times ``scale``);
     ``factors`` divide the frequencies and ``mscale`` multiplies cos and sin (ggml_rope_ext's
-    freq_factors and attn_factor: LongRoPE)."""
+    freq_factors and attn_factor: LongRoPE); ``dims``: only the first that many dims rotate
+    (rope.dimension_count), the rest pass through."""
+    if dims is not None and dims < x.shape[-1]:
+        return np.concatenate([rope(x[..., :dims], base, neox, scale, factors, mscale), x[..., dims:]], axis=-1)
     t, _, d = x.shape
     freqs = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
     if factors is not None:
@@ -118,8 +122,9 @@ def logits(path, tokens, context=None):
         q, k, v = q.reshape(len(tokens), heads, -1), k.reshape(len(tokens), kv, -1), v.reshape(len(tokens), kv, -1)
         if b + "attn_q_norm.weight" in w:  # qwen3
             q, k = rms_norm(q, w[b + "attn_q_norm.weight"], eps), rms_norm(k, w[b + "attn_k_norm.weight"], eps)
-        q = rope(q, base, arch in NEOX_ARCHS, factors=factors, mscale=mscale)
-        k = rope(k, base, arch in NEOX_ARCHS, factors=factors, mscale=mscale)
+        rot = m("rope.dimension_count")
+        q = rope(q, base, arch in NEOX_ARCHS, factors=factors, mscale=mscale, dims=rot)
+        k = rope(k, base, arch in NEOX_ARCHS, factors=factors, mscale=mscale, dims=rot)
         x = x + linear(w, b + "attn_output", attention(q, k, v))
         h = rms_norm(x, w[b + "ffn_norm.weight"], eps)
         if b + "ffn_gate.weight" in w:

@@ -115,7 +115,7 @@ def hf_weights(arch, vocab, rng):
 
 
 def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softcap=None, spm=None, prefix=False,
-               pre="smollm", caps=True, extra=None, add_bos=False, longrope=None):
+               pre="smollm", caps=True, extra=None, add_bos=False, longrope=None, rotary=None):
     """A small GGUF like llama.cpp writes: Q/K permuted (llama), q/k/v/gate quantized with ``qtype``;
     gemma3 with a sliding window shorter than the test prompts and, with ``rope_linear``, RoPE scaling;
     gemma2 with small soft-caps (llama.cpp's defaults when not ``caps``); phi3 with fused matrices;
@@ -123,7 +123,8 @@ def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softc
     prefix, BOS added) or, with ``prefix``, as Mistral's (the space prefix by llama.cpp's default),
     instead of the byte-level BPE tables; ``extra``: more tensors {name: array}, as they are;
     ``add_bos`` None: no tokenizer.ggml.add_bos_token key; ``longrope`` (original context, attn_factor):
-    phi3's LongRoPE keys (the factor tensors go in ``extra``)."""
+    phi3's LongRoPE keys (the factor tensors go in ``extra``); ``rotary``: rope.dimension_count if not
+    the whole head."""
     tokens, types, merges = tokenizer_tables() if spm is None else spm_tables(spm)
     hf = hf_weights(arch, len(tokens), np.random.default_rng(seed))
     w = gguf.GGUFWriter(str(path), arch)
@@ -135,7 +136,7 @@ def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softc
     w.add_head_count_kv(DIMS["kv"])
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(head_dim(arch))
+    w.add_rope_dimension_count(rotary or head_dim(arch))
     if arch in ("qwen3", "gemma3"):
         w.add_key_length(head_dim(arch))
         w.add_value_length(head_dim(arch))
@@ -356,21 +357,23 @@ def test_phi3_fused_matrices_and_refusals(tmp_path):
             r"blk\.0\.attn_q\.weight.*phi3 layout")
 
 
-def test_phi3_longrope(tmp_path):
+@pytest.mark.parametrize("rotary", [None, head_dim("phi3") // 2])
+def test_phi3_longrope(tmp_path, rotary):
     """phi3 LongRoPE (Phi-3 128k, Phi-3.5) converts to mlx-lm's longrope: the same logits as llama.cpp
     running with a context longer than the original (long factors, the file's attn_factor), other
     logits than with the short factors or without the scaling; an attn_factor mlx-lm would not derive
-    is refused."""
-    half = head_dim("phi3") // 2
+    is refused. With ``rotary``, only part of each head rotates (Phi-4 mini)."""
+    half = (rotary or head_dim("phi3")) // 2
     rng = np.random.default_rng(3)
     factors = {"rope_factors_long.weight": rng.uniform(1, 8, half).astype(np.float32),
                "rope_factors_short.weight": rng.uniform(1, 2, half).astype(np.float32)}
     original = 32
     attn = math.sqrt(1 + math.log(256 / original) / math.log(original))  # context 256
     path = tmp_path / "m.gguf"
-    write_gguf(path, "phi3", qtype=Q.F32, extra=factors, longrope=(original, attn))
+    write_gguf(path, "phi3", qtype=Q.F32, extra=factors, longrope=(original, attn), rotary=rotary)
     out = fetch(f"gguf:{path}", tmp_path / "out", dtype="float32")
     config = json.loads((out / "config.json").read_text())
+    assert config.get("partial_rotary_factor", 1.0) == (rotary or head_dim("phi3")) / head_dim("phi3")
     assert config["original_max_position_embeddings"] == original and config["rope_scaling"]["type"] == "longrope"
     assert np.allclose(config["rope_scaling"]["long_factor"], factors["rope_factors_long.weight"])
     assert not any("rope_factors" in k for k in mx.load(str(out / "model.safetensors")))
@@ -380,10 +383,16 @@ def test_phi3_longrope(tmp_path):
     assert np.abs(ours - gguf_ref.logits(path, tokens)).max() < 1e-4
     assert np.abs(ours - gguf_ref.logits(path, tokens, context=original)).max() > 1e-2  # short factors
     plain = tmp_path / "plain.gguf"
-    write_gguf(plain, "phi3", qtype=Q.F32)
+    write_gguf(plain, "phi3", qtype=Q.F32, rotary=rotary)
     assert np.abs(ours - gguf_ref.logits(plain, tokens)).max() > 1e-2
+    if rotary:  # the check sees which dims rotate
+        whole = tmp_path / "whole.gguf"
+        long = np.concatenate([factors["rope_factors_long.weight"]] * 2)
+        write_gguf(whole, "phi3", qtype=Q.F32, longrope=(original, attn),
+                   extra={"rope_factors_long.weight": long, "rope_factors_short.weight": long})
+        assert np.abs(ours - gguf_ref.logits(whole, tokens)).max() > 1e-2
     bad = tmp_path / "bad.gguf"
-    write_gguf(bad, "phi3", qtype=Q.F32, extra=factors, longrope=(original, 1.0))
+    write_gguf(bad, "phi3", qtype=Q.F32, extra=factors, longrope=(original, 1.0), rotary=rotary)
     with pytest.raises(ValueError, match="attn_factor 1 differs"):
         fetch(f"gguf:{bad}", tmp_path / "bad_out")
     assert not (tmp_path / "bad_out").exists()
@@ -623,3 +632,11 @@ def test_unknown_pre_tokenizer_is_named():
 
     with pytest.raises(ValueError, match=r"pre-tokenizer 'viking' is not supported; supported: .*tekken, gpt-4o"):
         pre_tokenizer("viking")
+
+
+def test_partial_rotary_outside_phi3_is_refused(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", rotary=head_dim("llama") // 2)
+    with pytest.raises(ValueError, match=r"partial rotary embedding .*\(only phi3's\)"):
+        fetch(f"gguf:{path}", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

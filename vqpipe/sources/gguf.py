@@ -154,8 +154,12 @@ def make_config(reader, dtype):
                          f"(supported: {', '.join(str(x) for x in allowed if x)})")
     heads, hidden = int(a("attention.head_count")), int(a("embedding_length"))
     head_dim = int(a("attention.key_length", hidden // heads))
-    if int(a("rope.dimension_count", head_dim)) != head_dim:
-        raise ValueError("GGUF partial rotary embedding (rope.dimension_count != head_dim) is not supported")
+    rotary = int(a("rope.dimension_count", head_dim))
+    # mlx-lm's phi3 rotates the first head_dim * partial_rotary_factor dims (Phi-4 mini: 96 of 128), as
+    # llama.cpp rotates the first rope.dimension_count; its other models rotate the whole head
+    if rotary != head_dim and not (arch == "phi3" and 0 < rotary < head_dim and rotary % 2 == 0):
+        raise ValueError(f"GGUF partial rotary embedding (rope.dimension_count {rotary} != head_dim {head_dim}) "
+                         "is not supported for this architecture (only phi3's)")
     names = {t.name for t in reader.tensors}
     tokens = field(reader, "tokenizer.ggml.tokens")
     eos = int(field(reader, "tokenizer.ggml.eos_token_id"))
@@ -187,6 +191,8 @@ def make_config(reader, dtype):
         config.update(gemma3_settings(a, config, scaling))
     if arch == "gemma2":
         config.update(gemma2_settings(a, config))
+    if rotary != head_dim:
+        config["partial_rotary_factor"] = rotary / head_dim
     if arch == "phi3":
         factors = {t.name: [float(f) for f in np.asarray(t.data, dtype=np.float32).ravel()]
                    for t in reader.tensors if t.name in ROPE_FACTORS}
@@ -259,9 +265,10 @@ def phi3_settings(a, config, names, factors=None):
     if not factors:
         return settings
     long, short = factors[ROPE_FACTORS[0]], factors[ROPE_FACTORS[1]]
-    if not len(long) == len(short) == config["head_dim"] // 2:
-        raise ValueError(f"GGUF phi3 LongRoPE factors of {len(long)} and {len(short)} values for a head of "
-                         f"{config['head_dim']} (needs head_dim / 2 each)")
+    rotary = round(config["head_dim"] * config.get("partial_rotary_factor", 1.0))
+    if not len(long) == len(short) == rotary // 2:
+        raise ValueError(f"GGUF phi3 LongRoPE factors of {len(long)} and {len(short)} values for {rotary} rotated "
+                         "dims of a head (needs half as many each)")
     scale = config["max_position_embeddings"] / original
     want = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
     given = float(a("rope.scaling.attn_factor", 1.0))
