@@ -152,6 +152,7 @@ def write_gguf(path, arch="llama", qtype=Q.Q4_1, seed=0, rope_linear=None, softc
     if softcap:
         w.add_final_logit_softcapping(softcap)
     if longrope:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
         w.add_rope_scaling_orig_ctx_len(longrope[0])
         w.add_rope_scaling_attn_factors(longrope[1])
     if rope_linear:
@@ -353,6 +354,11 @@ def test_phi3_fused_matrices_and_refusals(tmp_path):
 
     half = head_dim("phi3") // 2
     refused({"rope_factors_long.weight": np.ones(half, np.float32)}, "LongRoPE needs both")
+    declared = tmp_path / "declared.gguf"  # the scaling named, its factors missing
+    write_gguf(declared, "phi3", qtype=Q.F32, longrope=(32, 1.0))
+    with pytest.raises(ValueError, match="'longrope' without its rope_factors"):
+        fetch(f"gguf:{declared}", tmp_path / "declared_out")
+    assert not (tmp_path / "declared_out").exists()
     refused({"blk.0.attn_q.weight": np.zeros((DIMS["hidden"], DIMS["hidden"]), np.float32)},
             r"blk\.0\.attn_q\.weight.*phi3 layout")
 

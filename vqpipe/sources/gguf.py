@@ -196,6 +196,8 @@ def make_config(reader, dtype):
     if arch == "phi3":
         factors = {t.name: [float(f) for f in np.asarray(t.data, dtype=np.float32).ravel()]
                    for t in reader.tensors if t.name in ROPE_FACTORS}
+        if scaling == "longrope" and not factors:
+            raise ValueError("GGUF phi3 rope scaling 'longrope' without its rope_factors_long/short tensors")
         config.update(phi3_settings(a, config, names, factors))
     has_norms = "blk.0.attn_q_norm.weight" in names
     if has_norms != (arch in QK_NORM_ARCHS):
