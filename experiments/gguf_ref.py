@@ -109,6 +109,7 @@ def logits(path, tokens, context=None):
         longer = (context or int(m("context_length"))) > int(m("rope.scaling.original_context_length"))
         factors = w["rope_factors_long.weight" if longer else "rope_factors_short.weight"]
         mscale = float(m("rope.scaling.attn_factor", 1.0))
+    rot = m("rope.dimension_count")
     x = w["token_embd.weight"][np.asarray(tokens)]
     for i in range(int(m("block_count"))):
         b = f"blk.{i}."
@@ -122,7 +123,6 @@ def logits(path, tokens, context=None):
         q, k, v = q.reshape(len(tokens), heads, -1), k.reshape(len(tokens), kv, -1), v.reshape(len(tokens), kv, -1)
         if b + "attn_q_norm.weight" in w:  # qwen3
             q, k = rms_norm(q, w[b + "attn_q_norm.weight"], eps), rms_norm(k, w[b + "attn_k_norm.weight"], eps)
-        rot = m("rope.dimension_count")
         q = rope(q, base, arch in NEOX_ARCHS, factors=factors, mscale=mscale, dims=rot)
         k = rope(k, base, arch in NEOX_ARCHS, factors=factors, mscale=mscale, dims=rot)
         x = x + linear(w, b + "attn_output", attention(q, k, v))

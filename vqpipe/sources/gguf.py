@@ -196,9 +196,7 @@ def make_config(reader, dtype):
     if arch == "phi3":
         factors = {t.name: [float(f) for f in np.asarray(t.data, dtype=np.float32).ravel()]
                    for t in reader.tensors if t.name in ROPE_FACTORS}
-        if scaling == "longrope" and not factors:
-            raise ValueError("GGUF phi3 rope scaling 'longrope' without its rope_factors_long/short tensors")
-        config.update(phi3_settings(a, config, names, factors))
+        config.update(phi3_settings(a, config, scaling, factors))
     has_norms = "blk.0.attn_q_norm.weight" in names
     if has_norms != (arch in QK_NORM_ARCHS):
         raise ValueError(f"GGUF {arch} file {'with' if has_norms else 'without'} attn_q_norm tensors: "
@@ -250,7 +248,11 @@ def gemma2_settings(a, config):
     }
 
 
-def phi3_settings(a, config, names, factors=None):
+# LongRoPE's per-frequency factors (phi3): settings of the model, not weights
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def phi3_settings(a, config, scaling, factors):
     """mlx-lm's phi3 settings. LongRoPE (Phi-3 128k, Phi-3.5: rope_factors_long/short tensors) becomes
     mlx-lm's ``longrope`` scaling. mlx-lm rotates with the long factors at every length (as it does for
     an ``hf:`` Phi-3.5), and scales q and k by sqrt(1 + ln s / ln n0), s = context / original context
@@ -261,8 +263,9 @@ def phi3_settings(a, config, names, factors=None):
                          "derives head_dim)")
     original = int(a("rope.scaling.original_context_length", config["max_position_embeddings"]))
     settings = {"original_max_position_embeddings": original}
-    factors = factors or {}
-    if set(factors) != set() and set(factors) != set(ROPE_FACTORS):
+    if scaling == "longrope" and not factors:
+        raise ValueError("GGUF phi3 rope scaling 'longrope' without its rope_factors_long/short tensors")
+    if factors and set(factors) != set(ROPE_FACTORS):
         raise ValueError(f"GGUF phi3 LongRoPE needs both {' and '.join(ROPE_FACTORS)}; the file has only {sorted(factors)}")
     if not factors:
         return settings
@@ -281,10 +284,6 @@ def phi3_settings(a, config, names, factors=None):
     log(f"phi3 LongRoPE: the long factors at every length, as mlx-lm runs an hf: Phi-3.5; llama.cpp uses "
         f"the short ones when its context is at most {original} tokens")
     return settings
-
-
-# LongRoPE's per-frequency factors (phi3): settings of the model, not weights
-ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def hf_name(name, arch="llama"):
